@@ -1,0 +1,118 @@
+//! Errors: one crate [`Error`] for the runtime, [`ConfigError`] for invalid settings, and [`AckError`]
+//! for an outcome the runtime refused.
+
+use std::fmt;
+
+/// A boxed error from a lower layer (the AWS SDK, I/O). Kept behind [`Error`] so no SDK type appears in
+/// shardwise's public signatures.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Everything that can stop shardwise from doing what was asked.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A setting failed validation; nothing was started.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+
+    /// The stream does not exist (or is not visible with these credentials).
+    #[error("stream `{stream}` does not exist")]
+    StreamNotFound {
+        /// The stream that was asked for.
+        stream: String,
+    },
+
+    /// The lease table exists but cannot be used as one.
+    #[error("lease table `{table}` cannot be used: {reason}")]
+    LeaseTableSchema {
+        /// The DynamoDB table.
+        table: String,
+        /// What is wrong with it (names the attribute).
+        reason: String,
+    },
+
+    /// A Kinesis call failed after the SDK's own retries.
+    #[error("kinesis {operation} on stream `{stream}`{} failed", shard_suffix(.shard))]
+    Kinesis {
+        /// The API operation, e.g. `GetRecords`.
+        operation: &'static str,
+        /// The stream it addressed.
+        stream: String,
+        /// The shard, where the call named one.
+        shard: Option<String>,
+        /// What the SDK reported.
+        #[source]
+        source: BoxError,
+    },
+
+    /// A DynamoDB call on the lease table failed after the SDK's own retries.
+    #[error("dynamodb {operation} on table `{table}` failed")]
+    DynamoDb {
+        /// The API operation, e.g. `UpdateItem`.
+        operation: &'static str,
+        /// The lease table.
+        table: String,
+        /// What the SDK reported.
+        #[source]
+        source: BoxError,
+    },
+
+    /// A value read from the store or the stream breaks shardwise's expectations.
+    #[error("corrupt {what}: {detail}")]
+    Corrupt {
+        /// The kind of value, e.g. `lease row`.
+        what: &'static str,
+        /// What was wrong with it.
+        detail: String,
+    },
+}
+
+fn shard_suffix(shard: &Option<String>) -> String {
+    shard
+        .as_deref()
+        .map(|s| format!(" shard `{s}`"))
+        .unwrap_or_default()
+}
+
+/// A setting that failed validation, naming the field and the value that was given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid `{field}` = {value}: {reason}")]
+pub struct ConfigError {
+    field: &'static str,
+    value: String,
+    reason: String,
+}
+
+impl ConfigError {
+    /// Creates an error for `field`, holding the rejected `value` rendered with `Debug`.
+    pub fn new(field: &'static str, value: impl fmt::Debug, reason: impl Into<String>) -> Self {
+        Self {
+            field,
+            value: format!("{value:?}"),
+            reason: reason.into(),
+        }
+    }
+
+    /// The name of the setting that was rejected.
+    pub fn field(&self) -> &'static str {
+        self.field
+    }
+
+    /// The rejected value, as given.
+    pub fn value(&self) -> &str {
+        &self.value
+    }
+}
+
+/// Why the runtime would not carry out an outcome the handler returned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AckError {
+    /// Kinesis cannot hand a single record back: a plain `retry()` needs `max_attempts` or a
+    /// dead-letter stream. The record stays unsettled and holds the checkpoint.
+    #[error("retry is unsupported here: {reason}")]
+    Unsupported {
+        /// What would make it supported.
+        reason: &'static str,
+    },
+}

@@ -1,0 +1,13 @@
+//! Shard leases: who reads which shard, and the fenced checkpoint each lease carries.
+//!
+//! See `docs/leases.md` for the states and the condition on every write. In short: every write is
+//! one conditional request, a failed condition is a typed answer (someone else holds the lease, or
+//! the checkpoint is not newer), and a checkpoint moves only while the writer still owns the lease
+//! under the same ownership epoch and only forward.
+
+mod lease;
+pub mod planner;
+mod store;
+
+pub use lease::{Checkpoint, InitialPosition, Lease, NewLease, Ownership};
+pub use store::{CheckpointWrite, LeaseStore};

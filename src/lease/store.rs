@@ -1,0 +1,81 @@
+//! The lease store: the conditional writes every lease operation is made of.
+
+use std::fmt;
+
+use futures::future::BoxFuture;
+
+use super::lease::{Checkpoint, Lease, NewLease, Ownership};
+use crate::error::Error;
+
+/// What a fenced checkpoint write did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointWrite {
+    /// Stored.
+    Written,
+    /// Refused: the lease is still ours but the stored checkpoint is at or past this one (a
+    /// duplicate or a late write). Nothing changed.
+    NotNewer,
+    /// Refused: the lease is no longer held by this owner under this epoch. Nothing changed; the
+    /// shard's work must stop.
+    Lost,
+}
+
+/// Where leases live: DynamoDB in production, memory for tests and simulation.
+///
+/// Every method is one conditional request (see `docs/leases.md`); a failed condition is a typed
+/// answer, never an error. Errors are for the store being unreachable or the table being unusable.
+/// Cancelling a returned future is safe: the request either reached the store or did not, and every
+/// write is conditioned so that repeating it cannot do harm.
+pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
+    /// Makes sure the table exists with the right key schema (creating it when the store was
+    /// configured to), or fails naming the table and what is wrong.
+    fn prepare(&self) -> BoxFuture<'_, Result<(), Error>>;
+
+    /// Every lease row of `stream`, read consistently.
+    fn list<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<Lease>, Error>>;
+
+    /// One lease row, read consistently.
+    fn get<'a>(
+        &'a self,
+        stream: &'a str,
+        shard_id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Lease>, Error>>;
+
+    /// Creates a row if none exists for the shard. `false` when one already did.
+    fn create<'a>(&'a self, lease: &'a NewLease) -> BoxFuture<'a, Result<bool, Error>>;
+
+    /// Takes a lease for `owner`, conditioned on the counter and owner observed in `seen`: an
+    /// unowned lease, an expired one, or a steal from a live owner. Returns the new row, or `None`
+    /// when the lease changed since it was observed (someone else renewed or took it).
+    fn take<'a>(
+        &'a self,
+        seen: &'a Lease,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Lease>, Error>>;
+
+    /// Bumps the heartbeat of a held lease. `false`: the lease is lost.
+    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>>;
+
+    /// Moves the checkpoint forward, fenced by owner and epoch and by the stored `checkpointKey`
+    /// being lower than the new one. `complete_through` (ms) is written with it when given.
+    fn checkpoint<'a>(
+        &'a self,
+        held: &'a Ownership,
+        to: &'a Checkpoint,
+        complete_through: Option<i64>,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>>;
+
+    /// Gives a held lease up so another worker can take it at once. `false`: it was already lost.
+    fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>>;
+
+    /// Records the children of a closed shard (lineage only; not fenced).
+    fn set_children<'a>(
+        &'a self,
+        stream: &'a str,
+        shard_id: &'a str,
+        children: &'a [String],
+    ) -> BoxFuture<'a, Result<(), Error>>;
+}
+
+#[allow(dead_code)]
+fn _object_safe(_: &dyn LeaseStore) {}

@@ -1,0 +1,3 @@
+//! Shards: positions inside one shard.
+
+pub mod position;
