@@ -179,8 +179,12 @@ fn len_u32(n: usize) -> u32 {
 /// whole as a plain payload with no headers.
 pub fn decode(blob: Bytes) -> Decoded {
     let parsed = match blob.get(..4) {
-        Some(m) if m == RSK2 => split(&blob).and_then(|(block, _)| parse_rsk2(block).map(|h| (h, Format::Rsk2))),
-        Some(m) if m == RSK1 => split(&blob).and_then(|(block, _)| parse_rsk1(block).map(|h| (h, Format::Rsk1))),
+        Some(m) if m == RSK2 => {
+            split(&blob).and_then(|(block, _)| parse_rsk2(block).map(|h| (h, Format::Rsk2)))
+        }
+        Some(m) if m == RSK1 => {
+            split(&blob).and_then(|(block, _)| parse_rsk1(block).map(|h| (h, Format::Rsk1)))
+        }
         _ => None,
     };
     match parsed {
@@ -213,7 +217,10 @@ fn parse_rsk2(mut block: &[u8]) -> Option<Headers> {
     while !block.is_empty() {
         let (name, rest) = take_field(block)?;
         let (value, rest) = take_field(rest)?;
-        headers.append(std::str::from_utf8(name).ok()?, Bytes::copy_from_slice(value));
+        headers.append(
+            std::str::from_utf8(name).ok()?,
+            Bytes::copy_from_slice(value),
+        );
         block = rest;
     }
     Some(headers)
@@ -278,7 +285,10 @@ mod tests {
     fn writes_the_documented_byte_layout() {
         let h = headers(&[("a", "xy"), ("bc", "")]);
         let blob = encode(&h, b"P");
-        assert_eq!(blob.as_ref(), rsk2_bytes(&[("a", b"xy"), ("bc", b"")], b"P").as_slice());
+        assert_eq!(
+            blob.as_ref(),
+            rsk2_bytes(&[("a", b"xy"), ("bc", b"")], b"P").as_slice()
+        );
         assert_eq!(&blob[..8], b"RSK2\x00\x00\x00\x15");
     }
 
@@ -362,8 +372,19 @@ mod tests {
 
     #[test]
     fn attempt_ignores_unreadable_counts() {
-        for (value, attempt) in [("1", 1), ("7", 7), ("0", 1), ("-2", 1), ("x", 1), (" 4 ", 4)] {
-            assert_eq!(headers(&[(RETRY_COUNT_HEADER, value)]).attempt(), attempt, "{value}");
+        for (value, attempt) in [
+            ("1", 1),
+            ("7", 7),
+            ("0", 1),
+            ("-2", 1),
+            ("x", 1),
+            (" 4 ", 4),
+        ] {
+            assert_eq!(
+                headers(&[(RETRY_COUNT_HEADER, value)]).attempt(),
+                attempt,
+                "{value}"
+            );
         }
     }
 

@@ -54,6 +54,7 @@ struct Inner {
     headers: Headers,
     arrived_at: Option<SystemTime>,
     id: Option<DeliveryId>,
+    lane: usize,
 }
 
 impl Delivery {
@@ -83,6 +84,7 @@ impl Delivery {
             headers: Headers::new(),
             arrived_at: None,
             id: None,
+            lane: 0,
         }
     }
 
@@ -161,6 +163,11 @@ impl Delivery {
     pub fn id(&self) -> Option<DeliveryId> {
         self.inner.id
     }
+
+    /// The lane (0-based) of its shard that runs this delivery.
+    pub fn lane(&self) -> usize {
+        self.inner.lane
+    }
 }
 
 impl std::fmt::Debug for Delivery {
@@ -189,6 +196,7 @@ pub struct DeliveryBuilder {
     headers: Headers,
     arrived_at: Option<SystemTime>,
     id: Option<DeliveryId>,
+    lane: usize,
 }
 
 impl DeliveryBuilder {
@@ -238,6 +246,24 @@ impl DeliveryBuilder {
         self
     }
 
+    /// Sets the lane that runs the delivery.
+    pub fn lane(mut self, lane: usize) -> Self {
+        self.lane = lane;
+        self
+    }
+
+    /// Sets the arrival time if known.
+    pub fn set_arrived_at(mut self, at: Option<SystemTime>) -> Self {
+        self.arrived_at = at;
+        self
+    }
+
+    /// Sets the explicit hash key if known.
+    pub fn set_explicit_hash_key(mut self, key: Option<String>) -> Self {
+        self.explicit_hash_key = key;
+        self
+    }
+
     /// Finishes the delivery.
     pub fn build(self) -> Delivery {
         Delivery {
@@ -251,6 +277,7 @@ impl DeliveryBuilder {
                 headers: self.headers,
                 arrived_at: self.arrived_at,
                 id: self.id,
+                lane: self.lane,
             }),
         }
     }

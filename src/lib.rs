@@ -14,14 +14,25 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+pub mod consumer;
 pub mod envelope;
-pub mod lease;
 mod error;
 mod handler;
+pub mod kpl;
+pub mod lease;
+pub mod producer;
+pub mod retry;
 pub mod shard;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod track;
 
+pub use consumer::{Consumer, ConsumerBuilder, Ordering, Running, ShutdownReport};
 pub use error::{AckError, BoxError, ConfigError, Error};
 pub use handler::{Delivery, DeliveryBuilder, Handler, Outcome};
+pub use lease::{
+    Checkpoint, CheckpointWrite, DynamoDbLeaseStore, InitialPosition, Lease, LeaseStore,
+    MemoryLeaseStore, NewLease, Ownership,
+};
 pub use shard::position::{InvalidSequenceNumber, Position, SequenceNumber};
 pub use track::{DeliveryId, Settlement, Tracker};

@@ -220,17 +220,39 @@ mod tests {
     /// expected after each settlement (None = held or ignored).
     #[test]
     fn table_of_settlement_orders() {
-        let rows: &[(&str, usize, &[u64], &[Option<u64>])] = &[
-            ("in order, each moves it", 3, &[0, 1, 2], &[Some(0), Some(1), Some(2)]),
-            ("reverse order: held until the oldest settles", 3, &[2, 1, 0], &[None, None, Some(2)]),
+        /// (name, arrivals, settlement order, checkpoint after each settlement)
+        type Row<'a> = (&'a str, usize, &'a [u64], &'a [Option<u64>]);
+        let rows: &[Row<'_>] = &[
+            (
+                "in order, each moves it",
+                3,
+                &[0, 1, 2],
+                &[Some(0), Some(1), Some(2)],
+            ),
+            (
+                "reverse order: held until the oldest settles",
+                3,
+                &[2, 1, 0],
+                &[None, None, Some(2)],
+            ),
             (
                 "the seed's example: 3 runs, 6 runs",
                 6,
                 &[0, 1, 3, 4, 2],
                 &[Some(0), Some(1), None, None, Some(4)],
             ),
-            ("a duplicate changes nothing", 2, &[1, 1, 0], &[None, None, Some(1)]),
-            ("settling before the first arrival is ignored", 2, &[0, 0], &[Some(0), None]),
+            (
+                "a duplicate changes nothing",
+                2,
+                &[1, 1, 0],
+                &[None, None, Some(1)],
+            ),
+            (
+                "settling before the first arrival is ignored",
+                2,
+                &[0, 0],
+                &[Some(0), None],
+            ),
         ];
         for (name, arrivals, order, expected) in rows {
             let mut t = Tracker::new(0);
@@ -252,7 +274,10 @@ mod tests {
         assert_eq!(t.window(), 1000);
         assert_eq!(t.settle(ids[0]).advanced_to(), Some(&999));
         assert!(t.is_drained());
-        assert!(t.words.len() <= 1, "flag words are released as the checkpoint passes them");
+        assert!(
+            t.words.len() <= 1,
+            "flag words are released as the checkpoint passes them"
+        );
     }
 
     #[test]

@@ -77,7 +77,9 @@ async fn kinesis_round_trips_a_thousand_records_over_four_shards() {
             if page.records().is_empty() && page.millis_behind_latest() == Some(0) {
                 break;
             }
-            iterator = page.next_shard_iterator.expect("open shard has a next iterator");
+            iterator = page
+                .next_shard_iterator
+                .expect("open shard has a next iterator");
         }
         if from_shard > 0 {
             shards_with_records += 1;
@@ -85,7 +87,10 @@ async fn kinesis_round_trips_a_thousand_records_over_four_shards() {
     }
     assert_eq!(seen.len(), 1000);
     assert_eq!(seen, (0..1000).collect());
-    assert_eq!(shards_with_records, 4, "1,000 keys spread over all 4 shards");
+    assert_eq!(
+        shards_with_records, 4,
+        "1,000 keys spread over all 4 shards"
+    );
     live.delete_stream(&stream).await;
 }
 

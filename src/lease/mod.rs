@@ -5,9 +5,16 @@
 //! the checkpoint is not newer), and a checkpoint moves only while the writer still owns the lease
 //! under the same ownership epoch and only forward.
 
-mod lease;
+mod dynamodb;
+mod manager;
+mod memory;
 pub mod planner;
+mod row;
 mod store;
+mod sync;
 
-pub use lease::{Checkpoint, InitialPosition, Lease, NewLease, Ownership};
+pub use dynamodb::DynamoDbLeaseStore;
+pub use manager::{HeldLease, LeaseEvent, LeaseHooks, LeaseManager, LeaseSettings};
+pub use memory::MemoryLeaseStore;
+pub use row::{Checkpoint, InitialPosition, Lease, NewLease, Ownership};
 pub use store::{CheckpointWrite, LeaseStore};

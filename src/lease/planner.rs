@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 
-use super::lease::Lease;
+use super::row::Lease;
 
 /// Balancing settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,11 +122,16 @@ pub fn plan(me: &str, seen: &[Seen<'_>], held: &HashSet<String>, limits: PlanLim
             .iter()
             .filter(|(w, _)| **w != me)
             .max_by(|a, b| a.1.len().cmp(&b.1.len()).then_with(|| b.0.cmp(a.0)));
-        if let Some((from, shards)) = victim {
-            if shards.len() >= mine + limits.imbalance {
+        if let Some((from, shards)) = victim
+            && shards.len() >= mine + limits.imbalance
+        {
+            {
                 let mut candidates = shards.clone();
                 candidates.sort_by_key(|shard| spread(me, shard));
-                for shard in candidates.into_iter().take(need.min(limits.max_steals_per_scan)) {
+                for shard in candidates
+                    .into_iter()
+                    .take(need.min(limits.max_steals_per_scan))
+                {
                     takes.push(Take::Steal {
                         shard_id: shard.to_string(),
                         from: (*from).to_string(),
@@ -156,7 +161,13 @@ mod tests {
     use crate::lease::Checkpoint;
 
     /// A scan row: shard, owner, expired, ended, parents.
-    type Row = (&'static str, Option<&'static str>, bool, bool, &'static [&'static str]);
+    type Row = (
+        &'static str,
+        Option<&'static str>,
+        bool,
+        bool,
+        &'static [&'static str],
+    );
 
     fn lease(row: &Row) -> Lease {
         let (shard, owner, _, ended, parents) = *row;
@@ -166,7 +177,11 @@ mod tests {
             owner: owner.map(str::to_string),
             counter: 1,
             owner_epoch: 1,
-            checkpoint: if ended { Checkpoint::ShardEnd } else { Checkpoint::TrimHorizon },
+            checkpoint: if ended {
+                Checkpoint::ShardEnd
+            } else {
+                Checkpoint::TrimHorizon
+            },
             parents: parents.iter().map(|p| p.to_string()).collect(),
             children: vec![],
             complete_through: None,
@@ -192,78 +207,161 @@ mod tests {
             what: "a lone worker on a new stream takes every shard",
             me: "a",
             held: &[],
-            rows: &[("0", None, false, false, &[]), ("1", None, false, false, &[]), ("2", None, false, false, &[])],
-            free: 3, steals: 0, victim: None, target: 3,
+            rows: &[
+                ("0", None, false, false, &[]),
+                ("1", None, false, false, &[]),
+                ("2", None, false, false, &[]),
+            ],
+            free: 3,
+            steals: 0,
+            victim: None,
+            target: 3,
         },
         Case {
             what: "a new worker joins a worker holding 4: it steals one per scan, not two",
             me: "b",
             held: &[],
-            rows: &[("0", Some("a"), false, false, &[]), ("1", Some("a"), false, false, &[]), ("2", Some("a"), false, false, &[]), ("3", Some("a"), false, false, &[])],
-            free: 0, steals: 1, victim: Some("a"), target: 2,
+            rows: &[
+                ("0", Some("a"), false, false, &[]),
+                ("1", Some("a"), false, false, &[]),
+                ("2", Some("a"), false, false, &[]),
+                ("3", Some("a"), false, false, &[]),
+            ],
+            free: 0,
+            steals: 1,
+            victim: Some("a"),
+            target: 2,
         },
         Case {
             what: "a worker died: its expired leases are free and taken up to the target",
             me: "a",
             held: &["0", "1"],
-            rows: &[("0", Some("a"), false, false, &[]), ("1", Some("a"), false, false, &[]), ("2", Some("dead"), true, false, &[]), ("3", Some("dead"), true, false, &[])],
-            free: 2, steals: 0, victim: None, target: 4,
+            rows: &[
+                ("0", Some("a"), false, false, &[]),
+                ("1", Some("a"), false, false, &[]),
+                ("2", Some("dead"), true, false, &[]),
+                ("3", Some("dead"), true, false, &[]),
+            ],
+            free: 2,
+            steals: 0,
+            victim: None,
+            target: 4,
         },
         Case {
             what: "uneven by one (3,3,2 of 8) is balanced: no steal, no churn",
             me: "c",
             held: &["6", "7"],
-            rows: &[("0", Some("a"), false, false, &[]), ("1", Some("a"), false, false, &[]), ("2", Some("a"), false, false, &[]), ("3", Some("b"), false, false, &[]), ("4", Some("b"), false, false, &[]), ("5", Some("b"), false, false, &[]), ("6", Some("c"), false, false, &[]), ("7", Some("c"), false, false, &[])],
-            free: 0, steals: 0, victim: None, target: 3,
+            rows: &[
+                ("0", Some("a"), false, false, &[]),
+                ("1", Some("a"), false, false, &[]),
+                ("2", Some("a"), false, false, &[]),
+                ("3", Some("b"), false, false, &[]),
+                ("4", Some("b"), false, false, &[]),
+                ("5", Some("b"), false, false, &[]),
+                ("6", Some("c"), false, false, &[]),
+                ("7", Some("c"), false, false, &[]),
+            ],
+            free: 0,
+            steals: 0,
+            victim: None,
+            target: 3,
         },
         Case {
             what: "uneven by two (4,2,2 of 8) steals one from the most loaded",
             me: "c",
             held: &["6", "7"],
-            rows: &[("0", Some("a"), false, false, &[]), ("1", Some("a"), false, false, &[]), ("2", Some("a"), false, false, &[]), ("3", Some("a"), false, false, &[]), ("4", Some("b"), false, false, &[]), ("5", Some("b"), false, false, &[]), ("6", Some("c"), false, false, &[]), ("7", Some("c"), false, false, &[])],
-            free: 0, steals: 1, victim: Some("a"), target: 3,
+            rows: &[
+                ("0", Some("a"), false, false, &[]),
+                ("1", Some("a"), false, false, &[]),
+                ("2", Some("a"), false, false, &[]),
+                ("3", Some("a"), false, false, &[]),
+                ("4", Some("b"), false, false, &[]),
+                ("5", Some("b"), false, false, &[]),
+                ("6", Some("c"), false, false, &[]),
+                ("7", Some("c"), false, false, &[]),
+            ],
+            free: 0,
+            steals: 1,
+            victim: Some("a"),
+            target: 3,
         },
         Case {
             what: "free leases are taken before anything is stolen",
             me: "b",
             held: &[],
-            rows: &[("0", Some("a"), false, false, &[]), ("1", Some("a"), false, false, &[]), ("2", Some("a"), false, false, &[]), ("3", None, false, false, &[])],
-            free: 1, steals: 0, victim: None, target: 2,
+            rows: &[
+                ("0", Some("a"), false, false, &[]),
+                ("1", Some("a"), false, false, &[]),
+                ("2", Some("a"), false, false, &[]),
+                ("3", None, false, false, &[]),
+            ],
+            free: 1,
+            steals: 0,
+            victim: None,
+            target: 2,
         },
         Case {
             what: "resharded: children wait while a parent is open; ended parents count for nobody",
             me: "a",
             held: &[],
-            rows: &[("p", None, false, false, &[]), ("c1", None, false, false, &["p"]), ("c2", None, false, false, &["p"]), ("old", None, false, true, &[])],
-            free: 1, steals: 0, victim: None, target: 1,
+            rows: &[
+                ("p", None, false, false, &[]),
+                ("c1", None, false, false, &["p"]),
+                ("c2", None, false, false, &["p"]),
+                ("old", None, false, true, &[]),
+            ],
+            free: 1,
+            steals: 0,
+            victim: None,
+            target: 1,
         },
         Case {
             what: "resharded: a merge child is eligible once both parents are at SHARD_END",
             me: "a",
             held: &[],
-            rows: &[("p1", None, false, true, &[]), ("p2", None, false, true, &[]), ("m", None, false, false, &["p1", "p2"])],
-            free: 1, steals: 0, victim: None, target: 1,
+            rows: &[
+                ("p1", None, false, true, &[]),
+                ("p2", None, false, true, &[]),
+                ("m", None, false, false, &["p1", "p2"]),
+            ],
+            free: 1,
+            steals: 0,
+            victim: None,
+            target: 1,
         },
         Case {
             what: "resharded: a merge child waits while one parent is still open",
             me: "a",
             held: &["p2"],
-            rows: &[("p1", None, false, true, &[]), ("p2", Some("a"), false, false, &[]), ("m", None, false, false, &["p1", "p2"])],
-            free: 0, steals: 0, victim: None, target: 1,
+            rows: &[
+                ("p1", None, false, true, &[]),
+                ("p2", Some("a"), false, false, &[]),
+                ("m", None, false, false, &["p1", "p2"]),
+            ],
+            free: 0,
+            steals: 0,
+            victim: None,
+            target: 1,
         },
         Case {
             what: "a parent that aged out of the stream (no row) does not block its child",
             me: "a",
             held: &[],
             rows: &[("c", None, false, false, &["gone"])],
-            free: 1, steals: 0, victim: None, target: 1,
+            free: 1,
+            steals: 0,
+            victim: None,
+            target: 1,
         },
         Case {
             what: "a row naming me that this process does not hold (restart, same id) is retaken",
             me: "a",
             held: &[],
             rows: &[("0", Some("a"), false, false, &[])],
-            free: 1, steals: 0, victim: None, target: 1,
+            free: 1,
+            steals: 0,
+            victim: None,
+            target: 1,
         },
     ];
 
@@ -274,11 +372,18 @@ mod tests {
             let seen: Vec<Seen<'_>> = leases
                 .iter()
                 .zip(case.rows)
-                .map(|(lease, row)| Seen { lease, expired: row.2 })
+                .map(|(lease, row)| Seen {
+                    lease,
+                    expired: row.2,
+                })
                 .collect();
             let held = case.held.iter().map(|s| s.to_string()).collect();
             let plan = plan(case.me, &seen, &held, PlanLimits::default());
-            let free = plan.takes.iter().filter(|t| matches!(t, Take::Free(_))).count();
+            let free = plan
+                .takes
+                .iter()
+                .filter(|t| matches!(t, Take::Free(_)))
+                .count();
             let steals: Vec<&str> = plan
                 .takes
                 .iter()
@@ -289,17 +394,34 @@ mod tests {
                 .collect();
             assert_eq!(free, case.free, "{}: free takes", case.what);
             assert_eq!(steals.len(), case.steals, "{}: steals", case.what);
-            assert_eq!(steals.first().copied(), case.victim, "{}: victim", case.what);
+            assert_eq!(
+                steals.first().copied(),
+                case.victim,
+                "{}: victim",
+                case.what
+            );
             assert_eq!(plan.target, case.target, "{}: target", case.what);
         }
     }
 
     #[test]
     fn max_leases_caps_the_target() {
-        let rows: Vec<Row> = vec![("0", None, false, false, &[]), ("1", None, false, false, &[])];
+        let rows: Vec<Row> = vec![
+            ("0", None, false, false, &[]),
+            ("1", None, false, false, &[]),
+        ];
         let leases: Vec<Lease> = rows.iter().map(lease).collect();
-        let seen: Vec<_> = leases.iter().map(|lease| Seen { lease, expired: false }).collect();
-        let limits = PlanLimits { max_leases: 1, ..PlanLimits::default() };
+        let seen: Vec<_> = leases
+            .iter()
+            .map(|lease| Seen {
+                lease,
+                expired: false,
+            })
+            .collect();
+        let limits = PlanLimits {
+            max_leases: 1,
+            ..PlanLimits::default()
+        };
         assert_eq!(plan("a", &seen, &HashSet::new(), limits).takes.len(), 1);
     }
 
@@ -322,7 +444,13 @@ mod tests {
                             l
                         })
                         .collect();
-                    let seen: Vec<_> = leases.iter().map(|lease| Seen { lease, expired: false }).collect();
+                    let seen: Vec<_> = leases
+                        .iter()
+                        .map(|lease| Seen {
+                            lease,
+                            expired: false,
+                        })
+                        .collect();
                     let held = (0..shards)
                         .filter(|s| owner[*s].as_deref() == Some(me))
                         .map(|s| s.to_string())
@@ -337,7 +465,10 @@ mod tests {
                 }
                 quiet_rounds = if changed { 0 } else { quiet_rounds + 1 };
             }
-            assert!(quiet_rounds >= 100, "{shards} shards / {workers} workers keep churning");
+            assert!(
+                quiet_rounds >= 100,
+                "{shards} shards / {workers} workers keep churning"
+            );
             let counts: Vec<usize> = names
                 .iter()
                 .map(|n| owner.iter().filter(|o| o.as_deref() == Some(n)).count())

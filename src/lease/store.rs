@@ -4,7 +4,7 @@ use std::fmt;
 
 use futures::future::BoxFuture;
 
-use super::lease::{Checkpoint, Lease, NewLease, Ownership};
+use super::row::{Checkpoint, Lease, NewLease, Ownership};
 use crate::error::Error;
 
 /// What a fenced checkpoint write did.

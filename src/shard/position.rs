@@ -207,7 +207,10 @@ mod tests {
         let c = Position::new(seq("6"), 0);
         assert!(a < b && b < c);
         assert!(a.sort_key() < b.sort_key() && b.sort_key() < c.sort_key());
-        assert_eq!(a.sort_key().len(), SEQUENCE_KEY_WIDTH + SUB_SEQUENCE_KEY_WIDTH);
+        assert_eq!(
+            a.sort_key().len(),
+            SEQUENCE_KEY_WIDTH + SUB_SEQUENCE_KEY_WIDTH
+        );
     }
 
     fn digits() -> impl Strategy<Value = String> {

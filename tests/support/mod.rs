@@ -72,10 +72,7 @@ macro_rules! live_or_skip {
 }
 
 fn reachable(url: &str) -> Result<(), String> {
-    let rest = url
-        .split_once("://")
-        .map(|(_, r)| r)
-        .ok_or("not a URL")?;
+    let rest = url.split_once("://").map(|(_, r)| r).ok_or("not a URL")?;
     let authority = rest.split('/').next().unwrap_or(rest);
     let addr = if authority.contains(':') {
         authority.to_string()
@@ -132,15 +129,17 @@ impl Live {
                 .stream_name(name)
                 .send()
                 .await;
-            if let Ok(out) = out {
-                if out
+            if let Ok(out) = out
+                && out
                     .stream_description_summary()
                     .is_some_and(|s| *s.stream_status() == StreamStatus::Active)
-                {
-                    return;
-                }
+            {
+                return;
             }
-            assert!(Instant::now() < deadline, "stream {name} never became ACTIVE");
+            assert!(
+                Instant::now() < deadline,
+                "stream {name} never became ACTIVE"
+            );
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }

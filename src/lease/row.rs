@@ -225,9 +225,17 @@ mod tests {
             Checkpoint::ShardEnd,
         ];
         for pair in ordered.windows(2) {
-            assert!(pair[0].sort_key() < pair[1].sort_key(), "{} !< {}", pair[0], pair[1]);
+            assert!(
+                pair[0].sort_key() < pair[1].sort_key(),
+                "{} !< {}",
+                pair[0],
+                pair[1]
+            );
         }
-        assert_eq!(Checkpoint::Latest.sort_key(), Checkpoint::TrimHorizon.sort_key());
+        assert_eq!(
+            Checkpoint::Latest.sort_key(),
+            Checkpoint::TrimHorizon.sort_key()
+        );
     }
 
     #[test]

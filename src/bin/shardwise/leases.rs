@@ -1,0 +1,210 @@
+//! `shardwise leases`: the rows of an application's lease table.
+
+use std::collections::BTreeSet;
+use std::time::UNIX_EPOCH;
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use serde_json::{Value, json};
+use shardwise::lease::{Checkpoint, DynamoDbLeaseStore, Lease, LeaseStore};
+
+use crate::common::{Ctx, Failure, Result, json_object, list_or_dash, print_lines, table};
+
+/// The attribute of a lease row naming its stream (see `docs/leases.md`).
+const STREAM_ATTRIBUTE: &str = "streamName";
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// The application; its lease table has the same name.
+    #[arg(long, value_name = "APP")]
+    app: String,
+
+    /// Only the leases of this stream (default: every stream in the table).
+    #[arg(long, value_name = "STREAM")]
+    stream: Option<String>,
+
+    /// One JSON object per lease, one per line.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
+    let client = ctx.dynamodb();
+    let store = DynamoDbLeaseStore::new(client.clone(), &args.app).create_if_missing(false);
+    let context = || format!("cannot read the leases of application `{}`", args.app);
+    // Checks that the table exists with the lease key schema; never creates it.
+    store
+        .prepare()
+        .await
+        .map_err(|e| Failure::caused_by(context(), e))?;
+    let streams = match &args.stream {
+        Some(stream) => vec![stream.clone()],
+        None => stream_names(&client, &args.app)
+            .await
+            .map_err(|e| Failure::caused_by(context(), e))?,
+    };
+    let mut leases = Vec::new();
+    for stream in &streams {
+        leases.extend(
+            store
+                .list(stream)
+                .await
+                .map_err(|e| Failure::caused_by(context(), e))?,
+        );
+    }
+    if args.json {
+        print_lines(leases.iter().map(lease_json))?;
+    } else {
+        let rows: Vec<Vec<String>> = leases.iter().map(lease_row).collect();
+        print_lines(table(
+            &[
+                "STREAM",
+                "SHARD",
+                "OWNER",
+                "COUNTER",
+                "EPOCH",
+                "CHECKPOINT",
+                "STATE",
+                "PARENTS",
+            ],
+            &rows,
+        ))?;
+    }
+    Ok(())
+}
+
+/// Every stream that has a row in the table (one consistent Scan of the stream attribute).
+async fn stream_names(client: &aws_sdk_dynamodb::Client, table: &str) -> Result<Vec<String>> {
+    let mut names = BTreeSet::new();
+    let mut start = None;
+    loop {
+        let out = client
+            .scan()
+            .table_name(table)
+            .consistent_read(true)
+            .projection_expression("#stream")
+            .expression_attribute_names("#stream", STREAM_ATTRIBUTE)
+            .set_exclusive_start_key(start.take())
+            .send()
+            .await
+            .map_err(|e| shardwise::Error::DynamoDb {
+                operation: "Scan",
+                table: table.to_owned(),
+                source: Box::new(e),
+            })?;
+        for item in out.items() {
+            if let Some(AttributeValue::S(name)) = item.get(STREAM_ATTRIBUTE) {
+                names.insert(name.clone());
+            }
+        }
+        match out.last_evaluated_key {
+            Some(key) if !key.is_empty() => start = Some(key),
+            _ => return Ok(names.into_iter().collect()),
+        }
+    }
+}
+
+/// `ended` once the shard is fully handled, `owned` while a worker holds it, else `free`.
+fn state(lease: &Lease) -> &'static str {
+    if lease.checkpoint.is_shard_end() {
+        "ended"
+    } else if lease.owner.is_some() {
+        "owned"
+    } else {
+        "free"
+    }
+}
+
+fn lease_row(lease: &Lease) -> Vec<String> {
+    vec![
+        lease.stream.clone(),
+        lease.shard_id.clone(),
+        lease.owner.clone().unwrap_or_else(|| "-".to_owned()),
+        lease.counter.to_string(),
+        lease.owner_epoch.to_string(),
+        lease.checkpoint.to_string(),
+        state(lease).to_owned(),
+        list_or_dash(&lease.parents),
+    ]
+}
+
+fn lease_json(lease: &Lease) -> String {
+    let starting_timestamp_ms = match lease.checkpoint {
+        Checkpoint::AtTimestamp(t) => match t.duration_since(UNIX_EPOCH) {
+            Ok(d) => json!(d.as_millis() as i64),
+            Err(e) => json!(-(e.duration().as_millis() as i64)),
+        },
+        _ => Value::Null,
+    };
+    json_object(&[
+        ("stream", json!(lease.stream)),
+        ("shard", json!(lease.shard_id)),
+        ("owner", json!(lease.owner)),
+        ("counter", json!(lease.counter)),
+        ("epoch", json!(lease.owner_epoch)),
+        ("checkpoint", json!(lease.checkpoint.label())),
+        ("sub_sequence", json!(lease.checkpoint.sub_sequence())),
+        ("starting_timestamp_ms", starting_timestamp_ms),
+        ("state", json!(state(lease))),
+        ("parents", json!(lease.parents)),
+        ("children", json!(lease.children)),
+        ("complete_through", json!(lease.complete_through)),
+        ("seek_epoch", json!(lease.seek_epoch)),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardwise::{Position, SequenceNumber};
+
+    fn lease(owner: Option<&str>, checkpoint: Checkpoint) -> Lease {
+        Lease {
+            stream: "orders".into(),
+            shard_id: "shardId-000000000002".into(),
+            owner: owner.map(str::to_owned),
+            counter: 7,
+            owner_epoch: 3,
+            checkpoint,
+            parents: vec!["shardId-000000000000".into(), "shardId-000000000001".into()],
+            children: vec![],
+            complete_through: Some(12),
+            seek_epoch: 1,
+        }
+    }
+
+    #[test]
+    fn rows_show_the_state() {
+        let at = Checkpoint::At(Position::new(SequenceNumber::parse("4959").unwrap(), 2));
+        let row = lease_row(&lease(Some("w1"), at.clone()));
+        assert_eq!(
+            row,
+            [
+                "orders",
+                "shardId-000000000002",
+                "w1",
+                "7",
+                "3",
+                "4959.2",
+                "owned",
+                "shardId-000000000000,shardId-000000000001"
+            ]
+        );
+        assert_eq!(lease_row(&lease(None, at))[6], "free");
+        assert_eq!(
+            lease_row(&lease(Some("w1"), Checkpoint::ShardEnd))[6],
+            "ended"
+        );
+    }
+
+    #[test]
+    fn json_rows_carry_every_field() {
+        let at = Checkpoint::At(Position::new(SequenceNumber::parse("4959").unwrap(), 2));
+        let value: Value = serde_json::from_str(&lease_json(&lease(None, at))).unwrap();
+        assert_eq!(value["checkpoint"], "4959");
+        assert_eq!(value["sub_sequence"], 2);
+        assert_eq!(value["owner"], Value::Null);
+        assert_eq!(value["state"], "free");
+        assert_eq!(value["parents"].as_array().unwrap().len(), 2);
+        assert_eq!(value["children"], json!([]));
+    }
+}

@@ -1,0 +1,68 @@
+//! The `shardwise` command-line tool: write test records, inspect lease tables, and create,
+//! reshard, describe and delete streams.
+//!
+//! Endpoints, region and credentials come only from the standard AWS environment
+//! (`AWS_REGION`, `AWS_ENDPOINT_URL_KINESIS`, `AWS_PROFILE`, ...). Logs go to stderr (filter with
+//! `RUST_LOG`, default `warn`); command output goes to stdout. A failure prints `error: ...` with
+//! its causes to stderr and exits with status 1.
+//!
+//! Adding a subcommand: one variant in [`Command`], one module with
+//! `pub(crate) async fn run(args, &Ctx) -> common::Result<()>`, one arm in [`dispatch`].
+
+mod common;
+mod leases;
+mod put;
+mod stream;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::common::Ctx;
+
+/// Kinesis consumer framework tooling: write records, inspect leases, manage streams.
+#[derive(Debug, Parser)]
+#[command(name = "shardwise", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Write numbered JSON records `{"id": N}` to a stream, in order per partition key.
+    Put(put::Args),
+    /// Show the lease table of an application (the table is named after the application).
+    Leases(leases::Args),
+    /// Create, reshard, describe or delete a stream.
+    #[command(subcommand)]
+    Stream(stream::Command),
+}
+
+async fn dispatch(command: Command, ctx: &Ctx) -> common::Result<()> {
+    match command {
+        Command::Put(args) => put::run(args, ctx).await,
+        Command::Leases(args) => leases::run(args, ctx).await,
+        Command::Stream(command) => stream::run(command, ctx).await,
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    common::init_logging();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => return common::report(&err.into()),
+    };
+    let result = runtime.block_on(async {
+        let ctx = Ctx::load().await;
+        dispatch(cli.command, &ctx).await
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => common::report(&err),
+    }
+}

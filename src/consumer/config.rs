@@ -1,0 +1,217 @@
+//! Consumer settings: validated once, at `build()`, naming the field and the value on error.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use crate::error::ConfigError;
+use crate::lease::{InitialPosition, LeaseSettings};
+use crate::shard::reader::ReaderSettings;
+
+/// How deliveries of one shard are spread over its lanes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Ordering {
+    /// Deliveries with the same partition key run one at a time, in shard order (key hash -> lane).
+    #[default]
+    PerKey,
+    /// Any idle lane takes the next delivery: most parallel, no order between deliveries.
+    None,
+}
+
+/// Everything a consumer runs with besides its handler and clients.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Settings {
+    /// The stream to read.
+    pub stream: String,
+    /// The application: names the lease table; workers of one application share the stream.
+    pub application: String,
+    /// This worker's id in the lease table.
+    pub worker_id: String,
+    /// Lanes per shard.
+    pub lanes: usize,
+    /// Ordering between lanes.
+    pub ordering: Ordering,
+    /// Deliveries held per shard between the checkpoint and the newest read, at most (the reader
+    /// pauses at this bound; one GetRecords page may overshoot it).
+    pub max_in_flight: usize,
+    /// Reading limits.
+    pub reader: ReaderSettings,
+    /// Least time between two checkpoint writes of one shard.
+    pub checkpoint_interval: Duration,
+    /// Lease timing and balancing, and where new shards start.
+    pub lease: LeaseSettings,
+    /// Attempts a record gets, counting the first delivery; `None`: `retry()` is refused.
+    pub max_attempts: Option<NonZeroU32>,
+    /// Where records go when their attempts are spent.
+    pub dead_letter: Option<String>,
+}
+
+/// The default worker id: host name and process id.
+pub(crate) fn default_worker_id() -> String {
+    let host = gethostname::gethostname();
+    format!("{}-{}", host.to_string_lossy(), std::process::id())
+}
+
+impl Settings {
+    pub(crate) fn new(stream: String, application: String) -> Self {
+        Self {
+            stream,
+            application,
+            worker_id: default_worker_id(),
+            lanes: 1,
+            ordering: Ordering::PerKey,
+            max_in_flight: 10_000,
+            reader: ReaderSettings::default(),
+            checkpoint_interval: Duration::from_secs(1),
+            lease: LeaseSettings::default(),
+            max_attempts: None,
+            dead_letter: None,
+        }
+    }
+
+    /// Checks every field; the error names the first bad one and its value.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !valid_name(&self.stream, 128) {
+            return Err(ConfigError::new(
+                "stream",
+                &self.stream,
+                "must be 1 to 128 characters of [a-zA-Z0-9_.-]",
+            ));
+        }
+        if !valid_name(&self.application, 255) || self.application.len() < 3 {
+            return Err(ConfigError::new(
+                "application",
+                &self.application,
+                "names the DynamoDB lease table: 3 to 255 characters of [a-zA-Z0-9_.-]",
+            ));
+        }
+        if self.worker_id.is_empty() || self.worker_id.len() > 256 {
+            return Err(ConfigError::new(
+                "worker_id",
+                &self.worker_id,
+                "must be 1 to 256 characters",
+            ));
+        }
+        if !(1..=1024).contains(&self.lanes) {
+            return Err(ConfigError::new("lanes", self.lanes, "must be 1 to 1024"));
+        }
+        if self.max_in_flight == 0 {
+            return Err(ConfigError::new(
+                "max_in_flight",
+                self.max_in_flight,
+                "must be at least 1",
+            ));
+        }
+        if !(1..=10_000).contains(&self.reader.limit) {
+            return Err(ConfigError::new(
+                "get_records_limit",
+                self.reader.limit,
+                "must be 1 to 10000",
+            ));
+        }
+        if self.reader.poll_interval < Duration::from_millis(200) {
+            return Err(ConfigError::new(
+                "poll_interval",
+                self.reader.poll_interval,
+                "must be at least 200ms (Kinesis allows 5 GetRecords calls per second per shard)",
+            ));
+        }
+        if self.checkpoint_interval.is_zero() {
+            return Err(ConfigError::new(
+                "checkpoint_interval",
+                self.checkpoint_interval,
+                "must be above zero",
+            ));
+        }
+        if self.checkpoint_interval >= self.lease.lease_duration {
+            return Err(ConfigError::new(
+                "checkpoint_interval",
+                self.checkpoint_interval,
+                format!(
+                    "must be shorter than lease_duration ({:?})",
+                    self.lease.lease_duration
+                ),
+            ));
+        }
+        if let Some(dl) = &self.dead_letter {
+            if !valid_name(dl, 128) {
+                return Err(ConfigError::new(
+                    "dead_letter",
+                    dl,
+                    "must be a stream name: 1 to 128 characters of [a-zA-Z0-9_.-]",
+                ));
+            }
+            if *dl == self.stream {
+                return Err(ConfigError::new(
+                    "dead_letter",
+                    dl,
+                    "must not be the stream being consumed",
+                ));
+            }
+        }
+        self.lease.validate()
+    }
+
+    /// Where new shards start.
+    pub fn initial_position(&self) -> InitialPosition {
+        self.lease.initial_position
+    }
+}
+
+fn valid_name(s: &str, max: usize) -> bool {
+    !s.is_empty()
+        && s.len() <= max
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok() -> Settings {
+        Settings::new("orders".into(), "billing".into())
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        ok().validate().unwrap();
+    }
+
+    #[test]
+    fn each_bad_field_is_named_with_its_value() {
+        type Breaker = Box<dyn Fn(&mut Settings)>;
+        let cases: Vec<(&str, Breaker)> = vec![
+            ("stream", Box::new(|s| s.stream = "no spaces".into())),
+            ("application", Box::new(|s| s.application = "ab".into())),
+            ("worker_id", Box::new(|s| s.worker_id = String::new())),
+            ("lanes", Box::new(|s| s.lanes = 0)),
+            ("max_in_flight", Box::new(|s| s.max_in_flight = 0)),
+            ("get_records_limit", Box::new(|s| s.reader.limit = 10_001)),
+            (
+                "poll_interval",
+                Box::new(|s| s.reader.poll_interval = Duration::from_millis(10)),
+            ),
+            (
+                "checkpoint_interval",
+                Box::new(|s| s.checkpoint_interval = Duration::from_secs(60)),
+            ),
+            (
+                "dead_letter",
+                Box::new(|s| s.dead_letter = Some("orders".into())),
+            ),
+            (
+                "renew_interval",
+                Box::new(|s| s.lease.renew_interval = Duration::from_secs(8)),
+            ),
+        ];
+        for (field, break_it) in cases {
+            let mut s = ok();
+            break_it(&mut s);
+            let err = s.validate().expect_err(field);
+            assert_eq!(err.field(), field);
+            assert!(err.to_string().contains(field), "{err}");
+        }
+    }
+}

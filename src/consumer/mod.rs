@@ -1,0 +1,415 @@
+//! The consumer: leases, shard readers, lanes, checkpoints, and shutdown.
+
+mod config;
+mod lanes;
+mod shard;
+
+use std::fmt;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aws_config::{BehaviorVersion, SdkConfig};
+use tokio::sync::mpsc;
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+pub use config::{Ordering, Settings};
+
+use crate::error::{ConfigError, Error};
+use crate::handler::Handler;
+use crate::lease::{
+    DynamoDbLeaseStore, InitialPosition, LeaseEvent, LeaseHooks, LeaseManager, LeaseSettings,
+    LeaseStore, Ownership,
+};
+use crate::producer::{KinesisSink, Producer, RecordSink};
+use crate::retry::RetryPolicy;
+use crate::shard::discovery::{KinesisShards, ShardLister};
+use crate::shard::source::{KinesisRecords, RecordSource};
+use shard::{ShardContext, ShardExit, run_shard};
+
+/// Builds a [`Consumer`]; every setting is checked by [`build`](Self::build).
+#[must_use]
+pub struct ConsumerBuilder<H> {
+    handler: H,
+    settings: Settings,
+    sdk: Option<SdkConfig>,
+    store: Option<Arc<dyn LeaseStore>>,
+    source: Option<Arc<dyn RecordSource>>,
+    lister: Option<Arc<dyn ShardLister>>,
+    sink: Option<Arc<dyn RecordSink>>,
+    hooks: Option<Arc<dyn LeaseHooks>>,
+}
+
+impl<H> fmt::Debug for ConsumerBuilder<H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<H: Handler> ConsumerBuilder<H> {
+    /// This worker's id in the lease table (default: host name and process id).
+    pub fn worker_id(mut self, id: impl Into<String>) -> Self {
+        self.settings.worker_id = id.into();
+        self
+    }
+
+    /// Lanes per shard (default 1).
+    pub fn lanes(mut self, n: usize) -> Self {
+        self.settings.lanes = n;
+        self
+    }
+
+    /// Ordering between lanes (default: per partition key).
+    pub fn ordering(mut self, ordering: Ordering) -> Self {
+        self.settings.ordering = ordering;
+        self
+    }
+
+    /// Deliveries held per shard at most before the reader pauses (default 10,000).
+    pub fn max_in_flight(mut self, n: usize) -> Self {
+        self.settings.max_in_flight = n;
+        self
+    }
+
+    /// Records per GetRecords call (default 10,000).
+    pub fn get_records_limit(mut self, n: i32) -> Self {
+        self.settings.reader.limit = n;
+        self
+    }
+
+    /// Wait between polls once caught up (default 1 s, at least 200 ms).
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.settings.reader.poll_interval = d;
+        self
+    }
+
+    /// Where shards new to this application start (default: trim horizon).
+    pub fn initial_position(mut self, p: InitialPosition) -> Self {
+        self.settings.lease.initial_position = p;
+        self
+    }
+
+    /// Least time between two checkpoint writes of one shard (default 1 s).
+    pub fn checkpoint_interval(mut self, d: Duration) -> Self {
+        self.settings.checkpoint_interval = d;
+        self
+    }
+
+    /// Lease timing and balancing (the initial position set here is kept).
+    pub fn lease_settings(mut self, lease: LeaseSettings) -> Self {
+        let initial = self.settings.lease.initial_position;
+        self.settings.lease = lease.initial_position(initial);
+        self
+    }
+
+    /// Attempts a record gets, counting the first delivery. With it, `retry()` writes a counted
+    /// copy to the stream until the attempts are spent.
+    pub fn max_attempts(mut self, n: NonZeroU32) -> Self {
+        self.settings.max_attempts = Some(n);
+        self
+    }
+
+    /// The stream spent records go to (with their payload, every header, and the reason). Without
+    /// `max_attempts`, attempts are capped at 3.
+    pub fn dead_letter(mut self, stream: impl Into<String>) -> Self {
+        self.settings.dead_letter = Some(stream.into());
+        self
+    }
+
+    /// The AWS configuration to build clients from (default: the standard environment).
+    pub fn aws_config(mut self, config: SdkConfig) -> Self {
+        self.sdk = Some(config);
+        self
+    }
+
+    /// A lease store other than the DynamoDB table named after the application.
+    pub fn lease_store(mut self, store: Arc<dyn LeaseStore>) -> Self {
+        self.store = Some(store);
+        self
+    }
+
+    /// A record source other than Kinesis (tests, simulations).
+    pub fn record_source(mut self, source: Arc<dyn RecordSource>) -> Self {
+        self.source = Some(source);
+        self
+    }
+
+    /// A shard lister other than Kinesis ListShards (tests, simulations).
+    pub fn shard_lister(mut self, lister: Arc<dyn ShardLister>) -> Self {
+        self.lister = Some(lister);
+        self
+    }
+
+    /// Where retry copies and dead letters are written, other than Kinesis (tests, simulations).
+    pub fn record_sink(mut self, sink: Arc<dyn RecordSink>) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+
+    /// Lease lifecycle hooks.
+    pub fn hooks(mut self, hooks: Arc<dyn LeaseHooks>) -> Self {
+        self.hooks = Some(hooks);
+        self
+    }
+
+    /// Checks every setting; the error names the field and the value.
+    pub fn build(self) -> Result<Consumer<H>, ConfigError> {
+        self.settings.validate()?;
+        Ok(Consumer {
+            handler: Arc::new(self.handler),
+            settings: Arc::new(self.settings),
+            sdk: self.sdk,
+            store: self.store,
+            source: self.source,
+            lister: self.lister,
+            sink: self.sink,
+            hooks: self.hooks.unwrap_or_else(|| Arc::new(())),
+        })
+    }
+}
+
+/// Consumes one stream for one application; see [`Consumer::builder`].
+pub struct Consumer<H> {
+    handler: Arc<H>,
+    settings: Arc<Settings>,
+    sdk: Option<SdkConfig>,
+    store: Option<Arc<dyn LeaseStore>>,
+    source: Option<Arc<dyn RecordSource>>,
+    lister: Option<Arc<dyn ShardLister>>,
+    sink: Option<Arc<dyn RecordSink>>,
+    hooks: Arc<dyn LeaseHooks>,
+}
+
+impl<H> fmt::Debug for Consumer<H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Consumer")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Consumer<()> {
+    /// Starts building a consumer of `stream` for `application` (which names the lease table).
+    ///
+    /// ```no_run
+    /// use shardwise::{Consumer, Delivery, Outcome};
+    /// # async fn run() -> Result<(), shardwise::Error> {
+    /// let consumer = Consumer::builder("orders", "billing", |d: Delivery| async move {
+    ///     println!("{}", String::from_utf8_lossy(d.payload()));
+    ///     Outcome::Ack
+    /// })
+    /// .lanes(8)
+    /// .build()?;
+    /// let running = consumer.run().await?;
+    /// tokio::signal::ctrl_c().await.ok();
+    /// running.shutdown(std::time::Duration::from_secs(10)).await;
+    /// # Ok(()) }
+    /// ```
+    pub fn builder<H: Handler>(
+        stream: impl Into<String>,
+        application: impl Into<String>,
+        handler: H,
+    ) -> ConsumerBuilder<H> {
+        ConsumerBuilder {
+            handler,
+            settings: Settings::new(stream.into(), application.into()),
+            sdk: None,
+            store: None,
+            source: None,
+            lister: None,
+            sink: None,
+            hooks: None,
+        }
+    }
+}
+
+impl<H: Handler> Consumer<H> {
+    /// The validated settings.
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// Starts consuming: checks the stream exists and the lease table is usable (creating it if
+    /// missing), then takes leases and reads. Returns once started; the work runs in background
+    /// tasks until [`Running::shutdown`].
+    pub async fn run(self) -> Result<Running, Error> {
+        let needs_sdk = self.store.is_none()
+            || self.source.is_none()
+            || self.lister.is_none()
+            || self.sink.is_none();
+        let sdk = match (self.sdk, needs_sdk) {
+            (Some(c), _) => Some(c),
+            (None, true) => Some(aws_config::defaults(BehaviorVersion::latest()).load().await),
+            (None, false) => None,
+        };
+        let kinesis = sdk.as_ref().map(aws_sdk_kinesis::Client::new);
+        let store = match self.store {
+            Some(s) => s,
+            None => Arc::new(DynamoDbLeaseStore::new(
+                aws_sdk_dynamodb::Client::new(sdk.as_ref().expect("sdk loaded")),
+                self.settings.application.clone(),
+            )),
+        };
+        let source: Arc<dyn RecordSource> = match self.source {
+            Some(s) => s,
+            None => Arc::new(KinesisRecords::new(kinesis.clone().expect("sdk loaded"))),
+        };
+        let sink: Arc<dyn RecordSink> = match self.sink {
+            Some(s) => s,
+            None => Arc::new(KinesisSink::new(kinesis.clone().expect("sdk loaded"))),
+        };
+        let lister: Arc<dyn ShardLister> = match self.lister {
+            Some(l) => l,
+            None => Arc::new(KinesisShards::new(kinesis.expect("sdk loaded"))),
+        };
+
+        let settings = self.settings;
+        let (manager, events) = LeaseManager::start(
+            store.clone(),
+            lister,
+            settings.stream.clone(),
+            settings.worker_id.clone(),
+            settings.lease.clone(),
+            self.hooks,
+        )
+        .await?;
+        let stop = CancellationToken::new();
+        let abort = CancellationToken::new();
+        let ctx = ShardContext {
+            handler: self.handler,
+            source,
+            store,
+            settings: settings.clone(),
+            producer: Producer::new(sink),
+            retry: Arc::new(RetryPolicy {
+                max_attempts: settings.max_attempts,
+                dead_letter: settings.dead_letter.clone(),
+            }),
+            stop: stop.clone(),
+            abort: abort.clone(),
+        };
+        let (held_tx, held_rx) = tokio::sync::watch::channel(Vec::new());
+        let supervisor = tokio::spawn(supervise(manager, events, ctx, held_tx));
+        info!(stream = %settings.stream, application = %settings.application, worker = %settings.worker_id, "consumer started");
+        Ok(Running {
+            stop,
+            abort,
+            supervisor,
+            held: held_rx,
+        })
+    }
+}
+
+/// A running consumer. Dropping it without [`shutdown`](Self::shutdown) stops nothing: the work
+/// goes on in background tasks until the runtime ends.
+#[must_use = "call shutdown to stop gracefully"]
+#[derive(Debug)]
+pub struct Running {
+    stop: CancellationToken,
+    abort: CancellationToken,
+    supervisor: JoinHandle<ShutdownReport>,
+    held: tokio::sync::watch::Receiver<Vec<Ownership>>,
+}
+
+/// What a shutdown did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// Shards stopped with their final checkpoint written.
+    pub shards_stopped: usize,
+    /// Leases handed back for other workers to take at once.
+    pub leases_released: usize,
+    /// Whether the deadline passed before every handler finished (their records will be read again).
+    pub deadline_passed: bool,
+}
+
+impl Running {
+    /// The shards being read now.
+    pub fn shards(&self) -> Vec<Ownership> {
+        self.held.borrow().clone()
+    }
+
+    /// Stops gracefully: stops reading, lets lanes finish until `deadline`, writes final
+    /// checkpoints, and releases the leases. Records whose handlers did not finish in time stay
+    /// unsettled and are read again by the next owner.
+    pub async fn shutdown(self, deadline: Duration) -> ShutdownReport {
+        self.stop.cancel();
+        let mut supervisor = self.supervisor;
+        let mut deadline_passed = false;
+        let report = tokio::select! {
+            r = &mut supervisor => r,
+            _ = tokio::time::sleep(deadline) => {
+                deadline_passed = true;
+                self.abort.cancel();
+                supervisor.await
+            }
+        };
+        let mut report = report.unwrap_or_else(|e| {
+            error!(error = %e, "consumer supervisor failed");
+            ShutdownReport::default()
+        });
+        report.deadline_passed = deadline_passed;
+        report
+    }
+}
+
+async fn supervise<H: Handler>(
+    manager: LeaseManager,
+    mut events: mpsc::UnboundedReceiver<LeaseEvent>,
+    ctx: ShardContext<H>,
+    held: tokio::sync::watch::Sender<Vec<Ownership>>,
+) -> ShutdownReport {
+    let mut shards: JoinSet<ShardExit> = JoinSet::new();
+    let mut report = ShutdownReport::default();
+    let stop = ctx.stop.clone();
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            Some(event) = events.recv() => {
+                if let LeaseEvent::Acquired(lease) = event {
+                    shards.spawn(run_shard(ctx.clone(), *lease));
+                }
+                held.send_replace(manager.held());
+            }
+            Some(exit) = shards.join_next() => {
+                on_exit(exit, &manager, &mut report).await;
+                held.send_replace(manager.held());
+            }
+        }
+    }
+    manager.stop_taking();
+    while let Some(exit) = shards.join_next().await {
+        on_exit(exit, &manager, &mut report).await;
+    }
+    report.leases_released = manager.shutdown().await;
+    held.send_replace(Vec::new());
+    report
+}
+
+async fn on_exit(
+    exit: Result<ShardExit, tokio::task::JoinError>,
+    manager: &LeaseManager,
+    report: &mut ShutdownReport,
+) {
+    match exit {
+        Ok(ShardExit::Ended(o)) => {
+            if let Err(e) = manager.shard_ended(&o).await {
+                warn!(shard = %o.shard_id, error = %e, "releasing an ended shard failed; it will expire");
+            }
+        }
+        Ok(ShardExit::Stopped(o)) => {
+            info!(shard = %o.shard_id, "shard stopped");
+            report.shards_stopped += 1;
+        }
+        Ok(ShardExit::Lost(o)) => info!(shard = %o.shard_id, "shard given up: lease lost"),
+        Ok(ShardExit::Failed(o, e)) => {
+            error!(shard = %o.shard_id, error = %e, source = ?std::error::Error::source(&e), "shard failed; releasing its lease");
+            let _ = manager.release(&o).await;
+        }
+        Err(e) => error!(error = %e, "shard task panicked"),
+    }
+}

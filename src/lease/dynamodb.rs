@@ -1,0 +1,785 @@
+//! The lease store on a DynamoDB table: one row per shard, every write one conditional request.
+//!
+//! The attributes and the condition on every write are those of `docs/leases.md`. Every attribute
+//! is named through an expression attribute name (`#owner`, `#cp`, ...), so DynamoDB's reserved
+//! words never collide with them.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::error::SdkError;
+use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, ReturnValue,
+    ReturnValuesOnConditionCheckFailure, ScalarAttributeType, TableDescription, TableStatus,
+};
+use futures::future::BoxFuture;
+
+use super::row::{AT_TIMESTAMP, Checkpoint, Lease, NewLease, Ownership, lease_key, millis};
+use super::store::{CheckpointWrite, LeaseStore};
+use crate::error::Error;
+
+/// Attribute names of a lease row (see `docs/leases.md`).
+mod attr {
+    pub(super) const KEY: &str = "leaseKey";
+    pub(super) const STREAM: &str = "streamName";
+    pub(super) const SHARD: &str = "shardId";
+    pub(super) const OWNER: &str = "leaseOwner";
+    pub(super) const COUNTER: &str = "leaseCounter";
+    pub(super) const EPOCH: &str = "ownerEpoch";
+    pub(super) const CHECKPOINT: &str = "checkpoint";
+    pub(super) const SUB: &str = "checkpointSub";
+    pub(super) const CHECKPOINT_KEY: &str = "checkpointKey";
+    pub(super) const STARTING_TIMESTAMP: &str = "startingTimestamp";
+    pub(super) const PARENTS: &str = "parentShardIds";
+    pub(super) const CHILDREN: &str = "childShardIds";
+    pub(super) const COMPLETE_THROUGH: &str = "completeThrough";
+    pub(super) const SEEK_EPOCH: &str = "seekEpoch";
+}
+use attr::*;
+
+/// How long [`LeaseStore::prepare`] waits for a table to become `ACTIVE`.
+const ACTIVE_TIMEOUT: Duration = Duration::from_secs(60);
+const POLL_FIRST: Duration = Duration::from_millis(50);
+const POLL_MAX: Duration = Duration::from_millis(200);
+
+type Item = HashMap<String, AttributeValue>;
+
+/// Leases in a DynamoDB table keyed by the string `leaseKey` (`stream#shardId`).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), shardwise::Error> {
+/// use shardwise::lease::{DynamoDbLeaseStore, LeaseStore};
+/// let config = aws_config::load_from_env().await;
+/// let store = DynamoDbLeaseStore::new(aws_sdk_dynamodb::Client::new(&config), "my-app-leases");
+/// store.prepare().await?; // creates the table (on demand) unless told not to
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct DynamoDbLeaseStore {
+    client: Client,
+    table: String,
+    create_if_missing: bool,
+}
+
+impl fmt::Debug for DynamoDbLeaseStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DynamoDbLeaseStore")
+            .field("table", &self.table)
+            .field("create_if_missing", &self.create_if_missing)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DynamoDbLeaseStore {
+    /// A store on `table`, reached through `client`. Nothing is sent until
+    /// [`prepare`](LeaseStore::prepare) or another call.
+    pub fn new(client: Client, table: impl Into<String>) -> Self {
+        Self {
+            client,
+            table: table.into(),
+            create_if_missing: true,
+        }
+    }
+
+    /// Whether [`prepare`](LeaseStore::prepare) creates a missing table (on demand capacity, hash
+    /// key `leaseKey` of type S). Default `true`; with `false` a missing table is an error.
+    pub fn create_if_missing(mut self, create: bool) -> Self {
+        self.create_if_missing = create;
+        self
+    }
+
+    /// The lease table's name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    fn failed<E>(&self, operation: &'static str, err: E) -> Error
+    where
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        Error::DynamoDb {
+            operation,
+            table: self.table.clone(),
+            source: Box::new(err),
+        }
+    }
+
+    fn schema(&self, reason: impl Into<String>) -> Error {
+        Error::LeaseTableSchema {
+            table: self.table.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    /// DescribeTable; `None` when the table does not exist.
+    async fn describe(&self) -> Result<Option<TableDescription>, Error> {
+        match self
+            .client
+            .describe_table()
+            .table_name(&self.table)
+            .send()
+            .await
+        {
+            Ok(out) => Ok(out.table),
+            Err(err)
+                if err
+                    .as_service_error()
+                    .is_some_and(|e| e.is_resource_not_found_exception()) =>
+            {
+                Ok(None)
+            }
+            Err(err) => Err(self.failed("DescribeTable", err)),
+        }
+    }
+
+    async fn create_table(&self) -> Result<(), Error> {
+        let definition = AttributeDefinition::builder()
+            .attribute_name(KEY)
+            .attribute_type(ScalarAttributeType::S)
+            .build()
+            .map_err(|e| self.failed("CreateTable", e))?;
+        let key = KeySchemaElement::builder()
+            .attribute_name(KEY)
+            .key_type(KeyType::Hash)
+            .build()
+            .map_err(|e| self.failed("CreateTable", e))?;
+        let result = self
+            .client
+            .create_table()
+            .table_name(&self.table)
+            .billing_mode(BillingMode::PayPerRequest)
+            .attribute_definitions(definition)
+            .key_schema(key)
+            .send()
+            .await;
+        match result {
+            Ok(_) => {
+                tracing::info!(table = %self.table, "created the lease table");
+                Ok(())
+            }
+            // Another worker created it at the same time.
+            Err(err)
+                if err
+                    .as_service_error()
+                    .is_some_and(|e| e.is_resource_in_use_exception()) =>
+            {
+                Ok(())
+            }
+            Err(err) => Err(self.failed("CreateTable", err)),
+        }
+    }
+
+    /// Polls DescribeTable until the table can be read and written.
+    async fn wait_active(&self) -> Result<TableDescription, Error> {
+        let deadline = Instant::now() + ACTIVE_TIMEOUT;
+        let mut delay = POLL_FIRST;
+        loop {
+            let status = match self.describe().await? {
+                // Right after CreateTable the table may not be visible yet.
+                None => None,
+                Some(desc) => match desc.table_status() {
+                    None | Some(TableStatus::Active | TableStatus::Updating) => return Ok(desc),
+                    Some(TableStatus::Creating) => Some(TableStatus::Creating),
+                    Some(other) => {
+                        return Err(self.schema(format!(
+                            "table status is {}; expected ACTIVE",
+                            other.as_str()
+                        )));
+                    }
+                },
+            };
+            if Instant::now() >= deadline {
+                let seen = status.map_or("not visible".to_owned(), |s| s.as_str().to_owned());
+                return Err(self.schema(format!(
+                    "table did not become ACTIVE within {} s (last seen: {seen})",
+                    ACTIVE_TIMEOUT.as_secs()
+                )));
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(POLL_MAX);
+        }
+    }
+
+    async fn get_row(&self, key: String) -> Result<Option<Lease>, Error> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key(KEY, AttributeValue::S(key))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(|e| self.failed("GetItem", e))?;
+        out.item.as_ref().map(parse_row).transpose()
+    }
+
+    async fn list_rows(&self, stream: &str) -> Result<Vec<Lease>, Error> {
+        let mut rows = Vec::new();
+        let mut start: Option<Item> = None;
+        loop {
+            let out = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .consistent_read(true)
+                .filter_expression("#stream = :stream")
+                .expression_attribute_names("#stream", STREAM)
+                .expression_attribute_values(":stream", AttributeValue::S(stream.to_owned()))
+                .set_exclusive_start_key(start.take())
+                .send()
+                .await
+                .map_err(|e| self.failed("Scan", e))?;
+            for item in out.items() {
+                rows.push(parse_row(item)?);
+            }
+            match out.last_evaluated_key {
+                Some(key) if !key.is_empty() => start = Some(key),
+                _ => break,
+            }
+        }
+        rows.sort_by(|a, b| a.shard_id.cmp(&b.shard_id));
+        Ok(rows)
+    }
+
+    async fn create_row(&self, lease: &NewLease) -> Result<bool, Error> {
+        let mut item = Item::new();
+        item.insert(KEY.into(), s(lease_key(&lease.stream, &lease.shard_id)));
+        item.insert(STREAM.into(), s(&lease.stream));
+        item.insert(SHARD.into(), s(&lease.shard_id));
+        item.insert(COUNTER.into(), n(0u64));
+        item.insert(EPOCH.into(), n(0u64));
+        item.insert(SEEK_EPOCH.into(), n(0u64));
+        item.insert(CHECKPOINT.into(), s(lease.checkpoint.label()));
+        item.insert(SUB.into(), n(lease.checkpoint.sub_sequence()));
+        item.insert(CHECKPOINT_KEY.into(), s(lease.checkpoint.sort_key()));
+        if let Checkpoint::AtTimestamp(t) = lease.checkpoint {
+            item.insert(STARTING_TIMESTAMP.into(), n(millis(t)));
+        }
+        if !lease.parents.is_empty() {
+            item.insert(PARENTS.into(), list(&lease.parents));
+        }
+        let result = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .set_item(Some(item))
+            .condition_expression("attribute_not_exists(#key)")
+            .expression_attribute_names("#key", KEY)
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(true),
+            Err(err) if is_condition_failed(&err) => Ok(false),
+            Err(err) => Err(self.failed("PutItem", err)),
+        }
+    }
+
+    async fn take_row(&self, seen: &Lease, owner: &str) -> Result<Option<Lease>, Error> {
+        let mut request = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(seen.key()))
+            .update_expression(
+                "SET #owner = :owner, \
+                 #counter = if_not_exists(#counter, :zero) + :one, \
+                 #epoch = if_not_exists(#epoch, :zero) + :one",
+            )
+            .expression_attribute_names("#key", KEY)
+            .expression_attribute_names("#owner", OWNER)
+            .expression_attribute_names("#counter", COUNTER)
+            .expression_attribute_names("#epoch", EPOCH)
+            .expression_attribute_values(":owner", s(owner))
+            .expression_attribute_values(":zero", n(0u64))
+            .expression_attribute_values(":one", n(1u64))
+            .expression_attribute_values(":seenCounter", n(seen.counter))
+            .return_values(ReturnValue::AllNew);
+        // A counter that was never written reads as 0.
+        let counter = if seen.counter == 0 {
+            "(attribute_not_exists(#counter) OR #counter = :seenCounter)"
+        } else {
+            "#counter = :seenCounter"
+        };
+        let condition = match &seen.owner {
+            None => {
+                format!("attribute_exists(#key) AND {counter} AND attribute_not_exists(#owner)")
+            }
+            Some(previous) => {
+                request = request.expression_attribute_values(":seenOwner", s(previous));
+                format!("attribute_exists(#key) AND {counter} AND #owner = :seenOwner")
+            }
+        };
+        match request.condition_expression(condition).send().await {
+            Ok(out) => match out.attributes {
+                Some(item) if !item.is_empty() => parse_row(&item).map(Some),
+                // Not every emulator returns the new row; read it back.
+                _ => self.get_row(seen.key()).await,
+            },
+            Err(err) if is_condition_failed(&err) => Ok(None),
+            Err(err) => Err(self.failed("UpdateItem", err)),
+        }
+    }
+
+    /// An UpdateItem fenced by owner and epoch; `false` when the fence refused it.
+    async fn fenced(&self, held: &Ownership, update: &str) -> Result<bool, Error> {
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(held.key()))
+            .update_expression(update)
+            .condition_expression("#owner = :owner AND #epoch = :epoch")
+            .expression_attribute_names("#owner", OWNER)
+            .expression_attribute_names("#epoch", EPOCH)
+            .expression_attribute_names("#counter", COUNTER)
+            .expression_attribute_values(":owner", s(&held.owner))
+            .expression_attribute_values(":epoch", n(held.epoch))
+            .expression_attribute_values(":one", n(1u64))
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(true),
+            Err(err) if is_condition_failed(&err) => Ok(false),
+            Err(err) => Err(self.failed("UpdateItem", err)),
+        }
+    }
+
+    async fn checkpoint_row(
+        &self,
+        held: &Ownership,
+        to: &Checkpoint,
+        complete_through: Option<i64>,
+    ) -> Result<CheckpointWrite, Error> {
+        let mut set = String::from("SET #cp = :cp, #sub = :sub, #cpKey = :cpKey");
+        let mut request = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(held.key()))
+            .condition_expression(
+                "#owner = :owner AND #epoch = :epoch \
+                 AND (attribute_not_exists(#cpKey) OR #cpKey < :cpKey)",
+            )
+            .expression_attribute_names("#owner", OWNER)
+            .expression_attribute_names("#epoch", EPOCH)
+            .expression_attribute_names("#cp", CHECKPOINT)
+            .expression_attribute_names("#sub", SUB)
+            .expression_attribute_names("#cpKey", CHECKPOINT_KEY)
+            .expression_attribute_values(":owner", s(&held.owner))
+            .expression_attribute_values(":epoch", n(held.epoch))
+            .expression_attribute_values(":cp", s(to.label()))
+            .expression_attribute_values(":sub", n(to.sub_sequence()))
+            .expression_attribute_values(":cpKey", s(to.sort_key()))
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
+        if let Some(ms) = complete_through {
+            set.push_str(", #ct = :ct");
+            request = request
+                .expression_attribute_names("#ct", COMPLETE_THROUGH)
+                .expression_attribute_values(":ct", n(ms));
+        }
+        if let Checkpoint::AtTimestamp(t) = to {
+            set.push_str(", #ts = :ts");
+            request = request
+                .expression_attribute_names("#ts", STARTING_TIMESTAMP)
+                .expression_attribute_values(":ts", n(millis(*t)));
+        }
+        let err = match request.update_expression(set).send().await {
+            Ok(_) => return Ok(CheckpointWrite::Written),
+            Err(err) if is_condition_failed(&err) => err,
+            Err(err) => return Err(self.failed("UpdateItem", err)),
+        };
+        // Tell "not newer" (still ours) from "lost" by the row the store refused.
+        let refused = match &err {
+            SdkError::ServiceError(service) => match service.err() {
+                UpdateItemError::ConditionalCheckFailedException(e) => {
+                    e.item().filter(|item| !item.is_empty())
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        let still_ours = match refused {
+            Some(item) => holds(item, held),
+            // The store did not return the row (or there is none): read it.
+            None => self.get_row(held.key()).await?.is_some_and(|row| {
+                row.owner.as_deref() == Some(&held.owner) && row.owner_epoch == held.epoch
+            }),
+        };
+        Ok(if still_ours {
+            CheckpointWrite::NotNewer
+        } else {
+            CheckpointWrite::Lost
+        })
+    }
+
+    async fn set_children_row(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        children: &[String],
+    ) -> Result<(), Error> {
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(lease_key(stream, shard_id)))
+            .update_expression("SET #children = :children")
+            .condition_expression("attribute_exists(#key)")
+            .expression_attribute_names("#key", KEY)
+            .expression_attribute_names("#children", CHILDREN)
+            .expression_attribute_values(":children", list(children))
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(()),
+            // No row for the shard (it was never created, or was cleaned up): nothing to record.
+            Err(err) if is_condition_failed(&err) => {
+                tracing::debug!(table = %self.table, stream, shard_id, "no lease row to record children on");
+                Ok(())
+            }
+            Err(err) => Err(self.failed("UpdateItem", err)),
+        }
+    }
+
+    /// Checks the key schema: exactly one key, the hash key `leaseKey` of type S.
+    fn check_schema(&self, desc: &TableDescription) -> Result<(), Error> {
+        let type_of = |name: &str| {
+            desc.attribute_definitions()
+                .iter()
+                .find(|d| d.attribute_name() == name)
+                .map_or("type unknown", |d| d.attribute_type().as_str())
+        };
+        let keys = desc.key_schema();
+        let Some(hash) = keys.iter().find(|k| *k.key_type() == KeyType::Hash) else {
+            return Err(self.schema(format!("has no hash key; expected `{KEY}` (S)")));
+        };
+        let hash_name = hash.attribute_name();
+        if hash_name != KEY {
+            return Err(self.schema(format!(
+                "hash key is `{hash_name}` ({}); expected `{KEY}` (S)",
+                type_of(hash_name)
+            )));
+        }
+        let hash_type = type_of(KEY);
+        if hash_type != ScalarAttributeType::S.as_str() {
+            return Err(self.schema(format!(
+                "hash key `{KEY}` is of type {hash_type}; expected `{KEY}` (S)"
+            )));
+        }
+        if let Some(range) = keys.iter().find(|k| *k.key_type() != KeyType::Hash) {
+            let name = range.attribute_name();
+            return Err(self.schema(format!(
+                "has a range key `{name}` ({}); expected only the hash key `{KEY}` (S)",
+                type_of(name)
+            )));
+        }
+        Ok(())
+    }
+
+    async fn prepare_table(&self) -> Result<(), Error> {
+        if self.describe().await?.is_none() {
+            if !self.create_if_missing {
+                return Err(self.schema(format!(
+                    "the table does not exist (and creating it is turned off); create it with \
+                     the hash key `{KEY}` (S), or allow the store to create it"
+                )));
+            }
+            self.create_table().await?;
+        }
+        let desc = self.wait_active().await?;
+        self.check_schema(&desc)
+    }
+}
+
+impl LeaseStore for DynamoDbLeaseStore {
+    fn prepare(&self) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(self.prepare_table())
+    }
+
+    fn list<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<Lease>, Error>> {
+        Box::pin(self.list_rows(stream))
+    }
+
+    fn get<'a>(
+        &'a self,
+        stream: &'a str,
+        shard_id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
+        Box::pin(self.get_row(lease_key(stream, shard_id)))
+    }
+
+    fn create<'a>(&'a self, lease: &'a NewLease) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.create_row(lease))
+    }
+
+    fn take<'a>(
+        &'a self,
+        seen: &'a Lease,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
+        Box::pin(self.take_row(seen, owner))
+    }
+
+    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.fenced(held, "SET #counter = #counter + :one"))
+    }
+
+    fn checkpoint<'a>(
+        &'a self,
+        held: &'a Ownership,
+        to: &'a Checkpoint,
+        complete_through: Option<i64>,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        Box::pin(self.checkpoint_row(held, to, complete_through))
+    }
+
+    fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.fenced(held, "REMOVE #owner SET #counter = #counter + :one"))
+    }
+
+    fn set_children<'a>(
+        &'a self,
+        stream: &'a str,
+        shard_id: &'a str,
+        children: &'a [String],
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(self.set_children_row(stream, shard_id, children))
+    }
+}
+
+fn is_condition_failed<E, R>(err: &SdkError<E, R>) -> bool
+where
+    E: aws_sdk_dynamodb::error::ProvideErrorMetadata,
+{
+    err.as_service_error()
+        .is_some_and(|e| e.code() == Some("ConditionalCheckFailedException"))
+}
+
+/// Whether a refused row is still held by `held`'s owner under `held`'s epoch.
+fn holds(item: &Item, held: &Ownership) -> bool {
+    let owner = matches!(item.get(OWNER), Some(AttributeValue::S(o)) if *o == held.owner);
+    let epoch =
+        matches!(item.get(EPOCH), Some(AttributeValue::N(e)) if e.parse::<u64>() == Ok(held.epoch));
+    owner && epoch
+}
+
+fn s(value: impl Into<String>) -> AttributeValue {
+    AttributeValue::S(value.into())
+}
+
+fn n(value: impl ToString) -> AttributeValue {
+    AttributeValue::N(value.to_string())
+}
+
+fn list(values: &[String]) -> AttributeValue {
+    AttributeValue::L(values.iter().map(|v| s(v.as_str())).collect())
+}
+
+/// Reads one lease row; anything unreadable is [`Error::Corrupt`] naming the row and attribute.
+fn parse_row(item: &Item) -> Result<Lease, Error> {
+    let key = match item.get(KEY) {
+        Some(AttributeValue::S(key)) => key.as_str(),
+        other => {
+            return Err(Error::Corrupt {
+                what: "lease row",
+                detail: format!(
+                    "a row has no string `{KEY}` (found {})",
+                    other.map_or("nothing".to_owned(), kind)
+                ),
+            });
+        }
+    };
+    let row = Row { key, item };
+    let stream = row.string(STREAM)?;
+    let shard_id = row.string(SHARD)?;
+    if lease_key(&stream, &shard_id) != key {
+        return Err(row.corrupt(
+            KEY,
+            format!("does not match `{STREAM}#{SHARD}` ({stream}#{shard_id})"),
+        ));
+    }
+    let label = row.string(CHECKPOINT)?;
+    let sub = row.number::<u64>(SUB)?.unwrap_or(0);
+    let starting = row.number::<i64>(STARTING_TIMESTAMP)?;
+    if label == AT_TIMESTAMP && starting.is_none() {
+        return Err(row.corrupt(
+            STARTING_TIMESTAMP,
+            "is missing for an AT_TIMESTAMP checkpoint",
+        ));
+    }
+    let checkpoint = Checkpoint::from_stored(&label, sub, starting).ok_or_else(|| {
+        row.corrupt(
+            CHECKPOINT,
+            format!("`{label}` is neither a sequence number nor a known sentinel"),
+        )
+    })?;
+    Ok(Lease {
+        owner: row.optional_string(OWNER)?,
+        counter: row.number(COUNTER)?.unwrap_or(0),
+        owner_epoch: row.number(EPOCH)?.unwrap_or(0),
+        checkpoint,
+        parents: row.strings(PARENTS)?,
+        children: row.strings(CHILDREN)?,
+        complete_through: row.number(COMPLETE_THROUGH)?,
+        seek_epoch: row.number(SEEK_EPOCH)?.unwrap_or(0),
+        stream,
+        shard_id,
+    })
+}
+
+struct Row<'a> {
+    key: &'a str,
+    item: &'a Item,
+}
+
+impl Row<'_> {
+    fn corrupt(&self, attribute: &str, problem: impl fmt::Display) -> Error {
+        Error::Corrupt {
+            what: "lease row",
+            detail: format!("row `{}`: attribute `{attribute}` {problem}", self.key),
+        }
+    }
+
+    fn optional_string(&self, attribute: &str) -> Result<Option<String>, Error> {
+        match self.item.get(attribute) {
+            None | Some(AttributeValue::Null(_)) => Ok(None),
+            Some(AttributeValue::S(v)) => Ok(Some(v.clone())),
+            Some(other) => Err(self.corrupt(attribute, format!("is {}, expected S", kind(other)))),
+        }
+    }
+
+    fn string(&self, attribute: &str) -> Result<String, Error> {
+        self.optional_string(attribute)?
+            .ok_or_else(|| self.corrupt(attribute, "is missing"))
+    }
+
+    fn number<T: std::str::FromStr>(&self, attribute: &str) -> Result<Option<T>, Error> {
+        match self.item.get(attribute) {
+            None | Some(AttributeValue::Null(_)) => Ok(None),
+            Some(AttributeValue::N(v)) => v.parse().map(Some).map_err(|_| {
+                self.corrupt(attribute, format!("`{v}` is not a whole number in range"))
+            }),
+            Some(other) => Err(self.corrupt(attribute, format!("is {}, expected N", kind(other)))),
+        }
+    }
+
+    /// A list of strings (L of S, or SS); absent reads as empty.
+    fn strings(&self, attribute: &str) -> Result<Vec<String>, Error> {
+        match self.item.get(attribute) {
+            None | Some(AttributeValue::Null(_)) => Ok(Vec::new()),
+            Some(AttributeValue::Ss(v)) => Ok(v.clone()),
+            Some(AttributeValue::L(values)) => values
+                .iter()
+                .map(|v| match v {
+                    AttributeValue::S(v) => Ok(v.clone()),
+                    other => Err(self.corrupt(
+                        attribute,
+                        format!("holds {}, expected a list of S", kind(other)),
+                    )),
+                })
+                .collect(),
+            Some(other) => Err(self.corrupt(
+                attribute,
+                format!("is {}, expected a list of S", kind(other)),
+            )),
+        }
+    }
+}
+
+/// The DynamoDB type letter of a value, for messages.
+fn kind(value: &AttributeValue) -> String {
+    match value {
+        AttributeValue::B(_) => "B",
+        AttributeValue::Bool(_) => "BOOL",
+        AttributeValue::Bs(_) => "BS",
+        AttributeValue::L(_) => "L",
+        AttributeValue::M(_) => "M",
+        AttributeValue::N(_) => "N",
+        AttributeValue::Ns(_) => "NS",
+        AttributeValue::Null(_) => "NULL",
+        AttributeValue::S(_) => "S",
+        AttributeValue::Ss(_) => "SS",
+        _ => "an unknown type",
+    }
+    .to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(pairs: &[(&str, AttributeValue)]) -> Item {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.clone()))
+            .collect()
+    }
+
+    fn minimal() -> Item {
+        row(&[
+            (KEY, s("orders#shardId-000000000001")),
+            (STREAM, s("orders")),
+            (SHARD, s("shardId-000000000001")),
+            (CHECKPOINT, s("TRIM_HORIZON")),
+        ])
+    }
+
+    #[test]
+    fn a_minimal_row_reads_with_defaults() {
+        let lease = parse_row(&minimal()).unwrap();
+        assert_eq!(lease.owner, None);
+        assert_eq!(
+            (lease.counter, lease.owner_epoch, lease.seek_epoch),
+            (0, 0, 0)
+        );
+        assert_eq!(lease.checkpoint, Checkpoint::TrimHorizon);
+        assert!(lease.parents.is_empty() && lease.children.is_empty());
+        assert_eq!(lease.complete_through, None);
+    }
+
+    #[test]
+    fn unreadable_attributes_name_the_row_and_the_attribute() {
+        let cases = [
+            (COUNTER, s("1")),
+            (COUNTER, n("-1")),
+            (CHECKPOINT, s("12x")),
+            (PARENTS, AttributeValue::L(vec![n(1u64)])),
+            (OWNER, n(3u64)),
+            (STREAM, s("other")),
+        ];
+        for (attribute, value) in cases {
+            let mut item = minimal();
+            item.insert(attribute.to_owned(), value);
+            let err = parse_row(&item).unwrap_err().to_string();
+            assert!(err.contains("orders#shardId-000000000001"), "{err}");
+            let named = if attribute == STREAM { KEY } else { attribute };
+            assert!(err.contains(&format!("`{named}`")), "{err}");
+        }
+        let mut item = minimal();
+        item.insert(CHECKPOINT.into(), s(AT_TIMESTAMP));
+        let err = parse_row(&item).unwrap_err().to_string();
+        assert!(err.contains(STARTING_TIMESTAMP), "{err}");
+    }
+
+    #[test]
+    fn a_refused_row_is_ours_only_under_the_same_owner_and_epoch() {
+        let held = Ownership {
+            stream: "orders".into(),
+            shard_id: "shardId-000000000001".into(),
+            owner: "a".into(),
+            epoch: 2,
+        };
+        let mut item = minimal();
+        item.insert(OWNER.into(), s("a"));
+        item.insert(EPOCH.into(), n(2u64));
+        assert!(holds(&item, &held));
+        item.insert(EPOCH.into(), n(3u64));
+        assert!(!holds(&item, &held));
+        item.insert(EPOCH.into(), n(2u64));
+        item.remove(OWNER);
+        assert!(!holds(&item, &held));
+    }
+}

@@ -1,0 +1,591 @@
+//! The lease manager: renews what it holds on its own task and timer, takes and steals as the
+//! planner decides, keeps lease rows in step with the stream's shards, and hands leases back on
+//! shutdown. See `docs/leases.md` for the states and the condition on every write.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures::future::join_all;
+use tokio::sync::{Notify, mpsc};
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use super::planner::{self, PlanLimits, Seen, Take};
+use super::row::{InitialPosition, Lease, Ownership};
+use super::store::LeaseStore;
+use super::sync;
+use crate::error::{ConfigError, Error};
+use crate::shard::discovery::ShardLister;
+
+/// Lease timing and balancing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LeaseSettings {
+    /// A lease whose counter has not moved for this long (local clock) is expired. Default 10 s.
+    pub lease_duration: Duration,
+    /// How often held leases are renewed. Default `lease_duration / 3`.
+    pub renew_interval: Duration,
+    /// How often the table is scanned to take and steal. Default 2 s.
+    pub scan_interval: Duration,
+    /// How often the stream's shards are listed to create rows for new ones. Default 60 s (and
+    /// whenever a shard ends).
+    pub shard_sync_interval: Duration,
+    /// Balancing limits.
+    pub limits: PlanLimits,
+    /// Where shards new to the application start.
+    pub initial_position: InitialPosition,
+}
+
+impl Default for LeaseSettings {
+    fn default() -> Self {
+        let lease_duration = Duration::from_secs(10);
+        Self {
+            lease_duration,
+            renew_interval: lease_duration / 3,
+            scan_interval: Duration::from_secs(2),
+            shard_sync_interval: Duration::from_secs(60),
+            limits: PlanLimits::default(),
+            initial_position: InitialPosition::TrimHorizon,
+        }
+    }
+}
+
+impl LeaseSettings {
+    /// Sets the lease duration and, with it, the renew interval to a third of it.
+    pub fn lease_duration(mut self, d: Duration) -> Self {
+        self.lease_duration = d;
+        self.renew_interval = d / 3;
+        self
+    }
+
+    /// Sets the renew interval.
+    pub fn renew_interval(mut self, d: Duration) -> Self {
+        self.renew_interval = d;
+        self
+    }
+
+    /// Sets the scan interval.
+    pub fn scan_interval(mut self, d: Duration) -> Self {
+        self.scan_interval = d;
+        self
+    }
+
+    /// Sets the shard sync interval.
+    pub fn shard_sync_interval(mut self, d: Duration) -> Self {
+        self.shard_sync_interval = d;
+        self
+    }
+
+    /// Sets the balancing limits.
+    pub fn limits(mut self, limits: PlanLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Sets where new shards start.
+    pub fn initial_position(mut self, p: InitialPosition) -> Self {
+        self.initial_position = p;
+        self
+    }
+
+    /// Checks the settings, naming the first bad field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.lease_duration < Duration::from_millis(100) {
+            return Err(ConfigError::new(
+                "lease_duration",
+                self.lease_duration,
+                "must be at least 100ms",
+            ));
+        }
+        if self.renew_interval.is_zero() || self.renew_interval * 2 > self.lease_duration {
+            return Err(ConfigError::new(
+                "renew_interval",
+                self.renew_interval,
+                format!(
+                    "must be above zero and at most half of lease_duration ({:?}) so a lease is renewed at least twice before it can expire",
+                    self.lease_duration
+                ),
+            ));
+        }
+        if self.scan_interval.is_zero() {
+            return Err(ConfigError::new(
+                "scan_interval",
+                self.scan_interval,
+                "must be above zero",
+            ));
+        }
+        if self.shard_sync_interval.is_zero() {
+            return Err(ConfigError::new(
+                "shard_sync_interval",
+                self.shard_sync_interval,
+                "must be above zero",
+            ));
+        }
+        if self.limits.imbalance < 2 {
+            return Err(ConfigError::new(
+                "imbalance",
+                self.limits.imbalance,
+                "must be at least 2, or workers would steal back and forth",
+            ));
+        }
+        if self.limits.max_leases == 0 {
+            return Err(ConfigError::new("max_leases", 0, "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Lifecycle hooks, each with a no-op default. Called on the manager's tasks: keep them quick.
+pub trait LeaseHooks: Send + Sync + 'static {
+    /// This worker took a lease (free, expired or stolen).
+    fn lease_taken(&self, _lease: &Lease) {}
+    /// This worker lost a lease it held: its shard's work has been cancelled.
+    fn lease_lost(&self, _ownership: &Ownership) {}
+    /// A shard this worker held reached its end and was released.
+    fn shard_ended(&self, _ownership: &Ownership) {}
+}
+
+impl LeaseHooks for () {}
+
+/// A lease this worker now holds.
+#[derive(Debug, Clone)]
+pub struct HeldLease {
+    /// The proof every fenced write carries.
+    pub ownership: Ownership,
+    /// The row as taken (checkpoint, lineage).
+    pub lease: Lease,
+    /// Cancelled the moment the lease is lost or given up: the shard's work must stop.
+    pub cancel: CancellationToken,
+}
+
+/// What the manager tells the consumer.
+#[derive(Debug, Clone)]
+pub enum LeaseEvent {
+    /// Start reading this shard from its checkpoint.
+    Acquired(Box<HeldLease>),
+    /// Stop reading this shard: its token is already cancelled, and nothing it settles may write.
+    Lost(Ownership),
+}
+
+struct Held {
+    ownership: Ownership,
+    cancel: CancellationToken,
+    last_renewed: Instant,
+}
+
+struct Observation {
+    counter: u64,
+    owner: Option<String>,
+    since: Instant,
+}
+
+struct Inner {
+    store: Arc<dyn LeaseStore>,
+    shards: Arc<dyn ShardLister>,
+    stream: String,
+    worker: String,
+    settings: LeaseSettings,
+    hooks: Arc<dyn LeaseHooks>,
+    held: Mutex<HashMap<String, Held>>,
+    observed: Mutex<HashMap<String, Observation>>,
+    events: mpsc::UnboundedSender<LeaseEvent>,
+    sync_now: Notify,
+    taking: CancellationToken,
+}
+
+/// Runs the lease protocol for one worker on one stream. Background tasks stop on
+/// [`shutdown`](Self::shutdown) or when the manager is dropped.
+#[must_use = "the manager stops when dropped"]
+pub struct LeaseManager {
+    inner: Arc<Inner>,
+    renewing: CancellationToken,
+    tasks: TaskTracker,
+}
+
+impl fmt::Debug for LeaseManager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaseManager")
+            .field("stream", &self.inner.stream)
+            .field("worker", &self.inner.worker)
+            .field("held", &self.held().len())
+            .finish()
+    }
+}
+
+impl Drop for LeaseManager {
+    fn drop(&mut self) {
+        self.inner.taking.cancel();
+        self.renewing.cancel();
+    }
+}
+
+impl LeaseManager {
+    /// Prepares the lease table, syncs the shard list once, and starts renewing, scanning and
+    /// syncing. Fails at once if the table has the wrong schema or the stream does not exist.
+    pub async fn start(
+        store: Arc<dyn LeaseStore>,
+        shards: Arc<dyn ShardLister>,
+        stream: impl Into<String>,
+        worker: impl Into<String>,
+        settings: LeaseSettings,
+        hooks: Arc<dyn LeaseHooks>,
+    ) -> Result<(Self, mpsc::UnboundedReceiver<LeaseEvent>), Error> {
+        settings.validate()?;
+        let (events, rx) = mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            store,
+            shards,
+            stream: stream.into(),
+            worker: worker.into(),
+            settings,
+            hooks,
+            held: Mutex::new(HashMap::new()),
+            observed: Mutex::new(HashMap::new()),
+            events,
+            sync_now: Notify::new(),
+            taking: CancellationToken::new(),
+        });
+        // The stream first: a missing stream must not leave a new lease table behind.
+        inner.shards.list_shards(&inner.stream).await?;
+        inner.store.prepare().await?;
+        inner.sync_shards().await?;
+
+        let renewing = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        tasks.spawn(Arc::clone(&inner).renew_loop(renewing.clone()));
+        tasks.spawn(Arc::clone(&inner).take_loop());
+        tasks.spawn(Arc::clone(&inner).sync_loop());
+        tasks.close();
+        info!(stream = %inner.stream, worker = %inner.worker, "lease manager started");
+        Ok((
+            Self {
+                inner,
+                renewing,
+                tasks,
+            },
+            rx,
+        ))
+    }
+
+    /// This worker's id.
+    pub fn worker(&self) -> &str {
+        &self.inner.worker
+    }
+
+    /// The leases held now.
+    pub fn held(&self) -> Vec<Ownership> {
+        self.inner
+            .held()
+            .values()
+            .map(|h| h.ownership.clone())
+            .collect()
+    }
+
+    /// Lists the stream's shards and creates rows for new ones soon (after a shard ended).
+    pub fn sync_soon(&self) {
+        self.inner.sync_now.notify_one();
+    }
+
+    /// Stops taking new leases (held ones keep being renewed). Used first in a graceful shutdown,
+    /// while lanes drain and final checkpoints are written.
+    pub fn stop_taking(&self) {
+        self.inner.taking.cancel();
+    }
+
+    /// Gives one held lease back (after its shard ended, or on shutdown). `false` if it had been
+    /// lost already. Cancellation safe: if dropped before the release reached the store, the lease
+    /// simply expires.
+    pub async fn release(&self, ownership: &Ownership) -> Result<bool, Error> {
+        self.inner.release(ownership).await
+    }
+
+    /// Records that a held shard reached SHARD_END: releases the lease, runs the hook and syncs
+    /// the shard list so its children get rows.
+    pub async fn shard_ended(&self, ownership: &Ownership) -> Result<(), Error> {
+        self.inner.release(ownership).await?;
+        self.inner.hooks.shard_ended(ownership);
+        self.inner.sync_now.notify_one();
+        Ok(())
+    }
+
+    /// Stops taking, releases every held lease (call after final checkpoints), then stops
+    /// renewing. Returns how many leases were handed back.
+    pub async fn shutdown(self) -> usize {
+        self.inner.taking.cancel();
+        let held = self.held();
+        let released = join_all(held.iter().map(|o| self.inner.release(o))).await;
+        self.renewing.cancel();
+        self.tasks.wait().await;
+        released
+            .into_iter()
+            .filter(|r| matches!(r, Ok(true)))
+            .count()
+    }
+}
+
+impl Inner {
+    fn held(&self) -> MutexGuard<'_, HashMap<String, Held>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn labels(&self) -> [(&'static str, String); 2] {
+        [
+            ("stream", self.stream.clone()),
+            ("worker", self.worker.clone()),
+        ]
+    }
+
+    async fn renew_loop(self: Arc<Self>, stop: CancellationToken) {
+        let mut tick = tokio::time::interval(self.settings.renew_interval);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            self.renew_all().await;
+        }
+    }
+
+    async fn renew_all(&self) {
+        let snapshot: Vec<Ownership> = self.held().values().map(|h| h.ownership.clone()).collect();
+        let attempt = self.settings.renew_interval;
+        let results = join_all(snapshot.iter().map(|o| async move {
+            let r = tokio::time::timeout(attempt, self.store.renew(o)).await;
+            (o, r)
+        }))
+        .await;
+        for (ownership, result) in results {
+            match result {
+                Ok(Ok(true)) => {
+                    if let Some(h) = self.held().get_mut(&ownership.shard_id)
+                        && h.ownership.epoch == ownership.epoch
+                    {
+                        h.last_renewed = Instant::now();
+                    }
+                }
+                Ok(Ok(false)) => self.lose(ownership, "renewal refused: another worker holds it"),
+                Ok(Err(_)) | Err(_) => {
+                    let late = self.held().get(&ownership.shard_id).is_some_and(|h| {
+                        h.last_renewed.elapsed()
+                            >= self.settings.lease_duration - self.settings.renew_interval
+                    });
+                    match result {
+                        Ok(Err(e)) => {
+                            warn!(shard = %ownership.shard_id, error = %e, "lease renewal failed")
+                        }
+                        _ => warn!(shard = %ownership.shard_id, "lease renewal timed out"),
+                    }
+                    if late {
+                        self.lose(ownership, "not renewed in time: others may see it expired");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Drops a lease this worker held under `ownership` (no-op for another epoch) and cancels its work.
+    fn lose(&self, ownership: &Ownership, why: &str) {
+        let removed = {
+            let mut held = self.held();
+            match held.get(&ownership.shard_id) {
+                Some(h) if h.ownership.epoch == ownership.epoch => held.remove(&ownership.shard_id),
+                _ => None,
+            }
+        };
+        if let Some(h) = removed {
+            h.cancel.cancel();
+            warn!(stream = %self.stream, shard = %ownership.shard_id, epoch = ownership.epoch, "lease lost: {why}");
+            metrics::counter!("shardwise_leases_lost_total", &self.labels()).increment(1);
+            metrics::gauge!("shardwise_leases_held", &self.labels()).decrement(1.0);
+            self.hooks.lease_lost(ownership);
+            let _ = self.events.send(LeaseEvent::Lost(ownership.clone()));
+        }
+    }
+
+    async fn release(&self, ownership: &Ownership) -> Result<bool, Error> {
+        let removed = {
+            let mut held = self.held();
+            match held.get(&ownership.shard_id) {
+                Some(h) if h.ownership.epoch == ownership.epoch => held.remove(&ownership.shard_id),
+                _ => None,
+            }
+        };
+        let Some(h) = removed else { return Ok(false) };
+        h.cancel.cancel();
+        metrics::gauge!("shardwise_leases_held", &self.labels()).decrement(1.0);
+        let released = self.store.release(ownership).await?;
+        debug!(shard = %ownership.shard_id, released, "lease released");
+        Ok(released)
+    }
+
+    async fn take_loop(self: Arc<Self>) {
+        loop {
+            if let Err(e) = self.scan().await {
+                warn!(stream = %self.stream, error = %e, "lease scan failed");
+            }
+            tokio::select! {
+                _ = self.taking.cancelled() => return,
+                _ = tokio::time::sleep(self.settings.scan_interval) => {}
+            }
+        }
+    }
+
+    /// One scan: observe counters, notice leases taken from us, plan, and take.
+    async fn scan(&self) -> Result<(), Error> {
+        let rows = self.store.list(&self.stream).await?;
+        let now = Instant::now();
+        let expired: Vec<bool> = {
+            let mut observed = self.observed.lock().unwrap_or_else(|e| e.into_inner());
+            rows.iter()
+                .map(|row| {
+                    let o = observed.entry(row.shard_id.clone()).or_insert(Observation {
+                        counter: row.counter,
+                        owner: row.owner.clone(),
+                        since: now,
+                    });
+                    if o.counter != row.counter || o.owner != row.owner {
+                        *o = Observation {
+                            counter: row.counter,
+                            owner: row.owner.clone(),
+                            since: now,
+                        };
+                    }
+                    row.owner.is_some() && now - o.since >= self.settings.lease_duration
+                })
+                .collect()
+        };
+
+        // A row that names another owner or epoch than the one we hold: it was taken from us.
+        let taken_from_us: Vec<Ownership> = {
+            let held = self.held();
+            rows.iter()
+                .filter_map(|row| {
+                    let h = held.get(&row.shard_id)?;
+                    let ours = row.owner.as_deref() == Some(self.worker.as_str())
+                        && row.owner_epoch == h.ownership.epoch;
+                    (!ours).then(|| h.ownership.clone())
+                })
+                .collect()
+        };
+        for o in &taken_from_us {
+            self.lose(o, "the lease row names another owner");
+        }
+
+        if self.taking.is_cancelled() {
+            return Ok(());
+        }
+        let held: HashSet<String> = self.held().keys().cloned().collect();
+        let seen: Vec<Seen<'_>> = rows
+            .iter()
+            .zip(&expired)
+            .map(|(lease, &expired)| Seen { lease, expired })
+            .collect();
+        let plan = planner::plan(&self.worker, &seen, &held, self.settings.limits);
+        if !plan.takes.is_empty() {
+            debug!(stream = %self.stream, active = plan.active, workers = plan.workers, target = plan.target, takes = plan.takes.len(), "lease plan");
+        }
+        let by_shard: HashMap<&str, &Lease> =
+            rows.iter().map(|r| (r.shard_id.as_str(), r)).collect();
+        for take in plan.takes {
+            let (shard, stolen) = match &take {
+                Take::Free(s) => (s.as_str(), false),
+                Take::Steal { shard_id, .. } => (shard_id.as_str(), true),
+            };
+            let Some(seen) = by_shard.get(shard) else {
+                continue;
+            };
+            match self.store.take(seen, &self.worker).await {
+                Ok(Some(lease)) => self.acquired(lease, stolen),
+                Ok(None) => debug!(shard, "lease changed before it could be taken"),
+                Err(e) => warn!(shard, error = %e, "taking a lease failed"),
+            }
+        }
+        Ok(())
+    }
+
+    fn acquired(&self, lease: Lease, stolen: bool) {
+        let Some(ownership) = lease.ownership() else {
+            return;
+        };
+        let cancel = CancellationToken::new();
+        let previous = self.held().insert(
+            lease.shard_id.clone(),
+            Held {
+                ownership: ownership.clone(),
+                cancel: cancel.clone(),
+                last_renewed: Instant::now(),
+            },
+        );
+        if let Some(previous) = previous {
+            previous.cancel.cancel();
+        } else {
+            metrics::gauge!("shardwise_leases_held", &self.labels()).increment(1.0);
+        }
+        info!(stream = %self.stream, shard = %lease.shard_id, epoch = ownership.epoch, stolen, checkpoint = %lease.checkpoint, "lease taken");
+        metrics::counter!("shardwise_leases_taken_total", &self.labels()).increment(1);
+        if stolen {
+            metrics::counter!("shardwise_leases_stolen_total", &self.labels()).increment(1);
+        }
+        self.hooks.lease_taken(&lease);
+        let _ = self.events.send(LeaseEvent::Acquired(Box::new(HeldLease {
+            ownership,
+            lease,
+            cancel,
+        })));
+    }
+
+    async fn sync_loop(self: Arc<Self>) {
+        loop {
+            tokio::select! {
+                _ = self.taking.cancelled() => return,
+                _ = tokio::time::sleep(self.settings.shard_sync_interval) => {}
+                _ = self.sync_now.notified() => {}
+            }
+            if let Err(e) = self.sync_shards().await {
+                warn!(stream = %self.stream, error = %e, "shard sync failed");
+            }
+        }
+    }
+
+    /// Lists the stream's shards and creates rows for those without one, parents first; records
+    /// children on their parents' rows.
+    async fn sync_shards(&self) -> Result<(), Error> {
+        let shards = self.shards.list_shards(&self.stream).await?;
+        let rows = self.store.list(&self.stream).await?;
+        let existing: HashSet<String> = rows.iter().map(|r| r.shard_id.clone()).collect();
+        for new in sync::new_leases(
+            &self.stream,
+            &shards,
+            &existing,
+            self.settings.initial_position,
+        ) {
+            if self.store.create(&new).await? {
+                debug!(stream = %self.stream, shard = %new.shard_id, checkpoint = %new.checkpoint, "lease row created");
+            }
+        }
+        let mut children: HashMap<&str, Vec<String>> = HashMap::new();
+        for shard in &shards {
+            for parent in &shard.parents {
+                children
+                    .entry(parent.as_str())
+                    .or_default()
+                    .push(shard.shard_id.clone());
+            }
+        }
+        for row in &rows {
+            if let Some(kids) = children.get(row.shard_id.as_str())
+                && row.children.len() != kids.len()
+            {
+                self.store
+                    .set_children(&self.stream, &row.shard_id, kids)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,168 @@
+//! Shard sync: which lease rows to create for shards that have none. Pure.
+
+use std::collections::HashSet;
+
+use super::row::{Checkpoint, InitialPosition, NewLease};
+use crate::shard::discovery::ShardInfo;
+
+/// Rows to create, parents before children.
+///
+/// - A shard whose parent already had a row (a split or merge while consuming) starts at the trim
+///   horizon, so nothing written to it before its parents ended is missed.
+/// - Otherwise the lineage is new to this application and the initial position applies to it, with
+///   one refinement: at `Latest`, a closed shard has nothing left at its tip and starts ended.
+pub(crate) fn new_leases(
+    stream: &str,
+    shards: &[ShardInfo],
+    existing: &HashSet<String>,
+    initial: InitialPosition,
+) -> Vec<NewLease> {
+    let mut out = Vec::new();
+    let mut placed: HashSet<&str> = HashSet::new();
+    let listed: HashSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
+    // Parents first: place a shard once each listed parent is placed (or has a row).
+    let mut pending: Vec<&ShardInfo> = shards.iter().collect();
+    while !pending.is_empty() {
+        let before = pending.len();
+        pending.retain(|shard| {
+            let ready = shard.parents.iter().all(|p| {
+                placed.contains(p.as_str()) || existing.contains(p) || !listed.contains(p.as_str())
+            });
+            if !ready {
+                return true;
+            }
+            placed.insert(shard.shard_id.as_str());
+            if !existing.contains(&shard.shard_id) {
+                out.push(NewLease {
+                    stream: stream.to_string(),
+                    shard_id: shard.shard_id.clone(),
+                    checkpoint: start_of(shard, existing, initial),
+                    parents: shard.parents.clone(),
+                });
+            }
+            false
+        });
+        if pending.len() == before {
+            // A lineage cycle cannot happen in Kinesis; place the rest as they are.
+            for shard in pending.drain(..) {
+                if !existing.contains(&shard.shard_id) {
+                    out.push(NewLease {
+                        stream: stream.to_string(),
+                        shard_id: shard.shard_id.clone(),
+                        checkpoint: start_of(shard, existing, initial),
+                        parents: shard.parents.clone(),
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+fn start_of(shard: &ShardInfo, existing: &HashSet<String>, initial: InitialPosition) -> Checkpoint {
+    if shard.parents.iter().any(|p| existing.contains(p)) {
+        return Checkpoint::TrimHorizon;
+    }
+    match initial {
+        InitialPosition::Latest if shard.closed => Checkpoint::ShardEnd,
+        other => other.checkpoint(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shard(id: &str, parents: &[&str], closed: bool) -> ShardInfo {
+        ShardInfo {
+            shard_id: id.into(),
+            parents: parents.iter().map(|p| p.to_string()).collect(),
+            closed,
+        }
+    }
+
+    fn plan(
+        shards: &[ShardInfo],
+        existing: &[&str],
+        initial: InitialPosition,
+    ) -> Vec<(String, Checkpoint)> {
+        let existing = existing.iter().map(|s| s.to_string()).collect();
+        new_leases("s", shards, &existing, initial)
+            .into_iter()
+            .map(|l| (l.shard_id, l.checkpoint))
+            .collect()
+    }
+
+    #[test]
+    fn a_new_stream_starts_every_shard_at_the_initial_position() {
+        let shards = [shard("0", &[], false), shard("1", &[], false)];
+        assert_eq!(
+            plan(&shards, &[], InitialPosition::Latest),
+            vec![
+                ("0".into(), Checkpoint::Latest),
+                ("1".into(), Checkpoint::Latest)
+            ]
+        );
+    }
+
+    #[test]
+    fn children_of_a_consumed_parent_start_at_the_trim_horizon() {
+        // Split of 0 into 1 and 2 while consuming at LATEST: the children must not skip records.
+        let shards = [
+            shard("0", &[], true),
+            shard("1", &["0"], false),
+            shard("2", &["0"], false),
+        ];
+        assert_eq!(
+            plan(&shards, &["0"], InitialPosition::Latest),
+            vec![
+                ("1".into(), Checkpoint::TrimHorizon),
+                ("2".into(), Checkpoint::TrimHorizon)
+            ]
+        );
+    }
+
+    #[test]
+    fn parents_are_created_before_children_whatever_the_listing_order() {
+        let shards = [
+            shard("m", &["a", "b"], false),
+            shard("b", &[], true),
+            shard("a", &[], true),
+        ];
+        let order: Vec<String> = plan(&shards, &[], InitialPosition::TrimHorizon)
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
+        assert_eq!(order.last().map(String::as_str), Some("m"));
+    }
+
+    #[test]
+    fn at_latest_a_closed_shard_new_to_us_starts_ended() {
+        let shards = [shard("0", &[], true), shard("1", &["0"], false)];
+        assert_eq!(
+            plan(&shards, &[], InitialPosition::Latest),
+            vec![
+                ("0".into(), Checkpoint::ShardEnd),
+                ("1".into(), Checkpoint::Latest)
+            ]
+        );
+    }
+
+    #[test]
+    fn at_trim_horizon_closed_parents_are_read_first() {
+        let shards = [shard("0", &[], true), shard("1", &["0"], false)];
+        assert_eq!(
+            plan(&shards, &[], InitialPosition::TrimHorizon),
+            vec![
+                ("0".into(), Checkpoint::TrimHorizon),
+                ("1".into(), Checkpoint::TrimHorizon)
+            ]
+        );
+    }
+
+    #[test]
+    fn shards_with_rows_are_left_alone() {
+        let shards = [shard("0", &[], false)];
+        assert!(plan(&shards, &["0"], InitialPosition::TrimHorizon).is_empty());
+    }
+}

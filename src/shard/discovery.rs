@@ -1,0 +1,87 @@
+//! Which shards a stream has, and their lineage.
+
+use std::fmt;
+
+use futures::future::BoxFuture;
+
+use crate::error::Error;
+
+/// One shard as ListShards reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardInfo {
+    /// The shard id.
+    pub shard_id: String,
+    /// Its parent (split) or parents (merge).
+    pub parents: Vec<String>,
+    /// Whether the shard is closed (has an ending sequence number): no new records will arrive.
+    pub closed: bool,
+}
+
+/// Lists a stream's shards. Kinesis in production; an in-memory stream in tests.
+pub trait ShardLister: Send + Sync + fmt::Debug + 'static {
+    /// Every shard the stream retains, parents before children, following pagination.
+    fn list_shards<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<ShardInfo>, Error>>;
+}
+
+/// [`ShardLister`] on the Kinesis API.
+#[derive(Debug, Clone)]
+pub struct KinesisShards {
+    client: aws_sdk_kinesis::Client,
+}
+
+impl KinesisShards {
+    /// Lists shards with this client.
+    pub fn new(client: aws_sdk_kinesis::Client) -> Self {
+        Self { client }
+    }
+}
+
+impl ShardLister for KinesisShards {
+    fn list_shards<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<ShardInfo>, Error>> {
+        Box::pin(async move {
+            let mut shards = Vec::new();
+            let mut token: Option<String> = None;
+            loop {
+                let request = match &token {
+                    Some(t) => self.client.list_shards().next_token(t),
+                    None => self.client.list_shards().stream_name(stream),
+                };
+                let page = request.send().await.map_err(|e| {
+                    if e.as_service_error()
+                        .is_some_and(|s| s.is_resource_not_found_exception())
+                    {
+                        Error::StreamNotFound {
+                            stream: stream.to_string(),
+                        }
+                    } else {
+                        Error::Kinesis {
+                            operation: "ListShards",
+                            stream: stream.to_string(),
+                            shard: None,
+                            source: Box::new(e),
+                        }
+                    }
+                })?;
+                shards.extend(page.shards().iter().map(|s| {
+                    ShardInfo {
+                        shard_id: s.shard_id().to_string(),
+                        parents: s
+                            .parent_shard_id()
+                            .into_iter()
+                            .chain(s.adjacent_parent_shard_id())
+                            .map(str::to_string)
+                            .collect(),
+                        closed: s
+                            .sequence_number_range()
+                            .and_then(|r| r.ending_sequence_number())
+                            .is_some(),
+                    }
+                }));
+                match page.next_token() {
+                    Some(t) => token = Some(t.to_string()),
+                    None => return Ok(shards),
+                }
+            }
+        })
+    }
+}

@@ -1,0 +1,187 @@
+//! Where records come from: GetShardIterator and GetRecords, behind a trait so the runtime can read
+//! Kinesis in production and an in-memory stream in tests.
+
+use std::fmt;
+use std::time::SystemTime;
+
+use aws_sdk_kinesis::primitives::DateTime;
+use aws_sdk_kinesis::types::ShardIteratorType;
+use bytes::Bytes;
+use futures::future::BoxFuture;
+
+use super::position::SequenceNumber;
+use crate::error::BoxError;
+
+/// Where to open a shard iterator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StartAt {
+    /// The oldest retained record.
+    TrimHorizon,
+    /// After the newest record.
+    Latest,
+    /// The first record that arrived at or after this time.
+    AtTimestamp(SystemTime),
+    /// The record with this sequence number (and everything after it).
+    AtSequence(SequenceNumber),
+    /// Everything after the record with this sequence number.
+    AfterSequence(SequenceNumber),
+}
+
+/// A record as GetRecords returns it (its data may still hold a KPL aggregate or a header envelope).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawRecord {
+    /// Sequence number.
+    pub sequence: SequenceNumber,
+    /// Partition key.
+    pub partition_key: String,
+    /// The data blob.
+    pub data: Bytes,
+    /// When Kinesis accepted it.
+    pub arrived_at: Option<SystemTime>,
+}
+
+/// One GetRecords answer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Page {
+    /// The records, in shard order.
+    pub records: Vec<RawRecord>,
+    /// The iterator for the next call; `None` once a closed shard has been read to its end.
+    pub next_iterator: Option<String>,
+    /// How far behind the tip of the shard this page is.
+    pub millis_behind_latest: Option<i64>,
+}
+
+/// Why a read failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReadError {
+    /// The shard's read throughput was exceeded: back off and try again.
+    #[error("read throughput exceeded")]
+    Throttled,
+    /// The iterator is older than 5 minutes: open a new one after the last record read.
+    #[error("shard iterator expired")]
+    ExpiredIterator,
+    /// The stream or shard does not exist (deleted, or aged out of retention).
+    #[error("stream or shard not found")]
+    NotFound,
+    /// Anything else: retried with backoff.
+    #[error("read failed")]
+    Other(#[source] BoxError),
+}
+
+/// Reads shards. Cancelling a returned future is safe: reads have no effects.
+pub trait RecordSource: Send + Sync + fmt::Debug + 'static {
+    /// Opens an iterator on `shard` at `start`.
+    fn shard_iterator<'a>(
+        &'a self,
+        stream: &'a str,
+        shard: &'a str,
+        start: &'a StartAt,
+    ) -> BoxFuture<'a, Result<String, ReadError>>;
+
+    /// Reads up to `limit` records at `iterator`.
+    fn get_records<'a>(
+        &'a self,
+        iterator: &'a str,
+        limit: i32,
+    ) -> BoxFuture<'a, Result<Page, ReadError>>;
+}
+
+/// [`RecordSource`] on the Kinesis API.
+#[derive(Debug, Clone)]
+pub struct KinesisRecords {
+    client: aws_sdk_kinesis::Client,
+}
+
+impl KinesisRecords {
+    /// Reads with this client.
+    pub fn new(client: aws_sdk_kinesis::Client) -> Self {
+        Self { client }
+    }
+}
+
+fn classify<E, R>(err: aws_sdk_kinesis::error::SdkError<E, R>) -> ReadError
+where
+    E: aws_sdk_kinesis::error::ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+    R: fmt::Debug + Send + Sync + 'static,
+{
+    match err.as_service_error().and_then(|e| e.code()) {
+        Some("ProvisionedThroughputExceededException") | Some("LimitExceededException") => {
+            ReadError::Throttled
+        }
+        Some("ExpiredIteratorException") => ReadError::ExpiredIterator,
+        Some("ResourceNotFoundException") => ReadError::NotFound,
+        _ => ReadError::Other(Box::new(err)),
+    }
+}
+
+impl RecordSource for KinesisRecords {
+    fn shard_iterator<'a>(
+        &'a self,
+        stream: &'a str,
+        shard: &'a str,
+        start: &'a StartAt,
+    ) -> BoxFuture<'a, Result<String, ReadError>> {
+        Box::pin(async move {
+            let mut req = self
+                .client
+                .get_shard_iterator()
+                .stream_name(stream)
+                .shard_id(shard);
+            req = match start {
+                StartAt::TrimHorizon => req.shard_iterator_type(ShardIteratorType::TrimHorizon),
+                StartAt::Latest => req.shard_iterator_type(ShardIteratorType::Latest),
+                StartAt::AtTimestamp(t) => req
+                    .shard_iterator_type(ShardIteratorType::AtTimestamp)
+                    .timestamp(DateTime::from(*t)),
+                StartAt::AtSequence(s) => req
+                    .shard_iterator_type(ShardIteratorType::AtSequenceNumber)
+                    .starting_sequence_number(s.to_string()),
+                StartAt::AfterSequence(s) => req
+                    .shard_iterator_type(ShardIteratorType::AfterSequenceNumber)
+                    .starting_sequence_number(s.to_string()),
+            };
+            let out = req.send().await.map_err(classify)?;
+            out.shard_iterator
+                .ok_or_else(|| ReadError::Other("GetShardIterator returned no iterator".into()))
+        })
+    }
+
+    fn get_records<'a>(
+        &'a self,
+        iterator: &'a str,
+        limit: i32,
+    ) -> BoxFuture<'a, Result<Page, ReadError>> {
+        Box::pin(async move {
+            let out = self
+                .client
+                .get_records()
+                .shard_iterator(iterator)
+                .limit(limit)
+                .send()
+                .await
+                .map_err(classify)?;
+            let records = out
+                .records
+                .into_iter()
+                .map(|r| {
+                    let sequence = SequenceNumber::parse(&r.sequence_number)
+                        .map_err(|e| ReadError::Other(Box::new(e)))?;
+                    Ok(RawRecord {
+                        sequence,
+                        partition_key: r.partition_key,
+                        data: Bytes::from(r.data.into_inner()),
+                        arrived_at: r
+                            .approximate_arrival_timestamp
+                            .and_then(|t| SystemTime::try_from(t).ok()),
+                    })
+                })
+                .collect::<Result<Vec<_>, ReadError>>()?;
+            Ok(Page {
+                records,
+                next_iterator: out.next_shard_iterator,
+                millis_behind_latest: out.millis_behind_latest,
+            })
+        })
+    }
+}

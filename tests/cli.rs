@@ -1,0 +1,404 @@
+//! The `shardwise` binary, black box, against the live emulators: `stream create/split/merge/
+//! describe`, `put` (every id once, in order per key) and `leases`, plus the failures a user
+//! meets first (a missing stream, a missing lease table).
+
+mod support;
+
+use std::collections::{BTreeSet, HashMap};
+
+use aws_sdk_kinesis::types::ShardIteratorType;
+use serde_json::Value;
+use shardwise::lease::{Checkpoint, DynamoDbLeaseStore, LeaseStore, NewLease};
+
+/// What one run of the binary did.
+#[derive(Debug)]
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    /// Asserts a zero exit status and returns stdout.
+    fn ok(self) -> String {
+        assert_eq!(self.code, Some(0), "shardwise failed: {self:#?}");
+        self.stdout
+    }
+
+    /// Asserts exit status 1 with an `error:` report and no panic, and returns stderr.
+    fn failed(self) -> String {
+        assert_eq!(self.code, Some(1), "expected a failure: {self:#?}");
+        assert!(self.stderr.starts_with("error: "), "{self:#?}");
+        assert!(!self.stderr.contains("panicked"), "{self:#?}");
+        assert!(self.stdout.is_empty(), "{self:#?}");
+        self.stderr
+    }
+
+    /// stdout as one JSON value per line.
+    fn json_lines(self) -> Vec<Value> {
+        self.ok()
+            .lines()
+            .map(|line| serde_json::from_str(line).expect("a JSON line"))
+            .collect()
+    }
+}
+
+/// Runs the binary; it inherits the AWS_* variables that point at the emulators.
+async fn shardwise(args: &[&str]) -> Run {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_shardwise"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("run shardwise");
+    Run {
+        code: out.status.code(),
+        stdout: String::from_utf8(out.stdout).expect("utf-8 stdout"),
+        stderr: String::from_utf8(out.stderr).expect("utf-8 stderr"),
+    }
+}
+
+/// One record read back: its shard, partition key and data.
+#[derive(Debug)]
+struct Read {
+    shard: String,
+    key: String,
+    data: Vec<u8>,
+}
+
+/// Every record of every shard, each shard in sequence-number order.
+async fn read_all(live: &support::Live, stream: &str) -> Vec<Read> {
+    let mut records = Vec::new();
+    for shard in live.shard_ids(stream).await {
+        let mut iterator = live
+            .kinesis
+            .get_shard_iterator()
+            .stream_name(stream)
+            .shard_id(&shard)
+            .shard_iterator_type(ShardIteratorType::TrimHorizon)
+            .send()
+            .await
+            .expect("GetShardIterator")
+            .shard_iterator
+            .expect("an iterator");
+        let mut last_sequence: Option<String> = None;
+        loop {
+            let page = live
+                .kinesis
+                .get_records()
+                .shard_iterator(&iterator)
+                .limit(1000)
+                .send()
+                .await
+                .expect("GetRecords");
+            for r in page.records() {
+                let sequence = r.sequence_number().to_owned();
+                if let Some(last) = &last_sequence {
+                    let (a, b) = (last.len(), sequence.len());
+                    assert!((a, last) < (b, &sequence), "sequence numbers increase");
+                }
+                last_sequence = Some(sequence);
+                records.push(Read {
+                    shard: shard.clone(),
+                    key: r.partition_key().to_owned(),
+                    data: r.data().as_ref().to_vec(),
+                });
+            }
+            if page.records().is_empty() && page.millis_behind_latest() == Some(0) {
+                break;
+            }
+            match page.next_shard_iterator {
+                Some(next) => iterator = next,
+                None => break,
+            }
+        }
+    }
+    records
+}
+
+fn id_of(data: &[u8]) -> u64 {
+    let value: Value = serde_json::from_slice(data).expect("a JSON record");
+    value["id"].as_u64().expect("a numeric id")
+}
+
+#[tokio::test]
+async fn put_writes_every_id_once_in_order_per_key() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("cli-put");
+    let created = shardwise(&["stream", "create", &stream, "--shards", "4"])
+        .await
+        .ok();
+    assert!(created.contains("ACTIVE"), "{created}");
+
+    let summary = shardwise(&["put", "--stream", &stream, "--count", "1000", "--keys", "8"])
+        .await
+        .json_lines();
+    assert_eq!(summary.len(), 1, "{summary:?}");
+    let summary = &summary[0];
+    assert_eq!(summary["stream"], stream.as_str());
+    assert_eq!(summary["written"], 1000);
+    assert_eq!(summary["first_id"], 0);
+    assert_eq!(summary["last_id"], 999);
+    assert!(summary["seconds"].as_f64().is_some_and(|s| s >= 0.0));
+
+    let records = read_all(&live, &stream).await;
+    let mut seen = BTreeSet::new();
+    // Per (shard, key): the last id read, which must be below the next one of the same key.
+    let mut last: HashMap<(String, String), u64> = HashMap::new();
+    let mut shard_of_key: HashMap<String, String> = HashMap::new();
+    for r in &records {
+        let id = id_of(&r.data);
+        assert!(seen.insert(id), "id {id} read twice");
+        assert_eq!(r.key, format!("key-{}", id % 8), "partition key of id {id}");
+        let shard = shard_of_key.entry(r.key.clone()).or_insert(r.shard.clone());
+        assert_eq!(*shard, r.shard, "one key, one shard (no resharding)");
+        if let Some(before) = last.insert((r.shard.clone(), r.key.clone()), id) {
+            assert!(before < id, "{}: id {id} after {before}", r.key);
+        }
+    }
+    assert_eq!(seen, (0..1000).collect::<BTreeSet<u64>>());
+    let shards: BTreeSet<&String> = shard_of_key.values().collect();
+    assert!(shards.len() > 1, "8 keys spread over several shards");
+
+    shardwise(&["stream", "delete", &stream]).await.ok();
+}
+
+#[tokio::test]
+async fn put_pads_records_and_starts_at_the_start_id() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("cli-pad");
+    live.create_stream(&stream, 1).await;
+
+    let summary = shardwise(&[
+        "put",
+        "--stream",
+        &stream,
+        "--count",
+        "20",
+        "--keys",
+        "3",
+        "--size",
+        "100",
+        "--start-id",
+        "500",
+    ])
+    .await
+    .json_lines();
+    assert_eq!(summary[0]["written"], 20);
+    assert_eq!(summary[0]["first_id"], 500);
+    assert_eq!(summary[0]["last_id"], 519);
+
+    let records = read_all(&live, &stream).await;
+    let ids: Vec<u64> = records.iter().map(|r| id_of(&r.data)).collect();
+    assert_eq!(
+        ids,
+        (500..520).collect::<Vec<_>>(),
+        "one shard: written order"
+    );
+    for r in &records {
+        assert_eq!(r.data.len(), 100);
+        let value: Value = serde_json::from_slice(&r.data).unwrap();
+        assert!(
+            value["pad"]
+                .as_str()
+                .is_some_and(|p| p.bytes().all(|b| b == b'x'))
+        );
+        assert_eq!(r.key, format!("key-{}", id_of(&r.data) % 3));
+    }
+    live.delete_stream(&stream).await;
+}
+
+/// `stream describe --json`, keyed by shard id.
+async fn describe(stream: &str) -> HashMap<String, Value> {
+    shardwise(&["stream", "describe", stream, "--json"])
+        .await
+        .json_lines()
+        .into_iter()
+        .map(|v| (v["shard"].as_str().expect("shard").to_owned(), v))
+        .collect()
+}
+
+fn hash(value: &Value, field: &str) -> u128 {
+    value[field].as_str().expect(field).parse().expect("u128")
+}
+
+#[tokio::test]
+async fn split_closes_the_parent_and_opens_two_children() {
+    let _live = live_or_skip!();
+    let stream = support::unique_name("cli-split");
+    shardwise(&["stream", "create", &stream, "--shards", "1"])
+        .await
+        .ok();
+    let parent = "shardId-000000000000";
+    let before = describe(&stream).await;
+    assert_eq!(before.len(), 1);
+    assert_eq!(before[parent]["state"], "open");
+
+    let said = shardwise(&["stream", "split", &stream, parent]).await.ok();
+    assert!(said.contains(&(1u128 << 127).to_string()), "{said}");
+
+    let shards = describe(&stream).await;
+    assert_eq!(shards.len(), 3, "{shards:#?}");
+    assert_eq!(shards[parent]["state"], "closed");
+    assert!(shards[parent]["ending_sequence"].is_string());
+    let mut children: Vec<&Value> = shards.values().filter(|s| s["shard"] != parent).collect();
+    children.sort_by_key(|c| hash(c, "hash_start"));
+    for child in &children {
+        assert_eq!(child["state"], "open");
+        assert_eq!(child["parents"], serde_json::json!([parent]));
+        assert!(said.contains(child["shard"].as_str().unwrap()), "{said}");
+    }
+    assert_eq!(hash(children[0], "hash_start"), 0);
+    assert_eq!(hash(children[0], "hash_end"), (1 << 127) - 1);
+    assert_eq!(hash(children[1], "hash_start"), 1 << 127);
+    assert_eq!(hash(children[1], "hash_end"), u128::MAX);
+
+    let human = shardwise(&["stream", "describe", &stream]).await.ok();
+    let lines: Vec<&str> = human.lines().collect();
+    assert_eq!(lines.len(), 4, "{human}");
+    assert!(lines[0].starts_with("SHARD"), "{human}");
+    assert_eq!(human.matches(" closed ").count(), 1, "{human}");
+    assert_eq!(human.matches(" open ").count(), 2, "{human}");
+
+    // A closed shard cannot be split again.
+    let err = shardwise(&["stream", "split", &stream, parent])
+        .await
+        .failed();
+    assert!(err.contains("closed"), "{err}");
+    shardwise(&["stream", "delete", &stream]).await.ok();
+}
+
+#[tokio::test]
+async fn merge_joins_two_adjacent_open_shards() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("cli-merge");
+    live.create_stream(&stream, 3).await;
+    let err = shardwise(&["stream", "merge", &stream, "0", "2"])
+        .await
+        .failed();
+    assert!(err.contains("not adjacent"), "{err}");
+
+    let said = shardwise(&["stream", "merge", &stream, "0", "1"])
+        .await
+        .ok();
+    let (a, b) = ("shardId-000000000000", "shardId-000000000001");
+    let shards = describe(&stream).await;
+    assert_eq!(shards.len(), 4, "{shards:#?}");
+    assert_eq!(shards[a]["state"], "closed");
+    assert_eq!(shards[b]["state"], "closed");
+    assert_eq!(shards["shardId-000000000002"]["state"], "open");
+    let child = shards
+        .values()
+        .find(|s| !s["parents"].as_array().unwrap().is_empty())
+        .expect("a merged child");
+    assert!(said.contains(child["shard"].as_str().unwrap()), "{said}");
+    assert_eq!(child["state"], "open");
+    let mut parents: Vec<&str> = child["parents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect();
+    parents.sort();
+    assert_eq!(parents, [a, b]);
+    assert_eq!(hash(child, "hash_start"), hash(&shards[a], "hash_start"));
+    assert_eq!(hash(child, "hash_end"), hash(&shards[b], "hash_end"));
+    live.delete_stream(&stream).await;
+}
+
+#[tokio::test]
+async fn leases_of_a_missing_table_fail_naming_it() {
+    let _live = live_or_skip!();
+    let table = support::unique_name("cli-no-table");
+    let err = shardwise(&["leases", "--app", &table]).await.failed();
+    assert!(err.contains(&format!("`{table}`")), "{err}");
+    assert!(err.contains("does not exist"), "{err}");
+}
+
+#[tokio::test]
+async fn leases_prints_the_rows_of_a_table() {
+    let live = live_or_skip!();
+    let table = support::unique_name("cli-leases");
+    let store = DynamoDbLeaseStore::new(live.dynamodb.clone(), &table);
+    store.prepare().await.expect("prepare");
+    let (s0, s1) = ("shardId-000000000000", "shardId-000000000001");
+    let new = |stream: &str, shard: &str, parents: &[&str]| NewLease {
+        stream: stream.into(),
+        shard_id: shard.into(),
+        checkpoint: Checkpoint::TrimHorizon,
+        parents: parents.iter().map(|p| (*p).to_owned()).collect(),
+    };
+    for lease in [
+        new("orders", s0, &[]),
+        new("orders", s1, &[s0]),
+        new("audit", s0, &[]),
+    ] {
+        assert!(store.create(&lease).await.expect("create"));
+    }
+    let seen = store.get("orders", s0).await.unwrap().unwrap();
+    store.take(&seen, "worker-1").await.unwrap().expect("taken");
+    let seen = store.get("audit", s0).await.unwrap().unwrap();
+    let held = store.take(&seen, "worker-2").await.unwrap().expect("taken");
+    let held = held.ownership().unwrap();
+    store
+        .checkpoint(&held, &Checkpoint::ShardEnd, None)
+        .await
+        .unwrap();
+    assert!(store.release(&held).await.unwrap());
+
+    let rows = shardwise(&["leases", "--app", &table, "--stream", "orders", "--json"])
+        .await
+        .json_lines();
+    assert_eq!(rows.len(), 2, "{rows:#?}");
+    let (r0, r1) = (&rows[0], &rows[1]);
+    assert_eq!(r0["stream"], "orders");
+    assert_eq!(r0["shard"], s0);
+    assert_eq!(r0["owner"], "worker-1");
+    assert_eq!(r0["counter"], 1);
+    assert_eq!(r0["epoch"], 1);
+    assert_eq!(r0["checkpoint"], "TRIM_HORIZON");
+    assert_eq!(r0["sub_sequence"], 0);
+    assert_eq!(r0["state"], "owned");
+    assert_eq!(r0["parents"], serde_json::json!([]));
+    assert_eq!(r0["children"], serde_json::json!([]));
+    assert_eq!(r1["shard"], s1);
+    assert_eq!(r1["owner"], Value::Null);
+    assert_eq!(r1["state"], "free");
+    assert_eq!(r1["parents"], serde_json::json!([s0]));
+
+    let all = shardwise(&["leases", "--app", &table, "--json"])
+        .await
+        .json_lines();
+    assert_eq!(all.len(), 3, "{all:#?}");
+    let audit = all
+        .iter()
+        .find(|r| r["stream"] == "audit")
+        .expect("audit row");
+    assert_eq!(audit["state"], "ended");
+    assert_eq!(audit["checkpoint"], "SHARD_END");
+    assert_eq!(audit["owner"], Value::Null);
+
+    let human = shardwise(&["leases", "--app", &table]).await.ok();
+    let lines: Vec<&str> = human.lines().collect();
+    assert_eq!(lines.len(), 4, "{human}");
+    assert!(lines[0].starts_with("STREAM"), "{human}");
+    let column = lines[0].find("STATE").unwrap();
+    for line in &lines[1..] {
+        let state = line[column..].split_whitespace().next().unwrap();
+        assert!(["owned", "free", "ended"].contains(&state), "{human}");
+    }
+    assert!(human.contains("worker-1"), "{human}");
+    live.delete_table(&table).await;
+}
+
+#[tokio::test]
+async fn put_to_a_missing_stream_fails_naming_it() {
+    let _live = live_or_skip!();
+    let stream = support::unique_name("cli-no-stream");
+    let err = shardwise(&["put", "--stream", &stream, "--count", "10"])
+        .await
+        .failed();
+    assert!(err.contains(&format!("`{stream}` does not exist")), "{err}");
+    let err = shardwise(&["stream", "describe", &stream]).await.failed();
+    assert!(err.contains(&format!("`{stream}` does not exist")), "{err}");
+}

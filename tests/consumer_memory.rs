@@ -1,0 +1,400 @@
+//! The consumer end to end on the in-memory stream and lease store: real dispatcher, lanes, tracker,
+//! lease manager and fenced checkpoints, without the network.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rand::Rng;
+use shardwise::lease::{Checkpoint, LeaseSettings, MemoryLeaseStore};
+use shardwise::testing::MemoryStream;
+use shardwise::{Consumer, Delivery, Error, Outcome, Position, Running};
+
+/// One handled delivery, in the order handlers finished.
+#[derive(Debug, Clone)]
+struct Handled {
+    shard: String,
+    key: String,
+    id: u64,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Log(Arc<Mutex<Vec<Handled>>>);
+
+impl Log {
+    fn push(&self, d: &Delivery) {
+        let id = std::str::from_utf8(d.payload()).unwrap().parse().unwrap();
+        self.0.lock().unwrap().push(Handled {
+            shard: d.shard().to_string(),
+            key: d.partition_key().to_string(),
+            id,
+        });
+    }
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+    fn all(&self) -> Vec<Handled> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+fn fast_leases() -> LeaseSettings {
+    LeaseSettings::default()
+        .lease_duration(Duration::from_millis(1500))
+        .scan_interval(Duration::from_millis(100))
+        .shard_sync_interval(Duration::from_millis(500))
+}
+
+fn put(stream: &MemoryStream, ids: std::ops::Range<u64>, keys: u64) {
+    for id in ids {
+        stream.put(&format!("key-{}", id % keys), id.to_string());
+    }
+}
+
+async fn start<F, Fut>(
+    stream: &MemoryStream,
+    store: &MemoryLeaseStore,
+    lanes: usize,
+    handler: F,
+) -> Running
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Outcome> + Send,
+{
+    Consumer::builder(stream.name(), "memory-app", handler)
+        .lanes(lanes)
+        .worker_id("w1")
+        .poll_interval(Duration::from_millis(200))
+        .get_records_limit(100)
+        .max_in_flight(200)
+        .checkpoint_interval(Duration::from_millis(50))
+        .lease_settings(fast_leases())
+        .lease_store(Arc::new(store.clone()))
+        .record_source(Arc::new(stream.clone()))
+        .shard_lister(Arc::new(stream.clone()))
+        .build()
+        .expect("valid settings")
+        .run()
+        .await
+        .expect("starts")
+}
+
+async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Every key's ids were handled in increasing order.
+fn assert_per_key_order(log: &[Handled]) {
+    let mut last: HashMap<&str, u64> = HashMap::new();
+    for h in log {
+        if let Some(prev) = last.insert(h.key.as_str(), h.id) {
+            assert!(prev < h.id, "key {} handled {} after {}", h.key, h.id, prev);
+        }
+    }
+}
+
+fn checkpoints(store: &MemoryLeaseStore) -> BTreeMap<String, Checkpoint> {
+    store
+        .snapshot()
+        .into_iter()
+        .map(|l| (l.shard_id, l.checkpoint))
+        .collect()
+}
+
+#[tokio::test]
+async fn every_record_is_handled_once_and_checkpoints_reach_each_shards_last_record() {
+    let stream = MemoryStream::new("orders", 4);
+    let store = MemoryLeaseStore::new();
+    put(&stream, 0..2000, 50);
+    let log = Log::default();
+    let l = log.clone();
+    let running = start(&stream, &store, 4, move |d: Delivery| {
+        let l = l.clone();
+        async move {
+            l.push(&d);
+            Outcome::Ack
+        }
+    })
+    .await;
+    wait_for("2000 records", Duration::from_secs(20), || {
+        log.len() >= 2000
+    })
+    .await;
+    let report = running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(report.leases_released, 4);
+
+    let handled = log.all();
+    let ids: HashSet<u64> = handled.iter().map(|h| h.id).collect();
+    assert_eq!(handled.len(), 2000, "no duplicates");
+    assert_eq!(ids.len(), 2000, "no record missing");
+    assert_per_key_order(&handled);
+    let cps = checkpoints(&store);
+    for shard in stream.open_shards() {
+        let last = stream
+            .records()
+            .into_iter()
+            .filter(|r| r.shard_id == shard)
+            .last()
+            .map(|r| r.record.sequence);
+        let want = last.map(|s| Checkpoint::At(Position::new(s, 0)));
+        assert_eq!(cps.get(&shard), want.as_ref(), "checkpoint of {shard}");
+    }
+    assert!(
+        store.snapshot().iter().all(|l| l.owner.is_none()),
+        "leases released"
+    );
+}
+
+#[tokio::test]
+async fn eight_lanes_with_random_delays_keep_per_key_order_and_never_checkpoint_past_unsettled() {
+    let stream = MemoryStream::new("orders", 2);
+    let store = MemoryLeaseStore::new();
+    put(&stream, 0..1500, 40);
+    let log = Log::default();
+    let handled: Arc<Mutex<HashSet<Position>>> = Arc::default();
+    let (l, h) = (log.clone(), handled.clone());
+    let running = start(&stream, &store, 8, move |d: Delivery| {
+        let (l, h) = (l.clone(), h.clone());
+        async move {
+            let ms = rand::rng().random_range(0..4);
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            l.push(&d);
+            h.lock().unwrap().insert(*d.position());
+            Outcome::Ack
+        }
+    })
+    .await;
+
+    // While it runs: every record at or before a stored checkpoint has been handled.
+    let records = stream.records();
+    let mut checks = 0;
+    while log.len() < 1500 {
+        for (shard, cp) in checkpoints(&store) {
+            if let Checkpoint::At(cp) = cp {
+                let done = handled.lock().unwrap();
+                for r in records.iter().filter(|r| r.shard_id == shard) {
+                    let p = Position::new(r.record.sequence, 0);
+                    if p <= cp {
+                        assert!(
+                            done.contains(&p),
+                            "checkpoint {cp} of {shard} passed unhandled {p}"
+                        );
+                    }
+                }
+                checks += 1;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        checks > 10,
+        "the checkpoint was observed while running ({checks} checks)"
+    );
+    running.shutdown(Duration::from_secs(5)).await;
+    let all = log.all();
+    assert_eq!(all.len(), 1500);
+    assert_per_key_order(&all);
+}
+
+#[tokio::test]
+async fn a_refused_retry_holds_the_checkpoint_and_the_next_owner_rereads_it() {
+    let stream = MemoryStream::new("orders", 1);
+    let store = MemoryLeaseStore::new();
+    put(&stream, 0..100, 10);
+    let log = Log::default();
+    let l = log.clone();
+    let running = start(&stream, &store, 2, move |d: Delivery| {
+        let l = l.clone();
+        async move {
+            l.push(&d);
+            if d.payload().as_ref() == b"30" {
+                Outcome::Retry
+            } else {
+                Outcome::Ack
+            }
+        }
+    })
+    .await;
+    wait_for("all 100 seen", Duration::from_secs(10), || log.len() >= 100).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held_at = stream.records()[29].record.sequence;
+    assert_eq!(
+        checkpoints(&store).into_values().next(),
+        Some(Checkpoint::At(Position::new(held_at, 0))),
+        "the checkpoint stops right before the refused record"
+    );
+    running.shutdown(Duration::from_secs(2)).await;
+
+    // The next owner rereads from the checkpoint: the refused record first.
+    let again = Log::default();
+    let a = again.clone();
+    let running = start(&stream, &store, 2, move |d: Delivery| {
+        let a = a.clone();
+        async move {
+            a.push(&d);
+            Outcome::Ack
+        }
+    })
+    .await;
+    wait_for("reread", Duration::from_secs(10), || again.len() >= 70).await;
+    running.shutdown(Duration::from_secs(2)).await;
+    let ids: Vec<u64> = again.all().iter().map(|h| h.id).collect();
+    assert!(ids.contains(&30), "the refused record is delivered again");
+    assert!(
+        !ids.iter().any(|id| *id < 30),
+        "nothing before the checkpoint is reread"
+    );
+    assert_eq!(ids.len(), 70);
+}
+
+#[tokio::test]
+async fn a_panicking_handler_is_treated_as_a_retry_and_holds_the_checkpoint() {
+    let stream = MemoryStream::new("orders", 1);
+    let store = MemoryLeaseStore::new();
+    put(&stream, 0..20, 4);
+    let log = Log::default();
+    let l = log.clone();
+    let running = start(&stream, &store, 1, move |d: Delivery| {
+        let l = l.clone();
+        async move {
+            if d.payload().as_ref() == b"5" {
+                panic!("poison record");
+            }
+            l.push(&d);
+            Outcome::Ack
+        }
+    })
+    .await;
+    wait_for("the others", Duration::from_secs(10), || log.len() >= 19).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = stream.records()[4].record.sequence;
+    assert_eq!(
+        checkpoints(&store).into_values().next(),
+        Some(Checkpoint::At(Position::new(before, 0)))
+    );
+    running.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test]
+async fn a_graceful_restart_loses_nothing_and_repeats_nothing() {
+    let stream = MemoryStream::new("orders", 2);
+    let store = MemoryLeaseStore::new();
+    put(&stream, 0..3000, 30);
+    let log = Log::default();
+    let handler = {
+        let l = log.clone();
+        move |d: Delivery| {
+            let l = l.clone();
+            async move {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+                l.push(&d);
+                Outcome::Ack
+            }
+        }
+    };
+    let running = start(&stream, &store, 4, handler.clone()).await;
+    wait_for("some records", Duration::from_secs(10), || log.len() >= 500).await;
+    let report = running.shutdown(Duration::from_secs(10)).await;
+    assert!(!report.deadline_passed);
+    let first = log.len();
+    assert!(first < 3000, "stopped part-way ({first})");
+
+    let running = start(&stream, &store, 4, handler).await;
+    wait_for("the rest", Duration::from_secs(20), || log.len() >= 3000).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let all = log.all();
+    let ids: HashSet<u64> = all.iter().map(|h| h.id).collect();
+    assert_eq!(ids.len(), 3000, "nothing lost");
+    assert_eq!(all.len(), 3000, "nothing repeated after a graceful stop");
+}
+
+#[tokio::test]
+async fn split_and_merge_while_consuming_keep_per_key_order_across_parents_and_children() {
+    let stream = MemoryStream::new("orders", 2);
+    let store = MemoryLeaseStore::new();
+    put(&stream, 0..400, 16);
+    let log = Log::default();
+    let l = log.clone();
+    let running = start(&stream, &store, 4, move |d: Delivery| {
+        let l = l.clone();
+        async move {
+            tokio::time::sleep(Duration::from_micros(300)).await;
+            l.push(&d);
+            Outcome::Ack
+        }
+    })
+    .await;
+    wait_for("some records", Duration::from_secs(10), || log.len() >= 100).await;
+    let open = stream.open_shards();
+    let (left, right) = stream.split(&open[0]);
+    put(&stream, 400..800, 16);
+    wait_for("records after the split", Duration::from_secs(20), || {
+        log.len() >= 600
+    })
+    .await;
+    let merged = stream.merge(&left, &right);
+    put(&stream, 800..1200, 16);
+    wait_for("every record", Duration::from_secs(30), || {
+        log.len() >= 1200
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+
+    let all = log.all();
+    assert_eq!(all.len(), 1200, "each record once");
+    assert_per_key_order(&all);
+    let cps = checkpoints(&store);
+    for ended in [&open[0], &left, &right] {
+        assert_eq!(
+            cps[ended.as_str()],
+            Checkpoint::ShardEnd,
+            "{ended} reached SHARD_END"
+        );
+    }
+    assert!(
+        all.iter().any(|h| h.shard == merged),
+        "the merged child was read"
+    );
+}
+
+#[tokio::test]
+async fn a_missing_stream_fails_at_start_with_a_clear_error() {
+    let stream = MemoryStream::new("orders", 1);
+    let err = Consumer::builder("no-such-stream", "memory-app", |_d: Delivery| async {
+        Outcome::Ack
+    })
+    .lease_store(Arc::new(MemoryLeaseStore::new()))
+    .record_source(Arc::new(stream.clone()))
+    .shard_lister(Arc::new(stream))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .expect_err("no such stream");
+    assert!(
+        matches!(err, Error::StreamNotFound { ref stream } if stream == "no-such-stream"),
+        "{err}"
+    );
+}
+
+#[test]
+fn invalid_settings_fail_at_build_naming_the_field() {
+    let err = Consumer::builder("orders", "app", |_d: Delivery| async { Outcome::Ack })
+        .lanes(0)
+        .build()
+        .expect_err("zero lanes");
+    assert_eq!(err.field(), "lanes");
+    assert!(
+        err.to_string().contains("lanes") && err.to_string().contains('0'),
+        "{err}"
+    );
+}

@@ -1,0 +1,707 @@
+//! One conformance suite for every `LeaseStore`: the memory store always, the DynamoDB store
+//! against the live endpoint (one fresh table per test, created by `prepare()`). Both must give the
+//! same typed answers to the same conditional writes, including under a race of eight takers.
+
+mod support;
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use futures::future::join_all;
+use shardwise::lease::{
+    Checkpoint, CheckpointWrite, DynamoDbLeaseStore, Lease, LeaseStore, MemoryLeaseStore, NewLease,
+    Ownership,
+};
+use shardwise::{Error, Position, SequenceNumber};
+
+const SHARD: &str = "shardId-000000000000";
+
+fn new_lease(stream: &str, shard_id: &str) -> NewLease {
+    NewLease {
+        stream: stream.into(),
+        shard_id: shard_id.into(),
+        checkpoint: Checkpoint::TrimHorizon,
+        parents: vec![],
+    }
+}
+
+fn at(sequence: &str, sub: u64) -> Checkpoint {
+    Checkpoint::At(Position::new(SequenceNumber::parse(sequence).unwrap(), sub))
+}
+
+/// A real-looking 56-digit Kinesis sequence number.
+const SEQ_56: &str = "49590338271490256608559692538361571095921575989136588898";
+
+fn stream_name() -> String {
+    support::unique_name("stream")
+}
+
+/// Creates the row and returns it as read back.
+async fn created(store: &dyn LeaseStore, stream: &str) -> Lease {
+    assert!(store.create(&new_lease(stream, SHARD)).await.unwrap());
+    row(store, stream).await
+}
+
+async fn row(store: &dyn LeaseStore, stream: &str) -> Lease {
+    store
+        .get(stream, SHARD)
+        .await
+        .unwrap()
+        .expect("the row exists")
+}
+
+/// Creates the row and takes it for `owner`.
+async fn held(store: &dyn LeaseStore, stream: &str, owner: &str) -> (Lease, Ownership) {
+    let seen = created(store, stream).await;
+    let taken = store.take(&seen, owner).await.unwrap().expect("take");
+    let ownership = taken.ownership().expect("owned");
+    (taken, ownership)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The suite
+
+async fn create_twice_keeps_the_first(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let mut first = new_lease(&stream, SHARD);
+    first.parents = vec!["shardId-000000000007".into()];
+    assert!(store.create(&first).await.unwrap());
+    let mut second = new_lease(&stream, SHARD);
+    second.checkpoint = Checkpoint::Latest;
+    assert!(!store.create(&second).await.unwrap(), "second create");
+
+    let row = row(store, &stream).await;
+    assert_eq!(row.stream, stream);
+    assert_eq!(row.shard_id, SHARD);
+    assert_eq!(row.owner, None);
+    assert_eq!((row.counter, row.owner_epoch, row.seek_epoch), (0, 0, 0));
+    assert_eq!(
+        row.checkpoint,
+        Checkpoint::TrimHorizon,
+        "the first create wins"
+    );
+    assert_eq!(row.parents, vec!["shardId-000000000007".to_string()]);
+    assert!(row.children.is_empty());
+    assert_eq!(row.complete_through, None);
+    assert_eq!(
+        store.get(&stream, "shardId-000000000001").await.unwrap(),
+        None
+    );
+}
+
+async fn take_unowned_then_stale_take_gets_nothing(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let seen = created(store, &stream).await;
+    let taken = store.take(&seen, "worker-a").await.unwrap().expect("take");
+    assert_eq!(taken.owner.as_deref(), Some("worker-a"));
+    assert_eq!((taken.counter, taken.owner_epoch), (1, 1));
+    assert_eq!(
+        taken,
+        row(store, &stream).await,
+        "take returns the stored row"
+    );
+
+    assert_eq!(
+        store.take(&seen, "worker-b").await.unwrap(),
+        None,
+        "stale seen row"
+    );
+    assert_eq!(
+        row(store, &stream).await,
+        taken,
+        "the refused take changed nothing"
+    );
+
+    // A row that does not exist cannot be taken (and is not created by trying).
+    let mut ghost = seen.clone();
+    ghost.shard_id = "shardId-000000000099".into();
+    assert_eq!(store.take(&ghost, "worker-a").await.unwrap(), None);
+    assert_eq!(store.get(&stream, &ghost.shard_id).await.unwrap(), None);
+}
+
+async fn renew_by_the_owner_only(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (taken, mine) = held(store, &stream, "worker-a").await;
+    assert!(store.renew(&mine).await.unwrap());
+    assert!(store.renew(&mine).await.unwrap());
+    let after = row(store, &stream).await;
+    assert_eq!(after.counter, taken.counter + 2);
+    assert_eq!(
+        after.owner_epoch, taken.owner_epoch,
+        "renew keeps the epoch"
+    );
+
+    let wrong_epoch = Ownership {
+        epoch: mine.epoch + 1,
+        ..mine.clone()
+    };
+    assert!(!store.renew(&wrong_epoch).await.unwrap());
+    let wrong_owner = Ownership {
+        owner: "worker-b".into(),
+        ..mine.clone()
+    };
+    assert!(!store.renew(&wrong_owner).await.unwrap());
+    let missing = Ownership {
+        shard_id: "shardId-000000000099".into(),
+        ..mine
+    };
+    assert!(!store.renew(&missing).await.unwrap());
+    assert_eq!(
+        row(store, &stream).await,
+        after,
+        "refused renews changed nothing"
+    );
+}
+
+async fn checkpoint_moves_forward_only(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (_, mine) = held(store, &stream, "worker-a").await;
+    let ten = at("10", 0);
+    assert_eq!(
+        store
+            .checkpoint(&mine, &ten, Some(1_700_000_000_000))
+            .await
+            .unwrap(),
+        CheckpointWrite::Written
+    );
+    let stored = row(store, &stream).await;
+    assert_eq!(stored.checkpoint, ten);
+    assert_eq!(stored.complete_through, Some(1_700_000_000_000));
+
+    // Numeric, not lexicographic: 10 > 9; the sub-sequence counts too.
+    for not_newer in [at("10", 0), at("9", 0), at("9", 5), at("0", 0)] {
+        assert_eq!(
+            store.checkpoint(&mine, &not_newer, Some(1)).await.unwrap(),
+            CheckpointWrite::NotNewer,
+            "{not_newer}"
+        );
+    }
+    assert_eq!(
+        store
+            .checkpoint(&mine, &Checkpoint::TrimHorizon, None)
+            .await
+            .unwrap(),
+        CheckpointWrite::NotNewer
+    );
+    assert_eq!(row(store, &stream).await, stored, "unchanged");
+
+    assert_eq!(
+        store.checkpoint(&mine, &at("10", 1), None).await.unwrap(),
+        CheckpointWrite::Written
+    );
+    let stored = row(store, &stream).await;
+    assert_eq!(stored.checkpoint, at("10", 1));
+    assert_eq!(
+        stored.complete_through,
+        Some(1_700_000_000_000),
+        "no complete_through leaves it as it was"
+    );
+    assert_eq!(
+        store
+            .checkpoint(&mine, &at("100", 0), Some(1_700_000_000_500))
+            .await
+            .unwrap(),
+        CheckpointWrite::Written
+    );
+    let stored = row(store, &stream).await;
+    assert_eq!(stored.checkpoint, at("100", 0));
+    assert_eq!(stored.complete_through, Some(1_700_000_000_500));
+    assert_eq!(
+        stored.owner_epoch, mine.epoch,
+        "a checkpoint is not a change of owner"
+    );
+}
+
+async fn a_zombie_cannot_checkpoint(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (_, a) = held(store, &stream, "worker-a").await;
+    assert_eq!(
+        store.checkpoint(&a, &at(SEQ_56, 0), None).await.unwrap(),
+        CheckpointWrite::Written
+    );
+    // A pauses past expiry; B observes the row and takes it.
+    let fresh = row(store, &stream).await;
+    let b = store
+        .take(&fresh, "worker-b")
+        .await
+        .unwrap()
+        .expect("B takes the expired lease");
+    assert_eq!(b.owner_epoch, 2);
+    let before = row(store, &stream).await;
+
+    // A wakes up and tries to move the checkpoint, further or not.
+    let later = at(&format!("{}9", &SEQ_56[..SEQ_56.len() - 1]), 0);
+    for attempt in [
+        later.clone(),
+        Checkpoint::ShardEnd,
+        at(SEQ_56, 0),
+        at("1", 0),
+    ] {
+        assert_eq!(
+            store.checkpoint(&a, &attempt, Some(5)).await.unwrap(),
+            CheckpointWrite::Lost,
+            "zombie write of {attempt}"
+        );
+    }
+    assert!(!store.renew(&a).await.unwrap());
+    assert!(!store.release(&a).await.unwrap());
+    assert_eq!(
+        row(store, &stream).await,
+        before,
+        "the zombie changed nothing"
+    );
+
+    // The rightful owner can.
+    let b = b.ownership().unwrap();
+    assert_eq!(
+        store.checkpoint(&b, &later, None).await.unwrap(),
+        CheckpointWrite::Written
+    );
+}
+
+async fn shard_end_beats_any_sequence(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (_, mine) = held(store, &stream, "worker-a").await;
+    let biggest = at(&"9".repeat(129), u64::MAX);
+    assert_eq!(
+        store.checkpoint(&mine, &biggest, None).await.unwrap(),
+        CheckpointWrite::Written
+    );
+    assert_eq!(
+        store
+            .checkpoint(&mine, &Checkpoint::ShardEnd, None)
+            .await
+            .unwrap(),
+        CheckpointWrite::Written
+    );
+    assert_eq!(row(store, &stream).await.checkpoint, Checkpoint::ShardEnd);
+    for after_the_end in [biggest, at(SEQ_56, 0), Checkpoint::ShardEnd] {
+        assert_eq!(
+            store.checkpoint(&mine, &after_the_end, None).await.unwrap(),
+            CheckpointWrite::NotNewer
+        );
+    }
+    assert_eq!(row(store, &stream).await.checkpoint, Checkpoint::ShardEnd);
+}
+
+async fn a_129_digit_sequence_beats_a_56_digit_one(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (_, mine) = held(store, &stream, "worker-a").await;
+    // As strings, "1000…" < "4959…": only the padded key orders them numerically.
+    let long = at(&format!("1{}", "0".repeat(128)), 0);
+    assert_eq!(
+        store.checkpoint(&mine, &at(SEQ_56, 0), None).await.unwrap(),
+        CheckpointWrite::Written
+    );
+    assert_eq!(
+        store.checkpoint(&mine, &long, None).await.unwrap(),
+        CheckpointWrite::Written
+    );
+    assert_eq!(row(store, &stream).await.checkpoint, long);
+    assert_eq!(
+        store.checkpoint(&mine, &at(SEQ_56, 0), None).await.unwrap(),
+        CheckpointWrite::NotNewer
+    );
+    assert_eq!(row(store, &stream).await.checkpoint, long);
+}
+
+async fn release_gives_the_lease_up(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (taken, mine) = held(store, &stream, "worker-a").await;
+    let stranger = Ownership {
+        owner: "worker-b".into(),
+        ..mine.clone()
+    };
+    assert!(!store.release(&stranger).await.unwrap(), "not the owner");
+    assert!(store.release(&mine).await.unwrap());
+    let released = row(store, &stream).await;
+    assert_eq!(released.owner, None);
+    assert_eq!(released.counter, taken.counter + 1);
+    assert_eq!(released.owner_epoch, taken.owner_epoch);
+    assert!(!store.release(&mine).await.unwrap(), "already released");
+    assert!(!store.renew(&mine).await.unwrap());
+    assert_eq!(
+        store.checkpoint(&mine, &at("5", 0), None).await.unwrap(),
+        CheckpointWrite::Lost
+    );
+    assert_eq!(row(store, &stream).await, released);
+
+    // Unowned again: anyone may take it, under a new epoch.
+    let again = store
+        .take(&released, "worker-b")
+        .await
+        .unwrap()
+        .expect("take");
+    assert_eq!(again.owner_epoch, taken.owner_epoch + 1);
+    assert_eq!(again.counter, released.counter + 1);
+}
+
+async fn steal_from_a_live_owner(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (a_row, a) = held(store, &stream, "worker-a").await;
+    assert!(store.renew(&a).await.unwrap());
+    // The row B saw before A's renew is stale.
+    assert_eq!(store.take(&a_row, "worker-b").await.unwrap(), None);
+    // A thief must name the owner it saw: a steal conditioned on "unowned" fails.
+    let fresh = row(store, &stream).await;
+    let unowned_view = Lease {
+        owner: None,
+        ..fresh.clone()
+    };
+    assert_eq!(store.take(&unowned_view, "worker-b").await.unwrap(), None);
+    let stolen = store
+        .take(&fresh, "worker-b")
+        .await
+        .unwrap()
+        .expect("steal");
+    assert_eq!(stolen.owner.as_deref(), Some("worker-b"));
+    assert_eq!(stolen.owner_epoch, a.epoch + 1);
+    assert_eq!(stolen.counter, fresh.counter + 1);
+    assert!(!store.renew(&a).await.unwrap(), "the old owner lost it");
+    assert!(store.renew(&stolen.ownership().unwrap()).await.unwrap());
+}
+
+async fn list_returns_only_the_stream(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let other = stream_name();
+    let shards = [
+        "shardId-000000000002",
+        "shardId-000000000000",
+        "shardId-000000000001",
+    ];
+    for shard in shards {
+        assert!(store.create(&new_lease(&stream, shard)).await.unwrap());
+    }
+    assert!(store.create(&new_lease(&other, SHARD)).await.unwrap());
+    let mut child = new_lease(&stream, "shardId-000000000003");
+    child.parents = vec![shards[1].into(), shards[2].into()];
+    assert!(store.create(&child).await.unwrap());
+    let children = vec!["shardId-000000000003".to_string()];
+    store
+        .set_children(&stream, shards[1], &children)
+        .await
+        .unwrap();
+    store
+        .set_children(&stream, shards[2], &children)
+        .await
+        .unwrap();
+    // Children of a shard with no row: nothing to record, not an error, nothing created.
+    store
+        .set_children(&stream, "shardId-000000000042", &children)
+        .await
+        .unwrap();
+
+    let mut rows = store.list(&stream).await.unwrap();
+    rows.sort_by(|a, b| a.shard_id.cmp(&b.shard_id));
+    let ids: Vec<&str> = rows.iter().map(|r| r.shard_id.as_str()).collect();
+    assert_eq!(
+        ids,
+        [
+            "shardId-000000000000",
+            "shardId-000000000001",
+            "shardId-000000000002",
+            "shardId-000000000003"
+        ]
+    );
+    assert!(rows.iter().all(|r| r.stream == stream));
+    assert_eq!(rows[0].children, children);
+    assert_eq!(rows[1].children, children);
+    assert!(rows[2].children.is_empty());
+    assert_eq!(rows[3].parents, child.parents);
+    assert_eq!(store.list(&other).await.unwrap().len(), 1);
+    assert!(store.list(&stream_name()).await.unwrap().is_empty());
+}
+
+async fn at_timestamp_round_trips(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let when = UNIX_EPOCH + Duration::from_millis(1_700_000_000_123);
+    let mut lease = new_lease(&stream, SHARD);
+    lease.checkpoint = Checkpoint::AtTimestamp(when);
+    assert!(store.create(&lease).await.unwrap());
+    let stored = row(store, &stream).await;
+    assert_eq!(stored.checkpoint, Checkpoint::AtTimestamp(when));
+    assert_eq!(store.list(&stream).await.unwrap(), vec![stored.clone()]);
+    let taken = store
+        .take(&stored, "worker-a")
+        .await
+        .unwrap()
+        .expect("take");
+    assert_eq!(taken.checkpoint, Checkpoint::AtTimestamp(when));
+    let mine = taken.ownership().unwrap();
+    // A start sentinel is never newer than itself.
+    assert_eq!(
+        store
+            .checkpoint(&mine, &Checkpoint::AtTimestamp(when), None)
+            .await
+            .unwrap(),
+        CheckpointWrite::NotNewer
+    );
+    assert_eq!(
+        store.checkpoint(&mine, &at("1", 0), None).await.unwrap(),
+        CheckpointWrite::Written
+    );
+    assert_eq!(row(store, &stream).await.checkpoint, at("1", 0));
+}
+
+/// Eight workers race to take the same lease from the same observed row, twenty rounds in a row;
+/// the winner's row is what the next round's racers saw (a steal from the last winner).
+async fn eight_takers_race_and_one_wins(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let mut seen = created(store, &stream).await;
+    let mut previous: Option<Ownership> = None;
+    for round in 0..20u64 {
+        let owners: Vec<String> = (0..8).map(|i| format!("worker-{round}-{i}")).collect();
+        let results = join_all(owners.iter().map(|owner| store.take(&seen, owner))).await;
+        let winners: Vec<Lease> = results
+            .into_iter()
+            .filter_map(|r| r.expect("take"))
+            .collect();
+        assert_eq!(
+            winners.len(),
+            1,
+            "round {round}: exactly one winner: {winners:?}"
+        );
+        let winner = winners.into_iter().next().unwrap();
+        assert_eq!(winner.owner_epoch, seen.owner_epoch + 1, "round {round}");
+        assert_eq!(winner.counter, seen.counter + 1, "round {round}");
+        assert_eq!(winner.owner_epoch, round + 1);
+        assert_eq!(row(store, &stream).await, winner, "round {round}");
+        if let Some(previous) = &previous {
+            assert!(!store.renew(previous).await.unwrap(), "round {round}");
+        }
+        previous = winner.ownership();
+        seen = winner;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One test per (store, case)
+
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    let store = MemoryLeaseStore::new();
+                    store.prepare().await.unwrap();
+                    super::$case(&store).await;
+                }
+            )*
+        }
+
+        mod dynamodb {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    let live = live_or_skip!();
+                    let table = support::unique_name("leases");
+                    let store = DynamoDbLeaseStore::new(live.dynamodb.clone(), &table);
+                    store.prepare().await.expect("prepare creates the table");
+                    super::$case(&store).await;
+                    live.delete_table(&table).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    create_twice_keeps_the_first,
+    take_unowned_then_stale_take_gets_nothing,
+    renew_by_the_owner_only,
+    checkpoint_moves_forward_only,
+    a_zombie_cannot_checkpoint,
+    shard_end_beats_any_sequence,
+    a_129_digit_sequence_beats_a_56_digit_one,
+    release_gives_the_lease_up,
+    steal_from_a_live_owner,
+    list_returns_only_the_stream,
+    at_timestamp_round_trips,
+    eight_takers_race_and_one_wins,
+);
+
+// ---------------------------------------------------------------------------------------------
+// The DynamoDB store only: the table itself.
+
+#[tokio::test]
+async fn memory_snapshot_and_clones_share_rows() {
+    let store = MemoryLeaseStore::new();
+    let clone = store.clone();
+    assert!(store.create(&new_lease("a", SHARD)).await.unwrap());
+    assert!(!clone.create(&new_lease("a", SHARD)).await.unwrap());
+    assert!(clone.create(&new_lease("b", SHARD)).await.unwrap());
+    let keys: Vec<String> = store.snapshot().iter().map(Lease::key).collect();
+    assert_eq!(keys, [format!("a#{SHARD}"), format!("b#{SHARD}")]);
+}
+
+fn schema_error(err: Error) -> String {
+    match &err {
+        Error::LeaseTableSchema { .. } => err.to_string(),
+        other => panic!("expected LeaseTableSchema, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn dynamodb_prepare_twice_and_by_two_workers_at_once() {
+    let live = live_or_skip!();
+    let table = support::unique_name("leases");
+    let a = DynamoDbLeaseStore::new(live.dynamodb.clone(), &table);
+    let b = DynamoDbLeaseStore::new(live.dynamodb.clone(), &table);
+    let (ra, rb) = tokio::join!(a.prepare(), b.prepare());
+    ra.expect("worker a");
+    rb.expect("worker b");
+    a.prepare().await.expect("an existing, right table");
+    assert!(a.create(&new_lease("s", SHARD)).await.unwrap());
+    assert!(format!("{a:?}").contains(&table));
+    live.delete_table(&table).await;
+}
+
+#[tokio::test]
+async fn dynamodb_prepare_refuses_a_table_keyed_by_another_attribute() {
+    let live = live_or_skip!();
+    let table = support::unique_name("leases");
+    live.create_table(&table, "id").await;
+    let store = DynamoDbLeaseStore::new(live.dynamodb.clone(), &table);
+    let message = schema_error(store.prepare().await.unwrap_err());
+    assert!(message.contains(&table), "{message}");
+    assert!(message.contains("`id`"), "{message}");
+    assert!(message.contains("`leaseKey` (S)"), "{message}");
+    live.delete_table(&table).await;
+}
+
+#[tokio::test]
+async fn dynamodb_prepare_refuses_a_numeric_lease_key() {
+    use aws_sdk_dynamodb::types::{
+        AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
+    };
+    let live = live_or_skip!();
+    let table = support::unique_name("leases");
+    live.dynamodb
+        .create_table()
+        .table_name(&table)
+        .billing_mode(BillingMode::PayPerRequest)
+        .attribute_definitions(
+            AttributeDefinition::builder()
+                .attribute_name("leaseKey")
+                .attribute_type(ScalarAttributeType::N)
+                .build()
+                .unwrap(),
+        )
+        .key_schema(
+            KeySchemaElement::builder()
+                .attribute_name("leaseKey")
+                .key_type(KeyType::Hash)
+                .build()
+                .unwrap(),
+        )
+        .send()
+        .await
+        .expect("CreateTable");
+    let store = DynamoDbLeaseStore::new(live.dynamodb.clone(), &table);
+    let message = schema_error(store.prepare().await.unwrap_err());
+    assert!(message.contains(&table), "{message}");
+    assert!(message.contains("`leaseKey` is of type N"), "{message}");
+    assert!(message.contains("expected `leaseKey` (S)"), "{message}");
+    live.delete_table(&table).await;
+}
+
+#[tokio::test]
+async fn dynamodb_prepare_refuses_a_range_key() {
+    use aws_sdk_dynamodb::types::{
+        AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
+    };
+    let live = live_or_skip!();
+    let table = support::unique_name("leases");
+    let definition = |name: &str| {
+        AttributeDefinition::builder()
+            .attribute_name(name)
+            .attribute_type(ScalarAttributeType::S)
+            .build()
+            .unwrap()
+    };
+    let key = |name: &str, key_type| {
+        KeySchemaElement::builder()
+            .attribute_name(name)
+            .key_type(key_type)
+            .build()
+            .unwrap()
+    };
+    live.dynamodb
+        .create_table()
+        .table_name(&table)
+        .billing_mode(BillingMode::PayPerRequest)
+        .attribute_definitions(definition("leaseKey"))
+        .attribute_definitions(definition("owner"))
+        .key_schema(key("leaseKey", KeyType::Hash))
+        .key_schema(key("owner", KeyType::Range))
+        .send()
+        .await
+        .expect("CreateTable");
+    let store = DynamoDbLeaseStore::new(live.dynamodb.clone(), &table);
+    let message = schema_error(store.prepare().await.unwrap_err());
+    assert!(message.contains(&table), "{message}");
+    assert!(message.contains("range key `owner`"), "{message}");
+    live.delete_table(&table).await;
+}
+
+#[tokio::test]
+async fn dynamodb_prepare_without_create_fails_on_a_missing_table() {
+    let live = live_or_skip!();
+    let table = support::unique_name("missing");
+    let store = DynamoDbLeaseStore::new(live.dynamodb.clone(), &table).create_if_missing(false);
+    let message = schema_error(store.prepare().await.unwrap_err());
+    assert!(message.contains(&table), "{message}");
+    assert!(message.contains("does not exist"), "{message}");
+    assert!(message.contains("`leaseKey` (S)"), "{message}");
+    // Nothing was created.
+    let tables = live.dynamodb.list_tables().send().await.unwrap();
+    assert!(!tables.table_names().contains(&table));
+}
+
+#[tokio::test]
+async fn dynamodb_unreadable_row_is_corrupt_naming_row_and_attribute() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let live = live_or_skip!();
+    let table = support::unique_name("leases");
+    let store = DynamoDbLeaseStore::new(live.dynamodb.clone(), &table);
+    store.prepare().await.unwrap();
+    let stream = stream_name();
+    assert!(store.create(&new_lease(&stream, SHARD)).await.unwrap());
+    let key = format!("{stream}#{SHARD}");
+    live.dynamodb
+        .update_item()
+        .table_name(&table)
+        .key("leaseKey", AttributeValue::S(key.clone()))
+        .update_expression("SET #c = :bad")
+        .expression_attribute_names("#c", "leaseCounter")
+        .expression_attribute_values(":bad", AttributeValue::S("many".into()))
+        .send()
+        .await
+        .unwrap();
+    for err in [
+        store.list(&stream).await.unwrap_err(),
+        store.get(&stream, SHARD).await.unwrap_err(),
+    ] {
+        assert!(matches!(err, Error::Corrupt { .. }), "{err:?}");
+        let message = err.to_string();
+        assert!(
+            message.contains(&key) && message.contains("`leaseCounter`"),
+            "{message}"
+        );
+    }
+    live.delete_table(&table).await;
+}
+
+#[tokio::test]
+async fn dynamodb_an_unreachable_table_is_a_dynamodb_error() {
+    let live = live_or_skip!();
+    let store = DynamoDbLeaseStore::new(live.dynamodb.clone(), support::unique_name("absent"));
+    // No prepare: the table does not exist, so every call fails as a DynamoDB error naming it.
+    let err = store.get("s", SHARD).await.unwrap_err();
+    match &err {
+        Error::DynamoDb { operation, .. } => assert_eq!(*operation, "GetItem"),
+        other => panic!("expected DynamoDb, got {other:?}"),
+    }
+}

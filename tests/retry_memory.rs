@@ -1,0 +1,276 @@
+//! Retries and dead letters on the in-memory streams: counted copies, delays, dead letters, and a
+//! failing write that holds the checkpoint until it goes through.
+
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use shardwise::envelope::{self, Format};
+use shardwise::lease::{Checkpoint, LeaseSettings, MemoryLeaseStore};
+use shardwise::retry::{ATTEMPTS_HEADER, DEAD_LETTER_REASON_HEADER, ORIGIN_SEQUENCE_HEADER};
+use shardwise::testing::{MemoryStream, MemoryStreams};
+use shardwise::{Consumer, ConsumerBuilder, Delivery, Outcome, Position};
+
+type Seen = Arc<Mutex<Vec<(String, u32, Instant)>>>;
+
+fn consumer<F, Fut>(
+    stream: &MemoryStream,
+    sink: &MemoryStreams,
+    store: &MemoryLeaseStore,
+    handler: F,
+) -> ConsumerBuilder<F>
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Outcome> + Send,
+{
+    Consumer::builder(stream.name(), "retry-app", handler)
+        .worker_id("w1")
+        .poll_interval(Duration::from_millis(200))
+        .checkpoint_interval(Duration::from_millis(50))
+        .lease_settings(
+            LeaseSettings::default()
+                .lease_duration(Duration::from_millis(1500))
+                .scan_interval(Duration::from_millis(100)),
+        )
+        .lease_store(Arc::new(store.clone()))
+        .record_source(Arc::new(stream.clone()))
+        .shard_lister(Arc::new(stream.clone()))
+        .record_sink(Arc::new(sink.clone()))
+}
+
+async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn recorder(
+    seen: &Seen,
+    fail: &'static str,
+    outcome: Outcome,
+) -> impl Fn(Delivery) -> std::future::Ready<Outcome> + Clone + use<> {
+    let seen = seen.clone();
+    move |d: Delivery| {
+        let text = String::from_utf8_lossy(d.payload()).to_string();
+        seen.lock()
+            .unwrap()
+            .push((text.clone(), d.attempt(), Instant::now()));
+        std::future::ready(if text == fail { outcome } else { Outcome::Ack })
+    }
+}
+
+#[tokio::test]
+async fn attempts_are_counted_over_copies_up_to_the_cap_then_the_record_is_dead_lettered() {
+    let stream = MemoryStream::new("orders", 1);
+    let dlq = MemoryStream::new("orders-dlq", 1);
+    let sink = MemoryStreams::new([stream.clone(), dlq.clone()]);
+    let store = MemoryLeaseStore::new();
+    // A record from another producer with its own headers.
+    let mut headers = envelope::Headers::new();
+    headers.insert("tenant", "acme");
+    stream.put("k1", envelope::encode(&headers, b"poison"));
+    stream.put("k2", "fine");
+    let seen: Seen = Arc::default();
+    let running = consumer(
+        &stream,
+        &sink,
+        &store,
+        recorder(&seen, "poison", Outcome::Retry),
+    )
+    .max_attempts(NonZeroU32::new(3).unwrap())
+    .dead_letter("orders-dlq")
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("the dead letter", Duration::from_secs(15), || {
+        !dlq.records().is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    running.shutdown(Duration::from_secs(2)).await;
+
+    let attempts: Vec<u32> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.0 == "poison")
+        .map(|s| s.1)
+        .collect();
+    assert_eq!(
+        attempts,
+        [1, 2, 3],
+        "attempt 1, then copies counted 2 and 3"
+    );
+    let letters = dlq.records();
+    assert_eq!(letters.len(), 1);
+    let letter = envelope::decode(letters[0].record.data.clone());
+    assert_eq!(letter.format, Format::Rsk2);
+    assert_eq!(letter.payload.as_ref(), b"poison", "payload byte for byte");
+    assert_eq!(
+        letter.headers.get_str("tenant"),
+        Some("acme"),
+        "the record's own headers"
+    );
+    assert_eq!(letter.headers.get_str(ATTEMPTS_HEADER), Some("3"));
+    assert!(letter.headers.get_str(DEAD_LETTER_REASON_HEADER).is_some());
+    assert_eq!(letters[0].record.partition_key, "k1");
+    let original = stream.records()[0].record.sequence.to_string();
+    assert_eq!(
+        letter.headers.get_str(ORIGIN_SEQUENCE_HEADER),
+        Some(original.as_str()),
+        "one identity across copies"
+    );
+    // The stream holds the original, the fine record and two counted copies.
+    let on_stream: Vec<u32> = stream
+        .records()
+        .iter()
+        .map(|r| envelope::decode(r.record.data.clone()).headers.attempt())
+        .collect();
+    assert_eq!(on_stream, [1, 1, 2, 3]);
+    // Every record settled: the checkpoint is at the last copy.
+    let last = stream.records().last().unwrap().record.sequence;
+    assert_eq!(
+        store.snapshot()[0].checkpoint,
+        Checkpoint::At(Position::new(last, 0))
+    );
+}
+
+#[tokio::test]
+async fn retry_after_writes_the_copy_no_earlier_than_the_delay_and_holds_the_checkpoint_meanwhile()
+{
+    let stream = MemoryStream::new("orders", 1);
+    let sink = MemoryStreams::new([stream.clone()]);
+    let store = MemoryLeaseStore::new();
+    stream.put("k1", "later");
+    stream.put("k2", "next");
+    let seen: Seen = Arc::default();
+    let delay = Duration::from_millis(1200);
+    let running = consumer(
+        &stream,
+        &sink,
+        &store,
+        recorder(&seen, "later", Outcome::RetryAfter(delay)),
+    )
+    .max_attempts(NonZeroU32::new(2).unwrap())
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("both records", Duration::from_secs(10), || {
+        seen.lock().unwrap().len() >= 2
+    })
+    .await;
+    let first = seen.lock().unwrap()[0].2;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(stream.records().len(), 2, "no copy before the delay");
+    assert!(
+        matches!(store.snapshot()[0].checkpoint, Checkpoint::TrimHorizon),
+        "the waiting original holds the checkpoint"
+    );
+    wait_for("the copy", Duration::from_secs(10), || {
+        stream.records().len() == 3
+    })
+    .await;
+    wait_for("the copy handled", Duration::from_secs(10), || {
+        seen.lock().unwrap().len() >= 3
+    })
+    .await;
+    let copy = seen.lock().unwrap()[2].clone();
+    assert_eq!((copy.0.as_str(), copy.1), ("later", 2));
+    assert!(
+        copy.2 - first >= delay,
+        "copy arrived after {:?}",
+        copy.2 - first
+    );
+    running.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn a_failing_dead_letter_write_holds_the_checkpoint_until_the_stream_exists() {
+    let stream = MemoryStream::new("orders", 1);
+    let sink = MemoryStreams::new([stream.clone()]);
+    let store = MemoryLeaseStore::new();
+    stream.put("k1", "poison");
+    stream.put("k2", "fine");
+    let seen: Seen = Arc::default();
+    let running = consumer(
+        &stream,
+        &sink,
+        &store,
+        recorder(&seen, "poison", Outcome::Retry),
+    )
+    .max_attempts(NonZeroU32::new(1).unwrap())
+    .dead_letter("missing-dlq")
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("both handled", Duration::from_secs(10), || {
+        seen.lock().unwrap().len() >= 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(
+        matches!(store.snapshot()[0].checkpoint, Checkpoint::TrimHorizon),
+        "the unwritten dead letter holds the checkpoint: {:?}",
+        store.snapshot()[0].checkpoint
+    );
+    let dlq = MemoryStream::new("missing-dlq", 1);
+    sink.add(dlq.clone());
+    wait_for("the dead letter", Duration::from_secs(15), || {
+        dlq.records().len() == 1
+    })
+    .await;
+    let last = stream.records()[1].record.sequence;
+    wait_for("the checkpoint to pass", Duration::from_secs(5), || {
+        store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test]
+async fn records_from_other_producers_arrive_as_plain_payloads_at_attempt_one() {
+    let stream = MemoryStream::new("orders", 1);
+    let sink = MemoryStreams::new([stream.clone()]);
+    let store = MemoryLeaseStore::new();
+    let foreign: [&[u8]; 4] = [
+        b"{\"json\":1}",
+        b"\x00\xff\x10binary",
+        b"RSK2\x00\x00\x00\xff",
+        b"RSK1 not really",
+    ];
+    for blob in foreign {
+        stream.put("k", blob.to_vec());
+    }
+    /// (payload, attempt, header count)
+    type Got = Arc<Mutex<Vec<(Vec<u8>, u32, usize)>>>;
+    let got: Got = Arc::default();
+    let g = got.clone();
+    let running = consumer(&stream, &sink, &store, move |d: Delivery| {
+        g.lock()
+            .unwrap()
+            .push((d.payload().to_vec(), d.attempt(), d.headers().len()));
+        std::future::ready(Outcome::Ack)
+    })
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("all four", Duration::from_secs(10), || {
+        got.lock().unwrap().len() == 4
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    for ((payload, attempt, headers), blob) in got.lock().unwrap().iter().zip(foreign) {
+        assert_eq!(payload.as_slice(), blob, "byte for byte");
+        assert_eq!((*attempt, *headers), (1, 0));
+    }
+}
