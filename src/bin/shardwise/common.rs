@@ -29,6 +29,11 @@ impl Ctx {
         Self { config }
     }
 
+    /// The loaded configuration.
+    pub(crate) fn config(&self) -> &aws_config::SdkConfig {
+        &self.config
+    }
+
     /// A Kinesis client.
     pub(crate) fn kinesis(&self) -> aws_sdk_kinesis::Client {
         aws_sdk_kinesis::Client::new(&self.config)

@@ -1,5 +1,5 @@
-//! The `shardwise` command-line tool: write test records, inspect lease tables, and create,
-//! reshard, describe and delete streams.
+//! The `shardwise` command-line tool: consume a stream, write test records, inspect lease tables,
+//! and create, reshard, describe and delete streams.
 //!
 //! Endpoints, region and credentials come only from the standard AWS environment
 //! (`AWS_REGION`, `AWS_ENDPOINT_URL_KINESIS`, `AWS_PROFILE`, ...). Logs go to stderr (filter with
@@ -10,6 +10,7 @@
 //! `pub(crate) async fn run(args, &Ctx) -> common::Result<()>`, one arm in [`dispatch`].
 
 mod common;
+mod consume;
 mod leases;
 mod put;
 mod stream;
@@ -30,6 +31,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Consume a stream with leases and checkpoints, printing one JSON line per handled delivery.
+    Consume(consume::Args),
     /// Write numbered JSON records `{"id": N}` to a stream, in order per partition key.
     Put(put::Args),
     /// Show the lease table of an application (the table is named after the application).
@@ -41,6 +44,7 @@ enum Command {
 
 async fn dispatch(command: Command, ctx: &Ctx) -> common::Result<()> {
     match command {
+        Command::Consume(args) => consume::run(args, ctx).await,
         Command::Put(args) => put::run(args, ctx).await,
         Command::Leases(args) => leases::run(args, ctx).await,
         Command::Stream(command) => stream::run(command, ctx).await,
