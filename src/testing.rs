@@ -39,6 +39,10 @@ struct State {
     next_shard: u32,
     next_sequence: u128,
     reads: u64,
+    /// Every n-th GetRecords call fails as an expired iterator (0: never).
+    expire_every: u64,
+    /// Every n-th GetRecords call is throttled (0: never).
+    throttle_every: u64,
 }
 
 /// An in-memory stream. Cloning shares it.
@@ -70,6 +74,8 @@ impl MemoryStream {
             next_shard: 0,
             next_sequence: 49_000_000_000_000_000_000_000_000_000_000_000_000,
             reads: 0,
+            expire_every: 0,
+            throttle_every: 0,
         };
         let width = u128::MAX / shards as u128;
         for i in 0..shards {
@@ -171,6 +177,16 @@ impl MemoryStream {
         )
     }
 
+    /// Makes every `n`-th GetRecords call fail with an expired iterator (0 turns it off).
+    pub fn expire_iterators_every(&self, n: u64) {
+        self.state().expire_every = n;
+    }
+
+    /// Makes every `n`-th GetRecords call fail as throttled (0 turns it off).
+    pub fn throttle_every(&self, n: u64) {
+        self.state().throttle_every = n;
+    }
+
     /// GetRecords calls served so far.
     pub fn reads(&self) -> u64 {
         self.state().reads
@@ -246,6 +262,12 @@ impl RecordSource for MemoryStream {
         let result = (|| {
             let mut state = self.state();
             state.reads += 1;
+            if state.expire_every > 0 && state.reads % state.expire_every == 0 {
+                return Err(ReadError::ExpiredIterator);
+            }
+            if state.throttle_every > 0 && state.reads % state.throttle_every == 0 {
+                return Err(ReadError::Throttled);
+            }
             let (shard, index) =
                 parse_iterator(iterator).ok_or_else(|| ReadError::Other("bad iterator".into()))?;
             let s = state.shards.get(shard).ok_or(ReadError::NotFound)?;

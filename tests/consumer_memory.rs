@@ -398,3 +398,42 @@ fn invalid_settings_fail_at_build_naming_the_field() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn expired_iterators_and_throttling_lose_and_repeat_nothing() {
+    let stream = MemoryStream::new("orders", 2);
+    let store = MemoryLeaseStore::new();
+    put(&stream, 0..1500, 20);
+    stream.expire_iterators_every(3);
+    stream.throttle_every(7);
+    let log = Log::default();
+    let l = log.clone();
+    let running = start(&stream, &store, 2, move |d: Delivery| {
+        let l = l.clone();
+        async move {
+            l.push(&d);
+            Outcome::Ack
+        }
+    })
+    .await;
+    wait_for("every record", Duration::from_secs(60), || {
+        log.len() >= 1500
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    running.shutdown(Duration::from_secs(2)).await;
+    let all = log.all();
+    let ids: HashSet<u64> = all.iter().map(|h| h.id).collect();
+    assert_eq!(ids.len(), 1500, "nothing skipped");
+    assert_eq!(
+        all.len(),
+        1500,
+        "nothing repeated: a new iterator starts after the last record read"
+    );
+    assert_per_key_order(&all);
+    assert!(
+        stream.reads() > 20,
+        "the failures were exercised ({} reads)",
+        stream.reads()
+    );
+}

@@ -1,0 +1,479 @@
+//! The consumer in-process against the live emulators: KPL aggregates (built here with prost via
+//! `kpl::aggregate`) deaggregated and resumed mid-aggregate, corrupt aggregates delivered whole, and
+//! retries: counted copies, dead letters, delays, failing writes and refusals.
+
+mod support;
+
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use aws_sdk_kinesis::primitives::Blob;
+use aws_sdk_kinesis::types::ShardIteratorType;
+use bytes::Bytes;
+use shardwise::envelope::{self, Format, Headers};
+use shardwise::lease::LeaseSettings;
+use shardwise::retry::{ATTEMPTS_HEADER, DEAD_LETTER_REASON_HEADER, ORIGIN_SEQUENCE_HEADER};
+use shardwise::{Consumer, ConsumerBuilder, Delivery, Outcome, kpl};
+use support::Live;
+
+/// (payload, partition key, sequence, sub-sequence, attempt)
+type Seen = Arc<Mutex<Vec<(Vec<u8>, String, String, u64, u32)>>>;
+
+fn builder<F, Fut>(stream: &str, app: &str, handler: F) -> ConsumerBuilder<F>
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Outcome> + Send,
+{
+    Consumer::builder(stream, app, handler)
+        .worker_id("live-w1")
+        .poll_interval(Duration::from_millis(200))
+        .checkpoint_interval(Duration::from_millis(100))
+        .lease_settings(
+            LeaseSettings::default()
+                .lease_duration(Duration::from_millis(3000))
+                .scan_interval(Duration::from_millis(200)),
+        )
+}
+
+fn record(seen: &Seen, d: &Delivery) {
+    seen.lock().unwrap().push((
+        d.payload().to_vec(),
+        d.partition_key().to_string(),
+        d.sequence_number().to_string(),
+        d.sub_sequence(),
+        d.attempt(),
+    ));
+}
+
+async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn put_blob(live: &Live, stream: &str, key: &str, blob: Bytes) -> String {
+    live.kinesis
+        .put_record()
+        .stream_name(stream)
+        .partition_key(key)
+        .data(Blob::new(blob))
+        .send()
+        .await
+        .expect("PutRecord")
+        .sequence_number
+}
+
+/// The stored checkpoint and sub-sequence of the stream's one shard.
+async fn stored_checkpoint(live: &Live, app: &str, stream: &str) -> (String, u64) {
+    let out = live
+        .dynamodb
+        .get_item()
+        .table_name(app)
+        .key(
+            "leaseKey",
+            AttributeValue::S(format!("{stream}#shardId-000000000000")),
+        )
+        .consistent_read(true)
+        .send()
+        .await
+        .expect("GetItem");
+    let item = out.item().expect("lease row");
+    let cp = item
+        .get("checkpoint")
+        .and_then(|v| v.as_s().ok())
+        .cloned()
+        .unwrap_or_default();
+    let sub = item
+        .get("checkpointSub")
+        .and_then(|v| v.as_n().ok())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    (cp, sub)
+}
+
+/// Every record of the stream's shards, decoded.
+async fn read_all(live: &Live, stream: &str) -> Vec<envelope::Decoded> {
+    let mut out = Vec::new();
+    for shard in live.shard_ids(stream).await {
+        let mut it = live
+            .kinesis
+            .get_shard_iterator()
+            .stream_name(stream)
+            .shard_id(&shard)
+            .shard_iterator_type(ShardIteratorType::TrimHorizon)
+            .send()
+            .await
+            .unwrap()
+            .shard_iterator
+            .unwrap();
+        loop {
+            let page = live
+                .kinesis
+                .get_records()
+                .shard_iterator(&it)
+                .send()
+                .await
+                .unwrap();
+            out.extend(
+                page.records()
+                    .iter()
+                    .map(|r| envelope::decode(Bytes::copy_from_slice(r.data().as_ref()))),
+            );
+            if page.records().is_empty() {
+                break;
+            }
+            it = page.next_shard_iterator.unwrap();
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn kpl_aggregates_are_deaggregated_and_resume_mid_aggregate() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("kpl");
+    let app = support::unique_name("kpl-app");
+    live.create_stream(&stream, 1).await;
+    let subs: Vec<(String, Option<String>, Bytes)> = (0..10)
+        .map(|i| {
+            (
+                format!("user-{}", i % 3),
+                None,
+                Bytes::from(format!("sub-{i}")),
+            )
+        })
+        .collect();
+    let seq = put_blob(&live, &stream, "agg", kpl::aggregate(&subs)).await;
+    // A corrupt aggregate (digest broken) is delivered whole, as one plain record.
+    let mut corrupt = kpl::aggregate(&subs).to_vec();
+    let last = corrupt.len() - 1;
+    corrupt[last] ^= 0xFF;
+    put_blob(&live, &stream, "bad", Bytes::from(corrupt.clone())).await;
+
+    // First run: sub-record 6 is refused, so the checkpoint stops inside the aggregate at 5.
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    let running = builder(&stream, &app, move |d: Delivery| {
+        record(&s, &d);
+        let hold = d.payload().as_ref() == b"sub-6";
+        async move { if hold { Outcome::Retry } else { Outcome::Ack } }
+    })
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("11 deliveries", Duration::from_secs(20), || {
+        seen.lock().unwrap().len() >= 11
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    running.shutdown(Duration::from_secs(3)).await;
+    {
+        let seen = seen.lock().unwrap();
+        for (i, (data, key, s, sub, _)) in seen.iter().take(10).enumerate() {
+            assert_eq!(data, format!("sub-{i}").as_bytes());
+            assert_eq!(key, &format!("user-{}", i % 3), "the sub-record's own key");
+            assert_eq!((s.as_str(), *sub), (seq.as_str(), i as u64));
+        }
+        assert_eq!(
+            seen[10].0, corrupt,
+            "corrupt aggregate delivered byte for byte"
+        );
+        assert_eq!(seen[10].3, 0);
+    }
+    assert_eq!(
+        stored_checkpoint(&live, &app, &stream).await,
+        (seq.clone(), 5)
+    );
+
+    // Second run resumes at the aggregate and skips the sub-records already checkpointed.
+    let again: Seen = Arc::default();
+    let a = again.clone();
+    let running = builder(&stream, &app, move |d: Delivery| {
+        record(&a, &d);
+        async { Outcome::Ack }
+    })
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("the rest", Duration::from_secs(20), || {
+        again.lock().unwrap().len() >= 5
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    running.shutdown(Duration::from_secs(3)).await;
+    let again = again.lock().unwrap();
+    let subs_again: Vec<u64> = again.iter().filter(|r| r.2 == seq).map(|r| r.3).collect();
+    assert_eq!(subs_again, [6, 7, 8, 9], "resumed at sub-record 6");
+    assert_eq!(again.len(), 5, "then the corrupt record, nothing else");
+    live.delete_stream(&stream).await;
+}
+
+#[tokio::test]
+async fn retries_count_attempts_over_copies_then_dead_letter_with_payload_and_headers() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("retry");
+    let dlq = support::unique_name("retry-dlq");
+    let app = support::unique_name("retry-app");
+    live.create_stream(&stream, 2).await;
+    live.create_stream(&dlq, 1).await;
+    let mut headers = Headers::new();
+    headers.insert("tenant", "acme");
+    let poison = Bytes::from_static(b"\x00poison\xff");
+    let original = put_blob(
+        &live,
+        &stream,
+        "bad-key",
+        envelope::encode(&headers, &poison),
+    )
+    .await;
+    put_blob(&live, &stream, "good-key", Bytes::from_static(b"fine")).await;
+
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    let running = builder(&stream, &app, move |d: Delivery| {
+        record(&s, &d);
+        let bad = d.partition_key() == "bad-key";
+        async move { if bad { Outcome::Retry } else { Outcome::Ack } }
+    })
+    .max_attempts(NonZeroU32::new(3).unwrap())
+    .dead_letter(dlq.clone())
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("three attempts", Duration::from_secs(30), || {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .filter(|r| r.1 == "bad-key")
+            .count()
+            >= 3
+    })
+    .await;
+    let letters = loop {
+        let letters = read_all(&live, &dlq).await;
+        if !letters.is_empty() {
+            break letters;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    running.shutdown(Duration::from_secs(3)).await;
+
+    let attempts: Vec<u32> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|r| r.1 == "bad-key")
+        .map(|r| r.4)
+        .collect();
+    assert_eq!(attempts, [1, 2, 3]);
+    assert_eq!(letters.len(), 1);
+    let letter = &letters[0];
+    assert_eq!(letter.format, Format::Rsk2);
+    assert_eq!(letter.payload, poison, "payload byte for byte");
+    assert_eq!(letter.headers.get_str("tenant"), Some("acme"));
+    assert_eq!(letter.headers.get_str(ATTEMPTS_HEADER), Some("3"));
+    assert!(letter.headers.get_str(DEAD_LETTER_REASON_HEADER).is_some());
+    assert_eq!(
+        letter.headers.get_str(ORIGIN_SEQUENCE_HEADER),
+        Some(original.as_str())
+    );
+    live.delete_stream(&stream).await;
+    live.delete_stream(&dlq).await;
+}
+
+#[tokio::test]
+async fn a_missing_dead_letter_stream_holds_the_checkpoint_until_it_exists() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("dlq-missing");
+    let dlq = support::unique_name("dlq-later");
+    let app = support::unique_name("dlq-app");
+    live.create_stream(&stream, 1).await;
+    put_blob(&live, &stream, "bad-key", Bytes::from_static(b"poison")).await;
+    let after = put_blob(&live, &stream, "good-key", Bytes::from_static(b"fine")).await;
+
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    let running = builder(&stream, &app, move |d: Delivery| {
+        record(&s, &d);
+        let bad = d.partition_key() == "bad-key";
+        async move { if bad { Outcome::Retry } else { Outcome::Ack } }
+    })
+    .max_attempts(NonZeroU32::new(1).unwrap())
+    .dead_letter(dlq.clone())
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("both", Duration::from_secs(20), || {
+        seen.lock().unwrap().len() >= 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (cp, _) = stored_checkpoint(&live, &app, &stream).await;
+    assert_eq!(
+        cp, "TRIM_HORIZON",
+        "the unwritten dead letter holds the checkpoint"
+    );
+
+    live.create_stream(&dlq, 1).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if stored_checkpoint(&live, &app, &stream).await.0 == after {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the checkpoint never passed the dead letter"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(read_all(&live, &dlq).await.len(), 1);
+    running.shutdown(Duration::from_secs(3)).await;
+    live.delete_stream(&stream).await;
+    live.delete_stream(&dlq).await;
+}
+
+#[tokio::test]
+async fn retry_after_copies_arrive_after_the_delay_and_a_crash_meanwhile_replays_the_original() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("later");
+    let app = support::unique_name("later-app");
+    live.create_stream(&stream, 1).await;
+    put_blob(&live, &stream, "slow", Bytes::from_static(b"wait")).await;
+    let delay = Duration::from_millis(1500);
+
+    // A worker that stops (its deadline passes) during the delay: nothing is written, the
+    // original stays unsettled.
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    let handler = move |d: Delivery| {
+        record(&s, &d);
+        async move { Outcome::RetryAfter(delay) }
+    };
+    let running = builder(&stream, &app, handler.clone())
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("the first delivery", Duration::from_secs(20), || {
+        !seen.lock().unwrap().is_empty()
+    })
+    .await;
+    let report = running.shutdown(Duration::from_millis(200)).await;
+    assert!(report.deadline_passed, "stopped during the delay");
+    assert_eq!(
+        read_all(&live, &stream).await.len(),
+        1,
+        "no copy was written"
+    );
+    assert_eq!(
+        stored_checkpoint(&live, &app, &stream).await.0,
+        "TRIM_HORIZON"
+    );
+
+    // The next worker gets the original again, and this time waits out the delay.
+    let started = Instant::now();
+    let running = builder(&stream, &app, handler)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("a copy", Duration::from_secs(30), || {
+        seen.lock().unwrap().iter().any(|r| r.4 == 2)
+    })
+    .await;
+    running.shutdown(Duration::from_secs(1)).await;
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen[0].4, 1);
+    assert_eq!(seen[1].4, 1, "the original replayed after the stop");
+    assert!(started.elapsed() >= delay);
+    let copy = read_all(&live, &stream).await;
+    assert_eq!(copy.len(), 2);
+    assert_eq!(copy[1].headers.attempt(), 2);
+    live.delete_stream(&stream).await;
+}
+
+#[tokio::test]
+async fn a_refused_retry_holds_the_checkpoint_while_later_records_are_handled() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("refused");
+    let app = support::unique_name("refused-app");
+    live.create_stream(&stream, 1).await;
+    let mut seqs = Vec::new();
+    for i in 0..10 {
+        seqs.push(
+            put_blob(
+                &live,
+                &stream,
+                &format!("k{i}"),
+                Bytes::from(format!("{i}")),
+            )
+            .await,
+        );
+    }
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    let running = builder(&stream, &app, move |d: Delivery| {
+        record(&s, &d);
+        let hold = d.payload().as_ref() == b"3";
+        async move { if hold { Outcome::Retry } else { Outcome::Ack } }
+    })
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("all ten", Duration::from_secs(20), || {
+        seen.lock().unwrap().len() >= 10
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        stored_checkpoint(&live, &app, &stream).await.0,
+        seqs[2],
+        "held right before the refused record"
+    );
+    running.shutdown(Duration::from_secs(2)).await;
+
+    let again: Seen = Arc::default();
+    let a = again.clone();
+    let running = builder(&stream, &app, move |d: Delivery| {
+        record(&a, &d);
+        async { Outcome::Ack }
+    })
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("the reread", Duration::from_secs(20), || {
+        again.lock().unwrap().len() >= 7
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    let reread: Vec<String> = again
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| String::from_utf8(r.0.clone()).unwrap())
+        .collect();
+    assert_eq!(
+        reread,
+        ["3", "4", "5", "6", "7", "8", "9"],
+        "the next owner rereads from the checkpoint"
+    );
+    live.delete_stream(&stream).await;
+}
