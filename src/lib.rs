@@ -17,11 +17,13 @@
 pub mod consumer;
 pub mod envelope;
 mod error;
+pub mod frontier;
 mod handler;
 pub mod kpl;
 pub mod lease;
 pub mod producer;
 pub mod retry;
+pub mod seek;
 pub mod shard;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

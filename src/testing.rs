@@ -262,10 +262,10 @@ impl RecordSource for MemoryStream {
         let result = (|| {
             let mut state = self.state();
             state.reads += 1;
-            if state.expire_every > 0 && state.reads % state.expire_every == 0 {
+            if state.expire_every > 0 && state.reads.is_multiple_of(state.expire_every) {
                 return Err(ReadError::ExpiredIterator);
             }
-            if state.throttle_every > 0 && state.reads % state.throttle_every == 0 {
+            if state.throttle_every > 0 && state.reads.is_multiple_of(state.throttle_every) {
                 return Err(ReadError::Throttled);
             }
             let (shard, index) =

@@ -45,6 +45,11 @@ pub struct Settings {
     pub max_attempts: Option<NonZeroU32>,
     /// Where records go when their attempts are spent.
     pub dead_letter: Option<String>,
+    /// With a clock-skew allowance, an idle shard whose last read was empty at the tip advances its
+    /// frontier coordinate to (now - allowance); without one, an idle shard holds it.
+    pub caught_up_skew: Option<Duration>,
+    /// Least time between two frontier-only writes of an idle shard.
+    pub frontier_interval: Duration,
 }
 
 /// The default worker id: host name and process id.
@@ -67,6 +72,8 @@ impl Settings {
             lease: LeaseSettings::default(),
             max_attempts: None,
             dead_letter: None,
+            caught_up_skew: None,
+            frontier_interval: Duration::from_secs(5),
         }
     }
 
@@ -149,6 +156,13 @@ impl Settings {
                     "must not be the stream being consumed",
                 ));
             }
+        }
+        if self.frontier_interval.is_zero() {
+            return Err(ConfigError::new(
+                "frontier_interval",
+                self.frontier_interval,
+                "must be above zero",
+            ));
         }
         self.lease.validate()
     }

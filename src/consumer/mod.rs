@@ -18,6 +18,7 @@ use tracing::{error, info, warn};
 pub use config::{Ordering, Settings};
 
 use crate::error::{ConfigError, Error};
+use crate::frontier::Frontier;
 use crate::handler::Handler;
 use crate::lease::{
     DynamoDbLeaseStore, InitialPosition, LeaseEvent, LeaseHooks, LeaseManager, LeaseSettings,
@@ -25,6 +26,7 @@ use crate::lease::{
 };
 use crate::producer::{KinesisSink, Producer, RecordSink};
 use crate::retry::RetryPolicy;
+use crate::seek::{SeekReport, SeekTarget};
 use crate::shard::discovery::{KinesisShards, ShardLister};
 use crate::shard::source::{KinesisRecords, RecordSource};
 use shard::{ShardContext, ShardExit, run_shard};
@@ -40,6 +42,7 @@ pub struct ConsumerBuilder<H> {
     lister: Option<Arc<dyn ShardLister>>,
     sink: Option<Arc<dyn RecordSink>>,
     hooks: Option<Arc<dyn LeaseHooks>>,
+    seek: Option<SeekTarget>,
 }
 
 impl<H> fmt::Debug for ConsumerBuilder<H> {
@@ -120,6 +123,20 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
+    /// Lets an idle shard whose last read came back empty at the tip advance its frontier
+    /// coordinate to (now - `skew`), written at most once per `frontier_interval` (default 5 s).
+    /// Without it an idle shard holds the frontier and writes nothing.
+    pub fn caught_up_frontier(mut self, skew: Duration) -> Self {
+        self.settings.caught_up_skew = Some(skew);
+        self
+    }
+
+    /// Least time between two frontier-only writes of an idle shard.
+    pub fn frontier_interval(mut self, d: Duration) -> Self {
+        self.settings.frontier_interval = d;
+        self
+    }
+
     /// The AWS configuration to build clients from (default: the standard environment).
     pub fn aws_config(mut self, config: SdkConfig) -> Self {
         self.sdk = Some(config);
@@ -150,6 +167,12 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
+    /// Moves the checkpoints to `target` when the consumer starts (before any lease is taken).
+    pub fn seek_on_start(mut self, target: SeekTarget) -> Self {
+        self.seek = Some(target);
+        self
+    }
+
     /// Lease lifecycle hooks.
     pub fn hooks(mut self, hooks: Arc<dyn LeaseHooks>) -> Self {
         self.hooks = Some(hooks);
@@ -168,6 +191,7 @@ impl<H: Handler> ConsumerBuilder<H> {
             lister: self.lister,
             sink: self.sink,
             hooks: self.hooks.unwrap_or_else(|| Arc::new(())),
+            seek: self.seek,
         })
     }
 }
@@ -182,6 +206,7 @@ pub struct Consumer<H> {
     lister: Option<Arc<dyn ShardLister>>,
     sink: Option<Arc<dyn RecordSink>>,
     hooks: Arc<dyn LeaseHooks>,
+    seek: Option<SeekTarget>,
 }
 
 impl<H> fmt::Debug for Consumer<H> {
@@ -223,6 +248,7 @@ impl Consumer<()> {
             lister: None,
             sink: None,
             hooks: None,
+            seek: None,
         }
     }
 }
@@ -268,6 +294,10 @@ impl<H: Handler> Consumer<H> {
         };
 
         let settings = self.settings;
+        if let Some(target) = &self.seek {
+            crate::seek::seek(store.as_ref(), lister.as_ref(), &settings.stream, target).await?;
+        }
+        let (seek_store, seek_lister) = (store.clone(), lister.clone());
         let (manager, events) = LeaseManager::start(
             store.clone(),
             lister,
@@ -293,6 +323,7 @@ impl<H: Handler> Consumer<H> {
             abort: abort.clone(),
         };
         let (held_tx, held_rx) = tokio::sync::watch::channel(Vec::new());
+        let frontier = manager.frontier();
         let supervisor = tokio::spawn(supervise(manager, events, ctx, held_tx));
         info!(stream = %settings.stream, application = %settings.application, worker = %settings.worker_id, "consumer started");
         Ok(Running {
@@ -300,6 +331,10 @@ impl<H: Handler> Consumer<H> {
             abort,
             supervisor,
             held: held_rx,
+            frontier,
+            store: seek_store,
+            lister: seek_lister,
+            stream: settings.stream.clone(),
         })
     }
 }
@@ -313,6 +348,10 @@ pub struct Running {
     abort: CancellationToken,
     supervisor: JoinHandle<ShutdownReport>,
     held: tokio::sync::watch::Receiver<Vec<Ownership>>,
+    frontier: tokio::sync::watch::Receiver<Frontier>,
+    store: Arc<dyn LeaseStore>,
+    lister: Arc<dyn ShardLister>,
+    stream: String,
 }
 
 /// What a shutdown did.
@@ -331,6 +370,24 @@ impl Running {
     /// The shards being read now.
     pub fn shards(&self) -> Vec<Ownership> {
         self.held.borrow().clone()
+    }
+
+    /// The stream frontier, recomputed from the lease table on every lease scan.
+    pub fn frontier(&self) -> tokio::sync::watch::Receiver<Frontier> {
+        self.frontier.clone()
+    }
+
+    /// Moves the stream's checkpoints (or one shard's) while running. The moved shards' current
+    /// readers lose their leases (nothing they settle afterwards can write) and are read again
+    /// from the new place by whichever worker takes them next.
+    pub async fn seek(&self, target: &SeekTarget) -> Result<SeekReport, Error> {
+        crate::seek::seek(
+            self.store.as_ref(),
+            self.lister.as_ref(),
+            &self.stream,
+            target,
+        )
+        .await
     }
 
     /// Stops gracefully: stops reading, lets lanes finish until `deadline`, writes final

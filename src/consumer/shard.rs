@@ -16,7 +16,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use rand::Rng;
 use tokio::sync::mpsc;
@@ -29,8 +29,9 @@ use super::config::Settings;
 use super::lanes::{Finished, Lanes};
 use crate::envelope::Headers;
 use crate::error::{AckError, Error};
+use crate::frontier::{self, ShardProgress};
 use crate::handler::{Delivery, Handler, Outcome};
-use crate::lease::{Checkpoint, CheckpointWrite, HeldLease, LeaseStore, Ownership};
+use crate::lease::{Checkpoint, CheckpointWrite, HeldLease, LeaseStore, Ownership, millis};
 use crate::producer::Producer;
 use crate::retry::{RetryPlan, RetryPolicy};
 use crate::shard::position::Position;
@@ -82,59 +83,130 @@ impl<H> Clone for ShardContext<H> {
     }
 }
 
+/// A tracked delivery: its position and arrival time (ms).
+type Entry = (Position, Option<i64>);
+
 struct Checkpointer {
     store: Arc<dyn LeaseStore>,
     ownership: Ownership,
     /// Settled through here but not yet written.
     pending: Option<Position>,
-    in_flight: Option<(Position, JoinHandle<Result<CheckpointWrite, Error>>)>,
-    last_started: Option<Instant>,
+    in_flight: Option<InFlight>,
     labels: [(&'static str, String); 2],
+    /// Frontier inputs besides the tracker (see `frontier::complete_through`).
+    last_settled: Option<i64>,
+    caught_up_at: Option<i64>,
+    /// The stored `completeThrough`: what this shard's coordinate never goes below.
+    floor: Option<i64>,
+    caught_up_skew: Option<Duration>,
+    frontier_interval: Duration,
+    frontier_written_at: Option<Instant>,
+}
+
+struct InFlight {
+    to: Position,
+    complete_through: Option<i64>,
+    handle: JoinHandle<Result<CheckpointWrite, Error>>,
 }
 
 impl Checkpointer {
-    fn start(&mut self, to: Position) {
+    fn complete_through(&self, tracker: &Tracker<Entry>) -> Option<i64> {
+        frontier::complete_through(
+            &ShardProgress {
+                oldest_unsettled: tracker.oldest_unsettled().and_then(|e| e.1),
+                last_settled: self.last_settled,
+                caught_up_at: self.caught_up_at,
+                floor: self.floor,
+            },
+            self.caught_up_skew,
+        )
+    }
+
+    fn start(&mut self, to: Position, complete_through: Option<i64>) {
         let store = self.store.clone();
         let ownership = self.ownership.clone();
-        self.last_started = Some(Instant::now());
-        self.in_flight = Some((
+        self.in_flight = Some(InFlight {
             to,
-            tokio::spawn(async move {
+            complete_through,
+            handle: tokio::spawn(async move {
                 store
-                    .checkpoint(&ownership, &Checkpoint::At(to), None)
+                    .checkpoint(&ownership, &Checkpoint::At(to), complete_through)
                     .await
             }),
-        ));
+        });
     }
 
     /// Starts a write of the pending position if none is in flight.
-    fn maybe_start(&mut self) {
+    fn maybe_start(&mut self, tracker: &Tracker<Entry>) {
         if self.in_flight.is_none()
             && let Some(to) = self.pending.take()
         {
-            self.start(to);
+            let ct = self.complete_through(tracker);
+            self.start(to, ct);
+        }
+    }
+
+    /// For an idle, caught-up shard: raises `completeThrough` alone, at most once per frontier
+    /// interval, and only with a clock-skew allowance configured. `Err(())`: the lease is lost.
+    async fn maybe_advance_frontier(&mut self, tracker: &Tracker<Entry>) -> Result<(), ()> {
+        if self.caught_up_skew.is_none()
+            || self.pending.is_some()
+            || self.in_flight.is_some()
+            || !tracker.is_drained()
+            || self
+                .frontier_written_at
+                .is_some_and(|t| t.elapsed() < self.frontier_interval)
+        {
+            return Ok(());
+        }
+        let Some(ct) = self.complete_through(tracker) else {
+            return Ok(());
+        };
+        if self.floor.is_some_and(|f| f >= ct) {
+            return Ok(());
+        }
+        self.frontier_written_at = Some(Instant::now());
+        match self.store.advance_frontier(&self.ownership, ct).await {
+            Ok(CheckpointWrite::Written) => {
+                self.floor = Some(ct);
+                Ok(())
+            }
+            Ok(CheckpointWrite::NotNewer) => Ok(()),
+            Ok(CheckpointWrite::Lost) => Err(()),
+            Err(e) => {
+                warn!(shard = %self.ownership.shard_id, error = %e, "frontier write failed; will retry");
+                Ok(())
+            }
         }
     }
 
     /// Waits for the write in flight. `Err(())`: the lease is lost.
     async fn finish(&mut self) -> Result<(), ()> {
-        let Some((to, handle)) = self.in_flight.take() else {
+        let Some(write) = self.in_flight.take() else {
             return Ok(());
         };
-        let result = handle.await.unwrap_or_else(|e| {
+        let result = write.handle.await.unwrap_or_else(|e| {
             Err(Error::Corrupt {
                 what: "checkpoint task",
                 detail: e.to_string(),
             })
         });
-        self.record(to, result)
+        self.record(write.to, write.complete_through, result)
     }
 
-    fn record(&mut self, to: Position, result: Result<CheckpointWrite, Error>) -> Result<(), ()> {
+    fn record(
+        &mut self,
+        to: Position,
+        complete_through: Option<i64>,
+        result: Result<CheckpointWrite, Error>,
+    ) -> Result<(), ()> {
         match result {
             Ok(CheckpointWrite::Written) => {
                 metrics::counter!("shardwise_checkpoint_writes_total", &self.labels).increment(1);
-                debug!(shard = %self.ownership.shard_id, checkpoint = %to, "checkpoint written");
+                debug!(shard = %self.ownership.shard_id, checkpoint = %to, ?complete_through, "checkpoint written");
+                if complete_through.is_some() {
+                    self.floor = self.floor.max(complete_through);
+                }
                 Ok(())
             }
             Ok(CheckpointWrite::NotNewer) => {
@@ -153,17 +225,18 @@ impl Checkpointer {
     }
 
     /// Writes everything settled, waiting for it. `Err(())`: the lease is lost.
-    async fn flush(&mut self) -> Result<(), ()> {
+    async fn flush(&mut self, tracker: &Tracker<Entry>) -> Result<(), ()> {
         self.finish().await?;
         for _ in 0..3 {
             let Some(to) = self.pending.take() else {
                 return Ok(());
             };
+            let ct = self.complete_through(tracker);
             let result = self
                 .store
-                .checkpoint(&self.ownership, &Checkpoint::At(to), None)
+                .checkpoint(&self.ownership, &Checkpoint::At(to), ct)
                 .await;
-            self.record(to, result)?;
+            self.record(to, ct, result)?;
         }
         Ok(())
     }
@@ -187,8 +260,13 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
         ownership: ownership.clone(),
         pending: None,
         in_flight: None,
-        last_started: None,
         labels: labels.clone(),
+        last_settled: None,
+        caught_up_at: None,
+        floor: held.lease.complete_through,
+        caught_up_skew: settings.caught_up_skew,
+        frontier_interval: settings.frontier_interval,
+        frontier_written_at: None,
     };
 
     let (reader_tx, mut reader_rx) = mpsc::channel(1);
@@ -216,7 +294,7 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
         ctx.handler.clone(),
         finished_tx,
     );
-    let mut tracker: Tracker<Position> = Tracker::new(ownership.epoch);
+    let mut tracker: Tracker<Entry> = Tracker::new(ownership.epoch);
     let mut refused: HashSet<DeliveryId> = HashSet::new();
     let (durable_tx, mut durable_rx) = mpsc::unbounded_channel::<DeliveryId>();
     let mut retries: JoinSet<()> = JoinSet::new();
@@ -242,10 +320,10 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                 reader_cancel.cancel();
                 lanes.close();
             }
-            result = async { (&mut checkpointer.in_flight.as_mut().expect("writing").1).await }, if writing => {
-                let (to, _) = checkpointer.in_flight.take().expect("writing");
+            result = async { (&mut checkpointer.in_flight.as_mut().expect("writing").handle).await }, if writing => {
+                let write = checkpointer.in_flight.take().expect("writing");
                 let result = result.unwrap_or_else(|e| Err(Error::Corrupt { what: "checkpoint task", detail: e.to_string() }));
-                if checkpointer.record(to, result).is_err() {
+                if checkpointer.record(write.to, write.complete_through, result).is_err() {
                     break Exit::Lost;
                 }
             }
@@ -269,8 +347,10 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                     if let Some(ms) = millis_behind_latest {
                         metrics::gauge!("shardwise_millis_behind_latest", &labels).set(ms as f64);
                     }
+                    checkpointer.caught_up_at = (records.is_empty() && millis_behind_latest == Some(0))
+                        .then(|| millis(SystemTime::now()));
                     for r in records {
-                        let id = tracker.track(r.position);
+                        let id = tracker.track((r.position, r.arrived_at.map(millis)));
                         let lane = lanes.lane_of(&r.partition_key);
                         let delivery = Delivery::from_blob(stream.clone(), shard.clone(), r.position, r.partition_key, r.data)
                             .set_arrived_at(r.arrived_at)
@@ -290,7 +370,12 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                 Some(ReaderMessage::Failed(e)) => break Exit::Failed(e),
                 None => { reading = false; }
             },
-            _ = tick.tick() => checkpointer.maybe_start(),
+            _ = tick.tick() => {
+                checkpointer.maybe_start(&tracker);
+                if checkpointer.maybe_advance_frontier(&tracker).await.is_err() {
+                    break Exit::Lost;
+                }
+            }
         }
         let draining = !reading;
         if draining
@@ -318,12 +403,12 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
         }
         Exit::Failed(e) => {
             lanes.abort();
-            let _ = checkpointer.flush().await;
+            let _ = checkpointer.flush(&tracker).await;
             ShardExit::Failed(ownership, e)
         }
         Exit::Stop | Exit::End => {
             lanes.abort();
-            if checkpointer.flush().await.is_err() {
+            if checkpointer.flush(&tracker).await.is_err() {
                 return ShardExit::Lost(ownership);
             }
             if matches!(exit, Exit::End) {
@@ -352,9 +437,12 @@ enum Exit {
     Failed(Error),
 }
 
-fn settle(tracker: &mut Tracker<Position>, checkpointer: &mut Checkpointer, id: DeliveryId) {
-    if let Some(to) = tracker.settle(id).advanced_to() {
+fn settle(tracker: &mut Tracker<Entry>, checkpointer: &mut Checkpointer, id: DeliveryId) {
+    if let Some((to, arrived)) = tracker.settle(id).advanced_to() {
         checkpointer.pending = Some(*to);
+        if arrived.is_some() {
+            checkpointer.last_settled = *arrived;
+        }
     }
 }
 

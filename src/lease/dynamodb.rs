@@ -415,6 +415,92 @@ impl DynamoDbLeaseStore {
         })
     }
 
+    async fn seek_row(&self, seen: &Lease, to: &Checkpoint) -> Result<bool, Error> {
+        let mut set = String::from(
+            "REMOVE #owner SET #cp = :cp, #sub = :sub, #cpKey = :cpKey, \
+             #seek = #seek + :one, #epoch = #epoch + :one, #counter = #counter + :one",
+        );
+        let mut request = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(seen.key()))
+            .condition_expression("#seek = :seenSeek")
+            .expression_attribute_names("#owner", OWNER)
+            .expression_attribute_names("#epoch", EPOCH)
+            .expression_attribute_names("#counter", COUNTER)
+            .expression_attribute_names("#seek", SEEK_EPOCH)
+            .expression_attribute_names("#cp", CHECKPOINT)
+            .expression_attribute_names("#sub", SUB)
+            .expression_attribute_names("#cpKey", CHECKPOINT_KEY)
+            .expression_attribute_values(":seenSeek", n(seen.seek_epoch))
+            .expression_attribute_values(":one", n(1u64))
+            .expression_attribute_values(":cp", s(to.label()))
+            .expression_attribute_values(":sub", n(to.sub_sequence()))
+            .expression_attribute_values(":cpKey", s(to.sort_key()));
+        if let Checkpoint::AtTimestamp(t) = to {
+            set.push_str(", #ts = :ts");
+            request = request
+                .expression_attribute_names("#ts", STARTING_TIMESTAMP)
+                .expression_attribute_values(":ts", n(millis(*t)));
+        }
+        match request.update_expression(set).send().await {
+            Ok(_) => Ok(true),
+            Err(err) if is_condition_failed(&err) => Ok(false),
+            Err(err) => Err(self.failed("UpdateItem", err)),
+        }
+    }
+
+    async fn advance_frontier_row(
+        &self,
+        held: &Ownership,
+        complete_through: i64,
+    ) -> Result<CheckpointWrite, Error> {
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(held.key()))
+            .update_expression("SET #ct = :ct")
+            .condition_expression(
+                "#owner = :owner AND #epoch = :epoch AND (attribute_not_exists(#ct) OR #ct < :ct)",
+            )
+            .expression_attribute_names("#owner", OWNER)
+            .expression_attribute_names("#epoch", EPOCH)
+            .expression_attribute_names("#ct", COMPLETE_THROUGH)
+            .expression_attribute_values(":owner", s(&held.owner))
+            .expression_attribute_values(":epoch", n(held.epoch))
+            .expression_attribute_values(":ct", n(complete_through))
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        let err = match result {
+            Ok(_) => return Ok(CheckpointWrite::Written),
+            Err(err) if is_condition_failed(&err) => err,
+            Err(err) => return Err(self.failed("UpdateItem", err)),
+        };
+        let refused = match &err {
+            SdkError::ServiceError(service) => match service.err() {
+                UpdateItemError::ConditionalCheckFailedException(e) => {
+                    e.item().filter(|item| !item.is_empty()).cloned()
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        let still_ours = match refused {
+            Some(item) => holds(&item, held),
+            None => self.get_row(held.key()).await?.is_some_and(|row| {
+                row.owner.as_deref() == Some(&held.owner) && row.owner_epoch == held.epoch
+            }),
+        };
+        Ok(if still_ours {
+            CheckpointWrite::NotNewer
+        } else {
+            CheckpointWrite::Lost
+        })
+    }
+
     async fn set_children_row(
         &self,
         stream: &str,
@@ -538,6 +624,22 @@ impl LeaseStore for DynamoDbLeaseStore {
 
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(self.fenced(held, "REMOVE #owner SET #counter = #counter + :one"))
+    }
+
+    fn seek<'a>(
+        &'a self,
+        seen: &'a Lease,
+        to: &'a Checkpoint,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.seek_row(seen, to))
+    }
+
+    fn advance_frontier<'a>(
+        &'a self,
+        held: &'a Ownership,
+        complete_through: i64,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        Box::pin(self.advance_frontier_row(held, complete_through))
     }
 
     fn set_children<'a>(

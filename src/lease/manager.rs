@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures::future::join_all;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -19,6 +19,7 @@ use super::row::{InitialPosition, Lease, Ownership};
 use super::store::LeaseStore;
 use super::sync;
 use crate::error::{ConfigError, Error};
+use crate::frontier::{self, Frontier};
 use crate::shard::discovery::ShardLister;
 
 /// Lease timing and balancing.
@@ -195,6 +196,7 @@ struct Inner {
     events: mpsc::UnboundedSender<LeaseEvent>,
     sync_now: Notify,
     taking: CancellationToken,
+    frontier: watch::Sender<Frontier>,
 }
 
 /// Runs the lease protocol for one worker on one stream. Background tasks stop on
@@ -248,6 +250,7 @@ impl LeaseManager {
             events,
             sync_now: Notify::new(),
             taking: CancellationToken::new(),
+            frontier: watch::Sender::new(Frontier::default()),
         });
         // The stream first: a missing stream must not leave a new lease table behind.
         inner.shards.list_shards(&inner.stream).await?;
@@ -283,6 +286,11 @@ impl LeaseManager {
             .values()
             .map(|h| h.ownership.clone())
             .collect()
+    }
+
+    /// The stream frontier, recomputed from the lease table on every scan.
+    pub fn frontier(&self) -> watch::Receiver<Frontier> {
+        self.inner.frontier.subscribe()
     }
 
     /// Lists the stream's shards and creates rows for new ones soon (after a shard ended).
@@ -439,6 +447,12 @@ impl Inner {
     async fn scan(&self) -> Result<(), Error> {
         let rows = self.store.list(&self.stream).await?;
         let now = Instant::now();
+        let latest = frontier::compute(&rows);
+        self.frontier.send_if_modified(|f| {
+            let changed = *f != latest;
+            *f = latest;
+            changed
+        });
         let expired: Vec<bool> = {
             let mut observed = self.observed.lock().unwrap_or_else(|e| e.into_inner());
             rows.iter()

@@ -166,6 +166,51 @@ impl LeaseStore for MemoryLeaseStore {
         })
     }
 
+    fn seek<'a>(
+        &'a self,
+        seen: &'a Lease,
+        to: &'a Checkpoint,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            let mut rows = self.rows();
+            Ok(match rows.get_mut(&seen.key()) {
+                Some(row) if row.seek_epoch == seen.seek_epoch => {
+                    row.checkpoint = to.clone();
+                    row.seek_epoch += 1;
+                    row.owner_epoch += 1;
+                    row.owner = None;
+                    row.counter += 1;
+                    true
+                }
+                _ => false,
+            })
+        })
+    }
+
+    fn advance_frontier<'a>(
+        &'a self,
+        held: &'a Ownership,
+        complete_through: i64,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        Box::pin(async move {
+            let mut rows = self.rows();
+            Ok(match Self::held_by(&mut rows, held) {
+                None => CheckpointWrite::Lost,
+                Some(row)
+                    if row
+                        .complete_through
+                        .is_some_and(|ct| ct >= complete_through) =>
+                {
+                    CheckpointWrite::NotNewer
+                }
+                Some(row) => {
+                    row.complete_through = Some(complete_through);
+                    CheckpointWrite::Written
+                }
+            })
+        })
+    }
+
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(async move {
             let mut rows = self.rows();

@@ -12,9 +12,11 @@ pub mod planner;
 mod row;
 mod store;
 mod sync;
+pub(crate) use sync::new_leases;
 
 pub use dynamodb::DynamoDbLeaseStore;
 pub use manager::{HeldLease, LeaseEvent, LeaseHooks, LeaseManager, LeaseSettings};
 pub use memory::MemoryLeaseStore;
 pub use row::{Checkpoint, InitialPosition, Lease, NewLease, Ownership};
+pub(crate) use row::{from_millis, millis};
 pub use store::{CheckpointWrite, LeaseStore};

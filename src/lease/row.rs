@@ -16,6 +16,8 @@ pub enum Checkpoint {
     AtTimestamp(SystemTime),
     /// Every record up to and including this position has a durable outcome.
     At(Position),
+    /// Reading starts at this position, inclusive: what a seek to a record writes.
+    Before(Position),
     /// The shard is closed and every one of its records has a durable outcome.
     ShardEnd,
 }
@@ -25,6 +27,8 @@ pub(crate) const TRIM_HORIZON: &str = "TRIM_HORIZON";
 pub(crate) const LATEST: &str = "LATEST";
 pub(crate) const AT_TIMESTAMP: &str = "AT_TIMESTAMP";
 pub(crate) const SHARD_END: &str = "SHARD_END";
+/// `checkpoint` of a [`Checkpoint::Before`]: the prefix, then the sequence number.
+pub(crate) const BEFORE_PREFIX: &str = "AT:";
 
 impl Checkpoint {
     /// The string stored in `checkpointKey`, whose byte order is checkpoint order: every start
@@ -32,7 +36,9 @@ impl Checkpoint {
     pub fn sort_key(&self) -> String {
         match self {
             Checkpoint::TrimHorizon | Checkpoint::Latest | Checkpoint::AtTimestamp(_) => "0".into(),
-            Checkpoint::At(p) => p.sort_key(),
+            // Before(p) < At(p) < Before(anything after p).
+            Checkpoint::At(p) => format!("{}1", p.sort_key()),
+            Checkpoint::Before(p) => format!("{}0", p.sort_key()),
             // 'S' sorts after every ASCII digit.
             Checkpoint::ShardEnd => SHARD_END.into(),
         }
@@ -50,6 +56,7 @@ impl Checkpoint {
             Checkpoint::Latest => LATEST.into(),
             Checkpoint::AtTimestamp(_) => AT_TIMESTAMP.into(),
             Checkpoint::At(p) => p.sequence().to_string(),
+            Checkpoint::Before(p) => format!("{BEFORE_PREFIX}{}", p.sequence()),
             Checkpoint::ShardEnd => SHARD_END.into(),
         }
     }
@@ -62,14 +69,19 @@ impl Checkpoint {
             LATEST => Checkpoint::Latest,
             AT_TIMESTAMP => Checkpoint::AtTimestamp(from_millis(starting_ms?)),
             SHARD_END => Checkpoint::ShardEnd,
-            digits => Checkpoint::At(Position::new(SequenceNumber::parse(digits).ok()?, sub)),
+            other => match other.strip_prefix(BEFORE_PREFIX) {
+                Some(digits) => {
+                    Checkpoint::Before(Position::new(SequenceNumber::parse(digits).ok()?, sub))
+                }
+                None => Checkpoint::At(Position::new(SequenceNumber::parse(other).ok()?, sub)),
+            },
         })
     }
 
     /// The KPL sub-sequence stored in `checkpointSub` (0 unless the checkpoint is inside an aggregate).
     pub fn sub_sequence(&self) -> u64 {
         match self {
-            Checkpoint::At(p) => p.sub_sequence(),
+            Checkpoint::At(p) | Checkpoint::Before(p) => p.sub_sequence(),
             _ => 0,
         }
     }
@@ -79,6 +91,7 @@ impl fmt::Display for Checkpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Checkpoint::At(p) => write!(f, "{p}"),
+            Checkpoint::Before(p) => write!(f, "before {p}"),
             Checkpoint::AtTimestamp(t) => write!(f, "{AT_TIMESTAMP}({}ms)", millis(*t)),
             other => f.write_str(&other.label()),
         }
@@ -218,7 +231,9 @@ mod tests {
     fn sort_keys_order_starts_positions_and_the_end() {
         let ordered = [
             Checkpoint::TrimHorizon,
+            Checkpoint::Before(Position::new(SequenceNumber::parse("1").unwrap(), 0)),
             at("1", 0),
+            Checkpoint::Before(Position::new(SequenceNumber::parse("1").unwrap(), 1)),
             at("1", 1),
             at("9", 0),
             at(&"9".repeat(129), u64::MAX),
@@ -247,6 +262,7 @@ mod tests {
             Checkpoint::AtTimestamp(t),
             Checkpoint::ShardEnd,
             at("4959033827149025660855969253836157109592157598913658", 3),
+            Checkpoint::Before(Position::new(SequenceNumber::parse("77").unwrap(), 2)),
         ] {
             let back = Checkpoint::from_stored(&c.label(), c.sub_sequence(), Some(millis(t)));
             assert_eq!(back, Some(c));

@@ -68,6 +68,24 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
     /// Gives a held lease up so another worker can take it at once. `false`: it was already lost.
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>>;
 
+    /// Moves the checkpoint to `to`, backwards too: the only write that may. Conditioned on the
+    /// seek epoch in `seen`, it bumps the seek epoch and the ownership epoch and removes the owner,
+    /// so the worker reading the shard loses the lease (and no settlement read before the seek can
+    /// write), and the next owner reads from `to`. `false`: the row changed seek epoch since `seen`.
+    fn seek<'a>(
+        &'a self,
+        seen: &'a Lease,
+        to: &'a Checkpoint,
+    ) -> BoxFuture<'a, Result<bool, Error>>;
+
+    /// Raises `completeThrough` (ms) without moving the checkpoint: for a caught-up, idle shard.
+    /// Fenced by owner and epoch, and only upwards (`NotNewer` when the stored value is as high).
+    fn advance_frontier<'a>(
+        &'a self,
+        held: &'a Ownership,
+        complete_through: i64,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>>;
+
     /// Records the children of a closed shard (lineage only; not fenced).
     fn set_children<'a>(
         &'a self,

@@ -85,6 +85,12 @@ pub fn resume_point(checkpoint: &Checkpoint) -> Option<(StartAt, Option<Position
         Checkpoint::Latest => (StartAt::Latest, None),
         Checkpoint::AtTimestamp(t) => (StartAt::AtTimestamp(*t), None),
         Checkpoint::At(p) => (StartAt::AtSequence(*p.sequence()), Some(*p)),
+        Checkpoint::Before(p) => (
+            StartAt::AtSequence(*p.sequence()),
+            p.sub_sequence()
+                .checked_sub(1)
+                .map(|sub| Position::new(*p.sequence(), sub)),
+        ),
         Checkpoint::ShardEnd => return None,
     })
 }

@@ -82,6 +82,11 @@ pub(crate) struct Args {
     #[arg(long, value_name = "MS", default_value_t = 10_000)]
     shutdown_deadline_ms: u64,
 
+    /// Let an idle shard whose last read was empty at the tip advance its frontier coordinate to
+    /// (now - this allowance); without it an idle shard holds the frontier.
+    #[arg(long, value_name = "MS")]
+    caught_up_skew_ms: Option<u64>,
+
     /// Print nothing per delivery (for throughput measurements); a count goes to stderr at exit.
     #[arg(long)]
     quiet: bool,
@@ -206,6 +211,9 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
         .aws_config(ctx.config().clone());
     if let Some(n) = args.max_attempts {
         builder = builder.max_attempts(n);
+    }
+    if let Some(ms) = args.caught_up_skew_ms {
+        builder = builder.caught_up_frontier(Duration::from_millis(ms));
     }
     if let Some(dl) = &args.dead_letter {
         builder = builder.dead_letter(dl.clone());

@@ -11,8 +11,10 @@
 
 mod common;
 mod consume;
+mod frontier;
 mod leases;
 mod put;
+mod seek;
 mod stream;
 
 use std::process::ExitCode;
@@ -37,6 +39,10 @@ enum Command {
     Put(put::Args),
     /// Show the lease table of an application (the table is named after the application).
     Leases(leases::Args),
+    /// Move an application's checkpoints of a stream (backwards too), running or not.
+    Seek(seek::Args),
+    /// How far the whole stream is complete: the scalar frontier, its epoch, the per-shard vector.
+    Frontier(frontier::Args),
     /// Create, reshard, describe or delete a stream.
     #[command(subcommand)]
     Stream(stream::Command),
@@ -46,6 +52,8 @@ async fn dispatch(command: Command, ctx: &Ctx) -> common::Result<()> {
     match command {
         Command::Consume(args) => consume::run(args, ctx).await,
         Command::Put(args) => put::run(args, ctx).await,
+        Command::Seek(args) => seek::run(args, ctx).await,
+        Command::Frontier(args) => frontier::run(args, ctx).await,
         Command::Leases(args) => leases::run(args, ctx).await,
         Command::Stream(command) => stream::run(command, ctx).await,
     }

@@ -1,0 +1,305 @@
+//! End-to-end figures for the consumer, printed as a table (`cargo bench --bench consumer`):
+//!
+//! 1. in-process pipeline throughput with a no-op handler (memory stream and lease store);
+//! 2. a 2 ms handler on one shard with 1, 4 and 8 lanes (per-key order, 64 keys);
+//! 3. live: the consumer against a raw GetRecords loop on the same emulator, same stream, same run;
+//! 4. live: time from `shardwise consume` process start to its first record.
+//!
+//! Parts 3 and 4 need the emulators (`envs=$(scripts/emulators start) && eval "$envs"`) and are
+//! skipped without `AWS_ENDPOINT_URL_KINESIS`. Under `cargo test` (no `--bench` argument) every
+//! part runs once at a tiny size, so the bench cannot rot.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use aws_config::BehaviorVersion;
+use aws_sdk_kinesis::primitives::Blob;
+use aws_sdk_kinesis::types::{PutRecordsRequestEntry, ShardIteratorType, StreamStatus};
+use shardwise::lease::{LeaseSettings, MemoryLeaseStore};
+use shardwise::testing::MemoryStream;
+use shardwise::{Consumer, Delivery, Outcome};
+
+struct Scale {
+    pipeline_records: u64,
+    lane_records: u64,
+    live_records: u64,
+}
+
+fn lease() -> LeaseSettings {
+    LeaseSettings::default()
+        .lease_duration(Duration::from_secs(3))
+        .scan_interval(Duration::from_millis(100))
+}
+
+/// Runs a consumer over `stream` until `count` records are handled; returns the seconds from the
+/// first delivery to the last.
+async fn consume_memory(stream: &MemoryStream, count: u64, lanes: usize, delay: Duration) -> f64 {
+    let handled = Arc::new(AtomicU64::new(0));
+    let first: Arc<std::sync::OnceLock<Instant>> = Arc::default();
+    let (h, f) = (handled.clone(), first.clone());
+    let running = Consumer::builder(stream.name(), "bench-app", move |_d: Delivery| {
+        let (h, f) = (h.clone(), f.clone());
+        async move {
+            f.get_or_init(Instant::now);
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            h.fetch_add(1, Ordering::Relaxed);
+            Outcome::Ack
+        }
+    })
+    .worker_id("bench")
+    .lanes(lanes)
+    .poll_interval(Duration::from_millis(200))
+    .lease_settings(lease())
+    .lease_store(Arc::new(MemoryLeaseStore::new()))
+    .record_source(Arc::new(stream.clone()))
+    .shard_lister(Arc::new(stream.clone()))
+    .build()
+    .expect("settings")
+    .run()
+    .await
+    .expect("start");
+    while handled.load(Ordering::Relaxed) < count {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let secs = first.get().expect("a delivery").elapsed().as_secs_f64();
+    running.shutdown(Duration::from_secs(5)).await;
+    secs
+}
+
+async fn pipeline(scale: &Scale) {
+    let n = scale.pipeline_records;
+    let stream = MemoryStream::new("pipeline", 4);
+    for i in 0..n {
+        stream.put(&format!("key-{}", i % 256), format!("{{\"id\":{i}}}"));
+    }
+    let secs = consume_memory(&stream, n, 4, Duration::ZERO).await;
+    println!(
+        "pipeline, no-op handler, 4 shards x 4 lanes, {n} records: {:.0} records/s",
+        n as f64 / secs
+    );
+}
+
+async fn lanes(scale: &Scale) {
+    let n = scale.lane_records;
+    let mut rates = Vec::new();
+    for lanes in [1usize, 4, 8] {
+        let stream = MemoryStream::new("lanes", 1);
+        for i in 0..n {
+            stream.put(&format!("key-{}", i % 64), format!("{{\"id\":{i}}}"));
+        }
+        let secs = consume_memory(&stream, n, lanes, Duration::from_millis(2)).await;
+        let rate = n as f64 / secs;
+        rates.push(rate);
+        println!("2 ms handler, 1 shard, {lanes} lanes, {n} records: {rate:.0} records/s");
+    }
+    println!("  8 lanes / 1 lane = {:.2}x", rates[2] / rates[0]);
+}
+
+async fn live(scale: &Scale) {
+    if std::env::var("AWS_ENDPOINT_URL_KINESIS").is_err() {
+        println!(
+            "live parts skipped: AWS_ENDPOINT_URL_KINESIS is not set (start scripts/emulators)"
+        );
+        return;
+    }
+    let config = aws_config::defaults(BehaviorVersion::latest()).load().await;
+    let kinesis = aws_sdk_kinesis::Client::new(&config);
+    let tag = std::process::id();
+    let stream = format!("bench-{tag}-{}", Instant::now().elapsed().as_nanos());
+    let shards = 4;
+    kinesis
+        .create_stream()
+        .stream_name(&stream)
+        .shard_count(shards)
+        .send()
+        .await
+        .expect("create");
+    loop {
+        let s = kinesis
+            .describe_stream_summary()
+            .stream_name(&stream)
+            .send()
+            .await
+            .expect("describe");
+        if s.stream_description_summary()
+            .is_some_and(|d| *d.stream_status() == StreamStatus::Active)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let n = scale.live_records;
+    let ids: Vec<u64> = (0..n).collect();
+    for chunk in ids.chunks(500) {
+        let entries = chunk
+            .iter()
+            .map(|i| {
+                PutRecordsRequestEntry::builder()
+                    .partition_key(format!("key-{}", i % 256))
+                    .data(Blob::new(format!("{{\"id\":{i}}}")))
+                    .build()
+                    .unwrap()
+            })
+            .collect::<Vec<_>>();
+        kinesis
+            .put_records()
+            .stream_name(&stream)
+            .set_records(Some(entries))
+            .send()
+            .await
+            .expect("put");
+    }
+
+    // Raw loop: one task per shard, GetRecords (10,000) until caught up, no processing.
+    let shard_ids: Vec<String> = kinesis
+        .list_shards()
+        .stream_name(&stream)
+        .send()
+        .await
+        .expect("list")
+        .shards()
+        .iter()
+        .map(|s| s.shard_id().to_string())
+        .collect();
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for shard in shard_ids {
+        let (k, s) = (kinesis.clone(), stream.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut it = k
+                .get_shard_iterator()
+                .stream_name(&s)
+                .shard_id(&shard)
+                .shard_iterator_type(ShardIteratorType::TrimHorizon)
+                .send()
+                .await
+                .unwrap()
+                .shard_iterator
+                .unwrap();
+            let mut got = 0u64;
+            loop {
+                let page = k
+                    .get_records()
+                    .shard_iterator(&it)
+                    .limit(10_000)
+                    .send()
+                    .await
+                    .unwrap();
+                got += page.records().len() as u64;
+                if page.records().is_empty() && page.millis_behind_latest() == Some(0) {
+                    return got;
+                }
+                it = page.next_shard_iterator.unwrap();
+            }
+        }));
+    }
+    let mut raw_total = 0;
+    for t in tasks {
+        raw_total += t.await.unwrap();
+    }
+    let raw_secs = start.elapsed().as_secs_f64();
+    assert_eq!(raw_total, n);
+
+    // The consumer, same stream, a fresh application: from run() to the last record.
+    let handled = Arc::new(AtomicU64::new(0));
+    let h = handled.clone();
+    let app = format!("bench-app-{tag}-{}", Instant::now().elapsed().as_nanos());
+    let started = Instant::now();
+    let running = Consumer::builder(stream.clone(), app, move |_d: Delivery| {
+        h.fetch_add(1, Ordering::Relaxed);
+        std::future::ready(Outcome::Ack)
+    })
+    .worker_id("bench")
+    .lanes(4)
+    .lease_settings(lease())
+    .aws_config(config.clone())
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    while handled.load(Ordering::Relaxed) < n {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let consumer_secs = started.elapsed().as_secs_f64();
+    running.shutdown(Duration::from_secs(5)).await;
+    println!(
+        "live, {n} records over {shards} shards: raw GetRecords loop {:.0} records/s ({raw_secs:.2} s), consumer {:.0} records/s ({consumer_secs:.2} s, lease start included) = {:.0}% of raw",
+        n as f64 / raw_secs,
+        n as f64 / consumer_secs,
+        100.0 * raw_secs / consumer_secs
+    );
+
+    // Process start to first record.
+    let bin = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/shardwise");
+    let bin = if bin.exists() {
+        bin
+    } else {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/debug/shardwise")
+    };
+    if bin.exists() {
+        let t0 = Instant::now();
+        let mut child = Command::new(&bin)
+            .args([
+                "consume",
+                "--stream",
+                &stream,
+                "--app",
+                &format!("bench-first-{tag}"),
+                "--worker-id",
+                "first",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn shardwise");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let first = t0.elapsed();
+        let _ = child.kill();
+        let _ = child.wait();
+        println!(
+            "process start to first record ({}): {:.0} ms",
+            bin.display(),
+            first.as_secs_f64() * 1000.0
+        );
+    } else {
+        println!("process start to first record skipped: build the shardwise binary first");
+    }
+    let _ = kinesis.delete_stream().stream_name(&stream).send().await;
+}
+
+fn main() {
+    let benching = std::env::args().any(|a| a == "--bench");
+    let scale = if benching {
+        Scale {
+            pipeline_records: 200_000,
+            lane_records: 2_000,
+            live_records: 20_000,
+        }
+    } else {
+        Scale {
+            pipeline_records: 500,
+            lane_records: 40,
+            live_records: 0,
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        pipeline(&scale).await;
+        lanes(&scale).await;
+        if benching {
+            live(&scale).await;
+        }
+    });
+}
