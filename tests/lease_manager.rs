@@ -253,3 +253,136 @@ async fn invalid_settings_are_refused_naming_the_field() {
     };
     assert_eq!(e.field(), "renew_interval");
 }
+
+/// Counts every store call (each is one DynamoDB request for the DynamoDB store; a Scan of a
+/// small table is one page).
+#[derive(Debug)]
+struct Counting {
+    inner: MemoryLeaseStore,
+    calls: std::sync::atomic::AtomicU64,
+}
+
+impl Counting {
+    fn tick(&self) {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl LeaseStore for Counting {
+    fn prepare(&self) -> BoxFuture<'_, Result<(), Error>> {
+        self.tick();
+        self.inner.prepare()
+    }
+    fn list<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<shardwise::lease::Lease>, Error>> {
+        self.tick();
+        self.inner.list(stream)
+    }
+    fn get<'a>(
+        &'a self,
+        stream: &'a str,
+        shard_id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<shardwise::lease::Lease>, Error>> {
+        self.tick();
+        self.inner.get(stream, shard_id)
+    }
+    fn create<'a>(
+        &'a self,
+        lease: &'a shardwise::lease::NewLease,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.tick();
+        self.inner.create(lease)
+    }
+    fn take<'a>(
+        &'a self,
+        seen: &'a shardwise::lease::Lease,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<Option<shardwise::lease::Lease>, Error>> {
+        self.tick();
+        self.inner.take(seen, owner)
+    }
+    fn renew<'a>(
+        &'a self,
+        held: &'a shardwise::lease::Ownership,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.tick();
+        self.inner.renew(held)
+    }
+    fn checkpoint<'a>(
+        &'a self,
+        held: &'a shardwise::lease::Ownership,
+        to: &'a Checkpoint,
+        complete_through: Option<i64>,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        self.tick();
+        self.inner.checkpoint(held, to, complete_through)
+    }
+    fn release<'a>(
+        &'a self,
+        held: &'a shardwise::lease::Ownership,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.tick();
+        self.inner.release(held)
+    }
+    fn seek<'a>(
+        &'a self,
+        seen: &'a shardwise::lease::Lease,
+        to: &'a Checkpoint,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.tick();
+        self.inner.seek(seen, to)
+    }
+    fn advance_frontier<'a>(
+        &'a self,
+        held: &'a shardwise::lease::Ownership,
+        ct: i64,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        self.tick();
+        self.inner.advance_frontier(held, ct)
+    }
+    fn set_children<'a>(
+        &'a self,
+        stream: &'a str,
+        shard_id: &'a str,
+        children: &'a [String],
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        self.tick();
+        self.inner.set_children(stream, shard_id, children)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_worker_costs_about_26_store_requests_per_held_lease_per_minute() {
+    let store = Arc::new(Counting {
+        inner: MemoryLeaseStore::new(),
+        calls: Default::default(),
+    });
+    let shards = Shards::open(4);
+    let (manager, _events) = LeaseManager::start(
+        store.clone(),
+        shards,
+        STREAM,
+        "idle",
+        LeaseSettings::default(),
+        Arc::new(()),
+    )
+    .await
+    .unwrap();
+    until(Duration::from_secs(10), || manager.held().len() == 4).await;
+    let before = store.calls.load(std::sync::atomic::Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    let calls = store.calls.load(std::sync::atomic::Ordering::Relaxed) - before;
+    let per_lease_minute = calls as f64 / 4.0 / 10.0;
+    eprintln!(
+        "idle: {calls} store requests in 10 min for 4 leases = {per_lease_minute:.1} per held lease per minute"
+    );
+    // Renewals: 60 s / (10 s / 3) = 18 per lease; scans every 2 s and a shard sync a minute are
+    // shared by the worker's leases: (30 + 2) / 4 = 8 per lease.
+    assert!(
+        (25.0..=27.0).contains(&per_lease_minute),
+        "{per_lease_minute}"
+    );
+}
