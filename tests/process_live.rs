@@ -1,0 +1,1643 @@
+//! Process-level live tests: `shardwise consume` workers as child processes (black box) against the
+//! emulators. Workers are stopped gracefully (SIGTERM) or killed (SIGKILL); what they handled is
+//! read from their stdout (one JSON line per handled delivery) and what they promised from the
+//! lease table. Every test asserts that nothing was skipped (every id written appears in the log)
+//! and that no checkpoint ever moved backwards while it ran.
+//!
+//! Run with the emulators up:
+//! `envs=$(scripts/emulators start) && eval "$envs" && SHARDWISE_LIVE=require cargo test --test process_live -- --test-threads=2`
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use aws_sdk_kinesis::types::ShardIteratorType;
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_shardwise");
+
+/// Short lease settings that keep the tests quick (3 s lease, 1 s renew, 500 ms scan).
+const FAST: &[&str] = &[
+    "--lease-duration-ms",
+    "3000",
+    "--scan-interval-ms",
+    "500",
+    "--checkpoint-interval-ms",
+    "200",
+    "--poll-interval-ms",
+    "200",
+];
+
+// ---------------------------------------------------------------------------------------------
+// The handled-record log
+
+/// One handled delivery, as a worker printed it, with the time this test read the line.
+#[derive(Debug, Clone)]
+struct Handled {
+    at: Instant,
+    worker: String,
+    shard: String,
+    sequence: String,
+    key: String,
+    id: u64,
+}
+
+/// Every line every worker of a test printed, in the order this test read them (each worker's
+/// lines keep that worker's order).
+#[derive(Clone)]
+struct Log {
+    t0: Instant,
+    lines: Arc<Mutex<Vec<Handled>>>,
+    garbage: Arc<Mutex<Vec<String>>>,
+}
+
+impl Default for Log {
+    fn default() -> Self {
+        Log {
+            t0: Instant::now(),
+            lines: Arc::default(),
+            garbage: Arc::default(),
+        }
+    }
+}
+
+impl Log {
+    fn push_raw(&self, line: &str, at: Instant) {
+        match parse_line(line, at) {
+            Some(h) => self.lines.lock().unwrap().push(h),
+            None => self.garbage.lock().unwrap().push(line.to_owned()),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.lines.lock().unwrap().len()
+    }
+
+    fn snapshot(&self) -> Vec<Handled> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    fn distinct_ids(&self) -> usize {
+        let lines = self.lines.lock().unwrap();
+        lines.iter().map(|h| h.id).collect::<HashSet<_>>().len()
+    }
+
+    fn count_of(&self, worker: &str) -> usize {
+        let lines = self.lines.lock().unwrap();
+        lines.iter().filter(|h| h.worker == worker).count()
+    }
+
+    /// Writes every line (ms since the log was made, worker, shard, sequence, key, id) to a file next
+    /// to the workers' stderr, for investigation.
+    fn dump(&self, name: &str) {
+        let t0 = self.t0;
+        use std::fmt::Write as _;
+        let mut text = String::new();
+        for h in self.lines.lock().unwrap().iter() {
+            let _ = writeln!(
+                text,
+                "{} {} {} {} {} {}",
+                h.at.saturating_duration_since(t0).as_millis(),
+                h.worker,
+                h.shard,
+                h.sequence,
+                h.key,
+                h.id
+            );
+        }
+        let path = log_dir().join(format!("{name}.log"));
+        std::fs::write(&path, text).expect("write the log");
+        eprintln!("log of handled records: {}", path.display());
+    }
+
+    /// Asserts every stdout line was a delivery line.
+    fn assert_no_garbage(&self) {
+        let garbage = self.garbage.lock().unwrap();
+        assert!(
+            garbage.is_empty(),
+            "stdout lines that are not deliveries: {:?}",
+            &garbage[..garbage.len().min(5)]
+        );
+    }
+}
+
+fn parse_line(line: &str, at: Instant) -> Option<Handled> {
+    let v: Value = serde_json::from_str(line).ok()?;
+    let data: Value = serde_json::from_str(v["data"].as_str()?).ok()?;
+    Some(Handled {
+        at,
+        worker: v["worker"].as_str()?.to_owned(),
+        shard: v["shard"].as_str()?.to_owned(),
+        sequence: v["sequence"].as_str()?.to_owned(),
+        key: v["partition_key"].as_str()?.to_owned(),
+        id: data["id"].as_u64()?,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workers
+
+/// Where worker stderr files and dumped logs go.
+fn log_dir() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("process_live");
+    std::fs::create_dir_all(&dir).expect("a directory for worker logs");
+    dir
+}
+
+/// A `shardwise consume` child. Dropping it kills the process (so a failing test leaves none).
+struct Worker {
+    id: String,
+    child: Child,
+    reader: Option<std::thread::JoinHandle<()>>,
+    stderr: PathBuf,
+    exit: Option<ExitStatus>,
+}
+
+impl Worker {
+    fn spawn(stream: &str, app: &str, id: &str, args: &[&str], log: &Log) -> Worker {
+        let dir = log_dir();
+        let stderr = dir.join(format!("{app}-{id}.stderr"));
+        let file = File::create(&stderr).expect("a worker stderr file");
+        let mut child = Command::new(BIN)
+            .args([
+                "consume",
+                "--stream",
+                stream,
+                "--app",
+                app,
+                "--worker-id",
+                id,
+            ])
+            .args(args)
+            .env("RUST_LOG", "shardwise=info,warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(file)
+            .spawn()
+            .expect("spawn shardwise consume");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let log = log.clone();
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let at = Instant::now();
+                match line {
+                    Ok(line) => log.push_raw(&line, at),
+                    Err(_) => return,
+                }
+            }
+        });
+        eprintln!(
+            "worker {id}: pid {}, stderr {}",
+            child.id(),
+            stderr.display()
+        );
+        Worker {
+            id: id.to_owned(),
+            child,
+            reader: Some(reader),
+            stderr,
+            exit: None,
+        }
+    }
+
+    /// Asks for a graceful shutdown.
+    fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {} failed", self.child.id());
+    }
+
+    /// SIGKILL; returns the instant the signal was sent.
+    async fn kill9(&mut self) -> Instant {
+        self.child.kill().expect("SIGKILL");
+        let at = Instant::now();
+        self.wait_exit(Duration::from_secs(10)).await;
+        at
+    }
+
+    /// Waits for the process to exit (and its stdout to be read to the end); returns its status
+    /// and the instant the exit was noticed (within ~10 ms).
+    async fn wait_exit(&mut self, timeout: Duration) -> (ExitStatus, Instant) {
+        let deadline = Instant::now() + timeout;
+        let (status, at) = loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                break (status, Instant::now());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "worker {} did not exit within {timeout:?}; stderr: {}",
+                self.id,
+                self.stderr_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        self.exit = Some(status);
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+        (status, at)
+    }
+
+    /// SIGTERM, then asserts a zero exit status within `timeout`.
+    async fn stop_gracefully(&mut self, timeout: Duration) -> Instant {
+        self.terminate();
+        let (status, at) = self.wait_exit(timeout).await;
+        assert!(
+            status.success(),
+            "worker {} exited with {status} after SIGTERM; stderr: {}",
+            self.id,
+            self.stderr_tail()
+        );
+        at
+    }
+
+    fn stderr_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if self.exit.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Other commands
+
+/// Runs `shardwise` to completion and returns stdout (asserting success).
+async fn shardwise(args: &[&str]) -> String {
+    let out = tokio::process::Command::new(BIN)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("run shardwise");
+    assert!(
+        out.status.success(),
+        "shardwise {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 stdout")
+}
+
+/// `shardwise put`: ids `start..start + count`, key `key-{id % keys}`.
+async fn put(stream: &str, count: u64, keys: u64, start: u64) {
+    shardwise(&[
+        "put",
+        "--stream",
+        stream,
+        "--count",
+        &count.to_string(),
+        "--keys",
+        &keys.to_string(),
+        "--start-id",
+        &start.to_string(),
+    ])
+    .await;
+}
+
+/// A background writer putting `batch` records every `every`, ids increasing from `start`.
+struct Trickle {
+    stop: Arc<AtomicBool>,
+    next: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Trickle {
+    fn start(stream: &str, keys: u64, start: u64, batch: u64, every: Duration) -> Trickle {
+        let stop = Arc::new(AtomicBool::new(false));
+        let next = Arc::new(AtomicU64::new(start));
+        let (s, n, stream) = (stop.clone(), next.clone(), stream.to_owned());
+        let task = tokio::spawn(async move {
+            while !s.load(AtomicOrdering::SeqCst) {
+                let from = n.load(AtomicOrdering::SeqCst);
+                let began = Instant::now();
+                put(&stream, batch, keys, from).await;
+                n.store(from + batch, AtomicOrdering::SeqCst);
+                tokio::time::sleep(every.saturating_sub(began.elapsed())).await;
+            }
+        });
+        Trickle { stop, next, task }
+    }
+
+    /// Stops writing; returns the end of the ids written (`start..end`).
+    async fn stop(self) -> u64 {
+        self.stop.store(true, AtomicOrdering::SeqCst);
+        self.task.await.expect("trickle task");
+        self.next.load(AtomicOrdering::SeqCst)
+    }
+}
+
+/// Polls `cond` every 20 ms until it holds; panics with `what` after `timeout`.
+async fn eventually(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) -> Instant {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if cond() {
+            return Instant::now();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out ({timeout:?}) waiting: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The lease table
+
+/// One lease row, read raw from DynamoDB.
+#[derive(Debug, Clone)]
+struct Row {
+    shard: String,
+    owner: Option<String>,
+    counter: u64,
+    checkpoint: String,
+    sub: u64,
+    parents: Vec<String>,
+    children: Vec<String>,
+}
+
+/// A checkpoint's order: start sentinels, then sequence numbers by (length, digits), sub-sequence,
+/// then SHARD_END.
+fn checkpoint_order(checkpoint: &str, sub: u64) -> (u8, usize, String, u64) {
+    if checkpoint == "SHARD_END" {
+        (2, 0, String::new(), 0)
+    } else if !checkpoint.is_empty() && checkpoint.bytes().all(|b| b.is_ascii_digit()) {
+        (1, checkpoint.len(), checkpoint.to_owned(), sub)
+    } else {
+        (0, 0, String::new(), 0)
+    }
+}
+
+/// Sequence numbers compared as numbers.
+fn seq_order(sequence: &str) -> (usize, &str) {
+    (sequence.len(), sequence)
+}
+
+fn attr_s(item: &HashMap<String, AttributeValue>, name: &str) -> Option<String> {
+    match item.get(name) {
+        Some(AttributeValue::S(s)) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+fn attr_n(item: &HashMap<String, AttributeValue>, name: &str) -> u64 {
+    match item.get(name) {
+        Some(AttributeValue::N(n)) => n.parse().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+fn attr_list(item: &HashMap<String, AttributeValue>, name: &str) -> Vec<String> {
+    let mut out: Vec<String> = match item.get(name) {
+        Some(AttributeValue::L(l)) => l.iter().filter_map(|v| v.as_s().ok().cloned()).collect(),
+        Some(AttributeValue::Ss(s)) => s.clone(),
+        _ => Vec::new(),
+    };
+    out.sort();
+    out
+}
+
+/// The stream's rows of the application's lease table (consistent Scan); empty while the table
+/// does not exist yet.
+async fn try_rows(live: &support::Live, app: &str, stream: &str) -> Result<Vec<Row>, String> {
+    let mut rows = Vec::new();
+    let mut start = None;
+    loop {
+        let out = live
+            .dynamodb
+            .scan()
+            .table_name(app)
+            .consistent_read(true)
+            .set_exclusive_start_key(start.take())
+            .send()
+            .await;
+        let out = match out {
+            Ok(out) => out,
+            Err(e)
+                if e.as_service_error()
+                    .is_some_and(|e| e.is_resource_not_found_exception()) =>
+            {
+                return Ok(Vec::new());
+            }
+            Err(e) => return Err(format!("{e:?}")),
+        };
+        for item in out.items() {
+            if attr_s(item, "streamName").as_deref() != Some(stream) {
+                continue;
+            }
+            rows.push(Row {
+                shard: attr_s(item, "shardId").unwrap_or_default(),
+                owner: attr_s(item, "leaseOwner"),
+                counter: attr_n(item, "leaseCounter"),
+                checkpoint: attr_s(item, "checkpoint").unwrap_or_default(),
+                sub: attr_n(item, "checkpointSub"),
+                parents: attr_list(item, "parentShardIds"),
+                children: attr_list(item, "childShardIds"),
+            });
+        }
+        match out.last_evaluated_key {
+            Some(key) if !key.is_empty() => start = Some(key),
+            _ => break,
+        }
+    }
+    rows.sort_by(|a, b| a.shard.cmp(&b.shard));
+    Ok(rows)
+}
+
+async fn rows(live: &support::Live, app: &str, stream: &str) -> Vec<Row> {
+    try_rows(live, app, stream)
+        .await
+        .expect("scan the lease table")
+}
+
+/// Leases per owner (unowned rows and ended shards are not counted).
+fn load(rows: &[Row]) -> BTreeMap<String, usize> {
+    let mut load = BTreeMap::new();
+    for r in rows {
+        if let Some(owner) = &r.owner
+            && r.checkpoint != "SHARD_END"
+        {
+            *load.entry(owner.clone()).or_insert(0) += 1;
+        }
+    }
+    load
+}
+
+/// Polls the table until `cond` holds; returns the rows that satisfied it.
+async fn wait_rows(
+    live: &support::Live,
+    app: &str,
+    stream: &str,
+    what: &str,
+    timeout: Duration,
+    cond: impl Fn(&[Row]) -> bool,
+) -> Vec<Row> {
+    let deadline = Instant::now() + timeout;
+    let mut last = Vec::new();
+    loop {
+        if let Ok(rows) = try_rows(live, app, stream).await {
+            if cond(&rows) {
+                return rows;
+            }
+            last = rows;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out ({timeout:?}) waiting for the lease table: {what}; last rows: {last:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// One read of the lease table: `began` before the Scan was sent, `at` once it answered, so
+/// every write the rows show happened before `at`, and every write they do not show happened
+/// after `began`.
+#[derive(Debug, Clone)]
+struct Sample {
+    began: Instant,
+    at: Instant,
+    rows: Vec<Row>,
+}
+
+type Samples = Vec<Sample>;
+
+/// Samples the lease table in the background and checks that no checkpoint moves backwards.
+struct Watcher {
+    samples: Arc<Mutex<Samples>>,
+    regressions: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Watcher {
+    fn start(live: &support::Live, app: &str, stream: &str, every: Duration) -> Watcher {
+        let samples: Arc<Mutex<Samples>> = Arc::default();
+        let regressions: Arc<Mutex<Vec<String>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (live, app, stream) = (live.clone(), app.to_owned(), stream.to_owned());
+        let (s, r, st) = (samples.clone(), regressions.clone(), stop.clone());
+        let task = tokio::spawn(async move {
+            let mut last: HashMap<String, (String, u64)> = HashMap::new();
+            while !st.load(AtomicOrdering::SeqCst) {
+                let began = Instant::now();
+                if let Ok(rows) = try_rows(&live, &app, &stream).await {
+                    let at = Instant::now();
+                    for row in &rows {
+                        if let Some((cp, sub)) = last.get(&row.shard)
+                            && checkpoint_order(&row.checkpoint, row.sub)
+                                < checkpoint_order(cp, *sub)
+                        {
+                            r.lock().unwrap().push(format!(
+                                "{}: checkpoint went back from {cp}.{sub} to {}.{} (owner {:?})",
+                                row.shard, row.checkpoint, row.sub, row.owner
+                            ));
+                        }
+                        last.insert(row.shard.clone(), (row.checkpoint.clone(), row.sub));
+                    }
+                    s.lock().unwrap().push(Sample { began, at, rows });
+                }
+                tokio::time::sleep(every.saturating_sub(began.elapsed())).await;
+            }
+        });
+        Watcher {
+            samples,
+            regressions,
+            stop,
+            task,
+        }
+    }
+
+    /// Stops sampling, asserts no checkpoint went backwards, and returns the samples.
+    async fn finish(self) -> Samples {
+        self.stop.store(true, AtomicOrdering::SeqCst);
+        self.task.await.expect("watcher task");
+        let regressions = self.regressions.lock().unwrap().clone();
+        let samples = std::mem::take(&mut *self.samples.lock().unwrap());
+        assert!(
+            !samples.is_empty(),
+            "the lease table was never sampled during the run"
+        );
+        assert!(
+            regressions.is_empty(),
+            "checkpoints moved backwards: {regressions:#?}"
+        );
+        samples
+    }
+
+    fn samples(&self) -> Samples {
+        self.samples.lock().unwrap().clone()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks on the log
+
+/// Asserts every id in `0..n` was handled at least once (and nothing else was).
+fn assert_nothing_skipped(lines: &[Handled], n: u64) {
+    let seen: BTreeSet<u64> = lines.iter().map(|h| h.id).collect();
+    let missing: Vec<u64> = (0..n).filter(|id| !seen.contains(id)).collect();
+    assert!(
+        missing.is_empty(),
+        "{} of {n} ids were never handled (skipped): first {:?}",
+        missing.len(),
+        &missing[..missing.len().min(20)]
+    );
+    let unknown: Vec<u64> = seen.iter().copied().filter(|id| *id >= n).collect();
+    assert!(unknown.is_empty(), "ids never written: {unknown:?}");
+}
+
+/// Ids handled more than once, with their counts.
+fn duplicates(lines: &[Handled]) -> BTreeMap<u64, usize> {
+    let mut counts: BTreeMap<u64, usize> = BTreeMap::new();
+    for h in lines {
+        *counts.entry(h.id).or_insert(0) += 1;
+    }
+    counts.retain(|_, c| *c > 1);
+    counts
+}
+
+/// Extra deliveries (lines beyond the first of each id).
+fn extra_deliveries(lines: &[Handled]) -> usize {
+    duplicates(lines).values().map(|c| c - 1).sum()
+}
+
+/// Per-key order: within `lines` (in log order), each key's ids strictly increase. Also checks that
+/// the key matches the id (`key-{id % keys}`).
+fn order_violations<'a>(lines: impl IntoIterator<Item = &'a Handled>, keys: u64) -> Vec<String> {
+    let mut last: HashMap<&str, &Handled> = HashMap::new();
+    let mut out = Vec::new();
+    for h in lines {
+        if h.key != format!("key-{}", h.id % keys) {
+            out.push(format!("id {} came with key {}", h.id, h.key));
+        }
+        if let Some(before) = last.get(h.key.as_str())
+            && before.id >= h.id
+        {
+            out.push(format!(
+                "{}: id {} ({} {} seq {}) after id {} ({} {} seq {})",
+                h.key,
+                h.id,
+                h.worker,
+                h.shard,
+                h.sequence,
+                before.id,
+                before.worker,
+                before.shard,
+                before.sequence
+            ));
+        }
+        last.insert(h.key.as_str(), h);
+    }
+    out
+}
+
+fn assert_order(lines: &[Handled], keys: u64, what: &str) {
+    let violations = order_violations(lines, keys);
+    assert!(
+        violations.is_empty(),
+        "per-key order broken ({what}): {} violations, first: {:#?}",
+        violations.len(),
+        &violations[..violations.len().min(10)]
+    );
+}
+
+fn assert_order_per_worker(lines: &[Handled], keys: u64) {
+    let workers: BTreeSet<&str> = lines.iter().map(|h| h.worker.as_str()).collect();
+    for w in workers {
+        let mine: Vec<Handled> = lines.iter().filter(|h| h.worker == w).cloned().collect();
+        assert_order(&mine, keys, &format!("worker {w}"));
+    }
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+/// Every record of one shard in order: (sequence, id).
+async fn read_shard(live: &support::Live, stream: &str, shard: &str) -> Vec<(String, u64)> {
+    let mut iterator = live
+        .kinesis
+        .get_shard_iterator()
+        .stream_name(stream)
+        .shard_id(shard)
+        .shard_iterator_type(ShardIteratorType::TrimHorizon)
+        .send()
+        .await
+        .expect("GetShardIterator")
+        .shard_iterator
+        .expect("an iterator");
+    let mut out = Vec::new();
+    loop {
+        let page = live
+            .kinesis
+            .get_records()
+            .shard_iterator(&iterator)
+            .limit(10_000)
+            .send()
+            .await
+            .expect("GetRecords");
+        for r in page.records() {
+            let data: Value = serde_json::from_slice(r.data().as_ref()).expect("JSON data");
+            out.push((
+                r.sequence_number().to_owned(),
+                data["id"].as_u64().expect("an id"),
+            ));
+        }
+        if page.records().is_empty() && page.millis_behind_latest() == Some(0) {
+            return out;
+        }
+        match page.next_shard_iterator {
+            Some(next) => iterator = next,
+            None => return out,
+        }
+    }
+}
+
+async fn cleanup(live: &support::Live, stream: &str, app: &str) {
+    live.delete_stream(stream).await;
+    live.delete_table(app).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_restart_handles_everything_once() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-restart");
+    let app = support::unique_name("pl-restart-app");
+    live.create_stream(&stream, 4).await;
+    let (n, keys) = (2000u64, 16u64);
+    let log = Log::default();
+    let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(200));
+    let args: Vec<&str> = FAST
+        .iter()
+        .copied()
+        .chain(["--lanes", "2", "--handler-delay-ms", "1"])
+        .collect();
+
+    let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "A holds all 4 shards",
+        Duration::from_secs(30),
+        |r| load(r).get("A") == Some(&4),
+    )
+    .await;
+    let writer = tokio::spawn({
+        let stream = stream.clone();
+        async move { put(&stream, n, keys, 0).await }
+    });
+    eventually("A handled half", Duration::from_secs(60), || {
+        log.len() as u64 >= n / 2
+    })
+    .await;
+    a.stop_gracefully(Duration::from_secs(30)).await;
+    let by_a = log.len();
+    let released = rows(&live, &app, &stream).await;
+    assert!(
+        released.iter().all(|r| r.owner.is_none()),
+        "A released its leases on SIGTERM: {released:#?}"
+    );
+
+    let mut b = Worker::spawn(&stream, &app, "B", &args, &log);
+    writer.await.expect("put");
+    eventually("every id handled", Duration::from_secs(60), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    // Anything B would handle twice comes first (it resumes at A's checkpoints); give a late
+    // duplicate a moment to show up anyway.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    b.stop_gracefully(Duration::from_secs(30)).await;
+    watcher.finish().await;
+
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    let by_b = lines.len() - by_a;
+    eprintln!("graceful restart: A handled {by_a}, B handled {by_b}");
+    assert_nothing_skipped(&lines, n);
+    let dups = duplicates(&lines);
+    assert!(
+        dups.is_empty(),
+        "a graceful handover handled {} ids twice: {:?}",
+        dups.len(),
+        dups.iter().take(20).collect::<Vec<_>>()
+    );
+    assert!(
+        by_b > 0,
+        "B had nothing left to handle: the handover was not exercised"
+    );
+    // A's lines precede B's: A exited before B started.
+    assert_order(&lines, keys, "across the handover A -> B");
+
+    // B's graceful stop wrote final checkpoints: each at the last record of its shard.
+    let last_rows = rows(&live, &app, &stream).await;
+    for row in &last_rows {
+        let last = lines
+            .iter()
+            .filter(|h| h.shard == row.shard)
+            .max_by(|x, y| seq_order(&x.sequence).cmp(&seq_order(&y.sequence)))
+            .map(|h| h.sequence.clone());
+        assert_eq!(
+            Some(row.checkpoint.clone()),
+            last,
+            "final checkpoint of {}",
+            row.shard
+        );
+        assert_eq!(row.owner, None, "B released {}", row.shard);
+    }
+    cleanup(&live, &stream, &app).await;
+}
+
+/// Two workers with 2 shards each; A is SIGKILLed mid-run. Returns nothing; see the asserts.
+async fn kill_9_scenario(
+    name: &str,
+    lease_args: &[&str],
+    expiry: Duration,
+    scan: Duration,
+    first_line_bound: Duration,
+) {
+    let live = live_or_skip!();
+    let stream = support::unique_name(name);
+    let app = support::unique_name(&format!("{name}-app"));
+    live.create_stream(&stream, 4).await;
+    let (n, keys) = (3000u64, 16u64);
+    let log = Log::default();
+    let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(100));
+    let args: Vec<&str> = lease_args
+        .iter()
+        .copied()
+        .chain([
+            "--checkpoint-interval-ms",
+            "200",
+            "--poll-interval-ms",
+            "200",
+            "--handler-delay-ms",
+            "1",
+            "--lanes",
+            "4",
+        ])
+        .collect();
+    let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
+    let mut b = Worker::spawn(&stream, &app, "B", &args, &log);
+    let balanced = wait_rows(
+        &live,
+        &app,
+        &stream,
+        "A and B hold 2 shards each",
+        Duration::from_secs(60),
+        |r| r.len() == 4 && load(r).values().all(|c| *c == 2) && load(r).len() == 2,
+    )
+    .await;
+    eprintln!("{name}: balanced: {:?}", load(&balanced));
+
+    let writer = tokio::spawn({
+        let stream = stream.clone();
+        async move { put(&stream, n, keys, 0).await }
+    });
+    eventually("a third handled", Duration::from_secs(60), || {
+        log.len() as u64 >= n / 3
+    })
+    .await;
+    let before = rows(&live, &app, &stream).await;
+    let a_shards: BTreeSet<String> = before
+        .iter()
+        .filter(|r| r.owner.as_deref() == Some("A"))
+        .map(|r| r.shard.clone())
+        .collect();
+    let killed_at = a.kill9().await;
+    let by_a_at_kill = log.count_of("A");
+    eprintln!("{name}: SIGKILL A holding {a_shards:?} after {by_a_at_kill} lines of A");
+    assert!(
+        !a_shards.is_empty(),
+        "A held no shard when killed: {before:#?}"
+    );
+
+    writer.await.expect("put");
+    let taken = wait_rows(
+        &live,
+        &app,
+        &stream,
+        "B holds all 4 shards",
+        expiry + scan + Duration::from_secs(30),
+        |r| r.len() == 4 && load(r).get("B") == Some(&4),
+    )
+    .await;
+    assert_eq!(taken.len(), 4);
+    eventually("every id handled", Duration::from_secs(90), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    b.stop_gracefully(Duration::from_secs(30)).await;
+    let samples = watcher.finish().await;
+
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    assert_order_per_worker(&lines, keys);
+    let extra = extra_deliveries(&lines);
+    eprintln!(
+        "{name}: {} lines for {n} ids: {extra} duplicate deliveries ({} ids twice or more)",
+        lines.len(),
+        duplicates(&lines).len()
+    );
+
+    // Failover seen in the log: the first line B printed for a shard A held.
+    let first_b: BTreeMap<&str, Instant> = a_shards
+        .iter()
+        .filter_map(|s| {
+            lines
+                .iter()
+                .filter(|h| h.worker == "B" && &h.shard == s && h.at > killed_at)
+                .map(|h| h.at)
+                .min()
+                .map(|t| (s.as_str(), t))
+        })
+        .collect();
+    for (shard, t) in &first_b {
+        eprintln!(
+            "{name}: failover of {shard}: B's first line {:.3} s after the SIGKILL",
+            secs(*t - killed_at)
+        );
+    }
+    assert!(
+        !first_b.is_empty(),
+        "B printed nothing for A's shards {a_shards:?} after the kill"
+    );
+
+    // Failover seen in the lease table: when B took each of A's shards, and when A's heartbeat on
+    // it last changed. A change first seen in sample i happened after sample i - 1 began (that
+    // Scan did not show it) and before sample i answered.
+    let mut last_beat: HashMap<&str, (Instant, Instant)> = HashMap::new();
+    let mut taken_at: HashMap<&str, Instant> = HashMap::new();
+    let mut seen_counter: HashMap<&str, u64> = HashMap::new();
+    for (i, sample) in samples.iter().enumerate() {
+        let after = samples[i.saturating_sub(1)].began;
+        for r in &sample.rows {
+            if !a_shards.contains(&r.shard) {
+                continue;
+            }
+            let shard = a_shards.get(&r.shard).expect("A's shard").as_str();
+            match r.owner.as_deref() {
+                Some("A") if seen_counter.insert(shard, r.counter) != Some(r.counter) => {
+                    last_beat.insert(shard, (after, sample.at));
+                }
+                Some("B") if sample.at > killed_at => {
+                    taken_at.entry(shard).or_insert(sample.at);
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut all_taken = killed_at;
+    for shard in &a_shards {
+        let taken = *taken_at
+            .get(shard.as_str())
+            .unwrap_or_else(|| panic!("never saw B take {shard}"));
+        let (beat_after, beat_seen) = *last_beat
+            .get(shard.as_str())
+            .unwrap_or_else(|| panic!("never saw A's heartbeat on {shard}"));
+        all_taken = all_taken.max(taken);
+        eprintln!(
+            "{name}: {shard}: A's last heartbeat seen {:.3} s before the kill; B took it {:.3} s \
+             after the kill, {:.3} s after that heartbeat was seen",
+            secs(killed_at.saturating_duration_since(beat_seen)),
+            secs(taken - killed_at),
+            secs(taken - beat_seen)
+        );
+        // Never taken before the lease expired: B can see the last heartbeat no earlier than it
+        // happened (after `beat_after`), and may take the lease only `expiry` later on its own
+        // clock; the take happened before `taken`. So `taken - beat_after` bounds the real
+        // heartbeat-to-take time from above: below `expiry` is a take before expiry for certain.
+        assert!(
+            taken - beat_after >= expiry,
+            "{shard} taken at most {:.3} s after A's last heartbeat, before the {expiry:?} lease \
+             expired",
+            secs(taken - beat_after)
+        );
+    }
+    let takeover = all_taken - killed_at;
+    eprintln!(
+        "{name}: SIGKILL -> B holds every lease of A (lease table): {:.3} s",
+        secs(takeover)
+    );
+    let slack = Duration::from_secs(3);
+    assert!(
+        takeover <= expiry + scan + slack,
+        "takeover took {:.3} s, more than expiry + scan + {slack:?}",
+        secs(takeover)
+    );
+    let first_line = *first_b.values().min().expect("a first line") - killed_at;
+    assert!(
+        first_line < first_line_bound,
+        "B's first line for A's shards came {:.3} s after the kill (bound {first_line_bound:?})",
+        secs(first_line)
+    );
+    cleanup(&live, &stream, &app).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_run_loses_nothing() {
+    kill_9_scenario(
+        "pl-kill9",
+        &["--lease-duration-ms", "3000", "--scan-interval-ms", "500"],
+        Duration::from_millis(3000),
+        Duration::from_millis(500),
+        Duration::from_secs(6),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_failover_with_default_settings() {
+    kill_9_scenario(
+        "pl-kill9-default",
+        &[],
+        Duration::from_secs(10),
+        Duration::from_secs(2),
+        Duration::from_secs(15),
+    )
+    .await;
+}
+
+/// Per shard and worker, the spans in which the worker printed lines for the shard: runs of its
+/// lines with gaps below `gap`.
+fn spans(lines: &[Handled], gap: Duration) -> BTreeMap<(String, String), Vec<(Instant, Instant)>> {
+    let mut out: BTreeMap<(String, String), Vec<(Instant, Instant)>> = BTreeMap::new();
+    for h in lines {
+        let spans = out.entry((h.shard.clone(), h.worker.clone())).or_default();
+        match spans.last_mut() {
+            Some((_, end)) if h.at.saturating_duration_since(*end) < gap => {
+                *end = (*end).max(h.at);
+            }
+            _ => spans.push((h.at, h.at)),
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_workers_converge_and_never_share_a_shard_while_handlers_are_slow() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-three");
+    let app = support::unique_name("pl-three-app");
+    live.create_stream(&stream, 8).await;
+    let (backlog, keys) = (4000u64, 64u64);
+    put(&stream, backlog, keys, 0).await;
+    let log = Log::default();
+    let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(250));
+    let args = [
+        "--handler-delay-ms",
+        "2",
+        "--lanes",
+        "1",
+        "--scan-interval-ms",
+        "500",
+    ];
+    let started = Instant::now();
+    let mut workers: Vec<Worker> = ["W1", "W2", "W3"]
+        .iter()
+        .map(|id| Worker::spawn(&stream, &app, id, &args, &log))
+        .collect();
+    let trickle = Trickle::start(&stream, keys, backlog, 64, Duration::from_millis(500));
+    let run = Duration::from_secs(25);
+    tokio::time::sleep(run.saturating_sub(started.elapsed())).await;
+    let n = trickle.stop().await;
+    eventually("every id handled", Duration::from_secs(60), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    let samples = watcher.samples();
+    for w in &mut workers {
+        w.stop_gracefully(Duration::from_secs(30)).await;
+    }
+    watcher.finish().await;
+
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    let extra = extra_deliveries(&lines);
+    eprintln!(
+        "three workers: {} lines for {n} ids, {extra} duplicate deliveries",
+        lines.len()
+    );
+
+    // (a) Balanced (3, 3, 2) and stable over the last 8 s of the run.
+    let end = samples.last().expect("samples").at;
+    let converged_at = samples
+        .iter()
+        .find(|Sample { rows, .. }| {
+            let mut counts: Vec<usize> = load(rows).values().copied().collect();
+            counts.sort();
+            counts == [2, 3, 3]
+        })
+        .map(|sample| sample.at - started);
+    eprintln!(
+        "three workers: first balanced sample {:?} after start",
+        converged_at.map(secs)
+    );
+    let tail: Vec<&Sample> = samples
+        .iter()
+        .filter(|sample| end.saturating_duration_since(sample.at) <= Duration::from_secs(8))
+        .collect();
+    assert!(
+        tail.len() >= 10,
+        "too few samples in the last 8 s: {}",
+        tail.len()
+    );
+    for Sample { at, rows, .. } in &tail {
+        let l = load(rows);
+        let mut counts: Vec<usize> = l.values().copied().collect();
+        counts.sort();
+        assert!(
+            counts == [2, 3, 3] && rows.len() == 8 && l.keys().all(|w| w.starts_with('W')),
+            "not balanced {:.1} s after start: {l:?}",
+            secs(*at - started)
+        );
+    }
+    let owners_at_tail: Vec<Vec<Option<String>>> = tail
+        .iter()
+        .map(|sample| sample.rows.iter().map(|r| r.owner.clone()).collect())
+        .collect();
+    assert!(
+        owners_at_tail.windows(2).all(|w| w[0] == w[1]),
+        "leases moved during the last 8 s"
+    );
+
+    // (b) No two workers printed lines for one shard at once for longer than a renewal period.
+    let renewal = Duration::from_millis(3400);
+    let spans = spans(&lines, Duration::from_millis(2500));
+    let mut worst: Option<(Duration, String)> = None;
+    let mut shared = Vec::new();
+    let shards: BTreeSet<&String> = spans.keys().map(|(s, _)| s).collect();
+    for shard in shards {
+        let of_shard: Vec<(&String, &(Instant, Instant))> = spans
+            .iter()
+            .filter(|((s, _), _)| s == shard)
+            .flat_map(|((_, w), v)| v.iter().map(move |span| (w, span)))
+            .collect();
+        for (i, (w1, s1)) in of_shard.iter().enumerate() {
+            for (w2, s2) in &of_shard[i + 1..] {
+                if w1 == w2 {
+                    continue;
+                }
+                let (start, stop) = (s1.0.max(s2.0), s1.1.min(s2.1));
+                if stop > start {
+                    let overlap = stop - start;
+                    let what = format!(
+                        "{shard}: {w1} and {w2} both printed for {:.3} s (from {:.1} s)",
+                        secs(overlap),
+                        secs(start - started)
+                    );
+                    if worst.as_ref().is_none_or(|(d, _)| overlap > *d) {
+                        worst = Some((overlap, what.clone()));
+                    }
+                    if overlap > renewal {
+                        shared.push(what);
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("three workers: longest shared reading: {worst:?}");
+    assert!(
+        shared.is_empty(),
+        "two live workers read one shard at once for longer than one renewal period: {shared:#?}"
+    );
+    cleanup(&live, &stream, &app).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_hands_off_within_one_scan() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-handoff");
+    let app = support::unique_name("pl-handoff-app");
+    live.create_stream(&stream, 2).await;
+    let keys = 16u64;
+    let log = Log::default();
+    let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(200));
+    let mut a = Worker::spawn(&stream, &app, "A", &[], &log);
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "A holds both shards",
+        Duration::from_secs(30),
+        |r| r.len() == 2 && load(r).get("A") == Some(&2),
+    )
+    .await;
+    let trickle = Trickle::start(&stream, keys, 0, 16, Duration::from_millis(250));
+    eventually("A handles records", Duration::from_secs(30), || {
+        log.count_of("A") > 0
+    })
+    .await;
+    let mut b = Worker::spawn(&stream, &app, "B", &[], &log);
+    // B takes its share (one lease, stolen: with two workers the target is one each).
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "A and B hold one each",
+        Duration::from_secs(30),
+        |r| load(r).get("A") == Some(&1) && load(r).get("B") == Some(&1),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = rows(&live, &app, &stream).await;
+    let a_shards: BTreeSet<String> = before
+        .iter()
+        .filter(|r| r.owner.as_deref() == Some("A"))
+        .map(|r| r.shard.clone())
+        .collect();
+    assert!(!a_shards.is_empty(), "A holds nothing: {before:#?}");
+    let exited = a.stop_gracefully(Duration::from_secs(30)).await;
+    let handed: Vec<Instant> = {
+        let mut out = Vec::new();
+        for shard in &a_shards {
+            eventually(
+                &format!("B handles {shard}"),
+                Duration::from_secs(20),
+                || {
+                    log.snapshot()
+                        .iter()
+                        .any(|h| h.worker == "B" && &h.shard == shard && h.at > exited)
+                },
+            )
+            .await;
+            let first = log
+                .snapshot()
+                .iter()
+                .filter(|h| h.worker == "B" && &h.shard == shard && h.at > exited)
+                .map(|h| h.at)
+                .min()
+                .expect("a line");
+            eprintln!(
+                "graceful handoff of {shard}: B's first line {:.3} s after A exited",
+                secs(first - exited)
+            );
+            out.push(first);
+        }
+        out
+    };
+    let n = trickle.stop().await;
+    eventually("every id handled", Duration::from_secs(30), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    b.stop_gracefully(Duration::from_secs(30)).await;
+    watcher.finish().await;
+
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    assert_order_per_worker(&lines, keys);
+    eprintln!(
+        "graceful handoff: {} lines for {n} ids, {} duplicate deliveries",
+        lines.len(),
+        extra_deliveries(&lines)
+    );
+    let handoff = *handed.iter().max().expect("a handoff") - exited;
+    assert!(
+        handoff < Duration::from_secs(4),
+        "B started on A's released shards {:.3} s after A exited: more than one scan (2 s) + slack",
+        secs(handoff)
+    );
+    cleanup(&live, &stream, &app).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_and_merge_during_consumption_keep_per_key_order() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-reshard");
+    let app = support::unique_name("pl-reshard-app");
+    live.create_stream(&stream, 2).await;
+    let keys = 16u64;
+    let log = Log::default();
+    let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(200));
+    let args: Vec<&str> = FAST.iter().copied().chain(["--lanes", "4"]).collect();
+    let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "W holds both shards",
+        Duration::from_secs(30),
+        |r| load(r).get("W") == Some(&2),
+    )
+    .await;
+
+    put(&stream, 600, keys, 0).await;
+    eventually("W is consuming", Duration::from_secs(30), || log.len() > 0).await;
+    let parent = "shardId-000000000001";
+    shardwise(&["stream", "split", &stream, parent]).await;
+    put(&stream, 600, keys, 600).await;
+    let described: Vec<Value> = shardwise(&["stream", "describe", &stream, "--json"])
+        .await
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON"))
+        .collect();
+    let mut children: Vec<String> = described
+        .iter()
+        .filter(|s| s["parents"] == serde_json::json!([parent]))
+        .map(|s| s["shard"].as_str().expect("shard").to_owned())
+        .collect();
+    children.sort();
+    assert_eq!(children.len(), 2, "{described:#?}");
+    let merged_out = shardwise(&["stream", "merge", &stream, &children[0], &children[1]]).await;
+    put(&stream, 600, keys, 1200).await;
+    let n = 1800u64;
+    eventually("every id handled", Duration::from_secs(90), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    let grandchild = live
+        .shard_ids(&stream)
+        .await
+        .into_iter()
+        .find(|s| s != parent && !children.contains(s) && s != "shardId-000000000000")
+        .expect("the merged child");
+    assert!(merged_out.contains(&grandchild), "{merged_out}");
+    let table = wait_rows(
+        &live,
+        &app,
+        &stream,
+        "parents at SHARD_END, lineage recorded",
+        Duration::from_secs(30),
+        |rows| {
+            let by: HashMap<&str, &Row> = rows.iter().map(|r| (r.shard.as_str(), r)).collect();
+            let ended = |s: &str| by.get(s).is_some_and(|r| r.checkpoint == "SHARD_END");
+            ended(parent)
+                && children.iter().all(|c| ended(c))
+                && by.contains_key(grandchild.as_str())
+        },
+    )
+    .await;
+    w.stop_gracefully(Duration::from_secs(30)).await;
+    watcher.finish().await;
+
+    let by: HashMap<&str, &Row> = table.iter().map(|r| (r.shard.as_str(), r)).collect();
+    assert_eq!(by[parent].children, children, "{table:#?}");
+    for c in &children {
+        assert_eq!(by[c.as_str()].parents, [parent], "{table:#?}");
+        assert_eq!(
+            by[c.as_str()].children,
+            std::slice::from_ref(&grandchild),
+            "{table:#?}"
+        );
+    }
+    assert_eq!(by[grandchild.as_str()].parents, children, "{table:#?}");
+    assert_ne!(by[grandchild.as_str()].checkpoint, "SHARD_END");
+    assert_ne!(by["shardId-000000000000"].checkpoint, "SHARD_END");
+
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    let dups = duplicates(&lines);
+    eprintln!(
+        "split and merge: {} lines for {n} ids, {} duplicate deliveries; shards read: {:?}",
+        lines.len(),
+        extra_deliveries(&lines),
+        lines
+            .iter()
+            .map(|h| h.shard.as_str())
+            .collect::<BTreeSet<_>>()
+    );
+    assert!(
+        dups.is_empty(),
+        "one worker, no failures: nothing should be handled twice: {:?}",
+        dups.iter().take(20).collect::<Vec<_>>()
+    );
+    assert_order(&lines, keys, "one worker through a split and a merge");
+    // Parents before children: a child's first line comes after its parents' last (one worker, so
+    // log order is handling order).
+    let first = |shard: &str| lines.iter().position(|h| h.shard == shard);
+    let last = |shard: &str| lines.iter().rposition(|h| h.shard == shard);
+    let lineage: Vec<(&str, Vec<&str>)> = vec![
+        (children[0].as_str(), vec![parent]),
+        (children[1].as_str(), vec![parent]),
+        (
+            grandchild.as_str(),
+            vec![children[0].as_str(), children[1].as_str()],
+        ),
+    ];
+    for (child, parents) in &lineage {
+        for p in parents {
+            assert!(
+                first(child) > last(p),
+                "{child} was read (line {:?}) before its parent {p} was done (line {:?})",
+                first(child),
+                last(p)
+            );
+        }
+    }
+    for shard in [
+        parent,
+        children[0].as_str(),
+        children[1].as_str(),
+        &grandchild,
+    ] {
+        assert!(
+            lines.iter().any(|h| h.shard == shard),
+            "nothing was read from {shard}"
+        );
+    }
+    cleanup(&live, &stream, &app).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_lanes_never_checkpoint_past_an_unhandled_record() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-lanes");
+    let app = support::unique_name("pl-lanes-app");
+    live.create_stream(&stream, 1).await;
+    let (n, keys) = (3000u64, 64u64);
+    let log = Log::default();
+    let args = [
+        "--lease-duration-ms",
+        "3000",
+        "--scan-interval-ms",
+        "500",
+        "--checkpoint-interval-ms",
+        "100",
+        "--poll-interval-ms",
+        "200",
+        "--lanes",
+        "8",
+        "--handler-delay-ms",
+        "1",
+    ];
+    let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "W holds the shard",
+        Duration::from_secs(30),
+        |r| load(r).get("W") == Some(&1),
+    )
+    .await;
+    let writer = tokio::spawn({
+        let stream = stream.clone();
+        async move {
+            for part in 0..3 {
+                put(&stream, n / 3, keys, part * n / 3).await;
+            }
+        }
+    });
+
+    // Samples: (checkpoint, sub, how many log lines had been read 300 ms after the sample).
+    struct Sample {
+        taken: Instant,
+        checkpoint: String,
+        sub: u64,
+        lines: Option<usize>,
+    }
+    let mut samples: Vec<Sample> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut done_since: Option<Instant> = None;
+    loop {
+        let began = Instant::now();
+        if let Ok(rows) = try_rows(&live, &app, &stream).await
+            && let Some(row) = rows.first()
+        {
+            samples.push(Sample {
+                taken: Instant::now(),
+                checkpoint: row.checkpoint.clone(),
+                sub: row.sub,
+                lines: None,
+            });
+        }
+        for s in samples.iter_mut().filter(|s| s.lines.is_none()) {
+            if s.taken.elapsed() >= Duration::from_millis(300) {
+                s.lines = Some(log.len());
+            }
+        }
+        if writer.is_finished() && log.distinct_ids() as u64 >= n {
+            // Keep sampling a little: the last checkpoints come after the last lines.
+            let since = *done_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= Duration::from_secs(1) {
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "the run did not finish in time");
+        tokio::time::sleep(Duration::from_millis(100).saturating_sub(began.elapsed())).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for s in samples.iter_mut().filter(|s| s.lines.is_none()) {
+        s.lines = Some(log.len());
+    }
+    writer.await.expect("put");
+    w.stop_gracefully(Duration::from_secs(30)).await;
+
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    assert_order(&lines, keys, "one worker, eight lanes");
+    let records = read_shard(&live, &stream, "shardId-000000000000").await;
+    assert_eq!(records.len() as u64, n, "every record is in the one shard");
+
+    // For every sample: the checkpoint is at or before the end of the handled prefix.
+    let mut checked = 0;
+    let mut distinct = BTreeSet::new();
+    let mut last_key = checkpoint_order("TRIM_HORIZON", 0);
+    let mut handled: HashSet<&str> = HashSet::new();
+    let mut prefix = 0usize; // records[..prefix] all handled
+    let mut read = 0usize; // lines[..read] added to `handled`
+    for s in &samples {
+        let key = checkpoint_order(&s.checkpoint, s.sub);
+        assert!(key >= last_key, "checkpoint went back to {}", s.checkpoint);
+        last_key = key.clone();
+        let upto = s.lines.expect("filled");
+        while read < upto {
+            handled.insert(lines[read].sequence.as_str());
+            read += 1;
+        }
+        while prefix < records.len() && handled.contains(records[prefix].0.as_str()) {
+            prefix += 1;
+        }
+        if key.0 != 1 {
+            continue;
+        }
+        checked += 1;
+        distinct.insert(s.checkpoint.clone());
+        let limit = prefix
+            .checked_sub(1)
+            .map(|i| records[i].0.as_str())
+            .unwrap_or("");
+        assert!(
+            prefix > 0 && seq_order(&s.checkpoint) <= seq_order(limit),
+            "checkpoint {} is past the handled prefix (which ends at record #{prefix} of {n}, seq \
+             {limit}); first unhandled record: {:?}",
+            s.checkpoint,
+            records.get(prefix)
+        );
+    }
+    eprintln!(
+        "eight lanes: {} samples, {checked} at a sequence number, {} distinct checkpoints",
+        samples.len(),
+        distinct.len()
+    );
+    assert!(
+        distinct.len() >= 3,
+        "too few checkpoints observed to mean anything"
+    );
+    let last = rows(&live, &app, &stream).await;
+    assert_eq!(
+        last[0].checkpoint,
+        records.last().expect("records").0,
+        "the final checkpoint is the last record"
+    );
+    cleanup(&live, &stream, &app).await;
+}
+
+/// Deterministic companion of the eight-lane test: a refused retry (the `retry` outcome with no
+/// `--max-attempts` and no dead-letter stream) leaves its record unsettled, so the checkpoint must
+/// stop right before it however long the run lasts, and the next owner must read everything after
+/// it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_retry_holds_the_checkpoint_below_it() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-hold");
+    let app = support::unique_name("pl-hold-app");
+    live.create_stream(&stream, 1).await;
+    let (n, keys) = (1000u64, 64u64);
+    put(&stream, n, keys, 0).await;
+    let records = read_shard(&live, &stream, "shardId-000000000000").await;
+    let ids: Vec<u64> = records.iter().map(|(_, id)| *id).collect();
+    assert_eq!(ids, (0..n).collect::<Vec<_>>(), "one shard: written order");
+    // key-5's first record is id 5: the checkpoint can reach id 4 and no further.
+    let hold = records[4].0.clone();
+
+    let log = Log::default();
+    let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(100));
+    let mut args: Vec<&str> = FAST.to_vec();
+    args.extend(["--lanes", "8", "--fail-keys", "key-5"]);
+    let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
+    eventually("W handled every id", Duration::from_secs(60), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "the checkpoint reaches the record before the refused one",
+        Duration::from_secs(20),
+        |r| r.len() == 1 && r[0].checkpoint == hold,
+    )
+    .await;
+    // It stays there: several checkpoint intervals later, and after a graceful stop.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    w.stop_gracefully(Duration::from_secs(30)).await;
+    let after_w = rows(&live, &app, &stream).await;
+    assert_eq!(after_w[0].checkpoint, hold, "{after_w:#?}");
+    let by_w = log.len();
+    assert_eq!(by_w as u64, n, "W handled every record once");
+
+    // The next owner reads everything after the held checkpoint again: ids 5.. (in order).
+    let mut b = Worker::spawn(&stream, &app, "B", FAST, &log);
+    eventually(
+        "B reread every id from 5 on",
+        Duration::from_secs(60),
+        || log.count_of("B") as u64 >= n - 5,
+    )
+    .await;
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "B checkpoints the last record",
+        Duration::from_secs(20),
+        |r| r.len() == 1 && r[0].checkpoint == records[records.len() - 1].0,
+    )
+    .await;
+    b.stop_gracefully(Duration::from_secs(30)).await;
+    let samples = watcher.finish().await;
+
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    let by_b: Vec<u64> = lines[by_w..].iter().map(|h| h.id).collect();
+    assert_eq!(by_b, (5..n).collect::<Vec<_>>(), "B reread exactly ids 5..");
+    // While W ran, no checkpoint passed the refused record.
+    let past: Vec<&str> = samples
+        .iter()
+        .flat_map(|sample| sample.rows.iter())
+        .filter(|r| r.owner.as_deref() == Some("W"))
+        .filter(|r| checkpoint_order(&r.checkpoint, r.sub) > checkpoint_order(&hold, 0))
+        .map(|r| r.checkpoint.as_str())
+        .collect();
+    assert!(
+        past.is_empty(),
+        "W checkpointed past the unsettled record {hold}: {past:?}"
+    );
+    cleanup(&live, &stream, &app).await;
+}
