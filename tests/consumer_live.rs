@@ -209,7 +209,7 @@ async fn kpl_aggregates_are_deaggregated_and_resume_mid_aggregate() {
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     running.shutdown(Duration::from_secs(3)).await;
-    let again = again.lock().unwrap();
+    let again = again.lock().unwrap().clone();
     let subs_again: Vec<u64> = again.iter().filter(|r| r.2 == seq).map(|r| r.3).collect();
     assert_eq!(subs_again, [6, 7, 8, 9], "resumed at sub-record 6");
     assert_eq!(again.len(), 5, "then the corrupt record, nothing else");
@@ -396,7 +396,7 @@ async fn retry_after_copies_arrive_after_the_delay_and_a_crash_meanwhile_replays
     })
     .await;
     running.shutdown(Duration::from_secs(1)).await;
-    let seen = seen.lock().unwrap();
+    let seen = seen.lock().unwrap().clone();
     assert_eq!(seen[0].4, 1);
     assert_eq!(seen[1].4, 1, "the original replayed after the stop");
     assert!(started.elapsed() >= delay);
