@@ -75,10 +75,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let sdk = aws_config::defaults(BehaviorVersion::latest()).load().await;
     let store = DynamoDbLeaseStore::new(aws_sdk_dynamodb::Client::new(&sdk), APP);
 
-    for second in [2, 4, 6, 8] {
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        print_leases(&store, &stream, &format!("after {second} s, both running")).await?;
-    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    print_leases(&store, &stream, "after 2 s").await?;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    print_leases(&store, &stream, "after 8 s: balanced by steals").await?;
     let report = w1.shutdown(Duration::from_secs(10)).await;
     println!(
         "worker-1 stopped: released {} leases",
