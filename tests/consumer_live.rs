@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use aws_sdk_dynamodb::types::AttributeValue;
 use aws_sdk_kinesis::primitives::Blob;
-use aws_sdk_kinesis::types::ShardIteratorType;
 use bytes::Bytes;
 use shardwise::envelope::{self, Format, Headers};
 use shardwise::lease::LeaseSettings;
@@ -97,39 +96,11 @@ async fn stored_checkpoint(live: &Live, app: &str, stream: &str) -> (String, u64
 
 /// Every record of the stream's shards, decoded.
 async fn read_all(live: &Live, stream: &str) -> Vec<envelope::Decoded> {
-    let mut out = Vec::new();
-    for shard in live.shard_ids(stream).await {
-        let mut it = live
-            .kinesis
-            .get_shard_iterator()
-            .stream_name(stream)
-            .shard_id(&shard)
-            .shard_iterator_type(ShardIteratorType::TrimHorizon)
-            .send()
-            .await
-            .unwrap()
-            .shard_iterator
-            .unwrap();
-        loop {
-            let page = live
-                .kinesis
-                .get_records()
-                .shard_iterator(&it)
-                .send()
-                .await
-                .unwrap();
-            out.extend(
-                page.records()
-                    .iter()
-                    .map(|r| envelope::decode(Bytes::copy_from_slice(r.data().as_ref()))),
-            );
-            if page.records().is_empty() {
-                break;
-            }
-            it = page.next_shard_iterator.unwrap();
-        }
-    }
-    out
+    live.read_records(stream)
+        .await
+        .iter()
+        .map(|r| envelope::decode(Bytes::copy_from_slice(r.data().as_ref())))
+        .collect()
 }
 
 #[tokio::test]

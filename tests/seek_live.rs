@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use aws_sdk_kinesis::primitives::{Blob, DateTime, DateTimeFormat};
-use aws_sdk_kinesis::types::{PutRecordsRequestEntry, ShardIteratorType};
+use aws_sdk_kinesis::types::PutRecordsRequestEntry;
 use serde_json::Value;
 use shardwise::lease::{DynamoDbLeaseStore, LeaseSettings, LeaseStore};
 use shardwise::{Consumer, Delivery, Outcome, Running};
@@ -59,42 +59,22 @@ async fn put(live: &Live, stream: &str, ids: std::ops::Range<u64>) {
 
 /// (id, arrival ms) of every record of the stream.
 async fn arrivals(live: &Live, stream: &str) -> Vec<(u64, i64)> {
-    let mut out = Vec::new();
-    for shard in live.shard_ids(stream).await {
-        let mut it = live
-            .kinesis
-            .get_shard_iterator()
-            .stream_name(stream)
-            .shard_id(&shard)
-            .shard_iterator_type(ShardIteratorType::TrimHorizon)
-            .send()
-            .await
-            .unwrap()
-            .shard_iterator
-            .unwrap();
-        loop {
-            let page = live
-                .kinesis
-                .get_records()
-                .shard_iterator(&it)
-                .send()
-                .await
+    live.read_records(stream)
+        .await
+        .iter()
+        .map(|r| {
+            let id = std::str::from_utf8(r.data().as_ref())
+                .unwrap()
+                .parse()
                 .unwrap();
-            for r in page.records() {
-                let id = std::str::from_utf8(r.data().as_ref())
-                    .unwrap()
-                    .parse()
-                    .unwrap();
-                let at = r.approximate_arrival_timestamp().unwrap();
-                out.push((id, at.to_millis().unwrap()));
-            }
-            if page.records().is_empty() {
-                break;
-            }
-            it = page.next_shard_iterator.unwrap();
-        }
-    }
-    out
+            let at = r
+                .approximate_arrival_timestamp()
+                .unwrap()
+                .to_millis()
+                .unwrap();
+            (id, at)
+        })
+        .collect()
 }
 
 async fn consume(stream: &str, app: &str, log: &Log, delay: Duration) -> Running {

@@ -9,6 +9,7 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::config::http::HttpResponse;
 use aws_sdk_dynamodb::error::SdkError;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{
@@ -386,12 +387,23 @@ impl DynamoDbLeaseStore {
                 .expression_attribute_names("#ts", STARTING_TIMESTAMP)
                 .expression_attribute_values(":ts", n(millis(*t)));
         }
-        let err = match request.update_expression(set).send().await {
+        let result = request.update_expression(set).send().await;
+        self.fenced_write_result(held, result).await
+    }
+
+    /// Reads the answer to a write conditioned on ownership and on the new value being greater:
+    /// a refused condition is `NotNewer` while the lease is still ours, `Lost` otherwise, told
+    /// apart by the row the store refused (or, if it sent none, by reading the row).
+    async fn fenced_write_result<O>(
+        &self,
+        held: &Ownership,
+        result: Result<O, SdkError<UpdateItemError, HttpResponse>>,
+    ) -> Result<CheckpointWrite, Error> {
+        let err = match result {
             Ok(_) => return Ok(CheckpointWrite::Written),
             Err(err) if is_condition_failed(&err) => err,
             Err(err) => return Err(self.failed("UpdateItem", err)),
         };
-        // Tell "not newer" (still ours) from "lost" by the row the store refused.
         let refused = match &err {
             SdkError::ServiceError(service) => match service.err() {
                 UpdateItemError::ConditionalCheckFailedException(e) => {
@@ -403,7 +415,6 @@ impl DynamoDbLeaseStore {
         };
         let still_ours = match refused {
             Some(item) => holds(item, held),
-            // The store did not return the row (or there is none): read it.
             None => self.get_row(held.key()).await?.is_some_and(|row| {
                 row.owner.as_deref() == Some(&held.owner) && row.owner_epoch == held.epoch
             }),
@@ -474,31 +485,7 @@ impl DynamoDbLeaseStore {
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
-        let err = match result {
-            Ok(_) => return Ok(CheckpointWrite::Written),
-            Err(err) if is_condition_failed(&err) => err,
-            Err(err) => return Err(self.failed("UpdateItem", err)),
-        };
-        let refused = match &err {
-            SdkError::ServiceError(service) => match service.err() {
-                UpdateItemError::ConditionalCheckFailedException(e) => {
-                    e.item().filter(|item| !item.is_empty()).cloned()
-                }
-                _ => None,
-            },
-            _ => None,
-        };
-        let still_ours = match refused {
-            Some(item) => holds(&item, held),
-            None => self.get_row(held.key()).await?.is_some_and(|row| {
-                row.owner.as_deref() == Some(&held.owner) && row.owner_epoch == held.epoch
-            }),
-        };
-        Ok(if still_ours {
-            CheckpointWrite::NotNewer
-        } else {
-            CheckpointWrite::Lost
-        })
+        self.fenced_write_result(held, result).await
     }
 
     async fn set_children_row(

@@ -21,6 +21,7 @@ pub(crate) fn new_leases(
     let mut placed: HashSet<&str> = HashSet::new();
     let listed: HashSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
     // Parents first: place a shard once each listed parent is placed (or has a row).
+    let mut ordered: Vec<&ShardInfo> = Vec::with_capacity(shards.len());
     let mut pending: Vec<&ShardInfo> = shards.iter().collect();
     while !pending.is_empty() {
         let before = pending.len();
@@ -28,32 +29,25 @@ pub(crate) fn new_leases(
             let ready = shard.parents.iter().all(|p| {
                 placed.contains(p.as_str()) || existing.contains(p) || !listed.contains(p.as_str())
             });
-            if !ready {
-                return true;
+            if ready {
+                placed.insert(shard.shard_id.as_str());
+                ordered.push(shard);
             }
-            placed.insert(shard.shard_id.as_str());
-            if !existing.contains(&shard.shard_id) {
-                out.push(NewLease {
-                    stream: stream.to_string(),
-                    shard_id: shard.shard_id.clone(),
-                    checkpoint: start_of(shard, existing, initial),
-                    parents: shard.parents.clone(),
-                });
-            }
-            false
+            !ready
         });
         if pending.len() == before {
             // A lineage cycle cannot happen in Kinesis; place the rest as they are.
-            for shard in pending.drain(..) {
-                if !existing.contains(&shard.shard_id) {
-                    out.push(NewLease {
-                        stream: stream.to_string(),
-                        shard_id: shard.shard_id.clone(),
-                        checkpoint: start_of(shard, existing, initial),
-                        parents: shard.parents.clone(),
-                    });
-                }
-            }
+            ordered.append(&mut pending);
+        }
+    }
+    for shard in ordered {
+        if !existing.contains(&shard.shard_id) {
+            out.push(NewLease {
+                stream: stream.to_string(),
+                shard_id: shard.shard_id.clone(),
+                checkpoint: start_of(shard, existing, initial),
+                parents: shard.parents.clone(),
+            });
         }
     }
     out

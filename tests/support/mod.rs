@@ -185,6 +185,43 @@ impl Live {
         let _ = self.dynamodb.delete_table().table_name(name).send().await;
     }
 
+    /// Every record of every shard of the stream, shard by shard, in shard order (reads each
+    /// shard from the trim horizon until an empty page).
+    pub async fn read_records(&self, stream: &str) -> Vec<aws_sdk_kinesis::types::Record> {
+        let mut out = Vec::new();
+        for shard in self.shard_ids(stream).await {
+            let mut it = self
+                .kinesis
+                .get_shard_iterator()
+                .stream_name(stream)
+                .shard_id(&shard)
+                .shard_iterator_type(aws_sdk_kinesis::types::ShardIteratorType::TrimHorizon)
+                .send()
+                .await
+                .expect("GetShardIterator")
+                .shard_iterator
+                .expect("an iterator");
+            loop {
+                let page = self
+                    .kinesis
+                    .get_records()
+                    .shard_iterator(&it)
+                    .send()
+                    .await
+                    .expect("GetRecords");
+                if page.records().is_empty() {
+                    break;
+                }
+                out.extend(page.records().iter().cloned());
+                match page.next_shard_iterator {
+                    Some(next) => it = next,
+                    None => break,
+                }
+            }
+        }
+        out
+    }
+
     /// The ids of the stream's shards, in ListShards order (follows pagination).
     pub async fn shard_ids(&self, stream: &str) -> Vec<String> {
         let mut ids = Vec::new();
