@@ -328,6 +328,7 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                 }
             }
             Some(done) = finished_rx.recv() => {
+                lanes.finished(&done.delivery);
                 match resolve(done, &ctx.retry, &mut refused, settings) {
                     Resolved::Settle(id) => settle(&mut tracker, &mut checkpointer, id),
                     Resolved::Hold => {}
@@ -351,7 +352,7 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                         .then(|| millis(SystemTime::now()));
                     for r in records {
                         let id = tracker.track((r.position, r.arrived_at.map(millis)));
-                        let lane = lanes.lane_of(&r.partition_key);
+                        let lane = lanes.assign(&r.partition_key);
                         let delivery = Delivery::from_blob(stream.clone(), shard.clone(), r.position, r.partition_key, r.data)
                             .set_arrived_at(r.arrived_at)
                             .set_explicit_hash_key(r.explicit_hash_key)
