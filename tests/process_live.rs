@@ -1641,3 +1641,75 @@ async fn a_refused_retry_holds_the_checkpoint_below_it() {
     );
     cleanup(&live, &stream, &app).await;
 }
+
+/// `retry_after` keeps the original unsettled until its copy is written: a `kill -9` during the
+/// delay writes no copy and loses nothing, because the next owner reads the original again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_a_retry_after_delay_replays_the_original() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-later");
+    let app = support::unique_name("pl-later-app");
+    live.create_stream(&stream, 1).await;
+    let (n, keys) = (40u64, 4u64);
+    put(&stream, n, keys, 0).await;
+    let records = read_shard(&live, &stream, "shardId-000000000000").await;
+
+    let log = Log::default();
+    let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(100));
+    let mut args: Vec<&str> = FAST.to_vec();
+    args.extend([
+        "--max-attempts",
+        "3",
+        "--fail-keys",
+        "key-1",
+        "--fail-outcome",
+        "retry-after:6000",
+    ]);
+    let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
+    eventually("W handled every id once", Duration::from_secs(30), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    // Let a checkpoint interval or two pass, well inside the delay, then kill.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    w.kill9().await;
+    let written = read_shard(&live, &stream, "shardId-000000000000").await;
+    assert_eq!(
+        written.len() as u64,
+        n,
+        "no copy was written before the delay was over"
+    );
+    let held = rows(&live, &app, &stream).await;
+    assert!(
+        checkpoint_order(&held[0].checkpoint, held[0].sub) < checkpoint_order(&records[1].0, 0),
+        "the waiting original (id 1) held the checkpoint: {held:#?}"
+    );
+
+    // The next owner reads the original again: nothing was lost.
+    let by_w = log.len();
+    let mut b = Worker::spawn(&stream, &app, "B", FAST, &log);
+    eventually("B handled id 1 again", Duration::from_secs(30), || {
+        log.snapshot()[by_w..].iter().any(|h| h.id == 1)
+    })
+    .await;
+    eventually("B reached the last record", Duration::from_secs(30), || {
+        log.snapshot()[by_w..].iter().any(|h| h.id == n - 1)
+    })
+    .await;
+    b.stop_gracefully(Duration::from_secs(30)).await;
+    let samples = watcher.finish().await;
+    log.dump(&app);
+    log.assert_no_garbage();
+    assert_nothing_skipped(&log.snapshot(), n);
+    // While W ran, no checkpoint passed the waiting original.
+    let past = samples
+        .iter()
+        .flat_map(|s| s.rows.iter())
+        .filter(|r| r.owner.as_deref() == Some("W"))
+        .any(|r| checkpoint_order(&r.checkpoint, r.sub) >= checkpoint_order(&records[1].0, 0));
+    assert!(
+        !past,
+        "W checkpointed past the record waiting for its retry copy"
+    );
+    cleanup(&live, &stream, &app).await;
+}
