@@ -448,3 +448,61 @@ async fn a_refused_retry_holds_the_checkpoint_while_later_records_are_handled() 
     );
     live.delete_stream(&stream).await;
 }
+
+#[tokio::test]
+async fn an_application_starting_at_a_timestamp_reads_what_arrived_since() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("at-ts");
+    let app = support::unique_name("at-ts-app");
+    live.create_stream(&stream, 2).await;
+    for i in 0..10 {
+        put_blob(
+            &live,
+            &stream,
+            &format!("k{i}"),
+            Bytes::from(format!("old-{i}")),
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let t = std::time::SystemTime::now();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    for i in 0..10 {
+        put_blob(
+            &live,
+            &stream,
+            &format!("k{i}"),
+            Bytes::from(format!("new-{i}")),
+        )
+        .await;
+    }
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    let running = builder(&stream, &app, move |d: Delivery| {
+        record(&s, &d);
+        async { Outcome::Ack }
+    })
+    .initial_position(shardwise::lease::InitialPosition::AtTimestamp(t))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("the new records", Duration::from_secs(20), || {
+        seen.lock().unwrap().len() >= 10
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    running.shutdown(Duration::from_secs(3)).await;
+    let mut got: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| String::from_utf8(r.0.clone()).unwrap())
+        .collect();
+    got.sort();
+    let mut want: Vec<String> = (0..10).map(|i| format!("new-{i}")).collect();
+    want.sort();
+    assert_eq!(got, want, "only what arrived since the start time");
+    live.delete_stream(&stream).await;
+}
