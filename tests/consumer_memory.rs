@@ -437,3 +437,166 @@ async fn expired_iterators_and_throttling_lose_and_repeat_nothing() {
         stream.reads()
     );
 }
+
+/// A randomized run: workers start, crash (`Running::abort`, as `kill -9`), stop gracefully, while
+/// records keep arriving and shards split. Whatever the interleaving, every record is handled, no
+/// stored checkpoint ever moves backwards, and each shard ends checkpointed at its last record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_crashes_restarts_and_splits_never_skip_a_record_or_move_a_checkpoint_back() {
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+    for seed in [1u64, 2, 3] {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let stream = MemoryStream::new("orders", 2);
+        let store = MemoryLeaseStore::new();
+        let log = Log::default();
+        let mut next_id = 0u64;
+        let mut workers: Vec<Option<Running>> = (0..3).map(|_| None).collect();
+
+        // Watch every stored checkpoint: it may only move forward.
+        let watch_store = store.clone();
+        let stop_watch = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = stop_watch.clone();
+        let watcher = tokio::spawn(async move {
+            let mut last: HashMap<String, String> = HashMap::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for row in watch_store.snapshot() {
+                    let k = row.checkpoint.sort_key();
+                    if let Some(prev) = last.get(&row.shard_id) {
+                        assert!(
+                            k >= *prev,
+                            "seed {seed}: checkpoint of {} went back",
+                            row.shard_id
+                        );
+                    }
+                    last.insert(row.shard_id, k);
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        });
+
+        for _step in 0..25 {
+            let ids = next_id..next_id + rng.random_range(20..80);
+            next_id = ids.end;
+            put(&stream, ids, 12);
+            let slot = rng.random_range(0..workers.len());
+            match (rng.random_range(0..10), workers[slot].take()) {
+                (0..=1, Some(w)) => w.abort(),
+                (2..=3, Some(w)) => {
+                    w.shutdown(Duration::from_secs(2)).await;
+                }
+                (4, running) => {
+                    workers[slot] = running;
+                    let open = stream.open_shards();
+                    if open.len() < 6 {
+                        stream.split(&open[rng.random_range(0..open.len())]);
+                    }
+                }
+                (_, Some(w)) => workers[slot] = Some(w),
+                (_, None) => {
+                    let l = log.clone();
+                    let w = Consumer::builder(stream.name(), "memory-app", move |d: Delivery| {
+                        let l = l.clone();
+                        async move {
+                            tokio::time::sleep(Duration::from_micros(200)).await;
+                            l.push(&d);
+                            Outcome::Ack
+                        }
+                    })
+                    .worker_id(format!("w{slot}-{seed}-{next_id}"))
+                    .lanes(3)
+                    .poll_interval(Duration::from_millis(200))
+                    .get_records_limit(50)
+                    .checkpoint_interval(Duration::from_millis(30))
+                    .lease_settings(
+                        LeaseSettings::default()
+                            .lease_duration(Duration::from_millis(600))
+                            .scan_interval(Duration::from_millis(50))
+                            .shard_sync_interval(Duration::from_millis(200)),
+                    )
+                    .lease_store(Arc::new(store.clone()))
+                    .record_source(Arc::new(stream.clone()))
+                    .shard_lister(Arc::new(stream.clone()))
+                    .build()
+                    .unwrap()
+                    .run()
+                    .await
+                    .unwrap();
+                    workers[slot] = Some(w);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(rng.random_range(50..300))).await;
+        }
+
+        // One worker at least runs to the end.
+        if workers.iter().all(Option::is_none) {
+            let l = log.clone();
+            workers[0] = Some(
+                Consumer::builder(stream.name(), "memory-app", move |d: Delivery| {
+                    let l = l.clone();
+                    async move {
+                        l.push(&d);
+                        Outcome::Ack
+                    }
+                })
+                .worker_id(format!("final-{seed}"))
+                .poll_interval(Duration::from_millis(200))
+                .checkpoint_interval(Duration::from_millis(30))
+                .lease_settings(
+                    LeaseSettings::default()
+                        .lease_duration(Duration::from_millis(600))
+                        .scan_interval(Duration::from_millis(50))
+                        .shard_sync_interval(Duration::from_millis(200)),
+                )
+                .lease_store(Arc::new(store.clone()))
+                .record_source(Arc::new(stream.clone()))
+                .shard_lister(Arc::new(stream.clone()))
+                .build()
+                .unwrap()
+                .run()
+                .await
+                .unwrap(),
+            );
+        }
+        let total = next_id as usize;
+        wait_for("every record", Duration::from_secs(60), || {
+            log.all().iter().map(|h| h.id).collect::<HashSet<_>>().len() >= total
+        })
+        .await;
+        // Every shard's checkpoint reaches its last record (or SHARD_END for a split parent).
+        wait_for("final checkpoints", Duration::from_secs(30), || {
+            let cps = checkpoints(&store);
+            let records = stream.records();
+            let open = stream.open_shards();
+            let closed_ended = cps
+                .iter()
+                .filter(|(shard, _)| !open.contains(shard))
+                .all(|(_, cp)| *cp == Checkpoint::ShardEnd);
+            closed_ended
+                && open.iter().all(|shard| {
+                    let last = records.iter().filter(|r| &r.shard_id == shard).last();
+                    match last {
+                        Some(r) => {
+                            cps.get(shard)
+                                == Some(&Checkpoint::At(Position::new(r.record.sequence, 0)))
+                        }
+                        None => true,
+                    }
+                })
+        })
+        .await;
+        for w in workers.into_iter().flatten() {
+            w.shutdown(Duration::from_secs(2)).await;
+        }
+        stop_watch.store(true, std::sync::atomic::Ordering::Relaxed);
+        watcher.await.expect("checkpoints never went back");
+        let handled = log.all();
+        let ids: HashSet<u64> = handled.iter().map(|h| h.id).collect();
+        assert_eq!(ids.len(), total, "seed {seed}: nothing skipped");
+        eprintln!(
+            "seed {seed}: {total} records, {} deliveries ({} repeats after crashes)",
+            handled.len(),
+            handled.len() - total
+        );
+    }
+}

@@ -390,6 +390,13 @@ impl Running {
         .await
     }
 
+    /// Stops at once, as a crash (`kill -9`) would: running handlers are dropped, nothing more is
+    /// settled or checkpointed, and the leases are not released, so other workers take them when
+    /// they expire and read again from the last checkpoint. For failover tests.
+    pub fn abort(self) {
+        self.supervisor.abort();
+    }
+
     /// Stops gracefully: stops reading, lets lanes finish until `deadline`, writes final
     /// checkpoints, and releases the leases. Records whose handlers did not finish in time stay
     /// unsettled and are read again by the next owner.
