@@ -289,6 +289,10 @@ impl DeliveryBuilder {
 /// different keys may run at once on different lanes. A panic is caught and treated as
 /// [`Outcome::Retry`].
 ///
+/// Handlers run on the same Tokio runtime as lease renewal. Renewal has its own task and timer, so
+/// slow async handlers never delay it, but a handler that blocks its thread (a synchronous sleep,
+/// heavy CPU work) can: put blocking work in `tokio::task::spawn_blocking`.
+///
 /// Any `Fn(Delivery) -> impl Future<Output = Outcome>` closure is a handler:
 ///
 /// ```
