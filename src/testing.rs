@@ -30,6 +30,8 @@ struct Shard {
     range: (u128, u128),
     records: Vec<RawRecord>,
     closed: bool,
+    /// Past the retention period: no longer listed or readable.
+    aged_out: bool,
 }
 
 #[derive(Debug)]
@@ -187,6 +189,14 @@ impl MemoryStream {
         self.state().throttle_every = n;
     }
 
+    /// Ages a closed shard out of the stream's retention: it is no longer listed or readable.
+    pub fn age_out(&self, shard_id: &str) {
+        let mut state = self.state();
+        let shard = state.shards.get_mut(shard_id).expect("shard exists");
+        assert!(shard.closed, "only a closed shard ages out");
+        shard.aged_out = true;
+    }
+
     /// GetRecords calls served so far.
     pub fn reads(&self) -> u64 {
         self.state().reads
@@ -205,6 +215,7 @@ impl State {
                 range,
                 records: vec![],
                 closed: false,
+                aged_out: false,
             },
         );
         id
@@ -229,7 +240,11 @@ impl RecordSource for MemoryStream {
             if stream != state.name {
                 return Err(ReadError::NotFound);
             }
-            let s = state.shards.get(shard).ok_or(ReadError::NotFound)?;
+            let s = state
+                .shards
+                .get(shard)
+                .filter(|s| !s.aged_out)
+                .ok_or(ReadError::NotFound)?;
             let index = match start {
                 StartAt::TrimHorizon => 0,
                 StartAt::Latest => s.records.len(),
@@ -296,6 +311,7 @@ impl ShardLister for MemoryStream {
                 Ok(state
                     .shards
                     .values()
+                    .filter(|s| !s.aged_out)
                     .map(|s| ShardInfo {
                         shard_id: s.id.clone(),
                         parents: s.parents.clone(),

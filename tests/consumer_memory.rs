@@ -600,3 +600,58 @@ async fn random_crashes_restarts_and_splits_never_skip_a_record_or_move_a_checkp
         );
     }
 }
+
+#[tokio::test]
+async fn the_row_of_an_ended_shard_that_aged_out_is_deleted_once_its_children_started() {
+    let stream = MemoryStream::new("orders", 1);
+    let store = MemoryLeaseStore::new();
+    put(&stream, 0..100, 8);
+    let log = Log::default();
+    let l = log.clone();
+    let running = start(&stream, &store, 2, move |d: Delivery| {
+        let l = l.clone();
+        async move {
+            l.push(&d);
+            Outcome::Ack
+        }
+    })
+    .await;
+    wait_for("the parent's records", Duration::from_secs(10), || {
+        log.len() >= 100
+    })
+    .await;
+    let parent = stream.open_shards()[0].clone();
+    let (left, right) = stream.split(&parent);
+    put(&stream, 100..200, 8);
+    wait_for("the children's records", Duration::from_secs(20), || {
+        log.len() >= 200
+    })
+    .await;
+    wait_for(
+        "both children checkpointed",
+        Duration::from_secs(10),
+        || {
+            let cps = checkpoints(&store);
+            [&left, &right]
+                .iter()
+                .all(|c| matches!(cps.get(c.as_str()), Some(Checkpoint::At(_))))
+        },
+    )
+    .await;
+    assert_eq!(checkpoints(&store)[&parent], Checkpoint::ShardEnd);
+
+    stream.age_out(&parent);
+    wait_for(
+        "the aged-out parent's row to go",
+        Duration::from_secs(10),
+        || !checkpoints(&store).contains_key(&parent),
+    )
+    .await;
+    let cps = checkpoints(&store);
+    assert!(
+        cps.contains_key(&left) && cps.contains_key(&right),
+        "children keep their rows"
+    );
+    running.shutdown(Duration::from_secs(2)).await;
+    assert_eq!(log.len(), 200, "nothing read twice");
+}

@@ -343,6 +343,13 @@ impl LeaseStore for Counting {
         self.tick();
         self.inner.advance_frontier(held, ct)
     }
+    fn delete<'a>(
+        &'a self,
+        seen: &'a shardwise::lease::Lease,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.tick();
+        self.inner.delete(seen)
+    }
     fn set_children<'a>(
         &'a self,
         stream: &'a str,

@@ -473,6 +473,96 @@ async fn eight_takers_race_and_one_wins(store: &dyn LeaseStore) {
     }
 }
 
+/// A seek moves the checkpoint back, fences the owner out, frees the lease, and loses to a
+/// concurrent seek that came first.
+async fn seek_moves_back_and_fences_the_owner(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (_, a) = held(store, &stream, "worker-a").await;
+    assert_eq!(
+        store.checkpoint(&a, &at("900", 0), Some(50)).await.unwrap(),
+        CheckpointWrite::Written
+    );
+    let seen = row(store, &stream).await;
+    assert!(store.seek(&seen, &Checkpoint::TrimHorizon).await.unwrap());
+    let after = row(store, &stream).await;
+    assert_eq!(after.checkpoint, Checkpoint::TrimHorizon, "moved back");
+    assert_eq!(after.owner, None, "the lease is free");
+    assert_eq!(
+        (after.seek_epoch, after.owner_epoch),
+        (seen.seek_epoch + 1, seen.owner_epoch + 1)
+    );
+    assert_eq!(
+        after.complete_through,
+        Some(50),
+        "the frontier coordinate is kept"
+    );
+    // The old owner can neither renew nor write a late checkpoint.
+    assert!(!store.renew(&a).await.unwrap());
+    assert_eq!(
+        store.checkpoint(&a, &at("901", 0), None).await.unwrap(),
+        CheckpointWrite::Lost
+    );
+    // A seek from the stale row loses.
+    assert!(!store.seek(&seen, &Checkpoint::Latest).await.unwrap());
+    let before = Checkpoint::Before(shardwise::Position::new(
+        shardwise::SequenceNumber::parse("77").unwrap(),
+        2,
+    ));
+    assert!(store.seek(&after, &before).await.unwrap());
+    assert_eq!(
+        row(store, &stream).await.checkpoint,
+        before,
+        "Before round-trips"
+    );
+}
+
+/// The frontier coordinate rises alone (no checkpoint move), only for the owner, only upwards.
+async fn advance_frontier_only_rises(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (_, a) = held(store, &stream, "worker-a").await;
+    assert_eq!(
+        store.advance_frontier(&a, 100).await.unwrap(),
+        CheckpointWrite::Written
+    );
+    assert_eq!(
+        store.advance_frontier(&a, 100).await.unwrap(),
+        CheckpointWrite::NotNewer
+    );
+    assert_eq!(
+        store.advance_frontier(&a, 99).await.unwrap(),
+        CheckpointWrite::NotNewer
+    );
+    assert_eq!(row(store, &stream).await.complete_through, Some(100));
+    let seen = row(store, &stream).await;
+    store.take(&seen, "worker-b").await.unwrap().expect("steal");
+    assert_eq!(
+        store.advance_frontier(&a, 200).await.unwrap(),
+        CheckpointWrite::Lost
+    );
+    assert_eq!(row(store, &stream).await.complete_through, Some(100));
+}
+
+/// Only an ended row nobody touched since it was read can be deleted.
+async fn delete_takes_only_an_untouched_ended_row(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (_, a) = held(store, &stream, "worker-a").await;
+    let open = row(store, &stream).await;
+    assert!(!store.delete(&open).await.unwrap(), "not at SHARD_END");
+    store
+        .checkpoint(&a, &Checkpoint::ShardEnd, None)
+        .await
+        .unwrap();
+    let ended = row(store, &stream).await;
+    assert!(store.release(&a).await.unwrap());
+    assert!(
+        !store.delete(&ended).await.unwrap(),
+        "touched since it was read"
+    );
+    let ended = row(store, &stream).await;
+    assert!(store.delete(&ended).await.unwrap());
+    assert!(store.get(&stream, SHARD).await.unwrap().is_none());
+}
+
 // ---------------------------------------------------------------------------------------------
 // One test per (store, case)
 
@@ -520,6 +610,9 @@ conformance!(
     list_returns_only_the_stream,
     at_timestamp_round_trips,
     eight_takers_race_and_one_wins,
+    seek_moves_back_and_fences_the_owner,
+    advance_frontier_only_rises,
+    delete_takes_only_an_untouched_ended_row,
 );
 
 // ---------------------------------------------------------------------------------------------

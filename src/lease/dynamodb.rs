@@ -462,6 +462,26 @@ impl DynamoDbLeaseStore {
         }
     }
 
+    async fn delete_row(&self, seen: &Lease) -> Result<bool, Error> {
+        let result = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .key(KEY, s(seen.key()))
+            .condition_expression("#cp = :end AND #counter = :seen")
+            .expression_attribute_names("#cp", CHECKPOINT)
+            .expression_attribute_names("#counter", COUNTER)
+            .expression_attribute_values(":end", s(Checkpoint::ShardEnd.label()))
+            .expression_attribute_values(":seen", n(seen.counter))
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(true),
+            Err(err) if is_condition_failed(&err) => Ok(false),
+            Err(err) => Err(self.failed("DeleteItem", err)),
+        }
+    }
+
     async fn advance_frontier_row(
         &self,
         held: &Ownership,
@@ -627,6 +647,10 @@ impl LeaseStore for DynamoDbLeaseStore {
         complete_through: i64,
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
         Box::pin(self.advance_frontier_row(held, complete_through))
+    }
+
+    fn delete<'a>(&'a self, seen: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.delete_row(seen))
     }
 
     fn set_children<'a>(

@@ -582,6 +582,12 @@ impl Inner {
                 debug!(stream = %self.stream, shard = %new.shard_id, checkpoint = %new.checkpoint, "lease row created");
             }
         }
+        let listed: HashSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
+        for row in sync::aged_out(&rows, &listed) {
+            if self.store.delete(row).await? {
+                info!(stream = %self.stream, shard = %row.shard_id, "lease row of an aged-out, ended shard deleted");
+            }
+        }
         let mut children: HashMap<&str, Vec<String>> = HashMap::new();
         for shard in &shards {
             for parent in &shard.parents {

@@ -211,6 +211,20 @@ impl LeaseStore for MemoryLeaseStore {
         })
     }
 
+    fn delete<'a>(&'a self, seen: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            let mut rows = self.rows();
+            let key = seen.key();
+            let deletable = rows.get(&key).is_some_and(|row| {
+                row.checkpoint == Checkpoint::ShardEnd && row.counter == seen.counter
+            });
+            if deletable {
+                rows.remove(&key);
+            }
+            Ok(deletable)
+        })
+    }
+
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(async move {
             let mut rows = self.rows();

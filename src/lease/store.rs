@@ -86,6 +86,10 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         complete_through: i64,
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>>;
 
+    /// Deletes the row of a shard that reached SHARD_END, conditioned on it still being at
+    /// SHARD_END with the counter seen in `seen` (nobody touched it since). `false` otherwise.
+    fn delete<'a>(&'a self, seen: &'a Lease) -> BoxFuture<'a, Result<bool, Error>>;
+
     /// Records the children of a closed shard (lineage only; not fenced).
     fn set_children<'a>(
         &'a self,

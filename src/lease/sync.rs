@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 
-use super::row::{Checkpoint, InitialPosition, NewLease};
+use super::row::{Checkpoint, InitialPosition, Lease, NewLease};
 use crate::shard::discovery::ShardInfo;
 
 /// Rows to create, parents before children.
@@ -51,6 +51,31 @@ pub(crate) fn new_leases(
         }
     }
     out
+}
+
+/// Rows that can go: at SHARD_END, held by nobody, no longer listed by the stream (aged out of
+/// retention), and with every recorded child already started (its checkpoint past a start
+/// sentinel), so no child waits on them and no frontier member needs them.
+pub(crate) fn aged_out<'a>(rows: &'a [Lease], listed: &HashSet<&str>) -> Vec<&'a Lease> {
+    let started: HashSet<&str> = rows
+        .iter()
+        .filter(|r| {
+            matches!(
+                r.checkpoint,
+                Checkpoint::At(_) | Checkpoint::Before(_) | Checkpoint::ShardEnd
+            )
+        })
+        .map(|r| r.shard_id.as_str())
+        .collect();
+    rows.iter()
+        .filter(|r| {
+            r.checkpoint == Checkpoint::ShardEnd
+                && r.owner.is_none()
+                && !listed.contains(r.shard_id.as_str())
+                && !r.children.is_empty()
+                && r.children.iter().all(|c| started.contains(c.as_str()))
+        })
+        .collect()
 }
 
 fn start_of(shard: &ShardInfo, existing: &HashSet<String>, initial: InitialPosition) -> Checkpoint {
@@ -158,5 +183,48 @@ mod tests {
     fn shards_with_rows_are_left_alone() {
         let shards = [shard("0", &[], false)];
         assert!(plan(&shards, &["0"], InitialPosition::TrimHorizon).is_empty());
+    }
+
+    fn ended(id: &str, children: &[&str]) -> Lease {
+        Lease {
+            stream: "s".into(),
+            shard_id: id.into(),
+            owner: None,
+            counter: 3,
+            owner_epoch: 1,
+            checkpoint: Checkpoint::ShardEnd,
+            parents: vec![],
+            children: children.iter().map(|c| c.to_string()).collect(),
+            complete_through: Some(1),
+            seek_epoch: 0,
+        }
+    }
+
+    #[test]
+    fn only_ended_aged_out_parents_of_started_children_are_deleted() {
+        let mut child_started = ended("c1", &[]);
+        child_started.checkpoint = Checkpoint::At(crate::Position::new(
+            crate::SequenceNumber::parse("5").unwrap(),
+            0,
+        ));
+        let mut child_new = ended("c2", &[]);
+        child_new.checkpoint = Checkpoint::TrimHorizon;
+        let mut owned = ended("p-owned", &["c1"]);
+        owned.owner = Some("w".into());
+        let rows = vec![
+            ended("p-gone", &["c1"]),          // aged out, child started: deleted
+            ended("p-listed", &["c1"]),        // still in the stream: kept
+            ended("p-waiting", &["c1", "c2"]), // a child has not started: kept
+            ended("p-no-lineage", &[]),        // children unknown: kept
+            owned,                             // someone holds it: kept
+            child_started,
+            child_new,
+        ];
+        let listed: HashSet<&str> = ["p-listed", "c1", "c2"].into_iter().collect();
+        let gone: Vec<&str> = aged_out(&rows, &listed)
+            .iter()
+            .map(|r| r.shard_id.as_str())
+            .collect();
+        assert_eq!(gone, ["p-gone"]);
     }
 }
