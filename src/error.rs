@@ -67,6 +67,32 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// A failed Kinesis call on `stream`: a missing stream reads as [`Error::StreamNotFound`].
+    pub(crate) fn kinesis<E, R>(
+        operation: &'static str,
+        stream: &str,
+        err: aws_sdk_kinesis::error::SdkError<E, R>,
+    ) -> Self
+    where
+        E: aws_sdk_kinesis::error::ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+        R: fmt::Debug + Send + Sync + 'static,
+    {
+        if err.as_service_error().and_then(|e| e.code()) == Some("ResourceNotFoundException") {
+            Error::StreamNotFound {
+                stream: stream.to_string(),
+            }
+        } else {
+            Error::Kinesis {
+                operation,
+                stream: stream.to_string(),
+                shard: None,
+                source: Box::new(err),
+            }
+        }
+    }
+}
+
 fn shard_suffix(shard: &Option<String>) -> String {
     shard
         .as_deref()

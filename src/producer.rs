@@ -62,22 +62,7 @@ impl RecordSink for KinesisSink {
                 .data(Blob::new(data))
                 .send()
                 .await
-                .map_err(|e| {
-                    if e.as_service_error()
-                        .is_some_and(|s| s.is_resource_not_found_exception())
-                    {
-                        Error::StreamNotFound {
-                            stream: stream.to_string(),
-                        }
-                    } else {
-                        Error::Kinesis {
-                            operation: "PutRecord",
-                            stream: stream.to_string(),
-                            shard: None,
-                            source: Box::new(e),
-                        }
-                    }
-                })?;
+                .map_err(|e| Error::kinesis("PutRecord", stream, e))?;
             let sequence =
                 SequenceNumber::parse(out.sequence_number()).map_err(|e| Error::Corrupt {
                     what: "PutRecord sequence number",

@@ -382,15 +382,15 @@ impl crate::producer::RecordSink for MemoryStreams {
             .iter()
             .find(|s| s.name() == stream)
             .cloned();
-        let result = match target {
-            Some(s) => {
-                let (shard_id, sequence) = s.put(partition_key, data);
-                Ok(crate::producer::Written { shard_id, sequence })
-            }
-            None => Err(Error::StreamNotFound {
-                stream: stream.to_string(),
+        match target {
+            Some(s) => Box::pin(async move {
+                crate::producer::RecordSink::put(&s, stream, partition_key, data).await
             }),
-        };
-        Box::pin(async move { result })
+            None => Box::pin(async move {
+                Err(Error::StreamNotFound {
+                    stream: stream.to_string(),
+                })
+            }),
+        }
     }
 }

@@ -46,22 +46,10 @@ impl ShardLister for KinesisShards {
                     Some(t) => self.client.list_shards().next_token(t),
                     None => self.client.list_shards().stream_name(stream),
                 };
-                let page = request.send().await.map_err(|e| {
-                    if e.as_service_error()
-                        .is_some_and(|s| s.is_resource_not_found_exception())
-                    {
-                        Error::StreamNotFound {
-                            stream: stream.to_string(),
-                        }
-                    } else {
-                        Error::Kinesis {
-                            operation: "ListShards",
-                            stream: stream.to_string(),
-                            shard: None,
-                            source: Box::new(e),
-                        }
-                    }
-                })?;
+                let page = request
+                    .send()
+                    .await
+                    .map_err(|e| Error::kinesis("ListShards", stream, e))?;
                 shards.extend(page.shards().iter().map(|s| {
                     ShardInfo {
                         shard_id: s.shard_id().to_string(),
