@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+mod backoff;
 pub mod consumer;
 pub mod envelope;
 mod error;

@@ -53,7 +53,7 @@ pub struct Settings {
 }
 
 /// The default worker id: host name and process id.
-pub(crate) fn default_worker_id() -> String {
+pub fn default_worker_id() -> String {
     let host = gethostname::gethostname();
     format!("{}-{}", host.to_string_lossy(), std::process::id())
 }

@@ -15,7 +15,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-pub use config::{Ordering, Settings};
+pub use config::{Ordering, Settings, default_worker_id};
 
 use crate::error::{ConfigError, Error};
 use crate::frontier::Frontier;

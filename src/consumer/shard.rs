@@ -18,7 +18,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use rand::Rng;
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, MissedTickBehavior};
@@ -501,10 +500,7 @@ impl PendingWrite {
                 }
                 Err(e) => {
                     failures += 1;
-                    let ceiling = Duration::from_millis(100)
-                        .saturating_mul(1 << failures.min(6))
-                        .min(Duration::from_secs(5));
-                    let wait = rand::rng().random_range(ceiling / 2..=ceiling);
+                    let wait = crate::backoff::jittered(failures, Duration::from_secs(5));
                     warn!(
                         stream = d.stream(),
                         shard = d.shard(),

@@ -340,6 +340,15 @@ impl Inner {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Forgets the held lease `ownership` names; `None` if it is not held under that epoch.
+    fn remove_held(&self, ownership: &Ownership) -> Option<Held> {
+        let mut held = self.held();
+        match held.get(&ownership.shard_id) {
+            Some(h) if h.ownership.epoch == ownership.epoch => held.remove(&ownership.shard_id),
+            _ => None,
+        }
+    }
+
     fn labels(&self) -> [(&'static str, String); 2] {
         [
             ("stream", self.stream.clone()),
@@ -398,13 +407,7 @@ impl Inner {
 
     /// Drops a lease this worker held under `ownership` (no-op for another epoch) and cancels its work.
     fn lose(&self, ownership: &Ownership, why: &str) {
-        let removed = {
-            let mut held = self.held();
-            match held.get(&ownership.shard_id) {
-                Some(h) if h.ownership.epoch == ownership.epoch => held.remove(&ownership.shard_id),
-                _ => None,
-            }
-        };
+        let removed = self.remove_held(ownership);
         if let Some(h) = removed {
             h.cancel.cancel();
             warn!(stream = %self.stream, shard = %ownership.shard_id, epoch = ownership.epoch, "lease lost: {why}");
@@ -416,13 +419,7 @@ impl Inner {
     }
 
     async fn release(&self, ownership: &Ownership) -> Result<bool, Error> {
-        let removed = {
-            let mut held = self.held();
-            match held.get(&ownership.shard_id) {
-                Some(h) if h.ownership.epoch == ownership.epoch => held.remove(&ownership.shard_id),
-                _ => None,
-            }
-        };
+        let removed = self.remove_held(ownership);
         let Some(h) = removed else { return Ok(false) };
         h.cancel.cancel();
         metrics::gauge!("shardwise_leases_held", &self.labels()).decrement(1.0);

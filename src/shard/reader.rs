@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use rand::Rng;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -226,10 +225,7 @@ impl ShardReader {
     }
 
     async fn backoff(&self, failures: u32, error: &ReadError) {
-        let ceiling = Duration::from_millis(100)
-            .saturating_mul(1 << failures.min(10))
-            .min(self.settings.max_backoff);
-        let wait = rand::rng().random_range(ceiling / 2..=ceiling);
+        let wait = crate::backoff::jittered(failures, self.settings.max_backoff);
         match error {
             ReadError::Throttled => debug!(shard = %self.shard, ?wait, "throttled; backing off"),
             e => {

@@ -163,6 +163,14 @@ pub(crate) fn is_not_found<E: ProvideErrorMetadata, R>(err: &SdkError<E, R>) -> 
         .is_some_and(|code| code == "ResourceNotFoundException")
 }
 
+/// Reads an RFC 3339 time such as `2026-11-29T21:37:00Z`.
+pub(crate) fn parse_rfc3339(text: &str) -> std::result::Result<std::time::SystemTime, String> {
+    use aws_sdk_kinesis::primitives::{DateTime, DateTimeFormat};
+    let t = DateTime::from_str(text, DateTimeFormat::DateTime)
+        .map_err(|e| format!("`{text}` is not an RFC 3339 time: {e}"))?;
+    std::time::SystemTime::try_from(t).map_err(|e| format!("`{text}`: {e}"))
+}
+
 /// A JSON object with its fields in the order given (serde_json's map would sort them).
 pub(crate) fn json_object(fields: &[(&str, Value)]) -> String {
     let body = fields

@@ -7,14 +7,13 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use aws_sdk_kinesis::primitives::{DateTime, DateTimeFormat};
 use base64::Engine;
 use serde_json::{Value, json};
 use shardwise::lease::{InitialPosition, LeaseSettings};
 use shardwise::{Consumer, Delivery, Ordering, Outcome};
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::common::{Ctx, Failure, Result, json_object};
+use crate::common::{Ctx, Failure, Result, json_object, parse_rfc3339};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
@@ -108,10 +107,7 @@ fn parse_start(s: &str) -> std::result::Result<InitialPosition, String> {
             let ts = other.strip_prefix("at-timestamp:").ok_or_else(|| {
                 format!("`{other}`: expected trim-horizon, latest or at-timestamp:RFC3339")
             })?;
-            let t = DateTime::from_str(ts, DateTimeFormat::DateTime)
-                .map_err(|e| format!("`{ts}` is not an RFC 3339 time: {e}"))?;
-            let t = SystemTime::try_from(t).map_err(|e| format!("`{ts}`: {e}"))?;
-            Ok(InitialPosition::AtTimestamp(t))
+            Ok(InitialPosition::AtTimestamp(parse_rfc3339(ts)?))
         }
     }
 }
@@ -171,7 +167,10 @@ fn line(d: &Delivery, worker: &str, outcome: Outcome) -> String {
 }
 
 pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
-    let worker = args.worker_id.clone().unwrap_or_else(default_worker_id);
+    let worker = args
+        .worker_id
+        .clone()
+        .unwrap_or_else(shardwise::consumer::default_worker_id);
     let delay = Duration::from_millis(args.handler_delay_ms);
     let fail_keys: Arc<Vec<String>> = Arc::new(args.fail_keys.clone());
     let fail_outcome = args.fail_outcome;
@@ -253,12 +252,4 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
         ])
     );
     Ok(())
-}
-
-fn default_worker_id() -> String {
-    format!(
-        "{}-{}",
-        gethostname::gethostname().to_string_lossy(),
-        std::process::id()
-    )
 }

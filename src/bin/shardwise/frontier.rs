@@ -1,8 +1,6 @@
 //! `shardwise frontier`: how far the whole stream is complete, read from the lease table by any
 //! process: the scalar (or why there is none), the membership epoch, and the per-shard vector.
 
-use std::time::{Duration, UNIX_EPOCH};
-
 use aws_sdk_kinesis::primitives::{DateTime, DateTimeFormat};
 use serde_json::{Value, json};
 use shardwise::frontier::compute;
@@ -26,12 +24,7 @@ pub(crate) struct Args {
 }
 
 fn rfc3339(ms: i64) -> String {
-    let t = if ms >= 0 {
-        UNIX_EPOCH + Duration::from_millis(ms as u64)
-    } else {
-        UNIX_EPOCH - Duration::from_millis(ms.unsigned_abs())
-    };
-    DateTime::from(t)
+    DateTime::from_millis(ms)
         .fmt(DateTimeFormat::DateTime)
         .unwrap_or_else(|_| ms.to_string())
 }

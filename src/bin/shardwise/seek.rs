@@ -3,16 +3,14 @@
 //! next write (or at their next renewal) and the next owner reads from the new place.
 
 use std::sync::Arc;
-use std::time::SystemTime;
 
-use aws_sdk_kinesis::primitives::{DateTime, DateTimeFormat};
 use serde_json::json;
 use shardwise::lease::DynamoDbLeaseStore;
 use shardwise::seek::{SeekTarget, seek};
 use shardwise::shard::discovery::KinesisShards;
 use shardwise::{Position, SequenceNumber};
 
-use crate::common::{Ctx, Failure, Result, json_object, print_lines};
+use crate::common::{Ctx, Failure, Result, json_object, parse_rfc3339, print_lines};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
@@ -37,10 +35,7 @@ fn parse_target(s: &str) -> std::result::Result<SeekTarget, String> {
         _ => {}
     }
     if let Some(ts) = s.strip_prefix("timestamp:") {
-        let t = DateTime::from_str(ts, DateTimeFormat::DateTime)
-            .map_err(|e| format!("`{ts}` is not an RFC 3339 time: {e}"))?;
-        let t = SystemTime::try_from(t).map_err(|e| format!("`{ts}`: {e}"))?;
-        return Ok(SeekTarget::Timestamp(t));
+        return Ok(SeekTarget::Timestamp(parse_rfc3339(ts)?));
     }
     if let Some(rest) = s.strip_prefix("sequence:") {
         let (shard, seq) = rest
