@@ -14,8 +14,6 @@ use std::time::{Duration, SystemTime};
 
 use md5::Digest;
 
-use crate::lease::{Checkpoint, Lease};
-
 /// What one shard knows about its own progress, for [`complete_through`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ShardProgress {
@@ -86,13 +84,27 @@ pub struct Frontier {
 impl Frontier {
     /// The scalar as a time.
     pub fn as_time(&self) -> Option<SystemTime> {
-        self.scalar.map(crate::lease::from_millis)
+        self.scalar.map(crate::time::from_millis)
     }
 }
 
-/// The frontier of the stream whose lease rows are `rows`.
-pub fn compute(rows: &[Lease]) -> Frontier {
-    let by_shard: HashMap<&str, &Lease> = rows.iter().map(|r| (r.shard_id.as_str(), r)).collect();
+/// One shard as the frontier needs it: read from its lease row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardCoordinate<'a> {
+    /// The shard.
+    pub shard_id: &'a str,
+    /// Its stored `completeThrough`, if any.
+    pub complete_through: Option<i64>,
+    /// Whether it is at SHARD_END.
+    pub ended: bool,
+    /// Its children, once known.
+    pub children: &'a [String],
+}
+
+/// The frontier of the stream whose shards are `rows` (one per lease row).
+pub fn compute(rows: &[ShardCoordinate<'_>]) -> Frontier {
+    let by_shard: HashMap<&str, &ShardCoordinate<'_>> =
+        rows.iter().map(|r| (r.shard_id, r)).collect();
     let covered = |child: &String| {
         by_shard
             .get(child.as_str())
@@ -100,17 +112,14 @@ pub fn compute(rows: &[Lease]) -> Frontier {
     };
     let members: BTreeMap<&str, Member> = rows
         .iter()
-        .filter(|r| {
-            let ended = matches!(r.checkpoint, Checkpoint::ShardEnd);
-            !ended || r.children.is_empty() || !r.children.iter().all(covered)
-        })
+        .filter(|r| !r.ended || r.children.is_empty() || !r.children.iter().all(covered))
         .map(|r| {
             (
-                r.shard_id.as_str(),
+                r.shard_id,
                 Member {
-                    shard_id: r.shard_id.clone(),
+                    shard_id: r.shard_id.to_string(),
                     complete_through: r.complete_through,
-                    ended: matches!(r.checkpoint, Checkpoint::ShardEnd),
+                    ended: r.ended,
                 },
             )
         })
@@ -145,33 +154,44 @@ pub fn compute(rows: &[Lease]) -> Frontier {
 mod tests {
     use super::*;
 
-    fn row(shard: &str, ct: Option<i64>, ended: bool, children: &[&str]) -> Lease {
-        Lease {
-            stream: "s".into(),
-            shard_id: shard.into(),
-            owner: None,
-            counter: 0,
-            owner_epoch: 0,
-            checkpoint: if ended {
-                Checkpoint::ShardEnd
-            } else {
-                Checkpoint::TrimHorizon
-            },
-            parents: vec![],
+    #[derive(Clone)]
+    struct Row {
+        shard: String,
+        ct: Option<i64>,
+        ended: bool,
+        children: Vec<String>,
+    }
+
+    fn row(shard: &str, ct: Option<i64>, ended: bool, children: &[&str]) -> Row {
+        Row {
+            shard: shard.into(),
+            ct,
+            ended,
             children: children.iter().map(|c| c.to_string()).collect(),
-            complete_through: ct,
-            seek_epoch: 0,
         }
+    }
+
+    fn frontier(rows: &[Row]) -> Frontier {
+        let coordinates: Vec<ShardCoordinate<'_>> = rows
+            .iter()
+            .map(|r| ShardCoordinate {
+                shard_id: &r.shard,
+                complete_through: r.ct,
+                ended: r.ended,
+                children: &r.children,
+            })
+            .collect();
+        compute(&coordinates)
     }
 
     #[test]
     fn a_fast_shard_cannot_carry_the_frontier_past_a_slow_one() {
-        let f = compute(&[
+        let f = frontier(&[
             row("a", Some(120), false, &[]),
             row("b", Some(90), false, &[]),
         ]);
         assert_eq!(f.scalar, Some(90));
-        let f = compute(&[
+        let f = frontier(&[
             row("a", Some(120), false, &[]),
             row("b", Some(110), false, &[]),
         ]);
@@ -180,7 +200,7 @@ mod tests {
 
     #[test]
     fn a_member_without_a_coordinate_withholds_the_scalar() {
-        let f = compute(&[
+        let f = frontier(&[
             row("a", Some(120), false, &[]),
             row("new", None, false, &[]),
         ]);
@@ -197,7 +217,7 @@ mod tests {
             row("c1", Some(70), false, &[]),
             row("c2", None, false, &[]),
         ];
-        let before = compute(&rows);
+        let before = frontier(&rows);
         assert!(before.members.iter().any(|m| m.shard_id == "p"));
         assert_eq!(before.scalar, None);
         // Both children covered: the parent leaves, the epoch changes, the minimum rule holds.
@@ -206,7 +226,7 @@ mod tests {
             row("c1", Some(70), false, &[]),
             row("c2", Some(65), false, &[]),
         ];
-        let after = compute(&rows);
+        let after = frontier(&rows);
         assert!(!after.members.iter().any(|m| m.shard_id == "p"));
         assert_eq!(after.scalar, Some(65));
         assert_ne!(
@@ -217,18 +237,18 @@ mod tests {
 
     #[test]
     fn a_merge_changes_the_epoch_and_keeps_the_minimum() {
-        let before = compute(&[
+        let before = frontier(&[
             row("a", Some(10), false, &[]),
             row("b", Some(20), false, &[]),
         ]);
-        let after = compute(&[
+        let after = frontier(&[
             row("a", Some(30), true, &["m"]),
             row("b", Some(25), true, &["m"]),
             row("m", Some(40), false, &[]),
         ]);
         assert_eq!(after.scalar, Some(40));
         assert_ne!(before.epoch, after.epoch);
-        let same = compute(&[
+        let same = frontier(&[
             row("a", Some(11), false, &[]),
             row("b", Some(21), false, &[]),
         ]);
@@ -284,7 +304,7 @@ mod tests {
             row("a", Some(100), false, &[]),
             row("b", Some(80), false, &[]),
         ];
-        assert_eq!(compute(&rows), compute(&rows.clone()));
-        assert_eq!(compute(&rows).scalar, Some(80));
+        assert_eq!(frontier(&rows), frontier(&rows.clone()));
+        assert_eq!(frontier(&rows).scalar, Some(80));
     }
 }

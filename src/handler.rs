@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 
 use crate::envelope::{self, Headers};
-use crate::shard::position::{Position, SequenceNumber};
+use crate::position::{Position, SequenceNumber};
 use crate::track::DeliveryId;
 
 /// What the handler decided for one delivery.

@@ -10,11 +10,13 @@
 //! - [`Delivery`], [`Outcome`], [`Handler`]: what application code sees and returns.
 //! - [`track::Tracker`]: where a shard's checkpoint may stand, given settlements in any order.
 //! - [`Position`], [`SequenceNumber`]: positions in a shard and their sortable checkpoint key.
+//! - [`Checkpoint`]: where a shard's reading stands, as the lease table stores it.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 mod backoff;
+pub mod checkpoint;
 pub mod consumer;
 pub mod envelope;
 mod error;
@@ -22,12 +24,14 @@ pub mod frontier;
 mod handler;
 pub mod kpl;
 pub mod lease;
+pub mod position;
 pub mod producer;
 pub mod retry;
 pub mod seek;
 pub mod shard;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+mod time;
 pub mod track;
 
 pub use consumer::{Consumer, ConsumerBuilder, Ordering, Running, ShutdownReport};
@@ -37,5 +41,5 @@ pub use lease::{
     Checkpoint, CheckpointWrite, DynamoDbLeaseStore, InitialPosition, Lease, LeaseStore,
     MemoryLeaseStore, NewLease, Ownership,
 };
-pub use shard::position::{InvalidSequenceNumber, Position, SequenceNumber};
+pub use position::{InvalidSequenceNumber, Position, SequenceNumber};
 pub use track::{DeliveryId, Settlement, Tracker};

@@ -10,7 +10,7 @@ use futures::future::BoxFuture;
 
 use crate::envelope::{self, Headers};
 use crate::error::Error;
-use crate::shard::position::SequenceNumber;
+use crate::position::SequenceNumber;
 
 /// Where a record landed.
 #[derive(Debug, Clone, PartialEq, Eq)]

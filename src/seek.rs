@@ -12,8 +12,8 @@ use std::time::SystemTime;
 
 use crate::error::Error;
 use crate::lease::{Checkpoint, InitialPosition, LeaseStore};
+use crate::position::Position;
 use crate::shard::discovery::ShardLister;
-use crate::shard::position::Position;
 
 /// Where to move to.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -18,8 +18,8 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 
 use crate::error::Error;
+use crate::position::SequenceNumber;
 use crate::shard::discovery::{ShardInfo, ShardLister};
-use crate::shard::position::SequenceNumber;
 use crate::shard::source::{Page, RawRecord, ReadError, RecordSource, StartAt};
 
 #[derive(Debug)]

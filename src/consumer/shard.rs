@@ -26,16 +26,18 @@ use tracing::{debug, info, warn};
 
 use super::config::Settings;
 use super::lanes::{Finished, Lanes};
+use crate::checkpoint::Checkpoint;
 use crate::envelope::Headers;
 use crate::error::{AckError, Error};
 use crate::frontier::{self, ShardProgress};
 use crate::handler::{Delivery, Handler, Outcome};
-use crate::lease::{Checkpoint, CheckpointWrite, HeldLease, LeaseStore, Ownership, millis};
+use crate::lease::{CheckpointWrite, HeldLease, LeaseStore, Ownership};
+use crate::position::Position;
 use crate::producer::Producer;
 use crate::retry::{RetryPlan, RetryPolicy};
-use crate::shard::position::Position;
 use crate::shard::reader::{ReaderMessage, ShardReader};
 use crate::shard::source::RecordSource;
+use crate::time::millis;
 use crate::track::{DeliveryId, Tracker};
 
 /// How a shard's run ended.

@@ -18,9 +18,11 @@ use aws_sdk_dynamodb::types::{
 };
 use futures::future::BoxFuture;
 
-use super::row::{AT_TIMESTAMP, Checkpoint, Lease, NewLease, Ownership, lease_key, millis};
+use super::row::{Lease, NewLease, Ownership, lease_key};
 use super::store::{CheckpointWrite, LeaseStore};
+use crate::checkpoint::{AT_TIMESTAMP, Checkpoint};
 use crate::error::Error;
+use crate::time::millis;
 
 /// Attribute names of a lease row (see `docs/leases.md`).
 mod attr {

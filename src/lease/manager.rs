@@ -444,7 +444,7 @@ impl Inner {
     async fn scan(&self) -> Result<(), Error> {
         let rows = self.store.list(&self.stream).await?;
         let now = Instant::now();
-        let latest = frontier::compute(&rows);
+        let latest = frontier::compute(&rows.iter().map(Lease::coordinate).collect::<Vec<_>>());
         self.frontier.send_if_modified(|f| {
             let changed = *f != latest;
             *f = latest;

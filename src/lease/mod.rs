@@ -18,5 +18,4 @@ pub use dynamodb::DynamoDbLeaseStore;
 pub use manager::{HeldLease, LeaseEvent, LeaseHooks, LeaseManager, LeaseSettings};
 pub use memory::MemoryLeaseStore;
 pub use row::{Checkpoint, InitialPosition, Lease, NewLease, Ownership};
-pub(crate) use row::{from_millis, millis};
 pub use store::{CheckpointWrite, LeaseStore};

@@ -1,6 +1,5 @@
 //! Shards: positions inside one shard, the stream's shard list, and reading records.
 
 pub mod discovery;
-pub mod position;
 pub mod reader;
 pub mod source;

@@ -14,11 +14,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::position::Position;
 use super::source::{Page, ReadError, RecordSource, StartAt};
+use crate::checkpoint::Checkpoint;
 use crate::error::Error;
 use crate::kpl::{self, Deaggregated};
-use crate::lease::Checkpoint;
+use crate::position::Position;
 
 /// Reading limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -9,8 +9,8 @@ use aws_sdk_kinesis::types::ShardIteratorType;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 
-use super::position::SequenceNumber;
 use crate::error::BoxError;
+use crate::position::SequenceNumber;
 
 /// Where to open a shard iterator.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,7 +4,7 @@
 use aws_sdk_kinesis::primitives::{DateTime, DateTimeFormat};
 use serde_json::{Value, json};
 use shardwise::frontier::compute;
-use shardwise::lease::{DynamoDbLeaseStore, LeaseStore};
+use shardwise::lease::{DynamoDbLeaseStore, Lease, LeaseStore};
 
 use crate::common::{Ctx, Failure, Result, json_object, print_lines};
 
@@ -45,7 +45,7 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
         .list(&args.stream)
         .await
         .map_err(|e| Failure::caused_by(context(), e))?;
-    let f = compute(&rows);
+    let f = compute(&rows.iter().map(Lease::coordinate).collect::<Vec<_>>());
     let why = if rows.is_empty() {
         Some("no lease rows for this stream".to_string())
     } else if !f.missing.is_empty() {
