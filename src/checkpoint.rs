@@ -33,11 +33,16 @@ pub(crate) const SHARD_END: &str = "SHARD_END";
 pub(crate) const BEFORE_PREFIX: &str = "AT:";
 
 impl Checkpoint {
-    /// The string stored in `checkpointKey`, whose byte order is checkpoint order: every start
-    /// sentinel sorts first, positions by [`Position::sort_key`], and `SHARD_END` last.
+    /// The string stored in `checkpointKey`, whose byte order is checkpoint order: TRIM_HORIZON and
+    /// LATEST first, then AT_TIMESTAMP by its time, positions by [`Position::sort_key`], and
+    /// `SHARD_END` last.
     pub fn sort_key(&self) -> String {
         match self {
-            Checkpoint::TrimHorizon | Checkpoint::Latest | Checkpoint::AtTimestamp(_) => "0".into(),
+            Checkpoint::TrimHorizon | Checkpoint::Latest => "0".into(),
+            // Above the other start sentinels, so pinning a LATEST start is an ordinary fenced
+            // checkpoint write; below every position ('!' sorts before every digit), ordered by
+            // time among themselves.
+            Checkpoint::AtTimestamp(t) => format!("0!{:020}", millis(*t).max(0)),
             // Before(p) < At(p) < Before(anything after p).
             Checkpoint::At(p) => format!("{}1", p.sort_key()),
             Checkpoint::Before(p) => format!("{}0", p.sort_key()),
@@ -137,6 +142,10 @@ mod tests {
     fn sort_keys_order_starts_positions_and_the_end() {
         let ordered = [
             Checkpoint::TrimHorizon,
+            Checkpoint::AtTimestamp(from_millis(0)),
+            Checkpoint::AtTimestamp(from_millis(1_700_000_000_000)),
+            Checkpoint::AtTimestamp(from_millis(1_700_000_000_001)),
+            Checkpoint::Before(Position::new(SequenceNumber::parse("0").unwrap(), 0)),
             Checkpoint::Before(Position::new(SequenceNumber::parse("1").unwrap(), 0)),
             at("1", 0),
             Checkpoint::Before(Position::new(SequenceNumber::parse("1").unwrap(), 1)),

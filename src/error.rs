@@ -22,6 +22,32 @@ pub enum Error {
         stream: String,
     },
 
+    /// The credentials are not allowed to make this call (an IAM policy is missing an action).
+    #[error("access denied: {operation} on `{resource}`")]
+    AccessDenied {
+        /// The API operation, e.g. `PutRecord`.
+        operation: &'static str,
+        /// The stream or table it addressed.
+        resource: String,
+        /// What the SDK reported.
+        #[source]
+        source: BoxError,
+    },
+
+    /// A record is over the Kinesis limit: its data and partition key together may hold at most
+    /// [`MAX_RECORD_BYTES`](crate::producer::MAX_RECORD_BYTES).
+    #[error(
+        "a record of {size} bytes (data and partition key) for stream `{stream}` is over the limit of {limit} bytes"
+    )]
+    RecordTooLarge {
+        /// The stream it was for.
+        stream: String,
+        /// Its size: data blob (with the header envelope) plus partition key.
+        size: usize,
+        /// The limit.
+        limit: usize,
+    },
+
     /// The lease table exists but cannot be used as one.
     #[error("lease table `{table}` cannot be used: {reason}")]
     LeaseTableSchema {
@@ -68,6 +94,19 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether repeating the call cannot help until someone changes something: a missing stream,
+    /// missing permissions, a record over the size limit, an unusable table or setting.
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            Error::Config(_)
+                | Error::StreamNotFound { .. }
+                | Error::AccessDenied { .. }
+                | Error::RecordTooLarge { .. }
+                | Error::LeaseTableSchema { .. }
+        )
+    }
+
     /// A failed Kinesis call on `stream`: a missing stream reads as [`Error::StreamNotFound`].
     pub(crate) fn kinesis<E, R>(
         operation: &'static str,
@@ -78,17 +117,26 @@ impl Error {
         E: aws_sdk_kinesis::error::ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
         R: fmt::Debug + Send + Sync + 'static,
     {
-        if err.as_service_error().and_then(|e| e.code()) == Some("ResourceNotFoundException") {
-            Error::StreamNotFound {
+        match err.as_service_error().and_then(|e| e.code()) {
+            Some("ResourceNotFoundException") => Error::StreamNotFound {
                 stream: stream.to_string(),
-            }
-        } else {
-            Error::Kinesis {
+            },
+            Some(
+                "AccessDeniedException"
+                | "KMSAccessDeniedException"
+                | "KMSDisabledException"
+                | "KMSNotFoundException",
+            ) => Error::AccessDenied {
+                operation,
+                resource: stream.to_string(),
+                source: Box::new(err),
+            },
+            _ => Error::Kinesis {
                 operation,
                 stream: stream.to_string(),
                 shard: None,
                 source: Box::new(err),
-            }
+            },
         }
     }
 }

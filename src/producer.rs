@@ -12,6 +12,10 @@ use crate::envelope::{self, Headers};
 use crate::error::Error;
 use crate::position::SequenceNumber;
 
+/// The most a Kinesis record may hold: its data blob (with the header envelope) and its partition
+/// key together, in bytes (1 MiB).
+pub const MAX_RECORD_BYTES: usize = 1024 * 1024;
+
 /// Where a record landed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Written {
@@ -31,6 +35,11 @@ pub trait RecordSink: Send + Sync + fmt::Debug + 'static {
         partition_key: &'a str,
         data: Bytes,
     ) -> BoxFuture<'a, Result<Written, Error>>;
+
+    /// Checks that `stream` exists and can be written: [`Error::StreamNotFound`] or
+    /// [`Error::AccessDenied`] otherwise. Called once at start for the dead-letter stream, so a
+    /// misspelled name fails at once instead of holding checkpoints later.
+    fn check<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>>;
 }
 
 /// [`RecordSink`] on the Kinesis PutRecord API.
@@ -74,6 +83,18 @@ impl RecordSink for KinesisSink {
             })
         })
     }
+
+    fn check<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            self.client
+                .describe_stream_summary()
+                .stream_name(stream)
+                .send()
+                .await
+                .map_err(|e| Error::kinesis("DescribeStreamSummary", stream, e))?;
+            Ok(())
+        })
+    }
 }
 
 /// Writes records with headers.
@@ -105,6 +126,7 @@ impl Producer {
     }
 
     /// Writes `payload` with `headers` (in the RSK2 envelope; a plain payload when there are none).
+    /// A record over [`MAX_RECORD_BYTES`] fails with [`Error::RecordTooLarge`] without a call.
     pub async fn put(
         &self,
         stream: &str,
@@ -112,8 +134,20 @@ impl Producer {
         headers: &Headers,
         payload: &[u8],
     ) -> Result<Written, Error> {
-        self.sink
-            .put(stream, partition_key, envelope::encode(headers, payload))
-            .await
+        let data = envelope::encode(headers, payload);
+        let size = data.len() + partition_key.len();
+        if size > MAX_RECORD_BYTES {
+            return Err(Error::RecordTooLarge {
+                stream: stream.to_string(),
+                size,
+                limit: MAX_RECORD_BYTES,
+            });
+        }
+        self.sink.put(stream, partition_key, data).await
+    }
+
+    /// Checks that `stream` exists and can be written (see [`RecordSink::check`]).
+    pub async fn check(&self, stream: &str) -> Result<(), Error> {
+        self.sink.check(stream).await
     }
 }

@@ -4,12 +4,12 @@
 //! | outcome | policy | attempt | becomes |
 //! |---|---|---|---|
 //! | `Retry` | neither `max_attempts` nor a dead-letter stream | any | refused: holds the checkpoint |
-//! | `Retry` / `RetryAfter(d)` | below the cap (or no cap) | n | copy with count n+1 (after d) |
+//! | `Retry` / `RetryAfter(d)` | below the cap | n | copy with count n+1 (after d) |
 //! | `Retry` / `RetryAfter(d)` | at the cap, dead-letter stream | n | dead letter |
 //! | `Retry` / `RetryAfter(d)` | at the cap, no dead-letter stream | n | settles as drop (warn) |
 //!
-//! A dead-letter stream without `max_attempts` caps attempts at
-//! [`DEFAULT_MAX_ATTEMPTS_WITH_DEAD_LETTER`].
+//! Without `max_attempts` the cap is [`DEFAULT_MAX_ATTEMPTS`], so a poison record answered with
+//! `RetryAfter` is not copied forever.
 
 use std::num::NonZeroU32;
 use std::time::Duration;
@@ -17,8 +17,9 @@ use std::time::Duration;
 use crate::envelope::{Headers, RETRY_COUNT_HEADER};
 use crate::handler::{Delivery, Outcome};
 
-/// The cap when a dead-letter stream is declared without `max_attempts`.
-pub const DEFAULT_MAX_ATTEMPTS_WITH_DEAD_LETTER: u32 = 3;
+/// The cap on attempts (the first delivery counts) when `max_attempts` is not declared: for a
+/// dead-letter stream alone, and for `RetryAfter`.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 
 /// Names the stream the event was first read from (kept across copies).
 pub const ORIGIN_STREAM_HEADER: &str = "x-ruststream-origin-stream";
@@ -58,12 +59,9 @@ pub(crate) enum RetryPlan {
 }
 
 impl RetryPolicy {
-    fn cap(&self) -> Option<u32> {
-        match (self.max_attempts, &self.dead_letter) {
-            (Some(n), _) => Some(n.get()),
-            (None, Some(_)) => Some(DEFAULT_MAX_ATTEMPTS_WITH_DEAD_LETTER),
-            (None, None) => None,
-        }
+    fn cap(&self) -> u32 {
+        self.max_attempts
+            .map_or(DEFAULT_MAX_ATTEMPTS, NonZeroU32::get)
     }
 
     /// Decides what a retry outcome becomes. `None` for terminal outcomes.
@@ -80,7 +78,7 @@ impl RetryPolicy {
         let attempt = delivery.attempt();
         let mut headers = delivery.headers().clone();
         stamp_origin(&mut headers, delivery);
-        if self.cap().is_none_or(|cap| attempt < cap) {
+        if attempt < self.cap() {
             headers.insert(RETRY_COUNT_HEADER, (attempt.saturating_add(1)).to_string());
             return Some(RetryPlan::Copy {
                 stream: delivery.stream().to_string(),
@@ -88,12 +86,21 @@ impl RetryPolicy {
                 headers,
             });
         }
-        Some(match &self.dead_letter {
+        Some(self.spent(
+            delivery,
+            format!("attempts spent: {attempt} of {}", self.cap()),
+        ))
+    }
+
+    /// What a delivery whose retries are over becomes: a dead letter carrying `reason`, or a drop
+    /// without a dead-letter stream.
+    pub(crate) fn spent(&self, delivery: &Delivery, reason: String) -> RetryPlan {
+        let attempt = delivery.attempt();
+        match &self.dead_letter {
             Some(stream) => {
-                headers.insert(
-                    DEAD_LETTER_REASON_HEADER,
-                    format!("attempts spent: {attempt} of {attempt}"),
-                );
+                let mut headers = delivery.headers().clone();
+                stamp_origin(&mut headers, delivery);
+                headers.insert(DEAD_LETTER_REASON_HEADER, reason);
                 headers.insert(ATTEMPTS_HEADER, attempt.to_string());
                 RetryPlan::DeadLetter {
                     stream: stream.clone(),
@@ -101,7 +108,7 @@ impl RetryPolicy {
                 }
             }
             None => RetryPlan::Drop { attempts: attempt },
-        })
+        }
     }
 }
 
@@ -170,8 +177,16 @@ mod tests {
                 Outcome::RetryAfter(ms),
                 None,
                 None,
-                7,
+                1,
                 "copy",
+            ),
+            (
+                "retry_after without a declaration is capped too: a poison record is not copied forever",
+                Outcome::RetryAfter(ms),
+                None,
+                None,
+                DEFAULT_MAX_ATTEMPTS,
+                "drop",
             ),
             (
                 "below the cap: a copy",
@@ -210,7 +225,7 @@ mod tests {
                 Outcome::Retry,
                 None,
                 Some("dlq"),
-                DEFAULT_MAX_ATTEMPTS_WITH_DEAD_LETTER,
+                DEFAULT_MAX_ATTEMPTS,
                 "dead-letter",
             ),
             (

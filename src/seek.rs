@@ -1,19 +1,29 @@
 //! Seek: move a stream's (or one shard's) checkpoints to a new place, backwards too.
 //!
-//! A seek is the only write that may move a checkpoint backwards. Each moved row is written with
-//! one conditional update on its seek epoch that also bumps the ownership epoch and removes the
-//! owner: the worker reading the shard loses its lease at its next renewal (or at once, on its
-//! next checkpoint write, which the store now refuses), nothing it settles afterwards can write,
-//! and the next owner reads from the new place with a fresh tracker. It works the same whether
-//! consumers run or not, from any process.
+//! A seek is the only write that may move a checkpoint backwards. Each moved row is conditioned on
+//! its seek epoch, and the write also bumps the ownership epoch and removes the owner: the worker
+//! reading the shard loses its lease at its next renewal (or at once, on its next checkpoint
+//! write, which the store now refuses), nothing it settles afterwards can write, and the next owner
+//! reads from the new place with a fresh tracker. It works the same whether consumers run or not,
+//! from any process.
+//!
+//! Parents are read before their children, so a seek never moves a parent alone while its
+//! children are read: every shard moves together with its descendants, in one transaction
+//! ([`LeaseStore::seek`]).
+//! - A seek of one shard to a record resets every descendant to its trim horizon: once the parent
+//!   has been read again from the record to its end, the children are read again from their start.
+//! - A stream-wide seek moves each lineage (a shard with its ancestors and descendants) at once.
+//!
+//! So no worker ever finds a parent open while a child of it holds a newer checkpoint.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::SystemTime;
 
+use crate::checkpoint::Checkpoint;
 use crate::error::Error;
-use crate::lease::{Checkpoint, InitialPosition, LeaseStore};
+use crate::lease::{InitialPosition, Lease, LeaseStore, MAX_SEEK_MOVES, SeekMove};
 use crate::position::Position;
-use crate::shard::discovery::ShardLister;
+use crate::shard::discovery::{ShardInfo, ShardLister};
 
 /// Where to move to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,12 +31,15 @@ use crate::shard::discovery::ShardLister;
 pub enum SeekTarget {
     /// Every shard to its oldest retained record.
     TrimHorizon,
-    /// Every open shard to its tip (closed shards are marked ended).
+    /// Every open shard to its tip as of the seek: pinned to the time of the seek less
+    /// [`DEFAULT_LATEST_MARGIN`](crate::consumer::DEFAULT_LATEST_MARGIN), so every record written
+    /// after the seek is delivered, whenever the shard is next read. Closed shards are marked
+    /// ended.
     Latest,
     /// Every shard to the first record that arrived at or after this time.
     Timestamp(SystemTime),
     /// One shard to this record (inclusive): a captured delivery's
-    /// [`position`](crate::Delivery::position).
+    /// [`position`](crate::Delivery::position). Its descendants are reset to their start.
     Position {
         /// The shard.
         shard_id: String,
@@ -39,7 +52,8 @@ pub enum SeekTarget {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SeekReport {
-    /// The shards whose checkpoint was rewritten.
+    /// The shards whose checkpoint was rewritten, descendants of a shard sought to a record
+    /// included.
     pub moved: Vec<String>,
 }
 
@@ -48,6 +62,9 @@ const ATTEMPTS: usize = 5;
 
 /// Moves the checkpoints of `stream` in `store` to `target`. Lists the shards first and creates rows
 /// for shards that have none, so a stream-wide seek covers every shard the stream has now.
+///
+/// Cancellation safe: each group of rows moves in one write; a dropped call leaves some groups
+/// moved and others not.
 pub async fn seek(
     store: &dyn LeaseStore,
     lister: &dyn ShardLister,
@@ -57,7 +74,7 @@ pub async fn seek(
     let shards = lister.list_shards(stream).await?;
     store.prepare().await?;
     let rows = store.list(stream).await?;
-    let existing: HashSet<String> = rows.iter().map(|r| r.shard_id.clone()).collect();
+    let existing = rows.iter().map(|r| r.shard_id.clone()).collect();
     let initial = match target {
         SeekTarget::Latest => InitialPosition::Latest,
         SeekTarget::Timestamp(t) => InitialPosition::AtTimestamp(*t),
@@ -66,13 +83,86 @@ pub async fn seek(
     for new in crate::lease::new_leases(stream, &shards, &existing, initial) {
         store.create(&new).await?;
     }
-    let closed: HashSet<&str> = shards
-        .iter()
-        .filter(|s| s.closed)
-        .map(|s| s.shard_id.as_str())
-        .collect();
+    let rows = store.list(stream).await?;
+    let latest = crate::time::now()
+        .checked_sub(crate::consumer::DEFAULT_LATEST_MARGIN)
+        .unwrap_or(SystemTime::UNIX_EPOCH);
+    let groups = plan(stream, target, &shards, &rows, latest)?;
 
-    let targets: Vec<(String, Checkpoint)> = match target {
+    let mut report = SeekReport::default();
+    for group in groups {
+        move_group(store, stream, &group).await?;
+        for (shard_id, to) in &group {
+            tracing::info!(stream, shard = %shard_id, to = %to, "seek: checkpoint moved");
+        }
+        report
+            .moved
+            .extend(group.into_iter().map(|(shard, _)| shard));
+    }
+    Ok(report)
+}
+
+/// Moves one group of rows at once, reading them again when a concurrent seek got in between.
+async fn move_group(
+    store: &dyn LeaseStore,
+    stream: &str,
+    group: &[(String, Checkpoint)],
+) -> Result<(), Error> {
+    for _ in 0..ATTEMPTS {
+        let mut moves = Vec::with_capacity(group.len());
+        for (shard_id, to) in group {
+            // A row that vanished meanwhile (cleaned up as aged out) has nothing left to move.
+            if let Some(seen) = store.get(stream, shard_id).await? {
+                moves.push(SeekMove {
+                    seen,
+                    to: to.clone(),
+                });
+            }
+        }
+        if store.seek(&moves).await? {
+            return Ok(());
+        }
+    }
+    let shards: Vec<&str> = group.iter().map(|(s, _)| s.as_str()).collect();
+    Err(Error::Corrupt {
+        what: "seek",
+        detail: format!("shards {shards:?} kept changing seek epoch; another seek is running"),
+    })
+}
+
+/// Which rows move where, in groups that must move at once. Pure.
+///
+/// `latest` is the time a LATEST target is pinned to.
+fn plan(
+    stream: &str,
+    target: &SeekTarget,
+    shards: &[ShardInfo],
+    rows: &[Lease],
+    latest: SystemTime,
+) -> Result<Vec<Vec<(String, Checkpoint)>>, Error> {
+    // Lineage from both the listing and the rows (a row keeps its parents after they aged out).
+    let mut parents: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for s in shards {
+        parents
+            .entry(s.shard_id.as_str())
+            .or_default()
+            .extend(s.parents.iter().map(String::as_str));
+    }
+    for r in rows {
+        parents
+            .entry(r.shard_id.as_str())
+            .or_default()
+            .extend(r.parents.iter().map(String::as_str));
+    }
+    let mut children: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for (child, ps) in &parents {
+        for p in ps {
+            children.entry(p).or_default().insert(child);
+        }
+    }
+    let has_row: BTreeSet<&str> = rows.iter().map(|r| r.shard_id.as_str()).collect();
+
+    let groups: Vec<Vec<(String, Checkpoint)>> = match target {
         SeekTarget::Position { shard_id, position } => {
             if !shards.iter().any(|s| &s.shard_id == shard_id) {
                 return Err(Error::Corrupt {
@@ -80,45 +170,194 @@ pub async fn seek(
                     detail: format!("stream `{stream}` has no shard `{shard_id}`"),
                 });
             }
-            vec![(shard_id.clone(), Checkpoint::Before(*position))]
-        }
-        stream_wide => shards
-            .iter()
-            .map(|s| {
-                let to = match stream_wide {
-                    SeekTarget::TrimHorizon => Checkpoint::TrimHorizon,
-                    SeekTarget::Latest if closed.contains(s.shard_id.as_str()) => {
-                        Checkpoint::ShardEnd
+            let mut group = vec![(shard_id.clone(), Checkpoint::Before(*position))];
+            let mut seen = BTreeSet::from([shard_id.as_str()]);
+            let mut frontier = vec![shard_id.as_str()];
+            while let Some(shard) = frontier.pop() {
+                for child in children.get(shard).into_iter().flatten() {
+                    if seen.insert(child) && has_row.contains(child) {
+                        group.push((child.to_string(), Checkpoint::TrimHorizon));
+                        frontier.push(child);
                     }
-                    SeekTarget::Latest => Checkpoint::Latest,
-                    SeekTarget::Timestamp(t) => Checkpoint::AtTimestamp(*t),
-                    SeekTarget::Position { .. } => unreachable!("handled above"),
-                };
-                (s.shard_id.clone(), to)
-            })
-            .collect(),
-    };
-
-    let mut report = SeekReport::default();
-    for (shard_id, to) in targets {
-        for attempt in 1..=ATTEMPTS {
-            let Some(row) = store.get(stream, &shard_id).await? else {
-                break;
+                }
+            }
+            vec![group]
+        }
+        stream_wide => {
+            let to = |s: &ShardInfo| match stream_wide {
+                SeekTarget::TrimHorizon => Checkpoint::TrimHorizon,
+                SeekTarget::Latest if s.closed => Checkpoint::ShardEnd,
+                SeekTarget::Latest => Checkpoint::AtTimestamp(latest),
+                SeekTarget::Timestamp(t) => Checkpoint::AtTimestamp(*t),
+                SeekTarget::Position { .. } => unreachable!("handled above"),
             };
-            if store.seek(&row, &to).await? {
-                tracing::info!(stream, shard = %shard_id, to = %to, "seek: checkpoint moved");
-                report.moved.push(shard_id.clone());
-                break;
+            // Lineages: shards connected by parent links, among the listed shards.
+            let listed: BTreeMap<&str, &ShardInfo> =
+                shards.iter().map(|s| (s.shard_id.as_str(), s)).collect();
+            let mut lineage_of: BTreeMap<&str, usize> = BTreeMap::new();
+            let mut lineages: Vec<Vec<(String, Checkpoint)>> = Vec::new();
+            for start in listed.keys() {
+                if lineage_of.contains_key(start) {
+                    continue;
+                }
+                let index = lineages.len();
+                let mut lineage = Vec::new();
+                let mut pending = vec![*start];
+                while let Some(shard) = pending.pop() {
+                    let Some(info) = listed.get(shard) else {
+                        continue;
+                    };
+                    if lineage_of.insert(shard, index).is_some() {
+                        continue;
+                    }
+                    lineage.push((shard.to_string(), to(info)));
+                    pending.extend(parents.get(shard).into_iter().flatten());
+                    pending.extend(children.get(shard).into_iter().flatten());
+                }
+                lineage.sort_by(|a, b| a.0.cmp(&b.0));
+                lineages.push(lineage);
             }
-            if attempt == ATTEMPTS {
-                return Err(Error::Corrupt {
-                    what: "seek",
-                    detail: format!(
-                        "shard `{shard_id}` kept changing seek epoch; another seek is running"
-                    ),
-                });
-            }
+            lineages
+        }
+    };
+    if let Some(big) = groups.iter().find(|g| g.len() > MAX_SEEK_MOVES) {
+        return Err(Error::Corrupt {
+            what: "seek",
+            detail: format!(
+                "{} shards of one lineage must move together, more than one transaction takes ({MAX_SEEK_MOVES})",
+                big.len()
+            ),
+        });
+    }
+    Ok(groups)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::position::SequenceNumber;
+    use std::time::Duration;
+
+    fn info(id: &str, parents: &[&str], closed: bool) -> ShardInfo {
+        ShardInfo {
+            shard_id: id.into(),
+            parents: parents.iter().map(|p| p.to_string()).collect(),
+            closed,
         }
     }
-    Ok(report)
+
+    fn row(id: &str, parents: &[&str]) -> Lease {
+        Lease {
+            stream: "s".into(),
+            shard_id: id.into(),
+            owner: Some("w".into()),
+            counter: 1,
+            owner_epoch: 1,
+            checkpoint: Checkpoint::TrimHorizon,
+            parents: parents.iter().map(|p| p.to_string()).collect(),
+            children: vec![],
+            complete_through: None,
+            seek_epoch: 0,
+        }
+    }
+
+    fn at(seq: &str) -> Position {
+        Position::new(SequenceNumber::parse(seq).unwrap(), 0)
+    }
+
+    /// A split of 0 into 1 and 2, then a merge of 2 with 3 into 4; 5 is unrelated.
+    fn lineage() -> (Vec<ShardInfo>, Vec<Lease>) {
+        let shards = vec![
+            info("0", &[], true),
+            info("1", &["0"], false),
+            info("2", &["0"], true),
+            info("3", &[], true),
+            info("4", &["2", "3"], false),
+            info("5", &[], false),
+        ];
+        let rows = shards
+            .iter()
+            .map(|s| {
+                let parents: Vec<&str> = s.parents.iter().map(String::as_str).collect();
+                row(&s.shard_id, &parents)
+            })
+            .collect();
+        (shards, rows)
+    }
+
+    fn shards_of(group: &[(String, Checkpoint)]) -> Vec<&str> {
+        let mut ids: Vec<&str> = group.iter().map(|(s, _)| s.as_str()).collect();
+        ids.sort();
+        ids
+    }
+
+    #[test]
+    fn a_seek_of_a_parent_to_a_record_resets_every_descendant_in_the_same_group() {
+        let (shards, rows) = lineage();
+        let target = SeekTarget::Position {
+            shard_id: "0".into(),
+            position: at("7"),
+        };
+        let groups = plan("s", &target, &shards, &rows, SystemTime::UNIX_EPOCH).unwrap();
+        assert_eq!(groups.len(), 1, "one transaction");
+        assert_eq!(shards_of(&groups[0]), ["0", "1", "2", "4"]);
+        for (shard, to) in &groups[0] {
+            let expected = if shard == "0" {
+                Checkpoint::Before(at("7"))
+            } else {
+                Checkpoint::TrimHorizon
+            };
+            assert_eq!(to, &expected, "{shard}");
+        }
+    }
+
+    #[test]
+    fn a_seek_of_an_open_shard_moves_it_alone() {
+        let (shards, rows) = lineage();
+        let target = SeekTarget::Position {
+            shard_id: "5".into(),
+            position: at("9"),
+        };
+        let groups = plan("s", &target, &shards, &rows, SystemTime::UNIX_EPOCH).unwrap();
+        assert_eq!(groups.len(), 1);
+        assert_eq!(shards_of(&groups[0]), ["5"]);
+    }
+
+    #[test]
+    fn a_stream_wide_seek_moves_each_lineage_at_once() {
+        let (shards, rows) = lineage();
+        let groups = plan(
+            "s",
+            &SeekTarget::TrimHorizon,
+            &shards,
+            &rows,
+            SystemTime::UNIX_EPOCH,
+        )
+        .unwrap();
+        let mut lineages: Vec<Vec<&str>> = groups.iter().map(|g| shards_of(g)).collect();
+        lineages.sort();
+        assert_eq!(lineages, vec![vec!["0", "1", "2", "3", "4"], vec!["5"]]);
+    }
+
+    #[test]
+    fn latest_pins_open_shards_to_the_seek_time_and_ends_closed_ones() {
+        let (shards, rows) = lineage();
+        let pinned = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let groups = plan("s", &SeekTarget::Latest, &shards, &rows, pinned).unwrap();
+        let all: BTreeMap<String, Checkpoint> = groups.into_iter().flatten().collect();
+        assert_eq!(all["0"], Checkpoint::ShardEnd);
+        assert_eq!(all["1"], Checkpoint::AtTimestamp(pinned));
+        assert_eq!(all["4"], Checkpoint::AtTimestamp(pinned));
+    }
+
+    #[test]
+    fn a_shard_the_stream_does_not_list_is_refused() {
+        let (shards, rows) = lineage();
+        let target = SeekTarget::Position {
+            shard_id: "9".into(),
+            position: at("1"),
+        };
+        let err = plan("s", &target, &shards, &rows, SystemTime::UNIX_EPOCH).unwrap_err();
+        assert!(err.to_string().contains("no shard `9`"), "{err}");
+    }
 }

@@ -12,7 +12,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::SystemTime;
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -118,7 +117,7 @@ impl MemoryStream {
             sequence,
             partition_key: partition_key.to_string(),
             data: data.into(),
-            arrived_at: Some(SystemTime::now()),
+            arrived_at: Some(crate::time::now()),
         });
         (shard.id.clone(), sequence)
     }
@@ -341,6 +340,17 @@ impl crate::producer::RecordSink for MemoryStream {
         };
         Box::pin(async move { result })
     }
+
+    fn check<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>> {
+        let result = if stream == self.name() {
+            Ok(())
+        } else {
+            Err(Error::StreamNotFound {
+                stream: stream.to_string(),
+            })
+        };
+        Box::pin(async move { result })
+    }
 }
 
 /// Several in-memory streams behind one [`RecordSink`](crate::producer::RecordSink), routed by
@@ -368,21 +378,43 @@ impl MemoryStreams {
     }
 }
 
+impl MemoryStreams {
+    fn find(&self, stream: &str) -> Option<MemoryStream> {
+        self.streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|s| s.name() == stream)
+            .cloned()
+    }
+
+    /// Removes a stream (as a deletion would): writes to it fail from now on.
+    pub fn remove(&self, name: &str) {
+        self.streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|s| s.name() != name);
+    }
+}
+
 impl crate::producer::RecordSink for MemoryStreams {
+    fn check<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>> {
+        let result = match self.find(stream) {
+            Some(_) => Ok(()),
+            None => Err(Error::StreamNotFound {
+                stream: stream.to_string(),
+            }),
+        };
+        Box::pin(async move { result })
+    }
+
     fn put<'a>(
         &'a self,
         stream: &'a str,
         partition_key: &'a str,
         data: Bytes,
     ) -> BoxFuture<'a, Result<crate::producer::Written, Error>> {
-        let target = self
-            .streams
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .find(|s| s.name() == stream)
-            .cloned();
-        match target {
+        match self.find(stream) {
             Some(s) => Box::pin(async move {
                 crate::producer::RecordSink::put(&s, stream, partition_key, data).await
             }),
@@ -393,4 +425,12 @@ impl crate::producer::RecordSink for MemoryStreams {
             }),
         }
     }
+}
+
+/// Makes shardwise's wall clock on this thread follow Tokio's clock, starting at `base` (`None`:
+/// the system clock again). With paused Tokio time (`#[tokio::test(start_paused = true)]` on a
+/// current-thread runtime), arrival times, LATEST pins and frontier coordinates then advance with
+/// simulated time, so time-dependent behaviour is deterministic.
+pub fn simulate_wall_clock(base: Option<std::time::SystemTime>) {
+    crate::time::simulate_wall_clock(base);
 }

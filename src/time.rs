@@ -19,3 +19,27 @@ pub(crate) fn from_millis(ms: i64) -> SystemTime {
         UNIX_EPOCH - Duration::from_millis(ms.unsigned_abs())
     }
 }
+
+/// The wall clock shardwise reads (arrival coordinates, LATEST pins, stuck-since times). A
+/// deterministic simulation replaces it on its own thread with [`simulate_wall_clock`], so that
+/// wall time follows Tokio's paused clock.
+pub(crate) fn now() -> SystemTime {
+    #[cfg(any(test, feature = "testing"))]
+    if let Some((base, at)) = SIMULATED.get() {
+        return base + (tokio::time::Instant::now() - at);
+    }
+    SystemTime::now()
+}
+
+#[cfg(any(test, feature = "testing"))]
+thread_local! {
+    static SIMULATED: std::cell::Cell<Option<(SystemTime, tokio::time::Instant)>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// From now on, on this thread, [`now`] is `base` plus the Tokio time elapsed since this call (with
+/// paused time: simulated time). `None` returns to the system clock.
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn simulate_wall_clock(base: Option<SystemTime>) {
+    SIMULATED.set(base.map(|b| (b, tokio::time::Instant::now())));
+}

@@ -329,11 +329,10 @@ impl LeaseStore for Counting {
     }
     fn seek<'a>(
         &'a self,
-        seen: &'a shardwise::lease::Lease,
-        to: &'a Checkpoint,
+        moves: &'a [shardwise::lease::SeekMove],
     ) -> BoxFuture<'a, Result<bool, Error>> {
         self.tick();
-        self.inner.seek(seen, to)
+        self.inner.seek(moves)
     }
     fn advance_frontier<'a>(
         &'a self,

@@ -9,7 +9,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use futures::future::join_all;
 use shardwise::lease::{
     Checkpoint, CheckpointWrite, DynamoDbLeaseStore, Lease, LeaseStore, MemoryLeaseStore, NewLease,
-    Ownership,
+    Ownership, SeekMove,
 };
 use shardwise::{Error, Position, SequenceNumber};
 
@@ -483,7 +483,12 @@ async fn seek_moves_back_and_fences_the_owner(store: &dyn LeaseStore) {
         CheckpointWrite::Written
     );
     let seen = row(store, &stream).await;
-    assert!(store.seek(&seen, &Checkpoint::TrimHorizon).await.unwrap());
+    assert!(
+        store
+            .seek(&[mv(&seen, Checkpoint::TrimHorizon)])
+            .await
+            .unwrap()
+    );
     let after = row(store, &stream).await;
     assert_eq!(after.checkpoint, Checkpoint::TrimHorizon, "moved back");
     assert_eq!(after.owner, None, "the lease is free");
@@ -503,16 +508,182 @@ async fn seek_moves_back_and_fences_the_owner(store: &dyn LeaseStore) {
         CheckpointWrite::Lost
     );
     // A seek from the stale row loses.
-    assert!(!store.seek(&seen, &Checkpoint::Latest).await.unwrap());
+    assert!(!store.seek(&[mv(&seen, Checkpoint::Latest)]).await.unwrap());
     let before = Checkpoint::Before(shardwise::Position::new(
         shardwise::SequenceNumber::parse("77").unwrap(),
         2,
     ));
-    assert!(store.seek(&after, &before).await.unwrap());
+    assert!(store.seek(&[mv(&after, before.clone())]).await.unwrap());
     assert_eq!(
         row(store, &stream).await.checkpoint,
         before,
         "Before round-trips"
+    );
+}
+
+fn mv(seen: &Lease, to: Checkpoint) -> SeekMove {
+    SeekMove {
+        seen: seen.clone(),
+        to,
+    }
+}
+
+/// A seek of several rows (a parent and its children) writes all of them or none: one row seen
+/// with a stale seek epoch refuses the whole move, and the others keep owner and checkpoint.
+async fn a_seek_of_several_rows_moves_all_or_none(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let mut rows = Vec::new();
+    for shard in [
+        "shardId-000000000000",
+        "shardId-000000000001",
+        "shardId-000000000002",
+    ] {
+        assert!(store.create(&new_lease(&stream, shard)).await.unwrap());
+        let seen = store.get(&stream, shard).await.unwrap().unwrap();
+        let taken = store.take(&seen, "worker-a").await.unwrap().unwrap();
+        let o = taken.ownership().unwrap();
+        assert_eq!(
+            store.checkpoint(&o, &at("500", 0), None).await.unwrap(),
+            CheckpointWrite::Written
+        );
+        rows.push(store.get(&stream, shard).await.unwrap().unwrap());
+    }
+    // Another seek moved the last row first: the group's move is refused as a whole.
+    assert!(
+        store
+            .seek(&[mv(&rows[2], Checkpoint::TrimHorizon)])
+            .await
+            .unwrap()
+    );
+    let group = [
+        mv(
+            &rows[0],
+            Checkpoint::Before(Position::new(SequenceNumber::parse("7").unwrap(), 0)),
+        ),
+        mv(&rows[1], Checkpoint::TrimHorizon),
+        mv(&rows[2], Checkpoint::TrimHorizon),
+    ];
+    assert!(
+        !store.seek(&group).await.unwrap(),
+        "one stale row refuses all"
+    );
+    for r in &rows[..2] {
+        let now = store.get(&stream, &r.shard_id).await.unwrap().unwrap();
+        assert_eq!(now, *r, "{}: untouched by the refused move", r.shard_id);
+    }
+    // Read again, the whole group moves at once.
+    let fresh: Vec<Lease> = join_all(rows.iter().map(|r| store.get(&stream, &r.shard_id)))
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().unwrap())
+        .collect();
+    let group: Vec<SeekMove> = fresh
+        .iter()
+        .zip(&group)
+        .map(|(seen, m)| mv(seen, m.to.clone()))
+        .collect();
+    assert!(store.seek(&group).await.unwrap());
+    for (before, m) in fresh.iter().zip(&group) {
+        let after = store.get(&stream, &before.shard_id).await.unwrap().unwrap();
+        assert_eq!(after.checkpoint, m.to);
+        assert_eq!(after.owner, None);
+        assert_eq!(after.seek_epoch, before.seek_epoch + 1);
+        assert_eq!(after.owner_epoch, before.owner_epoch + 1);
+    }
+}
+
+/// `completeThrough` never goes down, even when a checkpoint write carries a lower coordinate
+/// (after an earlier write that timed out but was applied): the checkpoint still moves.
+async fn complete_through_never_goes_down_with_a_checkpoint(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (_, a) = held(store, &stream, "worker-a").await;
+    // The first write "timed out" for its writer, but it was applied.
+    assert_eq!(
+        store
+            .checkpoint(&a, &at("100", 0), Some(1_000))
+            .await
+            .unwrap(),
+        CheckpointWrite::Written
+    );
+    // The next one carries a lower coordinate.
+    assert_eq!(
+        store
+            .checkpoint(&a, &at("200", 0), Some(900))
+            .await
+            .unwrap(),
+        CheckpointWrite::Written,
+        "the checkpoint is newer: it is written"
+    );
+    let r = row(store, &stream).await;
+    assert_eq!(r.checkpoint, at("200", 0));
+    assert_eq!(
+        r.complete_through,
+        Some(1_000),
+        "the coordinate did not go down"
+    );
+    // Equal and higher coordinates are written as usual.
+    assert_eq!(
+        store
+            .checkpoint(&a, &at("300", 0), Some(1_500))
+            .await
+            .unwrap(),
+        CheckpointWrite::Written
+    );
+    assert_eq!(row(store, &stream).await.complete_through, Some(1_500));
+    // A checkpoint that is not newer stays refused, whatever its coordinate.
+    assert_eq!(
+        store
+            .checkpoint(&a, &at("250", 0), Some(2_000))
+            .await
+            .unwrap(),
+        CheckpointWrite::NotNewer
+    );
+    assert_eq!(row(store, &stream).await.complete_through, Some(1_500));
+}
+
+/// Pinning a LATEST start is an ordinary fenced checkpoint write: AT_TIMESTAMP sorts above LATEST
+/// and below every position, so it can be written once and never over a real checkpoint.
+async fn a_latest_start_is_pinned_by_a_fenced_write(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let mut latest = new_lease(&stream, SHARD);
+    latest.checkpoint = Checkpoint::Latest;
+    assert!(store.create(&latest).await.unwrap());
+    let seen = row(store, &stream).await;
+    let a = store
+        .take(&seen, "worker-a")
+        .await
+        .unwrap()
+        .unwrap()
+        .ownership()
+        .unwrap();
+    let pin = Checkpoint::AtTimestamp(UNIX_EPOCH + Duration::from_millis(1_700_000_000_123));
+    assert_eq!(
+        store.checkpoint(&a, &pin, None).await.unwrap(),
+        CheckpointWrite::Written
+    );
+    assert_eq!(row(store, &stream).await.checkpoint, pin);
+    assert_eq!(
+        store.checkpoint(&a, &pin, None).await.unwrap(),
+        CheckpointWrite::NotNewer,
+        "the same pin again (an answer lost, retried) changes nothing"
+    );
+    assert_eq!(
+        store.checkpoint(&a, &at(SEQ_56, 0), None).await.unwrap(),
+        CheckpointWrite::Written,
+        "the first record's checkpoint passes the pin"
+    );
+    assert_eq!(
+        store.checkpoint(&a, &pin, None).await.unwrap(),
+        CheckpointWrite::NotNewer,
+        "a pin never goes over a checkpoint"
+    );
+    // A zombie cannot pin.
+    let seen = row(store, &stream).await;
+    store.take(&seen, "worker-b").await.unwrap().unwrap();
+    let later = Checkpoint::AtTimestamp(UNIX_EPOCH + Duration::from_millis(1_800_000_000_000));
+    assert_eq!(
+        store.checkpoint(&a, &later, None).await.unwrap(),
+        CheckpointWrite::Lost
     );
 }
 
@@ -611,6 +782,9 @@ conformance!(
     at_timestamp_round_trips,
     eight_takers_race_and_one_wins,
     seek_moves_back_and_fences_the_owner,
+    a_seek_of_several_rows_moves_all_or_none,
+    complete_through_never_goes_down_with_a_checkpoint,
+    a_latest_start_is_pinned_by_a_fenced_write,
     advance_frontier_only_rises,
     delete_takes_only_an_untouched_ended_row,
 );

@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 
 use shardwise::envelope::{self, Format};
 use shardwise::lease::{Checkpoint, LeaseSettings, MemoryLeaseStore};
+use shardwise::producer::MAX_RECORD_BYTES;
 use shardwise::retry::{ATTEMPTS_HEADER, DEAD_LETTER_REASON_HEADER, ORIGIN_SEQUENCE_HEADER};
 use shardwise::testing::{MemoryStream, MemoryStreams};
-use shardwise::{Consumer, ConsumerBuilder, Delivery, Outcome, Position};
+use shardwise::{Consumer, ConsumerBuilder, Delivery, Error, Outcome, Position};
 
 type Seen = Arc<Mutex<Vec<(String, u32, Instant)>>>;
 
@@ -191,12 +192,37 @@ async fn retry_after_writes_the_copy_no_earlier_than_the_delay_and_holds_the_che
 }
 
 #[tokio::test]
-async fn a_failing_dead_letter_write_holds_the_checkpoint_until_the_stream_exists() {
+async fn a_missing_dead_letter_stream_fails_at_start_naming_it() {
     let stream = MemoryStream::new("orders", 1);
     let sink = MemoryStreams::new([stream.clone()]);
     let store = MemoryLeaseStore::new();
-    stream.put("k1", "poison");
-    stream.put("k2", "fine");
+    let seen: Seen = Arc::default();
+    let err = consumer(&stream, &sink, &store, recorder(&seen, "", Outcome::Ack))
+        .dead_letter("orders-dlq-misspelled")
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .err()
+        .expect("a missing dead-letter stream fails the start");
+    assert!(
+        matches!(&err, Error::StreamNotFound { stream } if stream == "orders-dlq-misspelled"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("orders-dlq-misspelled"), "{err}");
+    assert!(
+        store.snapshot().is_empty(),
+        "nothing was started: no lease rows"
+    );
+}
+
+#[tokio::test]
+async fn a_dead_letter_stream_lost_while_running_holds_the_checkpoint_visibly_until_it_exists_again()
+ {
+    let stream = MemoryStream::new("orders", 1);
+    let dlq = MemoryStream::new("orders-dlq", 1);
+    let sink = MemoryStreams::new([stream.clone(), dlq.clone()]);
+    let store = MemoryLeaseStore::new();
     let seen: Seen = Arc::default();
     let running = consumer(
         &stream,
@@ -205,23 +231,37 @@ async fn a_failing_dead_letter_write_holds_the_checkpoint_until_the_stream_exist
         recorder(&seen, "poison", Outcome::Retry),
     )
     .max_attempts(NonZeroU32::new(1).unwrap())
-    .dead_letter("missing-dlq")
+    .dead_letter("orders-dlq")
     .build()
     .unwrap()
     .run()
     .await
     .unwrap();
+    // The dead-letter stream is deleted after the start check.
+    sink.remove("orders-dlq");
+    let (_, poison) = stream.put("k1", "poison");
+    stream.put("k2", "fine");
     wait_for("both handled", Duration::from_secs(10), || {
         seen.lock().unwrap().len() >= 2
     })
     .await;
+    wait_for("the stuck write to show", Duration::from_secs(5), || {
+        !running.stuck_writes().is_empty()
+    })
+    .await;
+    let stuck = running.stuck_writes();
+    assert_eq!(stuck.len(), 1, "{stuck:?}");
+    assert_eq!(stuck[0].position, Position::new(poison, 0));
+    assert_eq!(stuck[0].to, "orders-dlq");
+    assert!(stuck[0].dead_letter);
+    assert!(stuck[0].error.contains("orders-dlq"), "{}", stuck[0].error);
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert!(
         matches!(store.snapshot()[0].checkpoint, Checkpoint::TrimHorizon),
         "the unwritten dead letter holds the checkpoint: {:?}",
         store.snapshot()[0].checkpoint
     );
-    let dlq = MemoryStream::new("missing-dlq", 1);
+    // The stream comes back: the dead letter goes through and the checkpoint passes.
     sink.add(dlq.clone());
     wait_for("the dead letter", Duration::from_secs(15), || {
         dlq.records().len() == 1
@@ -232,6 +272,117 @@ async fn a_failing_dead_letter_write_holds_the_checkpoint_until_the_stream_exist
         store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
     })
     .await;
+    assert!(running.stuck_writes().is_empty(), "no longer stuck");
+    running.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test]
+async fn a_retry_copy_too_large_for_a_record_goes_the_dead_letter_way_and_never_loops() {
+    let stream = MemoryStream::new("orders", 1);
+    let dlq = MemoryStream::new("orders-dlq", 1);
+    let sink = MemoryStreams::new([stream.clone(), dlq.clone()]);
+    let store = MemoryLeaseStore::new();
+    // The record fits the limit as it is; its copy (with the envelope and origin headers) does not.
+    let big = vec![b'x'; MAX_RECORD_BYTES - 2];
+    let (_, sequence) = stream.put("k", big.clone());
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    let running = consumer(&stream, &sink, &store, move |d: Delivery| {
+        s.lock().unwrap().push((
+            format!("{} bytes", d.payload().len()),
+            d.attempt(),
+            Instant::now(),
+        ));
+        std::future::ready(Outcome::Retry)
+    })
+    .max_attempts(NonZeroU32::new(5).unwrap())
+    .dead_letter("orders-dlq")
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("the write to be stuck", Duration::from_secs(10), || {
+        !running.stuck_writes().is_empty()
+    })
+    .await;
+    let stuck = running.stuck_writes();
+    assert_eq!(stuck.len(), 1);
+    assert_eq!(stuck[0].position, Position::new(sequence, 0));
+    assert!(
+        stuck[0].dead_letter,
+        "the copy cannot be written, so the record is spent: its dead letter is what is stuck"
+    );
+    assert!(
+        stuck[0].error.contains("over the limit"),
+        "{}",
+        stuck[0].error
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(stream.records().len(), 1, "no copy was written");
+    assert!(dlq.records().is_empty(), "nor a dead letter");
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        1,
+        "handled once: no loop of copies"
+    );
+    assert!(
+        matches!(store.snapshot()[0].checkpoint, Checkpoint::TrimHorizon),
+        "the record holds the checkpoint: nothing is lost"
+    );
+    running.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test]
+async fn retry_after_without_a_declared_cap_stops_copying_a_poison_record_at_the_default_cap() {
+    let stream = MemoryStream::new("orders", 1);
+    let sink = MemoryStreams::new([stream.clone()]);
+    let store = MemoryLeaseStore::new();
+    stream.put("k1", "poison");
+    stream.put("k2", "fine");
+    let seen: Seen = Arc::default();
+    let running = consumer(
+        &stream,
+        &sink,
+        &store,
+        recorder(
+            &seen,
+            "poison",
+            Outcome::RetryAfter(Duration::from_millis(10)),
+        ),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    let attempts = || {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .filter(|(text, _, _)| text == "poison")
+            .map(|(_, attempt, _)| *attempt)
+            .collect::<Vec<_>>()
+    };
+    let cap = shardwise::retry::DEFAULT_MAX_ATTEMPTS;
+    wait_for("every attempt", Duration::from_secs(10), || {
+        attempts().len() == cap as usize
+    })
+    .await;
+    let last = stream.records().last().unwrap().record.sequence;
+    wait_for(
+        "the checkpoint to pass the last copy",
+        Duration::from_secs(5),
+        || store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0)),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        attempts(),
+        (1..=cap).collect::<Vec<_>>(),
+        "no copy past the cap"
+    );
+    assert_eq!(stream.records().len(), 2 + cap as usize - 1);
     running.shutdown(Duration::from_secs(2)).await;
 }
 

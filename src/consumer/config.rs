@@ -50,7 +50,15 @@ pub struct Settings {
     pub caught_up_skew: Option<Duration>,
     /// Least time between two frontier-only writes of an idle shard.
     pub frontier_interval: Duration,
+    /// How far back from the local clock a LATEST start is pinned (see
+    /// [`ConsumerBuilder::latest_margin`](super::ConsumerBuilder::latest_margin)).
+    pub latest_margin: Duration,
 }
+
+/// The default [`Settings::latest_margin`]: records that arrived up to this long before a LATEST
+/// start are delivered too, so that a clock of this host running ahead of the stream's arrival
+/// timestamps by less than this cannot make a LATEST start skip a record.
+pub const DEFAULT_LATEST_MARGIN: Duration = Duration::from_secs(5);
 
 /// The default worker id: host name and process id.
 pub fn default_worker_id() -> String {
@@ -74,6 +82,7 @@ impl Settings {
             dead_letter: None,
             caught_up_skew: None,
             frontier_interval: Duration::from_secs(5),
+            latest_margin: DEFAULT_LATEST_MARGIN,
         }
     }
 

@@ -1,12 +1,16 @@
 //! The consumer: leases, shard readers, lanes, checkpoints, and shutdown.
 
+mod checkpointer;
 mod config;
+mod copies;
+mod ending;
 mod lanes;
+mod outcome;
 mod shard;
 
 use std::fmt;
 use std::num::NonZeroU32;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aws_config::{BehaviorVersion, SdkConfig};
@@ -15,7 +19,8 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-pub use config::{Ordering, Settings, default_worker_id};
+pub use config::{DEFAULT_LATEST_MARGIN, Ordering, Settings, default_worker_id};
+pub use copies::StuckWrite;
 
 use crate::error::{ConfigError, Error};
 use crate::frontier::Frontier;
@@ -29,6 +34,7 @@ use crate::retry::RetryPolicy;
 use crate::seek::{SeekReport, SeekTarget};
 use crate::shard::discovery::{KinesisShards, ShardLister};
 use crate::shard::source::{KinesisRecords, RecordSource};
+use copies::StuckWrites;
 use shard::{ShardContext, ShardExit, run_shard};
 
 /// Builds a [`Consumer`]; every setting is checked by [`build`](Self::build).
@@ -91,8 +97,22 @@ impl<H: Handler> ConsumerBuilder<H> {
     }
 
     /// Where shards new to this application start (default: trim horizon).
+    ///
+    /// A LATEST start is pinned by the shard's first owner, before it reads anything, to the
+    /// arrival time (now - [`latest_margin`](Self::latest_margin)); every later owner reads from
+    /// there. So every record that arrives after a worker began reading is delivered, even if that
+    /// worker dies before its first checkpoint.
     pub fn initial_position(mut self, p: InitialPosition) -> Self {
         self.settings.lease.initial_position = p;
+        self
+    }
+
+    /// How far before the local clock a LATEST start is pinned (default
+    /// [`DEFAULT_LATEST_MARGIN`], 5 s): the allowance for this host's clock running ahead of the
+    /// stream's arrival timestamps. Records that arrived within it before the start are delivered
+    /// too.
+    pub fn latest_margin(mut self, margin: Duration) -> Self {
+        self.settings.latest_margin = margin;
         self
     }
 
@@ -294,13 +314,18 @@ impl<H: Handler> Consumer<H> {
         };
 
         let settings = self.settings;
+        let producer = Producer::new(sink);
+        // A misspelled dead-letter stream fails here, not later as a shard that stops
+        // checkpointing.
+        if let Some(dead_letter) = &settings.dead_letter {
+            producer.check(dead_letter).await?;
+        }
         if let Some(target) = &self.seek {
             crate::seek::seek(store.as_ref(), lister.as_ref(), &settings.stream, target).await?;
         }
-        let (seek_store, seek_lister) = (store.clone(), lister.clone());
         let (manager, events) = LeaseManager::start(
             store.clone(),
-            lister,
+            lister.clone(),
             settings.stream.clone(),
             settings.worker_id.clone(),
             settings.lease.clone(),
@@ -309,46 +334,61 @@ impl<H: Handler> Consumer<H> {
         .await?;
         let stop = CancellationToken::new();
         let abort = CancellationToken::new();
+        let stuck = StuckWrites::default();
         let ctx = ShardContext {
             handler: self.handler,
             source,
-            store,
+            lister: lister.clone(),
+            store: store.clone(),
             settings: settings.clone(),
-            producer: Producer::new(sink),
+            producer,
             retry: Arc::new(RetryPolicy {
                 max_attempts: settings.max_attempts,
                 dead_letter: settings.dead_letter.clone(),
             }),
+            stuck: stuck.clone(),
             stop: stop.clone(),
             abort: abort.clone(),
         };
         let (held_tx, held_rx) = tokio::sync::watch::channel(Vec::new());
         let frontier = manager.frontier();
-        let supervisor = tokio::spawn(supervise(manager, events, ctx, held_tx));
+        let progress = Arc::new(Mutex::new(ShutdownReport::default()));
+        let supervisor = tokio::spawn(supervise(manager, events, ctx, held_tx, progress.clone()));
         info!(stream = %settings.stream, application = %settings.application, worker = %settings.worker_id, "consumer started");
         Ok(Running {
             stop,
             abort,
-            supervisor,
+            supervisor: Some(supervisor),
+            progress,
             held: held_rx,
             frontier,
-            store: seek_store,
-            lister: seek_lister,
+            stuck,
+            store,
+            lister,
             stream: settings.stream.clone(),
         })
     }
 }
 
-/// A running consumer. Dropping it without [`shutdown`](Self::shutdown) stops nothing: the work
-/// goes on in background tasks until the runtime ends.
+/// How long [`Running::shutdown`] waits after its deadline for the final checkpoints and lease
+/// releases of the shards whose handlers were aborted.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// A running consumer. Dropping it without [`shutdown`](Self::shutdown) asks for a graceful stop
+/// that goes on in the background (nobody waits for it).
 #[must_use = "call shutdown to stop gracefully"]
 #[derive(Debug)]
 pub struct Running {
+    /// The root of every shard's and lane's cancellation: a graceful stop.
     stop: CancellationToken,
+    /// The shutdown deadline passed: abort handlers and writes still running.
     abort: CancellationToken,
-    supervisor: JoinHandle<ShutdownReport>,
+    supervisor: Option<JoinHandle<ShutdownReport>>,
+    /// What the supervisor has done so far, for a shutdown cut short.
+    progress: Arc<Mutex<ShutdownReport>>,
     held: tokio::sync::watch::Receiver<Vec<Ownership>>,
     frontier: tokio::sync::watch::Receiver<Frontier>,
+    stuck: StuckWrites,
     store: Arc<dyn LeaseStore>,
     lister: Arc<dyn ShardLister>,
     stream: String,
@@ -364,6 +404,16 @@ pub struct ShutdownReport {
     pub leases_released: usize,
     /// Whether the deadline passed before every handler finished (their records will be read again).
     pub deadline_passed: bool,
+    /// Shards whose final checkpoint or lease release had not finished [`SHUTDOWN_GRACE`] after
+    /// the deadline and were abandoned: their leases expire, and the next owner reads again from
+    /// the last checkpoint that was written.
+    pub abandoned: Vec<String>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
 }
 
 impl Running {
@@ -377,9 +427,19 @@ impl Running {
         self.frontier.clone()
     }
 
+    /// Retry copies and dead letters whose writes fail for good now (a missing stream, missing
+    /// permissions, a dead letter over the size limit). Each holds its shard's checkpoint and is
+    /// retried at least every 30 s, so fixing the cause lets it through; nothing is lost meanwhile.
+    pub fn stuck_writes(&self) -> Vec<StuckWrite> {
+        self.stuck.list()
+    }
+
     /// Moves the stream's checkpoints (or one shard's) while running. The moved shards' current
     /// readers lose their leases (nothing they settle afterwards can write) and are read again
     /// from the new place by whichever worker takes them next.
+    ///
+    /// Cancellation safe: each shard's move is one conditional write (or one transaction with its
+    /// descendants); a dropped call leaves some shards moved and others not.
     pub async fn seek(&self, target: &SeekTarget) -> Result<SeekReport, Error> {
         crate::seek::seek(
             self.store.as_ref(),
@@ -393,29 +453,66 @@ impl Running {
     /// Stops at once, as a crash (`kill -9`) would: running handlers are dropped, nothing more is
     /// settled or checkpointed, and the leases are not released, so other workers take them when
     /// they expire and read again from the last checkpoint. For failover tests.
-    pub fn abort(self) {
-        self.supervisor.abort();
+    pub fn abort(mut self) {
+        if let Some(supervisor) = self.supervisor.take() {
+            supervisor.abort();
+        }
     }
 
     /// Stops gracefully: stops reading, lets lanes finish until `deadline`, writes final
     /// checkpoints, and releases the leases. Records whose handlers did not finish in time stay
     /// unsettled and are read again by the next owner.
-    pub async fn shutdown(self, deadline: Duration) -> ShutdownReport {
+    ///
+    /// Returns within `deadline` plus [`SHUTDOWN_GRACE`]: once the deadline passes, running
+    /// handlers and copy writes are aborted and the final checkpoints and releases get the
+    /// grace; shards still not done then are abandoned (listed in
+    /// [`ShutdownReport::abandoned`]) and their leases expire.
+    ///
+    /// Not cancellation safe: dropping the future leaves the graceful stop running in the
+    /// background, unwaited.
+    pub async fn shutdown(mut self, deadline: Duration) -> ShutdownReport {
         self.stop.cancel();
-        let mut supervisor = self.supervisor;
+        let Some(mut supervisor) = self.supervisor.take() else {
+            return ShutdownReport::default();
+        };
         let mut deadline_passed = false;
-        let report = tokio::select! {
-            r = &mut supervisor => r,
-            _ = tokio::time::sleep(deadline) => {
+        let finished = match tokio::time::timeout(deadline, &mut supervisor).await {
+            Ok(result) => Some(result),
+            Err(_) => {
                 deadline_passed = true;
                 self.abort.cancel();
-                supervisor.await
+                tokio::time::timeout(SHUTDOWN_GRACE, &mut supervisor)
+                    .await
+                    .ok()
             }
         };
-        let mut report = report.unwrap_or_else(|e| {
-            error!(error = %e, "consumer supervisor failed");
-            ShutdownReport::default()
-        });
+        let mut report = match finished {
+            Some(Ok(report)) => report,
+            Some(Err(e)) => {
+                error!(error = %e, "consumer supervisor failed");
+                self.progress
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone()
+            }
+            None => {
+                supervisor.abort();
+                let mut report = self
+                    .progress
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                report.abandoned = self
+                    .held
+                    .borrow()
+                    .iter()
+                    .map(|o| o.shard_id.clone())
+                    .collect();
+                report.abandoned.sort();
+                warn!(abandoned = ?report.abandoned, grace = ?SHUTDOWN_GRACE, "shutdown abandoned shards whose final checkpoint or release did not finish; their leases will expire");
+                report
+            }
+        };
         report.deadline_passed = deadline_passed;
         report
     }
@@ -426,38 +523,42 @@ async fn supervise<H: Handler>(
     mut events: mpsc::UnboundedReceiver<LeaseEvent>,
     ctx: ShardContext<H>,
     held: tokio::sync::watch::Sender<Vec<Ownership>>,
+    progress: Arc<Mutex<ShutdownReport>>,
 ) -> ShutdownReport {
     let mut shards: JoinSet<ShardExit> = JoinSet::new();
-    let mut report = ShutdownReport::default();
     let stop = ctx.stop.clone();
     loop {
         tokio::select! {
+            biased;
             _ = stop.cancelled() => break,
+            Some(exit) = shards.join_next() => {
+                on_exit(exit, &manager, &progress).await;
+                held.send_replace(manager.held());
+            }
             Some(event) = events.recv() => {
                 if let LeaseEvent::Acquired(lease) = event {
                     shards.spawn(run_shard(ctx.clone(), *lease));
                 }
                 held.send_replace(manager.held());
             }
-            Some(exit) = shards.join_next() => {
-                on_exit(exit, &manager, &mut report).await;
-                held.send_replace(manager.held());
-            }
         }
     }
     manager.stop_taking();
     while let Some(exit) = shards.join_next().await {
-        on_exit(exit, &manager, &mut report).await;
+        on_exit(exit, &manager, &progress).await;
+        held.send_replace(manager.held());
     }
-    report.leases_released = manager.shutdown().await;
+    let released = manager.shutdown().await;
     held.send_replace(Vec::new());
-    report
+    let mut report = progress.lock().unwrap_or_else(|e| e.into_inner());
+    report.leases_released = released;
+    report.clone()
 }
 
 async fn on_exit(
     exit: Result<ShardExit, tokio::task::JoinError>,
     manager: &LeaseManager,
-    report: &mut ShutdownReport,
+    progress: &Mutex<ShutdownReport>,
 ) {
     match exit {
         Ok(ShardExit::Ended(o)) => {
@@ -467,7 +568,10 @@ async fn on_exit(
         }
         Ok(ShardExit::Stopped(o)) => {
             info!(shard = %o.shard_id, "shard stopped");
-            report.shards_stopped += 1;
+            progress
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .shards_stopped += 1;
         }
         Ok(ShardExit::Lost(o)) => info!(shard = %o.shard_id, "shard given up: lease lost"),
         Ok(ShardExit::Failed(o, e)) => {

@@ -3,53 +3,63 @@
 //! States and what each write is conditioned on:
 //!
 //! ```text
-//! READING ──stop──► DRAINING ──drained or deadline──► FINAL CHECKPOINT ──► Stopped
-//!    │                                                     ▲
-//!    └──reader at end──► ENDING ──drained──► SHARD_END write ──► Ended (lease released)
+//! TAKEN ──checkpoint LATEST──► PIN (fenced write of AT_TIMESTAMP(now - margin)) ──┐
+//!   └──any other checkpoint─────────────────────────────────────────────────────┤
+//!                                                                                ▼
+//! READING ──stop──► DRAINING ──drained, or only held deliveries left, or deadline──► FINAL CHECKPOINT ──► Stopped
+//!    │
+//!    ├──reader at the end of a closed shard──► ENDING ──every delivery settled──► SHARD_END ──► Ended
+//!    └──shard aged out of retention (not listed)──► ENDING (warning, metric) ──────────────────► Ended
 //! any state ──lease lost (token) or a write refused as Lost──► Lost (no further writes)
 //! ```
 //!
 //! Every checkpoint write is the store's fenced write: owner and ownership epoch of this lease, and
 //! a position greater than the stored one. At most one write is in flight, and at most one starts
-//! per `checkpoint_interval`; an idle shard writes nothing. SHARD_END is written only once every
-//! delivery of the shard has settled.
+//! per `checkpoint_interval`; an idle shard writes nothing. When the work is over and which write
+//! ends it is decided by [`ending::step`](super::ending::step), from a table of cases.
+//!
+//! A LATEST checkpoint is pinned before anything is dispatched: otherwise a worker killed before its
+//! first checkpoint would leave LATEST behind, and the next owner would open a new LATEST iterator
+//! and skip every record written in between.
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
-use tokio::task::{JoinHandle, JoinSet};
-use tokio::time::{Instant, MissedTickBehavior};
+use tokio::task::JoinSet;
+use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
+use super::checkpointer::{Checkpointer, Entry};
 use super::config::Settings;
+use super::copies::{StuckWrites, WriteEvent};
+use super::ending::{self, Reading, ShardState, Step};
 use super::lanes::{Finished, Lanes};
+use super::outcome::{Resolved, resolve};
 use crate::checkpoint::Checkpoint;
-use crate::envelope::Headers;
-use crate::error::{AckError, Error};
-use crate::frontier::{self, ShardProgress};
-use crate::handler::{Delivery, Handler, Outcome};
+use crate::error::Error;
+use crate::handler::{Delivery, Handler};
 use crate::lease::{CheckpointWrite, HeldLease, LeaseStore, Ownership};
 use crate::position::Position;
 use crate::producer::Producer;
-use crate::retry::{RetryPlan, RetryPolicy};
+use crate::retry::RetryPolicy;
+use crate::shard::discovery::ShardLister;
 use crate::shard::reader::{ReaderMessage, ShardReader};
-use crate::shard::source::RecordSource;
+use crate::shard::source::{ReadError, RecordSource};
 use crate::time::millis;
 use crate::track::{DeliveryId, Tracker};
 
 /// How a shard's run ended.
 #[derive(Debug)]
 pub(crate) enum ShardExit {
-    /// Read to its end, every delivery settled, SHARD_END written.
+    /// Every record has a durable outcome (read to its end, or aged out), SHARD_END written.
     Ended(Ownership),
     /// Stopped on request; the final checkpoint was written (or attempted).
     Stopped(Ownership),
     /// The lease was lost: nothing more was written.
     Lost(Ownership),
-    /// Reading failed for good (stream or shard gone).
+    /// Reading failed for good (the stream is gone, or the shard cannot be read).
     Failed(Ownership, Error),
 }
 
@@ -57,12 +67,16 @@ pub(crate) enum ShardExit {
 pub(crate) struct ShardContext<H> {
     pub(crate) handler: Arc<H>,
     pub(crate) source: Arc<dyn RecordSource>,
+    /// Tells a shard that aged out of retention from a stream that is gone.
+    pub(crate) lister: Arc<dyn ShardLister>,
     pub(crate) store: Arc<dyn LeaseStore>,
     pub(crate) settings: Arc<Settings>,
     /// Writes retry copies and dead letters.
     pub(crate) producer: Producer,
     /// What retries become.
     pub(crate) retry: Arc<RetryPolicy>,
+    /// Copies and dead letters whose writes fail for good, for every shard of the consumer.
+    pub(crate) stuck: StuckWrites,
     /// Graceful stop: stop reading, drain, write the final checkpoint.
     pub(crate) stop: CancellationToken,
     /// The drain deadline passed: abort running handlers and write what has settled.
@@ -74,172 +88,38 @@ impl<H> Clone for ShardContext<H> {
         Self {
             handler: self.handler.clone(),
             source: self.source.clone(),
+            lister: self.lister.clone(),
             store: self.store.clone(),
             settings: self.settings.clone(),
             producer: self.producer.clone(),
             retry: self.retry.clone(),
+            stuck: self.stuck.clone(),
             stop: self.stop.clone(),
             abort: self.abort.clone(),
         }
     }
 }
 
-/// A tracked delivery: its position and arrival time (ms).
-type Entry = (Position, Option<i64>);
-
-struct Checkpointer {
-    store: Arc<dyn LeaseStore>,
-    ownership: Ownership,
-    /// Settled through here but not yet written.
-    pending: Option<Position>,
-    in_flight: Option<InFlight>,
+/// The shard's gauges; zeroed when the shard stops here, so a shard that moved to another worker
+/// does not keep reporting its last lag and load from this one.
+struct Gauges {
     labels: [(&'static str, String); 2],
-    /// Frontier inputs besides the tracker (see `frontier::complete_through`).
-    last_settled: Option<i64>,
-    caught_up_at: Option<i64>,
-    /// The stored `completeThrough`: what this shard's coordinate never goes below.
-    floor: Option<i64>,
-    caught_up_skew: Option<Duration>,
-    frontier_interval: Duration,
-    frontier_written_at: Option<Instant>,
 }
 
-struct InFlight {
-    to: Position,
-    complete_through: Option<i64>,
-    handle: JoinHandle<Result<CheckpointWrite, Error>>,
+impl Gauges {
+    fn in_flight(&self, n: usize) {
+        metrics::gauge!("shardwise_in_flight", &self.labels).set(n as f64);
+    }
+
+    fn millis_behind(&self, ms: i64) {
+        metrics::gauge!("shardwise_millis_behind_latest", &self.labels).set(ms as f64);
+    }
 }
 
-impl Checkpointer {
-    fn complete_through(&self, tracker: &Tracker<Entry>) -> Option<i64> {
-        frontier::complete_through(
-            &ShardProgress {
-                oldest_unsettled: tracker.oldest_unsettled().and_then(|e| e.1),
-                last_settled: self.last_settled,
-                caught_up_at: self.caught_up_at,
-                floor: self.floor,
-            },
-            self.caught_up_skew,
-        )
-    }
-
-    fn start(&mut self, to: Position, complete_through: Option<i64>) {
-        let store = self.store.clone();
-        let ownership = self.ownership.clone();
-        self.in_flight = Some(InFlight {
-            to,
-            complete_through,
-            handle: tokio::spawn(async move {
-                store
-                    .checkpoint(&ownership, &Checkpoint::At(to), complete_through)
-                    .await
-            }),
-        });
-    }
-
-    /// Starts a write of the pending position if none is in flight.
-    fn maybe_start(&mut self, tracker: &Tracker<Entry>) {
-        if self.in_flight.is_none()
-            && let Some(to) = self.pending.take()
-        {
-            let ct = self.complete_through(tracker);
-            self.start(to, ct);
-        }
-    }
-
-    /// For an idle, caught-up shard: raises `completeThrough` alone, at most once per frontier
-    /// interval, and only with a clock-skew allowance configured. `Err(())`: the lease is lost.
-    async fn maybe_advance_frontier(&mut self, tracker: &Tracker<Entry>) -> Result<(), ()> {
-        if self.caught_up_skew.is_none()
-            || self.pending.is_some()
-            || self.in_flight.is_some()
-            || !tracker.is_drained()
-            || self
-                .frontier_written_at
-                .is_some_and(|t| t.elapsed() < self.frontier_interval)
-        {
-            return Ok(());
-        }
-        let Some(ct) = self.complete_through(tracker) else {
-            return Ok(());
-        };
-        if self.floor.is_some_and(|f| f >= ct) {
-            return Ok(());
-        }
-        self.frontier_written_at = Some(Instant::now());
-        match self.store.advance_frontier(&self.ownership, ct).await {
-            Ok(CheckpointWrite::Written) => {
-                self.floor = Some(ct);
-                Ok(())
-            }
-            Ok(CheckpointWrite::NotNewer) => Ok(()),
-            Ok(CheckpointWrite::Lost) => Err(()),
-            Err(e) => {
-                warn!(shard = %self.ownership.shard_id, error = %e, "frontier write failed; will retry");
-                Ok(())
-            }
-        }
-    }
-
-    /// Waits for the write in flight. `Err(())`: the lease is lost.
-    async fn finish(&mut self) -> Result<(), ()> {
-        let Some(write) = self.in_flight.take() else {
-            return Ok(());
-        };
-        let result = write.handle.await.unwrap_or_else(|e| {
-            Err(Error::Corrupt {
-                what: "checkpoint task",
-                detail: e.to_string(),
-            })
-        });
-        self.record(write.to, write.complete_through, result)
-    }
-
-    fn record(
-        &mut self,
-        to: Position,
-        complete_through: Option<i64>,
-        result: Result<CheckpointWrite, Error>,
-    ) -> Result<(), ()> {
-        match result {
-            Ok(CheckpointWrite::Written) => {
-                metrics::counter!("shardwise_checkpoint_writes_total", &self.labels).increment(1);
-                debug!(shard = %self.ownership.shard_id, checkpoint = %to, ?complete_through, "checkpoint written");
-                if complete_through.is_some() {
-                    self.floor = self.floor.max(complete_through);
-                }
-                Ok(())
-            }
-            Ok(CheckpointWrite::NotNewer) => {
-                debug!(shard = %self.ownership.shard_id, checkpoint = %to, "checkpoint not newer than the stored one");
-                Ok(())
-            }
-            Ok(CheckpointWrite::Lost) => Err(()),
-            Err(e) => {
-                warn!(shard = %self.ownership.shard_id, error = %e, "checkpoint write failed; will retry");
-                if self.pending.is_none_or(|p| p < to) {
-                    self.pending = Some(to);
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// Writes everything settled, waiting for it. `Err(())`: the lease is lost.
-    async fn flush(&mut self, tracker: &Tracker<Entry>) -> Result<(), ()> {
-        self.finish().await?;
-        for _ in 0..3 {
-            let Some(to) = self.pending.take() else {
-                return Ok(());
-            };
-            let ct = self.complete_through(tracker);
-            let result = self
-                .store
-                .checkpoint(&self.ownership, &Checkpoint::At(to), ct)
-                .await;
-            self.record(to, ct, result)?;
-        }
-        Ok(())
+impl Drop for Gauges {
+    fn drop(&mut self) {
+        self.in_flight(0);
+        self.millis_behind(0);
     }
 }
 
@@ -254,7 +134,15 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
         ("stream", ownership.stream.clone()),
         ("shard", ownership.shard_id.clone()),
     ];
+    let gauges = Gauges {
+        labels: labels.clone(),
+    };
     info!(stream = %stream, shard = %shard, epoch = ownership.epoch, checkpoint = %held.lease.checkpoint, "shard started");
+
+    let start = match pin_start(&ctx, &held).await {
+        Ok(start) => start,
+        Err(exit) => return exit,
+    };
 
     let mut checkpointer = Checkpointer {
         store: ctx.store.clone(),
@@ -276,16 +164,15 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
         ctx.source.clone(),
         &ownership.stream,
         &ownership.shard_id,
-        &held.lease.checkpoint,
+        &start,
         settings.reader,
     ) {
         Some(reader) => {
             tokio::spawn(reader.run(reader_tx, reader_cancel.clone()));
-            true
+            Reading::Open
         }
-        None => false, // already at SHARD_END
+        None => Reading::Closed, // already at SHARD_END
     };
-    let mut ended = !reading;
     let _stop_reader = reader_cancel.clone().drop_guard();
 
     let (finished_tx, mut finished_rx) = mpsc::unbounded_channel::<Finished>();
@@ -297,7 +184,9 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
     );
     let mut tracker: Tracker<Entry> = Tracker::new(ownership.epoch);
     let mut refused: HashSet<DeliveryId> = HashSet::new();
-    let (durable_tx, mut durable_rx) = mpsc::unbounded_channel::<DeliveryId>();
+    let mut stuck_writes = 0usize;
+    let mut last_read: Option<Position> = None;
+    let (write_tx, mut write_rx) = mpsc::unbounded_channel::<WriteEvent>();
     let mut retries: JoinSet<()> = JoinSet::new();
     let mut tick = tokio::time::interval(settings.checkpoint_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -313,11 +202,13 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                 aborted = true;
                 lanes.abort();
                 retries.abort_all();
-                reading = false;
+                if reading == Reading::Open {
+                    reading = Reading::Stopped;
+                }
                 reader_cancel.cancel();
             }
-            _ = ctx.stop.cancelled(), if reading => {
-                reading = false;
+            _ = ctx.stop.cancelled(), if reading == Reading::Open => {
+                reading = Reading::Stopped;
                 reader_cancel.cancel();
                 lanes.close();
             }
@@ -334,24 +225,29 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                     Resolved::Settle(id) => settle(&mut tracker, &mut checkpointer, id),
                     Resolved::Hold => {}
                     Resolved::Write(write) => {
-                        retries.spawn(write.run(ctx.producer.clone(), durable_tx.clone()));
+                        retries.spawn(write.run(ctx.producer.clone(), ctx.retry.clone(), ctx.stuck.clone(), write_tx.clone()));
                     }
                 }
-                metrics::gauge!("shardwise_in_flight", &labels).set(tracker.unsettled() as f64);
+                gauges.in_flight(tracker.unsettled());
             }
-            Some(id) = durable_rx.recv() => {
-                settle(&mut tracker, &mut checkpointer, id);
-                metrics::gauge!("shardwise_in_flight", &labels).set(tracker.unsettled() as f64);
+            Some(event) = write_rx.recv() => {
+                match event {
+                    WriteEvent::Durable(id) => settle(&mut tracker, &mut checkpointer, id),
+                    WriteEvent::Stuck(_) => stuck_writes += 1,
+                    WriteEvent::Unstuck(_) => stuck_writes = stuck_writes.saturating_sub(1),
+                }
+                gauges.in_flight(tracker.unsettled());
             }
             Some(_) = retries.join_next(), if !retries.is_empty() => {}
-            msg = reader_rx.recv(), if reading && room => match msg {
+            msg = reader_rx.recv(), if reading == Reading::Open && room => match msg {
                 Some(ReaderMessage::Records { records, millis_behind_latest }) => {
                     if let Some(ms) = millis_behind_latest {
-                        metrics::gauge!("shardwise_millis_behind_latest", &labels).set(ms as f64);
+                        gauges.millis_behind(ms);
                     }
                     checkpointer.caught_up_at = (records.is_empty() && millis_behind_latest == Some(0))
-                        .then(|| millis(SystemTime::now()));
+                        .then(|| millis(crate::time::now()));
                     for r in records {
+                        last_read = Some(r.position);
                         let id = tracker.track((r.position, r.arrived_at.map(millis)));
                         let lane = lanes.assign(&r.partition_key);
                         let delivery = Delivery::from_blob(stream.clone(), shard.clone(), r.position, r.partition_key, r.data)
@@ -362,15 +258,36 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                             .build();
                         lanes.dispatch(delivery);
                     }
-                    metrics::gauge!("shardwise_in_flight", &labels).set(tracker.unsettled() as f64);
+                    gauges.in_flight(tracker.unsettled());
                 }
                 Some(ReaderMessage::End) => {
-                    reading = false;
-                    ended = true;
+                    reading = Reading::Closed;
                     lanes.close();
                 }
-                Some(ReaderMessage::Failed(e)) => break Exit::Failed(e),
-                None => { reading = false; }
+                Some(ReaderMessage::Gone) => match aged_out(ctx.lister.as_ref(), &ownership).await {
+                    Ok(true) => {
+                        let read_through = last_read.map_or_else(|| start.to_string(), |p| p.to_string());
+                        warn!(
+                            stream = %stream,
+                            shard = %shard,
+                            read_through = %read_through,
+                            "shard aged out of the stream's retention before it was read to its end: \
+                             its records after {read_through} were trimmed unread; ending it (SHARD_END \
+                             once what was read settles) so its children start"
+                        );
+                        metrics::counter!("shardwise_shards_aged_out_total", &labels).increment(1);
+                        reading = Reading::AgedOut;
+                        lanes.close();
+                    }
+                    Ok(false) => break Exit::Failed(Error::Kinesis {
+                        operation: "GetRecords",
+                        stream: ownership.stream.clone(),
+                        shard: Some(ownership.shard_id.clone()),
+                        source: Box::new(ReadError::NotFound),
+                    }),
+                    Err(e) => break Exit::Failed(e),
+                },
+                None => reading = Reading::Stopped,
             },
             _ = tick.tick() => {
                 checkpointer.maybe_start(&tracker);
@@ -379,37 +296,32 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                 }
             }
         }
-        let draining = !reading;
-        if draining
-            && (tracker.is_drained() || aborted)
-            && (ended || ctx.stop.is_cancelled() || aborted)
-        {
-            break if ended && tracker.is_drained() {
-                Exit::End
-            } else {
-                Exit::Stop
-            };
-        }
-        if draining && tracker.unsettled() == refused.len() && ctx.stop.is_cancelled() {
-            // Only refused retries are left: they hold the checkpoint until the next owner rereads.
-            break Exit::Stop;
+        let state = ShardState {
+            reading,
+            stopping: ctx.stop.is_cancelled(),
+            aborted,
+            unsettled: tracker.unsettled(),
+            held: refused.len() + stuck_writes,
+        };
+        match ending::step(&state) {
+            Step::Continue => {}
+            Step::Stop => break Exit::Stop,
+            Step::End => break Exit::End,
         }
     };
 
     retries.abort_all();
+    lanes.abort();
     match exit {
         Exit::Lost => {
-            lanes.abort();
             info!(stream = %stream, shard = %shard, "lease lost: shard stopped, nothing more written");
             ShardExit::Lost(ownership)
         }
         Exit::Failed(e) => {
-            lanes.abort();
             let _ = checkpointer.flush(&tracker).await;
             ShardExit::Failed(ownership, e)
         }
         Exit::Stop | Exit::End => {
-            lanes.abort();
             if checkpointer.flush(&tracker).await.is_err() {
                 return ShardExit::Lost(ownership);
             }
@@ -439,153 +351,64 @@ enum Exit {
     Failed(Error),
 }
 
+/// Replaces a LATEST checkpoint with a fixed start before anything is read: AT_TIMESTAMP of now
+/// minus the configured margin (the clock-skew allowance between this host and the stream's
+/// arrival timestamps), written fenced by this lease. Every later owner starts at the same place,
+/// so a worker that dies before its first checkpoint makes the next one repeat records, never
+/// skip them. Any other checkpoint is returned as it is.
+async fn pin_start<H>(ctx: &ShardContext<H>, held: &HeldLease) -> Result<Checkpoint, ShardExit> {
+    if held.lease.checkpoint != Checkpoint::Latest {
+        return Ok(held.lease.checkpoint.clone());
+    }
+    let ownership = &held.ownership;
+    let now = crate::time::now();
+    let to = Checkpoint::AtTimestamp(now.checked_sub(ctx.settings.latest_margin).unwrap_or(now));
+    let mut failures = 0u32;
+    loop {
+        let result = tokio::select! {
+            biased;
+            _ = held.cancel.cancelled() => return Err(ShardExit::Lost(ownership.clone())),
+            _ = ctx.stop.cancelled() => return Err(ShardExit::Stopped(ownership.clone())),
+            r = ctx.store.checkpoint(ownership, &to, None) => r,
+        };
+        let error = match result {
+            Ok(CheckpointWrite::Written) => {
+                info!(stream = %ownership.stream, shard = %ownership.shard_id, start = %to, "LATEST start pinned before reading");
+                return Ok(to);
+            }
+            Ok(CheckpointWrite::Lost) => return Err(ShardExit::Lost(ownership.clone())),
+            // Under our epoch only we write: an earlier attempt of ours was applied but its
+            // answer lost. Read back what it stored.
+            Ok(CheckpointWrite::NotNewer) => {
+                match ctx.store.get(&ownership.stream, &ownership.shard_id).await {
+                    Ok(Some(row)) if row.ownership().as_ref() == Some(ownership) => {
+                        return Ok(row.checkpoint);
+                    }
+                    Ok(_) => return Err(ShardExit::Lost(ownership.clone())),
+                    Err(e) => e,
+                }
+            }
+            Err(e) => e,
+        };
+        failures += 1;
+        let wait = crate::backoff::jittered(failures, ctx.settings.reader.max_backoff);
+        warn!(stream = %ownership.stream, shard = %ownership.shard_id, error = %error, ?wait, "pinning the LATEST start failed; retrying before reading");
+        tokio::time::sleep(wait).await;
+    }
+}
+
+/// Whether a shard that cannot be read aged out of retention: its stream still exists but no
+/// longer lists it. An error when the stream itself is gone.
+async fn aged_out(lister: &dyn ShardLister, ownership: &Ownership) -> Result<bool, Error> {
+    let shards = lister.list_shards(&ownership.stream).await?;
+    Ok(!shards.iter().any(|s| s.shard_id == ownership.shard_id))
+}
+
 fn settle(tracker: &mut Tracker<Entry>, checkpointer: &mut Checkpointer, id: DeliveryId) {
     if let Some((to, arrived)) = tracker.settle(id).advanced_to() {
         checkpointer.pending = Some(*to);
         if arrived.is_some() {
             checkpointer.last_settled = *arrived;
         }
-    }
-}
-
-/// What a finished delivery needs next.
-enum Resolved {
-    /// Terminal: settle it now.
-    Settle(DeliveryId),
-    /// Refused retry: leave it unsettled.
-    Hold,
-    /// A copy or dead letter to write first; it settles once written.
-    Write(PendingWrite),
-}
-
-/// A retry copy or dead letter on its way to a stream.
-struct PendingWrite {
-    id: DeliveryId,
-    delivery: Delivery,
-    stream: String,
-    headers: Headers,
-    delay: Duration,
-    dead_letter: bool,
-}
-
-impl PendingWrite {
-    /// Waits out the delay, then writes until it succeeds (backing off between failures) and
-    /// reports the delivery durable. Aborted with its shard: the original then stays unsettled and
-    /// is read again by the next owner, so nothing is lost.
-    async fn run(self, producer: Producer, durable: mpsc::UnboundedSender<DeliveryId>) {
-        tokio::time::sleep(self.delay).await;
-        let mut failures = 0u32;
-        loop {
-            let d = &self.delivery;
-            match producer
-                .put(&self.stream, d.partition_key(), &self.headers, d.payload())
-                .await
-            {
-                Ok(written) => {
-                    let (what, metric) = if self.dead_letter {
-                        ("dead letter written", "shardwise_dead_letters_total")
-                    } else {
-                        ("retry copy written", "shardwise_retries_total")
-                    };
-                    metrics::counter!(metric, "stream" => d.stream().to_string()).increment(1);
-                    info!(
-                        stream = d.stream(),
-                        shard = d.shard(),
-                        seq = %d.position(),
-                        to = %self.stream,
-                        attempt = d.attempt(),
-                        written_to = %written.shard_id,
-                        "{what}"
-                    );
-                    let _ = durable.send(self.id);
-                    return;
-                }
-                Err(e) => {
-                    failures += 1;
-                    let wait = crate::backoff::jittered(failures, Duration::from_secs(5));
-                    warn!(
-                        stream = d.stream(),
-                        shard = d.shard(),
-                        seq = %d.position(),
-                        to = %self.stream,
-                        error = %e,
-                        ?wait,
-                        "writing a retry copy or dead letter failed; the original stays unsettled"
-                    );
-                    tokio::time::sleep(wait).await;
-                }
-            }
-        }
-    }
-}
-
-/// Applies a handler's outcome: terminal outcomes settle; retries follow the retry policy.
-fn resolve(
-    done: Finished,
-    policy: &RetryPolicy,
-    refused: &mut HashSet<DeliveryId>,
-    settings: &Settings,
-) -> Resolved {
-    let Some(id) = done.delivery.id() else {
-        return Resolved::Hold;
-    };
-    let outcome_label = match done.outcome {
-        Outcome::Ack => "ack",
-        Outcome::Drop => "drop",
-        Outcome::Retry => "retry",
-        Outcome::RetryAfter(_) => "retry_after",
-    };
-    metrics::counter!("shardwise_records_total", "stream" => settings.stream.clone(), "outcome" => outcome_label).increment(1);
-    let d = done.delivery;
-    match policy.plan(done.outcome, &d) {
-        None => Resolved::Settle(id),
-        Some(RetryPlan::Refuse) => {
-            let err = AckError::Unsupported {
-                reason: "declare max_attempts or a dead-letter stream to retry on Kinesis",
-            };
-            if refused.insert(id) {
-                metrics::counter!("shardwise_retries_refused_total", "stream" => settings.stream.clone()).increment(1);
-                warn!(
-                    stream = d.stream(),
-                    shard = d.shard(),
-                    seq = %d.position(),
-                    partition_key = d.partition_key(),
-                    error = %err,
-                    "retry refused: the record stays unsettled and holds the checkpoint; the next owner rereads it"
-                );
-            }
-            Resolved::Hold
-        }
-        Some(RetryPlan::Drop { attempts }) => {
-            warn!(
-                stream = d.stream(),
-                shard = d.shard(),
-                seq = %d.position(),
-                partition_key = d.partition_key(),
-                attempts,
-                "attempts spent and no dead-letter stream: settled as a drop"
-            );
-            Resolved::Settle(id)
-        }
-        Some(RetryPlan::Copy {
-            stream,
-            delay,
-            headers,
-        }) => Resolved::Write(PendingWrite {
-            id,
-            delivery: d,
-            stream,
-            headers,
-            delay,
-            dead_letter: false,
-        }),
-        Some(RetryPlan::DeadLetter { stream, headers }) => Resolved::Write(PendingWrite {
-            id,
-            delivery: d,
-            stream,
-            headers,
-            delay: Duration::ZERO,
-            dead_letter: true,
-        }),
     }
 }

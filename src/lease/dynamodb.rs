@@ -11,15 +11,16 @@ use std::time::{Duration, Instant};
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::config::http::HttpResponse;
 use aws_sdk_dynamodb::error::SdkError;
-use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
+use aws_sdk_dynamodb::operation::update_item::{UpdateItemError, UpdateItemOutput};
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, ReturnValue,
     ReturnValuesOnConditionCheckFailure, ScalarAttributeType, TableDescription, TableStatus,
+    TransactWriteItem, Update,
 };
 use futures::future::BoxFuture;
 
 use super::row::{Lease, NewLease, Ownership, lease_key};
-use super::store::{CheckpointWrite, LeaseStore};
+use super::store::{CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, SeekMove};
 use crate::checkpoint::{AT_TIMESTAMP, Checkpoint};
 use crate::error::Error;
 use crate::time::millis;
@@ -356,16 +357,49 @@ impl DynamoDbLeaseStore {
         to: &Checkpoint,
         complete_through: Option<i64>,
     ) -> Result<CheckpointWrite, Error> {
+        let first = self.checkpoint_request(held, to, complete_through).await;
+        // `completeThrough` only rises: a write whose coordinate is below the stored one (after an
+        // earlier write that timed out but was applied) is refused as a whole. The checkpoint
+        // itself may still be newer: then write it alone.
+        if let Some(ct) = complete_through
+            && let Err(err) = &first
+            && is_condition_failed(err)
+        {
+            let newer_checkpoint = match refused_item(err) {
+                Some(item) => {
+                    holds(item, held)
+                        && matches!(item.get(CHECKPOINT_KEY), Some(AttributeValue::S(k)) if *k < to.sort_key())
+                }
+                None => self.get_row(held.key()).await?.is_some_and(|row| {
+                    row.ownership().as_ref() == Some(held)
+                        && row.checkpoint.sort_key() < to.sort_key()
+                        && row.complete_through.is_some_and(|stored| stored > ct)
+                }),
+            };
+            if newer_checkpoint {
+                let second = self.checkpoint_request(held, to, None).await;
+                return self.fenced_write_result(held, second).await;
+            }
+        }
+        self.fenced_write_result(held, first).await
+    }
+
+    async fn checkpoint_request(
+        &self,
+        held: &Ownership,
+        to: &Checkpoint,
+        complete_through: Option<i64>,
+    ) -> Result<UpdateItemOutput, SdkError<UpdateItemError, HttpResponse>> {
         let mut set = String::from("SET #cp = :cp, #sub = :sub, #cpKey = :cpKey");
+        let mut condition = String::from(
+            "#owner = :owner AND #epoch = :epoch \
+             AND (attribute_not_exists(#cpKey) OR #cpKey < :cpKey)",
+        );
         let mut request = self
             .client
             .update_item()
             .table_name(&self.table)
             .key(KEY, s(held.key()))
-            .condition_expression(
-                "#owner = :owner AND #epoch = :epoch \
-                 AND (attribute_not_exists(#cpKey) OR #cpKey < :cpKey)",
-            )
             .expression_attribute_names("#owner", OWNER)
             .expression_attribute_names("#epoch", EPOCH)
             .expression_attribute_names("#cp", CHECKPOINT)
@@ -379,6 +413,7 @@ impl DynamoDbLeaseStore {
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
         if let Some(ms) = complete_through {
             set.push_str(", #ct = :ct");
+            condition.push_str(" AND (attribute_not_exists(#ct) OR #ct <= :ct)");
             request = request
                 .expression_attribute_names("#ct", COMPLETE_THROUGH)
                 .expression_attribute_values(":ct", n(ms));
@@ -389,8 +424,11 @@ impl DynamoDbLeaseStore {
                 .expression_attribute_names("#ts", STARTING_TIMESTAMP)
                 .expression_attribute_values(":ts", n(millis(*t)));
         }
-        let result = request.update_expression(set).send().await;
-        self.fenced_write_result(held, result).await
+        request
+            .update_expression(set)
+            .condition_expression(condition)
+            .send()
+            .await
     }
 
     /// Reads the answer to a write conditioned on ownership and on the new value being greater:
@@ -406,16 +444,7 @@ impl DynamoDbLeaseStore {
             Err(err) if is_condition_failed(&err) => err,
             Err(err) => return Err(self.failed("UpdateItem", err)),
         };
-        let refused = match &err {
-            SdkError::ServiceError(service) => match service.err() {
-                UpdateItemError::ConditionalCheckFailedException(e) => {
-                    e.item().filter(|item| !item.is_empty())
-                }
-                _ => None,
-            },
-            _ => None,
-        };
-        let still_ours = match refused {
+        let still_ours = match refused_item(&err) {
             Some(item) => holds(item, held),
             None => self.get_row(held.key()).await?.is_some_and(|row| {
                 row.owner.as_deref() == Some(&held.owner) && row.owner_epoch == held.epoch
@@ -428,39 +457,109 @@ impl DynamoDbLeaseStore {
         })
     }
 
-    async fn seek_row(&self, seen: &Lease, to: &Checkpoint) -> Result<bool, Error> {
+    /// The update of one seek move: its expression, names and values.
+    fn seek_update(m: &SeekMove) -> (String, HashMap<String, String>, Item) {
         let mut set = String::from(
             "REMOVE #owner SET #cp = :cp, #sub = :sub, #cpKey = :cpKey, \
              #seek = #seek + :one, #epoch = #epoch + :one, #counter = #counter + :one",
         );
-        let mut request = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key(KEY, s(seen.key()))
-            .condition_expression("#seek = :seenSeek")
-            .expression_attribute_names("#owner", OWNER)
-            .expression_attribute_names("#epoch", EPOCH)
-            .expression_attribute_names("#counter", COUNTER)
-            .expression_attribute_names("#seek", SEEK_EPOCH)
-            .expression_attribute_names("#cp", CHECKPOINT)
-            .expression_attribute_names("#sub", SUB)
-            .expression_attribute_names("#cpKey", CHECKPOINT_KEY)
-            .expression_attribute_values(":seenSeek", n(seen.seek_epoch))
-            .expression_attribute_values(":one", n(1u64))
-            .expression_attribute_values(":cp", s(to.label()))
-            .expression_attribute_values(":sub", n(to.sub_sequence()))
-            .expression_attribute_values(":cpKey", s(to.sort_key()));
-        if let Checkpoint::AtTimestamp(t) = to {
+        let mut names: HashMap<String, String> = [
+            ("#owner", OWNER),
+            ("#epoch", EPOCH),
+            ("#counter", COUNTER),
+            ("#seek", SEEK_EPOCH),
+            ("#cp", CHECKPOINT),
+            ("#sub", SUB),
+            ("#cpKey", CHECKPOINT_KEY),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        let mut values: Item = [
+            (":seenSeek", n(m.seen.seek_epoch)),
+            (":one", n(1u64)),
+            (":cp", s(m.to.label())),
+            (":sub", n(m.to.sub_sequence())),
+            (":cpKey", s(m.to.sort_key())),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        if let Checkpoint::AtTimestamp(t) = &m.to {
             set.push_str(", #ts = :ts");
-            request = request
-                .expression_attribute_names("#ts", STARTING_TIMESTAMP)
-                .expression_attribute_values(":ts", n(millis(*t)));
+            names.insert("#ts".into(), STARTING_TIMESTAMP.into());
+            values.insert(":ts".into(), n(millis(*t)));
         }
-        match request.update_expression(set).send().await {
-            Ok(_) => Ok(true),
-            Err(err) if is_condition_failed(&err) => Ok(false),
-            Err(err) => Err(self.failed("UpdateItem", err)),
+        (set, names, values)
+    }
+
+    async fn seek_rows(&self, moves: &[SeekMove]) -> Result<bool, Error> {
+        const CONDITION: &str = "#seek = :seenSeek";
+        match moves {
+            [] => Ok(true),
+            [m] => {
+                let (update, names, values) = Self::seek_update(m);
+                let result = self
+                    .client
+                    .update_item()
+                    .table_name(&self.table)
+                    .key(KEY, s(m.seen.key()))
+                    .update_expression(update)
+                    .condition_expression(CONDITION)
+                    .set_expression_attribute_names(Some(names))
+                    .set_expression_attribute_values(Some(values))
+                    .send()
+                    .await;
+                match result {
+                    Ok(_) => Ok(true),
+                    Err(err) if is_condition_failed(&err) => Ok(false),
+                    Err(err) => Err(self.failed("UpdateItem", err)),
+                }
+            }
+            many => {
+                if many.len() > MAX_SEEK_MOVES {
+                    return Err(Error::Corrupt {
+                        what: "seek",
+                        detail: format!(
+                            "{} rows must move together, more than one transaction takes ({MAX_SEEK_MOVES})",
+                            many.len()
+                        ),
+                    });
+                }
+                let mut items = Vec::with_capacity(many.len());
+                for m in many {
+                    let (update, names, values) = Self::seek_update(m);
+                    let update = Update::builder()
+                        .table_name(&self.table)
+                        .key(KEY, s(m.seen.key()))
+                        .update_expression(update)
+                        .condition_expression(CONDITION)
+                        .set_expression_attribute_names(Some(names))
+                        .set_expression_attribute_values(Some(values))
+                        .build()
+                        .map_err(|e| self.failed("TransactWriteItems", e))?;
+                    items.push(TransactWriteItem::builder().update(update).build());
+                }
+                let result = self
+                    .client
+                    .transact_write_items()
+                    .set_transact_items(Some(items))
+                    .send()
+                    .await;
+                match result {
+                    Ok(_) => Ok(true),
+                    // A condition failed (a concurrent seek), or another transaction touched a
+                    // row at the same time: nothing was written; the caller reads and retries.
+                    Err(err)
+                        if err
+                            .as_service_error()
+                            .is_some_and(|e| e.is_transaction_canceled_exception()) =>
+                    {
+                        Ok(false)
+                    }
+                    Err(err) => Err(self.failed("TransactWriteItems", err)),
+                }
+            }
         }
     }
 
@@ -635,12 +734,8 @@ impl LeaseStore for DynamoDbLeaseStore {
         Box::pin(self.fenced(held, "REMOVE #owner SET #counter = #counter + :one"))
     }
 
-    fn seek<'a>(
-        &'a self,
-        seen: &'a Lease,
-        to: &'a Checkpoint,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(self.seek_row(seen, to))
+    fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.seek_rows(moves))
     }
 
     fn advance_frontier<'a>(
@@ -671,6 +766,19 @@ where
 {
     err.as_service_error()
         .is_some_and(|e| e.code() == Some("ConditionalCheckFailedException"))
+}
+
+/// The row a conditional update refused, when the store sent it back (`ALL_OLD`).
+fn refused_item(err: &SdkError<UpdateItemError, HttpResponse>) -> Option<&Item> {
+    match err {
+        SdkError::ServiceError(service) => match service.err() {
+            UpdateItemError::ConditionalCheckFailedException(e) => {
+                e.item().filter(|item| !item.is_empty())
+            }
+            _ => None,
+        },
+        _ => None,
+    }
 }
 
 /// Whether a refused row is still held by `held`'s owner under `held`'s epoch.

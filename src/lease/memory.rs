@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use futures::future::BoxFuture;
 
 use super::row::{Checkpoint, Lease, NewLease, Ownership, lease_key};
-use super::store::{CheckpointWrite, LeaseStore};
+use super::store::{CheckpointWrite, LeaseStore, SeekMove};
 use crate::error::Error;
 
 /// Leases held in memory. Clones share the same rows, so several simulated workers can race on
@@ -157,33 +157,33 @@ impl LeaseStore for MemoryLeaseStore {
                 }
                 Some(row) => {
                     row.checkpoint = to.clone();
-                    if complete_through.is_some() {
-                        row.complete_through = complete_through;
-                    }
+                    // Only upwards, as the DynamoDB store's condition has it.
+                    row.complete_through = row.complete_through.max(complete_through);
                     CheckpointWrite::Written
                 }
             })
         })
     }
 
-    fn seek<'a>(
-        &'a self,
-        seen: &'a Lease,
-        to: &'a Checkpoint,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
+    fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(async move {
             let mut rows = self.rows();
-            Ok(match rows.get_mut(&seen.key()) {
-                Some(row) if row.seek_epoch == seen.seek_epoch => {
-                    row.checkpoint = to.clone();
-                    row.seek_epoch += 1;
-                    row.owner_epoch += 1;
-                    row.owner = None;
-                    row.counter += 1;
-                    true
-                }
-                _ => false,
-            })
+            let all_as_seen = moves.iter().all(|m| {
+                rows.get(&m.seen.key())
+                    .is_some_and(|row| row.seek_epoch == m.seen.seek_epoch)
+            });
+            if !all_as_seen {
+                return Ok(false);
+            }
+            for m in moves {
+                let row = rows.get_mut(&m.seen.key()).expect("checked above");
+                row.checkpoint = m.to.clone();
+                row.seek_epoch += 1;
+                row.owner_epoch += 1;
+                row.owner = None;
+                row.counter += 1;
+            }
+            Ok(true)
         })
     }
 

@@ -18,4 +18,4 @@ pub use dynamodb::DynamoDbLeaseStore;
 pub use manager::{HeldLease, LeaseEvent, LeaseHooks, LeaseManager, LeaseSettings};
 pub use memory::MemoryLeaseStore;
 pub use row::{Checkpoint, InitialPosition, Lease, NewLease, Ownership};
-pub use store::{CheckpointWrite, LeaseStore};
+pub use store::{CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, SeekMove};

@@ -20,6 +20,19 @@ pub enum CheckpointWrite {
     Lost,
 }
 
+/// One row of a seek: the row as seen and where its checkpoint goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeekMove {
+    /// The row as read before the seek; its seek epoch conditions the write.
+    pub seen: Lease,
+    /// The new checkpoint.
+    pub to: Checkpoint,
+}
+
+/// The most rows one seek moves at once (DynamoDB's limit on items in one transaction): a shard
+/// and its descendants, or one lineage of a stream.
+pub const MAX_SEEK_MOVES: usize = 100;
+
 /// Where leases live: DynamoDB in production, memory for tests and simulation.
 ///
 /// Every method is one conditional request (see `docs/leases.md`); a failed condition is a typed
@@ -68,15 +81,13 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
     /// Gives a held lease up so another worker can take it at once. `false`: it was already lost.
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>>;
 
-    /// Moves the checkpoint to `to`, backwards too: the only write that may. Conditioned on the
-    /// seek epoch in `seen`, it bumps the seek epoch and the ownership epoch and removes the owner,
-    /// so the worker reading the shard loses the lease (and no settlement read before the seek can
-    /// write), and the next owner reads from `to`. `false`: the row changed seek epoch since `seen`.
-    fn seek<'a>(
-        &'a self,
-        seen: &'a Lease,
-        to: &'a Checkpoint,
-    ) -> BoxFuture<'a, Result<bool, Error>>;
+    /// Moves checkpoints, backwards too: the only write that may. Every move is applied or none
+    /// is (one transaction), each conditioned on the seek epoch of the row as seen. Each moved row
+    /// gets its seek epoch and ownership epoch bumped and its owner removed, so the worker reading
+    /// the shard loses the lease (and no settlement read before the seek can write), and the next
+    /// owner reads from the new place. `false`: a row changed seek epoch since it was seen, and
+    /// nothing was written.
+    fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>>;
 
     /// Raises `completeThrough` (ms) without moving the checkpoint: for a caught-up, idle shard.
     /// Fenced by owner and epoch, and only upwards (`NotNewer` when the stored value is as high).

@@ -16,7 +16,6 @@ use tracing::{debug, warn};
 
 use super::source::{Page, ReadError, RecordSource, StartAt};
 use crate::checkpoint::Checkpoint;
-use crate::error::Error;
 use crate::kpl::{self, Deaggregated};
 use crate::position::Position;
 
@@ -71,8 +70,8 @@ pub enum ReaderMessage {
     },
     /// The shard is closed and has been read to its end.
     End,
-    /// Reading cannot go on (the stream or shard is gone).
-    Failed(Error),
+    /// The stream or the shard is not found: deleted, or the shard aged out of retention.
+    Gone,
 }
 
 /// Where to start reading a shard with this checkpoint, and what to skip once there: the
@@ -147,7 +146,7 @@ impl ShardReader {
                 Some(it) => it,
                 None => match self.open().await {
                     Ok(it) => it,
-                    Err(ReadError::NotFound) => return Some(self.gone()),
+                    Err(ReadError::NotFound) => return Some(ReaderMessage::Gone),
                     Err(e) => {
                         failures += 1;
                         self.backoff(failures, &e).await;
@@ -163,7 +162,7 @@ impl ShardReader {
                     debug!(shard = %self.shard, "iterator expired; reopening after the last record read");
                     continue; // `iterator` is None: reopen from `start`/`after`
                 }
-                Err(ReadError::NotFound) => return Some(self.gone()),
+                Err(ReadError::NotFound) => return Some(ReaderMessage::Gone),
                 Err(e) => {
                     failures += 1;
                     self.backoff(failures, &e).await;
@@ -213,15 +212,6 @@ impl ShardReader {
         self.source
             .shard_iterator(&self.stream, &self.shard, &self.start)
             .await
-    }
-
-    fn gone(&self) -> ReaderMessage {
-        ReaderMessage::Failed(Error::Kinesis {
-            operation: "GetRecords",
-            stream: self.stream.clone(),
-            shard: Some(self.shard.clone()),
-            source: Box::new(ReadError::NotFound),
-        })
     }
 
     async fn backoff(&self, failures: u32, error: &ReadError) {

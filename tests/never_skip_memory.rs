@@ -1,0 +1,645 @@
+//! Never a skip, on the paths that once skipped: a LATEST or AT_TIMESTAMP start whose worker dies
+//! before its first checkpoint, a seek to latest followed by a crash, a closed parent that aged out
+//! of retention, and seeks while a split's children are read. On the in-memory stream and lease
+//! store, with the real consumer.
+//!
+//! Each test runs on the current-thread runtime, so the tracing subscriber and metrics recorder
+//! set for the test thread see every task of the consumer.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use futures::future::BoxFuture;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use shardwise::lease::{
+    Checkpoint, CheckpointWrite, InitialPosition, Lease, LeaseSettings, LeaseStore,
+    MemoryLeaseStore, NewLease, Ownership, SeekMove,
+};
+use shardwise::seek::SeekTarget;
+use shardwise::testing::MemoryStream;
+use shardwise::{Consumer, ConsumerBuilder, Delivery, Error, Outcome, Position, Running};
+
+fn fast_leases() -> LeaseSettings {
+    LeaseSettings::default()
+        .lease_duration(Duration::from_millis(600))
+        .scan_interval(Duration::from_millis(50))
+        .shard_sync_interval(Duration::from_millis(200))
+}
+
+fn builder<F, Fut>(
+    stream: &MemoryStream,
+    store: &Arc<dyn LeaseStore>,
+    worker: &str,
+    handler: F,
+) -> ConsumerBuilder<F>
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Outcome> + Send,
+{
+    Consumer::builder(stream.name(), "never-skip", handler)
+        .worker_id(worker)
+        .poll_interval(Duration::from_millis(200))
+        .checkpoint_interval(Duration::from_millis(50))
+        .lease_settings(fast_leases())
+        .lease_store(store.clone())
+        .record_source(Arc::new(stream.clone()))
+        .shard_lister(Arc::new(stream.clone()))
+}
+
+async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Payloads handled, in the order handlers started.
+#[derive(Debug, Default, Clone)]
+struct Log(Arc<Mutex<Vec<String>>>);
+
+impl Log {
+    fn push(&self, d: &Delivery) {
+        self.0
+            .lock()
+            .unwrap()
+            .push(String::from_utf8_lossy(d.payload()).into_owned());
+    }
+    fn set(&self) -> BTreeSet<String> {
+        self.0.lock().unwrap().iter().cloned().collect()
+    }
+}
+
+/// A handler that records and acks, except that it never finishes the record `stall` (a worker
+/// busy with it when it dies has written no checkpoint past it).
+fn stalling(
+    log: &Log,
+    stall: &'static str,
+) -> impl Fn(Delivery) -> BoxFuture<'static, Outcome> + Clone + use<> {
+    let log = log.clone();
+    move |d: Delivery| {
+        log.push(&d);
+        let stalls = d.payload().as_ref() == stall.as_bytes();
+        Box::pin(async move {
+            if stalls {
+                futures::future::pending::<()>().await;
+            }
+            Outcome::Ack
+        })
+    }
+}
+
+fn acking(log: &Log) -> impl Fn(Delivery) -> std::future::Ready<Outcome> + Clone + use<> {
+    let log = log.clone();
+    move |d: Delivery| {
+        log.push(&d);
+        std::future::ready(Outcome::Ack)
+    }
+}
+
+fn put_all(stream: &MemoryStream, names: &[String]) {
+    for (i, name) in names.iter().enumerate() {
+        stream.put(&format!("key-{}", i % 4), name.clone());
+    }
+}
+
+fn names(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}-{i}")).collect()
+}
+
+/// The scenario of the report: one shard, a LATEST start, one lane; the first worker takes the
+/// lease and starts reading, 20 records are written, and it dies while its handler holds the first
+/// one (so no checkpoint was ever written). The next owner must handle all 20.
+#[tokio::test]
+async fn a_latest_start_killed_before_its_first_checkpoint_skips_nothing() {
+    let stream = MemoryStream::new("orders", 1);
+    let store: Arc<dyn LeaseStore> = Arc::new(MemoryLeaseStore::new());
+    let first_log = Log::default();
+    let first = builder(&stream, &store, "w1", stalling(&first_log, "new-0"))
+        .initial_position(InitialPosition::Latest)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for(
+        "the first worker to hold the shard",
+        Duration::from_secs(5),
+        || !first.shards().is_empty(),
+    )
+    .await;
+    // Its reader has opened its iterator and polled once.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let new = names("new", 20);
+    put_all(&stream, &new);
+    wait_for(
+        "the first worker to be stuck in the first record",
+        Duration::from_secs(5),
+        || first_log.set().contains("new-0"),
+    )
+    .await;
+    first.abort(); // kill -9: no checkpoint was written
+
+    let second_log = Log::default();
+    let second = builder(&stream, &store, "w2", acking(&second_log))
+        .initial_position(InitialPosition::Latest)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    let expected: BTreeSet<String> = new.iter().cloned().collect();
+    wait_for(
+        "the next owner to handle all 20",
+        Duration::from_secs(10),
+        || second_log.set().is_superset(&expected),
+    )
+    .await;
+    second.shutdown(Duration::from_secs(2)).await;
+}
+
+/// An AT_TIMESTAMP start is already a fixed place: a worker that dies before its first checkpoint
+/// leaves the next owner reading from the same time.
+#[tokio::test]
+async fn an_at_timestamp_start_killed_before_its_first_checkpoint_skips_nothing() {
+    let stream = MemoryStream::new("orders", 1);
+    let store: Arc<dyn LeaseStore> = Arc::new(MemoryLeaseStore::new());
+    put_all(&stream, &names("old", 5));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let since = SystemTime::now();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let new = names("new", 20);
+    put_all(&stream, &new);
+    let first_log = Log::default();
+    let first = builder(&stream, &store, "w1", stalling(&first_log, "new-0"))
+        .initial_position(InitialPosition::AtTimestamp(since))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for(
+        "the first worker to be stuck in the first record",
+        Duration::from_secs(5),
+        || first_log.set().contains("new-0"),
+    )
+    .await;
+    first.abort();
+    let second_log = Log::default();
+    let second = builder(&stream, &store, "w2", acking(&second_log))
+        .initial_position(InitialPosition::AtTimestamp(since))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    let expected: BTreeSet<String> = new.iter().cloned().collect();
+    wait_for(
+        "the next owner to handle all 20",
+        Duration::from_secs(10),
+        || second_log.set() == expected,
+    )
+    .await;
+    second.shutdown(Duration::from_secs(2)).await;
+    assert!(
+        !first_log
+            .set()
+            .iter()
+            .chain(&second_log.set())
+            .any(|n| n.starts_with("old")),
+        "nothing from before the timestamp"
+    );
+}
+
+/// A seek to latest, then the worker that retakes the shard dies before its first checkpoint: the
+/// records written after the seek are all handled by the next owner.
+#[tokio::test]
+async fn a_seek_to_latest_followed_by_a_crash_skips_nothing_written_after_the_seek() {
+    let stream = MemoryStream::new("orders", 1);
+    let store: Arc<dyn LeaseStore> = Arc::new(MemoryLeaseStore::new());
+    put_all(&stream, &names("before", 10));
+    let first_log = Log::default();
+    let first = builder(&stream, &store, "w1", stalling(&first_log, "after-0"))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for(
+        "the records before the seek",
+        Duration::from_secs(5),
+        || first_log.set().len() >= 10,
+    )
+    .await;
+    let report = first.seek(&SeekTarget::Latest).await.unwrap();
+    assert_eq!(report.moved.len(), 1);
+    let after = names("after", 20);
+    put_all(&stream, &after);
+    wait_for(
+        "the shard retaken and stuck in the first new record",
+        Duration::from_secs(5),
+        || first_log.set().contains("after-0"),
+    )
+    .await;
+    first.abort();
+    let second_log = Log::default();
+    let second = builder(&stream, &store, "w2", acking(&second_log))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    let expected: BTreeSet<String> = after.iter().cloned().collect();
+    wait_for(
+        "the next owner to handle all 20",
+        Duration::from_secs(10),
+        || second_log.set().is_superset(&expected),
+    )
+    .await;
+    second.shutdown(Duration::from_secs(2)).await;
+}
+
+/// Collects what the consumer logs on this thread.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+fn counter(recorder: &DebuggingRecorder, name: &str, shard: &str) -> Option<u64> {
+    recorder
+        .snapshotter()
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .find(|(key, _, _, _)| {
+            key.key().name() == name && key.key().labels().any(|l| l.value() == shard)
+        })
+        .and_then(|(_, _, _, value)| match value {
+            DebugValue::Counter(n) => Some(n),
+            _ => None,
+        })
+}
+
+/// A closed parent whose unread records were trimmed by retention (it is no longer listed) is
+/// ended with a warning naming what was lost, so its children start instead of waiting forever.
+#[tokio::test]
+async fn a_closed_parent_that_aged_out_is_ended_and_its_children_start() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _logs = tracing::subscriber::set_default(subscriber);
+    let recorder = DebuggingRecorder::new();
+    let _metrics = metrics::set_default_local_recorder(&recorder);
+
+    let stream = MemoryStream::new("orders", 1);
+    let store: Arc<dyn LeaseStore> = Arc::new(MemoryLeaseStore::new());
+    let parent = stream.open_shards()[0].clone();
+    put_all(&stream, &names("read", 5));
+    let log = Log::default();
+    let running = builder(&stream, &store, "w1", acking(&log))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("the first records", Duration::from_secs(5), || {
+        log.set().len() == 5
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    let checkpoint = store
+        .get("orders", &parent)
+        .await
+        .unwrap()
+        .unwrap()
+        .checkpoint;
+    assert!(matches!(checkpoint, Checkpoint::At(_)), "{checkpoint:?}");
+
+    // While nobody reads: more records, a split, records in the children, and retention trims
+    // the closed parent (its 5 unread records are gone).
+    put_all(&stream, &names("trimmed", 5));
+    let (a, b) = stream.split(&parent);
+    let children = names("child", 16);
+    put_all(&stream, &children);
+    stream.age_out(&parent);
+
+    let running = builder(&stream, &store, "w1", acking(&log))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    let expected: BTreeSet<String> = children.iter().cloned().collect();
+    wait_for("the children's records", Duration::from_secs(10), || {
+        log.set().is_superset(&expected)
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    if let Some(row) = store.get("orders", &parent).await.unwrap() {
+        assert_eq!(row.checkpoint, Checkpoint::ShardEnd, "the parent ended");
+    } // (or its row was already cleaned up as an aged-out, ended parent)
+    for child in [&a, &b] {
+        let row = store.get("orders", child).await.unwrap().unwrap();
+        assert!(
+            matches!(row.checkpoint, Checkpoint::At(_)),
+            "{child}: {:?}",
+            row.checkpoint
+        );
+    }
+    let text = captured.text();
+    assert!(
+        text.contains("aged out of the stream's retention") && text.contains(&parent),
+        "the warning says what happened and names the shard:\n{text}"
+    );
+    assert!(
+        text.contains("trimmed unread"),
+        "and what was lost:\n{text}"
+    );
+    assert_eq!(
+        counter(&recorder, "shardwise_shards_aged_out_total", &parent),
+        Some(1)
+    );
+}
+
+/// A lease store that takes its time over each seek write, as a remote table would: a seek that
+/// moves shards one by one leaves a window between them.
+#[derive(Debug)]
+struct SlowSeeks(MemoryLeaseStore);
+
+impl LeaseStore for SlowSeeks {
+    fn prepare(&self) -> BoxFuture<'_, Result<(), Error>> {
+        self.0.prepare()
+    }
+    fn list<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<Lease>, Error>> {
+        self.0.list(stream)
+    }
+    fn get<'a>(
+        &'a self,
+        stream: &'a str,
+        shard_id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
+        self.0.get(stream, shard_id)
+    }
+    fn create<'a>(&'a self, lease: &'a NewLease) -> BoxFuture<'a, Result<bool, Error>> {
+        self.0.create(lease)
+    }
+    fn take<'a>(
+        &'a self,
+        seen: &'a Lease,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
+        self.0.take(seen, owner)
+    }
+    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
+        self.0.renew(held)
+    }
+    fn checkpoint<'a>(
+        &'a self,
+        held: &'a Ownership,
+        to: &'a Checkpoint,
+        complete_through: Option<i64>,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        self.0.checkpoint(held, to, complete_through)
+    }
+    fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
+        self.0.release(held)
+    }
+    fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            self.0.seek(moves).await
+        })
+    }
+    fn advance_frontier<'a>(
+        &'a self,
+        held: &'a Ownership,
+        ct: i64,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        self.0.advance_frontier(held, ct)
+    }
+    fn delete<'a>(&'a self, seen: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
+        self.0.delete(seen)
+    }
+    fn set_children<'a>(
+        &'a self,
+        stream: &'a str,
+        shard_id: &'a str,
+        children: &'a [String],
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        self.0.set_children(stream, shard_id, children)
+    }
+}
+
+/// A child's delivery handled under the child's current lease while a parent is not at
+/// SHARD_END: parent and child read at once.
+#[derive(Debug, Default, Clone)]
+struct Violations(Arc<Mutex<Vec<String>>>);
+
+/// A handler for a split stream: slow enough that the children are still being read when the seek
+/// comes; for each delivery of a child under a current lease, it checks that every parent is at
+/// SHARD_END in the table.
+fn lineage_checking(
+    memory: &MemoryLeaseStore,
+    parents: &BTreeMap<String, Vec<String>>,
+    log: &Log,
+    violations: &Violations,
+) -> impl Fn(Delivery) -> BoxFuture<'static, Outcome> + Clone + use<> {
+    let (memory, parents, log, violations) = (
+        memory.clone(),
+        parents.clone(),
+        log.clone(),
+        violations.clone(),
+    );
+    move |d: Delivery| {
+        log.push(&d);
+        let rows: BTreeMap<String, Lease> = memory
+            .snapshot()
+            .into_iter()
+            .map(|r| (r.shard_id.clone(), r))
+            .collect();
+        let current = rows
+            .get(d.shard())
+            .is_some_and(|r| Some(r.owner_epoch) == d.id().map(|id| id.epoch()));
+        if current {
+            for p in parents.get(d.shard()).into_iter().flatten() {
+                if rows
+                    .get(p)
+                    .is_some_and(|r| r.checkpoint != Checkpoint::ShardEnd)
+                {
+                    violations.0.lock().unwrap().push(format!(
+                        "{} of {} handled while its parent {p} is at {}",
+                        String::from_utf8_lossy(d.payload()),
+                        d.shard(),
+                        rows[p].checkpoint
+                    ));
+                }
+            }
+        }
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(15)).await;
+            Outcome::Ack
+        })
+    }
+}
+
+/// Records written to the split's children: at 15 ms each over two shards of two lanes, reading
+/// them takes longer than a seek that moves shards one by one.
+const CHILD_RECORDS: usize = 200;
+
+/// Reads a stream of one shard to its end, splits it, and starts reading the children slowly.
+async fn split_and_read_children(
+    stream: &MemoryStream,
+    memory: &MemoryLeaseStore,
+    store: &Arc<dyn LeaseStore>,
+    log: &Log,
+    violations: &Violations,
+) -> (Running, String, Vec<Position>) {
+    let parent = stream.open_shards()[0].clone();
+    let mut parent_positions = Vec::new();
+    for (i, name) in names("p", 12).iter().enumerate() {
+        let (_, seq) = stream.put(&format!("key-{}", i % 4), name.clone());
+        parent_positions.push(Position::new(seq, 0));
+    }
+    let (a, b) = stream.split(&parent);
+    put_all(stream, &names("c", CHILD_RECORDS));
+    let lineage = BTreeMap::from([(a, vec![parent.clone()]), (b, vec![parent.clone()])]);
+    let running = builder(
+        stream,
+        store,
+        "w1",
+        lineage_checking(memory, &lineage, log, violations),
+    )
+    .lanes(2)
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("the children being read", Duration::from_secs(10), || {
+        log.set().iter().filter(|n| n.starts_with('c')).count() >= 6
+    })
+    .await;
+    (running, parent, parent_positions)
+}
+
+impl Log {
+    fn count(&self, prefix: char) -> usize {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|n| n.starts_with(prefix))
+            .count()
+    }
+}
+
+fn assert_no_violation(violations: &Violations) {
+    let v = violations.0.lock().unwrap();
+    assert!(
+        v.is_empty(),
+        "parent and children were read at once: {v:#?}"
+    );
+}
+
+#[tokio::test]
+async fn a_seek_of_a_parent_to_a_record_while_its_children_are_read_resets_the_children_with_it() {
+    let stream = MemoryStream::new("orders", 1);
+    let memory = MemoryLeaseStore::new();
+    let store: Arc<dyn LeaseStore> = Arc::new(SlowSeeks(memory.clone()));
+    let (log, violations) = (Log::default(), Violations::default());
+    let (running, parent, positions) =
+        split_and_read_children(&stream, &memory, &store, &log, &violations).await;
+    let target = SeekTarget::Position {
+        shard_id: parent.clone(),
+        position: positions[4],
+    };
+    let report = running.seek(&target).await.unwrap();
+    // The parent is read again from the record to its end (8 of its 12 records)...
+    wait_for(
+        "the parent read again from the record",
+        Duration::from_secs(20),
+        || log.count('p') >= 12 + 8,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_no_violation(&violations);
+    assert_eq!(
+        report.moved.len(),
+        3,
+        "the parent and both children: {report:?}"
+    );
+    // ... then the children from their start.
+    wait_for(
+        "the children read again to their end",
+        Duration::from_secs(20),
+        || {
+            memory
+                .snapshot()
+                .iter()
+                .filter(|r| r.shard_id != parent)
+                .all(|r| matches!(r.checkpoint, Checkpoint::At(_)) && r.seek_epoch == 1)
+        },
+    )
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    assert!(
+        log.count('c') >= CHILD_RECORDS + 6,
+        "the children were read again"
+    );
+    assert_no_violation(&violations);
+}
+
+#[tokio::test]
+async fn a_stream_wide_seek_while_children_are_read_never_reopens_a_parent_under_them() {
+    let stream = MemoryStream::new("orders", 1);
+    let memory = MemoryLeaseStore::new();
+    let store: Arc<dyn LeaseStore> = Arc::new(SlowSeeks(memory.clone()));
+    let (log, violations) = (Log::default(), Violations::default());
+    let (running, _parent, _) =
+        split_and_read_children(&stream, &memory, &store, &log, &violations).await;
+    let report = running.seek(&SeekTarget::TrimHorizon).await.unwrap();
+    wait_for("the parent read again", Duration::from_secs(20), || {
+        log.count('p') >= 24
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_no_violation(&violations);
+    assert_eq!(report.moved.len(), 3, "{report:?}");
+    wait_for(
+        "the children read again to their end",
+        Duration::from_secs(20),
+        || {
+            memory.snapshot().iter().all(|r| {
+                r.seek_epoch == 1
+                    && matches!(r.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd)
+            })
+        },
+    )
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    assert!(
+        log.count('c') >= CHILD_RECORDS + 6,
+        "the children were read again"
+    );
+    assert_no_violation(&violations);
+}
