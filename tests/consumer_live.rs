@@ -263,15 +263,39 @@ async fn retries_count_attempts_over_copies_then_dead_letter_with_payload_and_he
 }
 
 #[tokio::test]
-async fn a_missing_dead_letter_stream_holds_the_checkpoint_until_it_exists() {
+async fn a_missing_dead_letter_stream_fails_the_start_naming_it() {
     let live = live_or_skip!();
     let stream = support::unique_name("dlq-missing");
+    let dlq = support::unique_name("dlq-misspelled");
+    let app = support::unique_name("dlq-app");
+    live.create_stream(&stream, 1).await;
+    let err = builder(&stream, &app, |_d: Delivery| async { Outcome::Ack })
+        .dead_letter(dlq.clone())
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .expect_err("a missing dead-letter stream fails the start");
+    assert!(
+        matches!(&err, shardwise::Error::StreamNotFound { stream } if *stream == dlq),
+        "{err:?}"
+    );
+    let tables = live.dynamodb.list_tables().send().await.unwrap();
+    assert!(
+        !tables.table_names().contains(&app),
+        "nothing was started: no lease table"
+    );
+    live.delete_stream(&stream).await;
+}
+
+#[tokio::test]
+async fn a_dead_letter_stream_deleted_while_running_holds_the_checkpoint_until_it_exists_again() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("dlq-gone");
     let dlq = support::unique_name("dlq-later");
     let app = support::unique_name("dlq-app");
     live.create_stream(&stream, 1).await;
-    put_blob(&live, &stream, "bad-key", Bytes::from_static(b"poison")).await;
-    let after = put_blob(&live, &stream, "good-key", Bytes::from_static(b"fine")).await;
-
+    live.create_stream(&dlq, 1).await;
     let seen: Seen = Arc::default();
     let s = seen.clone();
     let running = builder(&stream, &app, move |d: Delivery| {
@@ -286,11 +310,37 @@ async fn a_missing_dead_letter_stream_holds_the_checkpoint_until_it_exists() {
     .run()
     .await
     .unwrap();
+    live.delete_stream(&dlq).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while live
+        .kinesis
+        .describe_stream_summary()
+        .stream_name(&dlq)
+        .send()
+        .await
+        .is_ok()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the dead-letter stream was never deleted"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let poison = put_blob(&live, &stream, "bad-key", Bytes::from_static(b"poison")).await;
+    let after = put_blob(&live, &stream, "good-key", Bytes::from_static(b"fine")).await;
     wait_for("both", Duration::from_secs(20), || {
         seen.lock().unwrap().len() >= 2
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_for("the stuck write to show", Duration::from_secs(20), || {
+        !running.stuck_writes().is_empty()
+    })
+    .await;
+    let stuck = running.stuck_writes();
+    assert_eq!(stuck.len(), 1, "{stuck:?}");
+    assert_eq!(stuck[0].position.sequence().to_string(), poison);
+    assert_eq!(stuck[0].to, dlq);
+    assert!(stuck[0].error.contains(&dlq), "{}", stuck[0].error);
     let (cp, _) = stored_checkpoint(&live, &app, &stream).await;
     assert_eq!(
         cp, "TRIM_HORIZON",
@@ -298,7 +348,7 @@ async fn a_missing_dead_letter_stream_holds_the_checkpoint_until_it_exists() {
     );
 
     live.create_stream(&dlq, 1).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if stored_checkpoint(&live, &app, &stream).await.0 == after {
             break;
@@ -310,6 +360,7 @@ async fn a_missing_dead_letter_stream_holds_the_checkpoint_until_it_exists() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(read_all(&live, &dlq).await.len(), 1);
+    assert!(running.stuck_writes().is_empty());
     running.shutdown(Duration::from_secs(3)).await;
     live.delete_stream(&stream).await;
     live.delete_stream(&dlq).await;

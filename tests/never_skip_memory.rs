@@ -6,13 +6,14 @@
 //! Each test runs on the current-thread runtime, so the tracing subscriber and metrics recorder
 //! set for the test thread see every task of the consumer.
 
+mod support;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::future::BoxFuture;
-use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use shardwise::lease::{
     Checkpoint, CheckpointWrite, InitialPosition, Lease, LeaseSettings, LeaseStore,
     MemoryLeaseStore, NewLease, Ownership, SeekMove,
@@ -281,21 +282,6 @@ impl Captured {
     }
 }
 
-fn counter(recorder: &DebuggingRecorder, name: &str, shard: &str) -> Option<u64> {
-    recorder
-        .snapshotter()
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .find(|(key, _, _, _)| {
-            key.key().name() == name && key.key().labels().any(|l| l.value() == shard)
-        })
-        .and_then(|(_, _, _, value)| match value {
-            DebugValue::Counter(n) => Some(n),
-            _ => None,
-        })
-}
-
 /// A closed parent whose unread records were trimmed by retention (it is no longer listed) is
 /// ended with a warning naming what was lost, so its children start instead of waiting forever.
 #[tokio::test]
@@ -308,7 +294,7 @@ async fn a_closed_parent_that_aged_out_is_ended_and_its_children_start() {
         .with_max_level(tracing::Level::WARN)
         .finish();
     let _logs = tracing::subscriber::set_default(subscriber);
-    let recorder = DebuggingRecorder::new();
+    let recorder = support::Metrics::default();
     let _metrics = metrics::set_default_local_recorder(&recorder);
 
     let stream = MemoryStream::new("orders", 1);
@@ -376,7 +362,7 @@ async fn a_closed_parent_that_aged_out_is_ended_and_its_children_start() {
         "and what was lost:\n{text}"
     );
     assert_eq!(
-        counter(&recorder, "shardwise_shards_aged_out_total", &parent),
+        recorder.counter("shardwise_shards_aged_out_total", &parent),
         Some(1)
     );
 }

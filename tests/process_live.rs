@@ -1713,3 +1713,69 @@ async fn kill_9_during_a_retry_after_delay_replays_the_original() {
     );
     cleanup(&live, &stream, &app).await;
 }
+
+/// The report that found the LATEST skip, as it was run: one shard, an application started at
+/// LATEST, a 4 s handler, one lane. The first worker takes the lease and starts reading; 20 records
+/// are written; it is killed with SIGKILL while its first record is still in the handler, so it
+/// never wrote a checkpoint. The next owner must handle all 20.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latest_start_killed_before_its_first_checkpoint_skips_nothing() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-latest");
+    let app = support::unique_name("pl-latest-app");
+    live.create_stream(&stream, 1).await;
+    let log = Log::default();
+    let mut args: Vec<&str> = FAST.to_vec();
+    args.extend(["--start", "latest", "--handler-delay-ms", "4000"]);
+    let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "W holds the shard and pinned its start",
+        Duration::from_secs(30),
+        |rows| {
+            rows.iter()
+                .any(|r| r.owner.as_deref() == Some("W") && r.checkpoint != "LATEST")
+        },
+    )
+    .await;
+    // Its reader has opened an iterator and polled (every 200 ms) by now.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let (first, n) = (100u64, 20u64);
+    put(&stream, n, 4, first).await;
+    // The first record is read within a poll and sits in the 4 s handler.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    w.kill9().await;
+    assert_eq!(log.len(), 0, "W finished no record before the kill");
+    let rows_at_kill = rows(&live, &app, &stream).await;
+    assert!(
+        rows_at_kill.iter().all(|r| r.checkpoint == "AT_TIMESTAMP"),
+        "no checkpoint past the pinned start was written: {rows_at_kill:#?}"
+    );
+
+    let mut b = Worker::spawn(
+        &stream,
+        &app,
+        "B",
+        &["--start", "latest"]
+            .iter()
+            .chain(FAST)
+            .copied()
+            .collect::<Vec<_>>(),
+        &log,
+    );
+    eventually("B handled all 20", Duration::from_secs(30), || {
+        let seen: BTreeSet<u64> = log.snapshot().iter().map(|h| h.id).collect();
+        (first..first + n).all(|id| seen.contains(&id))
+    })
+    .await;
+    b.stop_gracefully(Duration::from_secs(30)).await;
+    log.dump(&app);
+    log.assert_no_garbage();
+    let skipped: Vec<u64> = (first..first + n)
+        .filter(|id| !log.snapshot().iter().any(|h| h.id == *id))
+        .collect();
+    assert!(skipped.is_empty(), "skipped: {skipped:?}");
+    cleanup(&live, &stream, &app).await;
+}

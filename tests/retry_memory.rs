@@ -203,8 +203,7 @@ async fn a_missing_dead_letter_stream_fails_at_start_naming_it() {
         .unwrap()
         .run()
         .await
-        .err()
-        .expect("a missing dead-letter stream fails the start");
+        .expect_err("a missing dead-letter stream fails the start");
     assert!(
         matches!(&err, Error::StreamNotFound { stream } if stream == "orders-dlq-misspelled"),
         "{err:?}"

@@ -240,3 +240,86 @@ impl Live {
         }
     }
 }
+
+/// A metrics recorder that keeps the last value of every counter and gauge, for tests to read
+/// (metrics-util's debugging recorder resets them when read). Install it for the test's thread
+/// with `metrics::set_default_local_recorder` on a current-thread runtime.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: metrics_util::registry::Registry<metrics::Key, metrics_util::registry::AtomicStorage>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            registry: metrics_util::registry::Registry::atomic(),
+        }
+    }
+}
+
+impl Metrics {
+    fn matching(key: &metrics::Key, name: &str, label_value: &str) -> bool {
+        key.name() == name && key.labels().any(|l| l.value() == label_value)
+    }
+
+    /// The counter `name` with a label whose value is `label_value`.
+    pub fn counter(&self, name: &str, label_value: &str) -> Option<u64> {
+        self.registry
+            .get_counter_handles()
+            .into_iter()
+            .find(|(key, _)| Self::matching(key, name, label_value))
+            .map(|(_, c)| c.load(Ordering::SeqCst))
+    }
+
+    /// The gauge `name` with a label whose value is `label_value`.
+    pub fn gauge(&self, name: &str, label_value: &str) -> Option<f64> {
+        self.registry
+            .get_gauge_handles()
+            .into_iter()
+            .find(|(key, _)| Self::matching(key, name, label_value))
+            .map(|(_, g)| f64::from_bits(g.load(Ordering::SeqCst)))
+    }
+}
+
+impl metrics::Recorder for Metrics {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        self.registry
+            .get_or_create_counter(key, |c| metrics::Counter::from_arc(c.clone()))
+    }
+
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        self.registry
+            .get_or_create_gauge(key, |g| metrics::Gauge::from_arc(g.clone()))
+    }
+
+    fn register_histogram(
+        &self,
+        key: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        self.registry
+            .get_or_create_histogram(key, |h| metrics::Histogram::from_arc(h.clone()))
+    }
+}
