@@ -6,7 +6,8 @@
 //! Each test runs on the current-thread runtime, so the tracing subscriber and metrics recorder
 //! set for the test thread see every task of the consumer.
 
-mod support;
+#[path = "support/recorder.rs"]
+mod recorder;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -262,39 +263,13 @@ async fn a_seek_to_latest_followed_by_a_crash_skips_nothing_written_after_the_se
     second.shutdown(Duration::from_secs(2)).await;
 }
 
-/// Collects what the consumer logs on this thread.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
 /// A closed parent whose unread records were trimmed by retention (it is no longer listed) is
 /// ended with a warning naming what was lost, so its children start instead of waiting forever.
 #[tokio::test]
 async fn a_closed_parent_that_aged_out_is_ended_and_its_children_start() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .finish();
-    let _logs = tracing::subscriber::set_default(subscriber);
-    let recorder = support::Metrics::default();
+    let logs = recorder::Logs::default();
+    let _logs = tracing::subscriber::set_default(logs.clone());
+    let recorder = recorder::Metrics::default();
     let _metrics = metrics::set_default_local_recorder(&recorder);
 
     let stream = MemoryStream::new("orders", 1);
@@ -352,7 +327,7 @@ async fn a_closed_parent_that_aged_out_is_ended_and_its_children_start() {
             row.checkpoint
         );
     }
-    let text = captured.text();
+    let text = logs.text();
     assert!(
         text.contains("aged out of the stream's retention") && text.contains(&parent),
         "the warning says what happened and names the shard:\n{text}"

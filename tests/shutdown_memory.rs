@@ -1,7 +1,8 @@
 //! Shutdown on the in-memory stream, under paused time: the deadline bounds the wait even when the
 //! lease table stops answering, and a stopped shard stops reporting its gauges.
 
-mod support;
+#[path = "support/recorder.rs"]
+mod recorder;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -176,7 +177,7 @@ async fn shutdown_returns_within_the_deadline_and_the_grace_even_when_the_table_
 
 #[tokio::test(start_paused = true)]
 async fn a_stopped_shard_stops_reporting_its_lag_and_load() {
-    let recorder = support::Metrics::default();
+    let recorder = recorder::Metrics::default();
     let _local = metrics::set_default_local_recorder(&recorder);
     let shard = "shardId-000000000000";
     let stream = MemoryStream::new("orders", 1);

@@ -4,7 +4,7 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use crate::error::ConfigError;
-use crate::lease::{InitialPosition, LeaseSettings};
+use crate::lease::{InitialPosition, LeaseSettings, TableOptions};
 use crate::shard::reader::ReaderSettings;
 
 /// How deliveries of one shard are spread over its lanes.
@@ -24,8 +24,13 @@ pub enum Ordering {
 pub struct Settings {
     /// The stream to read.
     pub stream: String,
-    /// The application: names the lease table; workers of one application share the stream.
+    /// The application; workers of one application share the stream. It names the lease table
+    /// unless [`lease_table`](Self::lease_table) does.
     pub application: String,
+    /// The DynamoDB lease table, when not named after the application.
+    pub lease_table: Option<String>,
+    /// How a missing lease table is created.
+    pub lease_table_options: TableOptions,
     /// This worker's id in the lease table.
     pub worker_id: String,
     /// Lanes per shard.
@@ -71,6 +76,8 @@ impl Settings {
         Self {
             stream,
             application,
+            lease_table: None,
+            lease_table_options: TableOptions::default(),
             worker_id: default_worker_id(),
             lanes: 1,
             ordering: Ordering::PerKey,
@@ -95,13 +102,32 @@ impl Settings {
                 "must be 1 to 128 characters of [a-zA-Z0-9_.-]",
             ));
         }
-        if !valid_name(&self.application, 255) || self.application.len() < 3 {
+        if self.lease_table.is_none()
+            && (!valid_name(&self.application, 255) || self.application.len() < 3)
+        {
             return Err(ConfigError::new(
                 "application",
                 &self.application,
-                "names the DynamoDB lease table: 3 to 255 characters of [a-zA-Z0-9_.-]",
+                "names the DynamoDB lease table: 3 to 255 characters of [a-zA-Z0-9_.-] (or name the table with lease_table)",
             ));
         }
+        if self.application.is_empty() {
+            return Err(ConfigError::new(
+                "application",
+                &self.application,
+                "must not be empty",
+            ));
+        }
+        if let Some(table) = &self.lease_table
+            && (!valid_name(table, 255) || table.len() < 3)
+        {
+            return Err(ConfigError::new(
+                "lease_table",
+                table,
+                "a DynamoDB table name: 3 to 255 characters of [a-zA-Z0-9_.-]",
+            ));
+        }
+        self.lease_table_options.validate()?;
         if self.worker_id.is_empty() || self.worker_id.len() > 256 {
             return Err(ConfigError::new(
                 "worker_id",
@@ -176,6 +202,11 @@ impl Settings {
         self.lease.validate()
     }
 
+    /// The DynamoDB lease table: [`lease_table`](Self::lease_table), or the application's name.
+    pub fn lease_table(&self) -> &str {
+        self.lease_table.as_deref().unwrap_or(&self.application)
+    }
+
     /// Where new shards start.
     pub fn initial_position(&self) -> InitialPosition {
         self.lease.initial_position
@@ -208,6 +239,23 @@ mod tests {
         let cases: Vec<(&str, Breaker)> = vec![
             ("stream", Box::new(|s| s.stream = "no spaces".into())),
             ("application", Box::new(|s| s.application = "ab".into())),
+            (
+                "lease_table",
+                Box::new(|s| s.lease_table = Some("a b".into())),
+            ),
+            (
+                "billing",
+                Box::new(|s| {
+                    s.lease_table_options.billing =
+                        crate::lease::Billing::Provisioned { read: 0, write: 5 }
+                }),
+            ),
+            (
+                "tags",
+                Box::new(|s| {
+                    s.lease_table_options.tags = vec![("aws:reserved".into(), "x".into())]
+                }),
+            ),
             ("worker_id", Box::new(|s| s.worker_id = String::new())),
             ("lanes", Box::new(|s| s.lanes = 0)),
             ("max_in_flight", Box::new(|s| s.max_in_flight = 0)),

@@ -20,6 +20,7 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
+use crate::backoff::Backoff;
 use crate::envelope::Headers;
 use crate::error::Error;
 use crate::handler::Delivery;
@@ -150,7 +151,8 @@ impl PendingWrite {
             key: (d.shard().to_string(), *d.position()),
             listed: false,
         };
-        let mut failures = 0u32;
+        let mut transient = Backoff::new(MAX_BACKOFF);
+        let mut stuck_for = Backoff::new(STUCK_BACKOFF);
         loop {
             let result = producer
                 .put(&self.stream, d.partition_key(), &self.headers, d.payload())
@@ -180,7 +182,6 @@ impl PendingWrite {
                 }
                 Err(e) => e,
             };
-            failures += 1;
             if matches!(error, Error::RecordTooLarge { .. }) && !self.dead_letter {
                 // The copy cannot be written at any time: its retries are over.
                 let reason = format!("retry copy not written: {error}");
@@ -236,9 +237,9 @@ impl PendingWrite {
                     entry.listed = true;
                     let _ = events.send(WriteEvent::Stuck(self.id));
                 }
-                crate::backoff::jittered(failures, STUCK_BACKOFF)
+                stuck_for.next()
             } else {
-                let wait = crate::backoff::jittered(failures, MAX_BACKOFF);
+                let wait = transient.next();
                 warn!(
                     stream = d.stream(),
                     shard = d.shard(),

@@ -27,7 +27,7 @@ use crate::frontier::Frontier;
 use crate::handler::Handler;
 use crate::lease::{
     DynamoDbLeaseStore, InitialPosition, LeaseEvent, LeaseHooks, LeaseManager, LeaseSettings,
-    LeaseStore, Ownership,
+    LeaseStore, Ownership, TableOptions,
 };
 use crate::producer::{KinesisSink, Producer, RecordSink};
 use crate::retry::RetryPolicy;
@@ -163,6 +163,32 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
+    /// The DynamoDB lease table's name (default: the application's name). Several applications
+    /// can then share a naming scheme of their own, e.g. `billing-orders-leases`.
+    pub fn lease_table(mut self, table: impl Into<String>) -> Self {
+        self.settings.lease_table = Some(table.into());
+        self
+    }
+
+    /// How the lease table is created when it does not exist: billing mode (on-demand by
+    /// default, or provisioned capacity), tags, point-in-time recovery.
+    ///
+    /// ```no_run
+    /// use shardwise::lease::{Billing, TableOptions};
+    /// # fn f<H: shardwise::Handler>(b: shardwise::ConsumerBuilder<H>) -> shardwise::ConsumerBuilder<H> {
+    /// b.lease_table_options(
+    ///     TableOptions::default()
+    ///         .billing(Billing::Provisioned { read: 10, write: 10 })
+    ///         .tag("team", "billing")
+    ///         .point_in_time_recovery(true),
+    /// )
+    /// # }
+    /// ```
+    pub fn lease_table_options(mut self, options: TableOptions) -> Self {
+        self.settings.lease_table_options = options;
+        self
+    }
+
     /// A lease store other than the DynamoDB table named after the application.
     pub fn lease_store(mut self, store: Arc<dyn LeaseStore>) -> Self {
         self.store = Some(store);
@@ -292,13 +318,26 @@ impl<H: Handler> Consumer<H> {
             (None, true) => Some(aws_config::defaults(BehaviorVersion::latest()).load().await),
             (None, false) => None,
         };
+        if let Some(config) = &sdk
+            && config.region().is_none()
+        {
+            return Err(ConfigError::new(
+                "region",
+                "none",
+                "no AWS region is configured: set AWS_REGION (or the region of an AWS_PROFILE)",
+            )
+            .into());
+        }
         let kinesis = sdk.as_ref().map(aws_sdk_kinesis::Client::new);
         let store = match self.store {
             Some(s) => s,
-            None => Arc::new(DynamoDbLeaseStore::new(
-                aws_sdk_dynamodb::Client::new(sdk.as_ref().expect("sdk loaded")),
-                self.settings.application.clone(),
-            )),
+            None => Arc::new(
+                DynamoDbLeaseStore::new(
+                    aws_sdk_dynamodb::Client::new(sdk.as_ref().expect("sdk loaded")),
+                    self.settings.lease_table(),
+                )
+                .table_options(self.settings.lease_table_options.clone()),
+            ),
         };
         let source: Arc<dyn RecordSource> = match self.source {
             Some(s) => s,

@@ -37,6 +37,7 @@ use super::copies::{StuckWrites, WriteEvent};
 use super::ending::{self, Reading, ShardState, Step};
 use super::lanes::{Finished, Lanes};
 use super::outcome::{Resolved, resolve};
+use crate::backoff::Backoff;
 use crate::checkpoint::Checkpoint;
 use crate::error::Error;
 use crate::handler::{Delivery, Handler};
@@ -363,7 +364,7 @@ async fn pin_start<H>(ctx: &ShardContext<H>, held: &HeldLease) -> Result<Checkpo
     let ownership = &held.ownership;
     let now = crate::time::now();
     let to = Checkpoint::AtTimestamp(now.checked_sub(ctx.settings.latest_margin).unwrap_or(now));
-    let mut failures = 0u32;
+    let mut backoff = Backoff::new(ctx.settings.reader.max_backoff);
     loop {
         let result = tokio::select! {
             biased;
@@ -390,8 +391,7 @@ async fn pin_start<H>(ctx: &ShardContext<H>, held: &HeldLease) -> Result<Checkpo
             }
             Err(e) => e,
         };
-        failures += 1;
-        let wait = crate::backoff::jittered(failures, ctx.settings.reader.max_backoff);
+        let wait = backoff.next();
         warn!(stream = %ownership.stream, shard = %ownership.shard_id, error = %error, ?wait, "pinning the LATEST start failed; retrying before reading");
         tokio::time::sleep(wait).await;
     }

@@ -13,14 +13,16 @@ use aws_sdk_dynamodb::config::http::HttpResponse;
 use aws_sdk_dynamodb::error::SdkError;
 use aws_sdk_dynamodb::operation::update_item::{UpdateItemError, UpdateItemOutput};
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, ReturnValue,
-    ReturnValuesOnConditionCheckFailure, ScalarAttributeType, TableDescription, TableStatus,
-    TransactWriteItem, Update,
+    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType,
+    PointInTimeRecoverySpecification, PointInTimeRecoveryStatus, ProvisionedThroughput,
+    ReturnValue, ReturnValuesOnConditionCheckFailure, ScalarAttributeType, TableDescription,
+    TableStatus, Tag, TransactWriteItem, Update,
 };
 use futures::future::BoxFuture;
 
 use super::row::{Lease, NewLease, Ownership, lease_key};
 use super::store::{CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, SeekMove};
+use crate::backoff::Backoff;
 use crate::checkpoint::{AT_TIMESTAMP, Checkpoint};
 use crate::error::Error;
 use crate::time::millis;
@@ -46,7 +48,7 @@ use attr::*;
 
 /// How long [`LeaseStore::prepare`] waits for a table to become `ACTIVE`.
 const ACTIVE_TIMEOUT: Duration = Duration::from_secs(60);
-const POLL_FIRST: Duration = Duration::from_millis(50);
+/// Longest wait between two DescribeTable calls while the table becomes ACTIVE.
 const POLL_MAX: Duration = Duration::from_millis(200);
 
 type Item = HashMap<String, AttributeValue>;
@@ -66,6 +68,95 @@ pub struct DynamoDbLeaseStore {
     client: Client,
     table: String,
     create_if_missing: bool,
+    options: TableOptions,
+}
+
+/// How a missing lease table is created: billing mode, tags, point-in-time recovery. An existing
+/// table is used as it is (only its key schema is checked), except that point-in-time recovery is
+/// turned on when asked for and off.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TableOptions {
+    /// On-demand (the default) or provisioned capacity.
+    pub billing: Billing,
+    /// Tags set on the table when it is created.
+    pub tags: Vec<(String, String)>,
+    /// Continuous backups with point-in-time recovery.
+    pub point_in_time_recovery: bool,
+}
+
+impl TableOptions {
+    /// Sets the billing mode.
+    pub fn billing(mut self, billing: Billing) -> Self {
+        self.billing = billing;
+        self
+    }
+
+    /// Adds a tag.
+    pub fn tag(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.tags.push((key.into(), value.into()));
+        self
+    }
+
+    /// Turns point-in-time recovery on or off.
+    pub fn point_in_time_recovery(mut self, on: bool) -> Self {
+        self.point_in_time_recovery = on;
+        self
+    }
+
+    /// Checks the options, naming the first bad one (DynamoDB's limits on tags and capacity).
+    pub fn validate(&self) -> Result<(), crate::ConfigError> {
+        use crate::ConfigError;
+        if let Billing::Provisioned { read, write } = self.billing
+            && (read == 0 || write == 0)
+        {
+            return Err(ConfigError::new(
+                "billing",
+                self.billing,
+                "provisioned read and write capacity must each be at least 1",
+            ));
+        }
+        if self.tags.len() > 50 {
+            return Err(ConfigError::new(
+                "tags",
+                self.tags.len(),
+                "a table takes at most 50 tags",
+            ));
+        }
+        for (key, value) in &self.tags {
+            if key.is_empty() || key.chars().count() > 128 || key.starts_with("aws:") {
+                return Err(ConfigError::new(
+                    "tags",
+                    key,
+                    "a tag key is 1 to 128 characters and does not start with `aws:`",
+                ));
+            }
+            if value.chars().count() > 256 {
+                return Err(ConfigError::new(
+                    "tags",
+                    value,
+                    "a tag value is at most 256 characters",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The capacity mode of a lease table.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Billing {
+    /// Pay per request (no capacity planning).
+    #[default]
+    OnDemand,
+    /// Provisioned read and write capacity units.
+    Provisioned {
+        /// Read capacity units.
+        read: u64,
+        /// Write capacity units.
+        write: u64,
+    },
 }
 
 impl fmt::Debug for DynamoDbLeaseStore {
@@ -73,6 +164,7 @@ impl fmt::Debug for DynamoDbLeaseStore {
         f.debug_struct("DynamoDbLeaseStore")
             .field("table", &self.table)
             .field("create_if_missing", &self.create_if_missing)
+            .field("options", &self.options)
             .finish_non_exhaustive()
     }
 }
@@ -85,7 +177,14 @@ impl DynamoDbLeaseStore {
             client,
             table: table.into(),
             create_if_missing: true,
+            options: TableOptions::default(),
         }
+    }
+
+    /// How a missing table is created (billing mode, tags, point-in-time recovery).
+    pub fn table_options(mut self, options: TableOptions) -> Self {
+        self.options = options;
+        self
     }
 
     /// Whether [`prepare`](LeaseStore::prepare) creates a missing table (on demand capacity, hash
@@ -150,15 +249,34 @@ impl DynamoDbLeaseStore {
             .key_type(KeyType::Hash)
             .build()
             .map_err(|e| self.failed("CreateTable", e))?;
-        let result = self
+        let mut request = self
             .client
             .create_table()
             .table_name(&self.table)
-            .billing_mode(BillingMode::PayPerRequest)
             .attribute_definitions(definition)
-            .key_schema(key)
-            .send()
-            .await;
+            .key_schema(key);
+        request = match self.options.billing {
+            Billing::OnDemand => request.billing_mode(BillingMode::PayPerRequest),
+            Billing::Provisioned { read, write } => request
+                .billing_mode(BillingMode::Provisioned)
+                .provisioned_throughput(
+                    ProvisionedThroughput::builder()
+                        .read_capacity_units(read as i64)
+                        .write_capacity_units(write as i64)
+                        .build()
+                        .map_err(|e| self.failed("CreateTable", e))?,
+                ),
+        };
+        for (key, value) in &self.options.tags {
+            request = request.tags(
+                Tag::builder()
+                    .key(key)
+                    .value(value)
+                    .build()
+                    .map_err(|e| self.failed("CreateTable", e))?,
+            );
+        }
+        let result = request.send().await;
         match result {
             Ok(_) => {
                 tracing::info!(table = %self.table, "created the lease table");
@@ -179,7 +297,7 @@ impl DynamoDbLeaseStore {
     /// Polls DescribeTable until the table can be read and written.
     async fn wait_active(&self) -> Result<TableDescription, Error> {
         let deadline = Instant::now() + ACTIVE_TIMEOUT;
-        let mut delay = POLL_FIRST;
+        let mut polls = Backoff::new(POLL_MAX);
         loop {
             let status = match self.describe().await? {
                 // Right after CreateTable the table may not be visible yet.
@@ -202,8 +320,7 @@ impl DynamoDbLeaseStore {
                     ACTIVE_TIMEOUT.as_secs()
                 )));
             }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(POLL_MAX);
+            tokio::time::sleep(polls.next()).await;
         }
     }
 
@@ -673,6 +790,38 @@ impl DynamoDbLeaseStore {
         Ok(())
     }
 
+    /// Turns on continuous backups with point-in-time recovery (a no-op when they are on).
+    async fn enable_point_in_time_recovery(&self) -> Result<(), Error> {
+        let enabled = self
+            .client
+            .describe_continuous_backups()
+            .table_name(&self.table)
+            .send()
+            .await
+            .map_err(|e| self.failed("DescribeContinuousBackups", e))?
+            .continuous_backups_description
+            .and_then(|d| d.point_in_time_recovery_description)
+            .and_then(|p| p.point_in_time_recovery_status)
+            .is_some_and(|status| status == PointInTimeRecoveryStatus::Enabled);
+        if enabled {
+            return Ok(());
+        }
+        self.client
+            .update_continuous_backups()
+            .table_name(&self.table)
+            .point_in_time_recovery_specification(
+                PointInTimeRecoverySpecification::builder()
+                    .point_in_time_recovery_enabled(true)
+                    .build()
+                    .map_err(|e| self.failed("UpdateContinuousBackups", e))?,
+            )
+            .send()
+            .await
+            .map_err(|e| self.failed("UpdateContinuousBackups", e))?;
+        tracing::info!(table = %self.table, "point-in-time recovery turned on");
+        Ok(())
+    }
+
     async fn prepare_table(&self) -> Result<(), Error> {
         if self.describe().await?.is_none() {
             if !self.create_if_missing {
@@ -684,7 +833,11 @@ impl DynamoDbLeaseStore {
             self.create_table().await?;
         }
         let desc = self.wait_active().await?;
-        self.check_schema(&desc)
+        self.check_schema(&desc)?;
+        if self.options.point_in_time_recovery {
+            self.enable_point_in_time_recovery().await?;
+        }
+        Ok(())
     }
 }
 

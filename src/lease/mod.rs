@@ -14,7 +14,7 @@ mod store;
 mod sync;
 pub(crate) use sync::new_leases;
 
-pub use dynamodb::DynamoDbLeaseStore;
+pub use dynamodb::{Billing, DynamoDbLeaseStore, TableOptions};
 pub use manager::{HeldLease, LeaseEvent, LeaseHooks, LeaseManager, LeaseSettings};
 pub use memory::MemoryLeaseStore;
 pub use row::{Checkpoint, InitialPosition, Lease, NewLease, Ownership};

@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::source::{Page, ReadError, RecordSource, StartAt};
+use crate::backoff::Backoff;
 use crate::checkpoint::Checkpoint;
 use crate::kpl::{self, Deaggregated};
 use crate::position::Position;
@@ -139,7 +140,7 @@ impl ShardReader {
     /// The read loop; returns the final message (end or failure), or `None` if the receiver went away.
     async fn read(&mut self, out: &mpsc::Sender<ReaderMessage>) -> Option<ReaderMessage> {
         let mut iterator: Option<String> = None;
-        let mut failures: u32 = 0;
+        let mut backoff = Backoff::new(self.settings.max_backoff);
         let mut next_call = Instant::now();
         loop {
             let current = match iterator.take() {
@@ -148,8 +149,7 @@ impl ShardReader {
                     Ok(it) => it,
                     Err(ReadError::NotFound) => return Some(ReaderMessage::Gone),
                     Err(e) => {
-                        failures += 1;
-                        self.backoff(failures, &e).await;
+                        self.back_off(backoff.next(), &e).await;
                         continue;
                     }
                 },
@@ -164,13 +164,12 @@ impl ShardReader {
                 }
                 Err(ReadError::NotFound) => return Some(ReaderMessage::Gone),
                 Err(e) => {
-                    failures += 1;
-                    self.backoff(failures, &e).await;
+                    self.back_off(backoff.next(), &e).await;
                     iterator = Some(current);
                     continue;
                 }
             };
-            failures = 0;
+            backoff.reset();
             let Page {
                 records,
                 next_iterator,
@@ -214,8 +213,7 @@ impl ShardReader {
             .await
     }
 
-    async fn backoff(&self, failures: u32, error: &ReadError) {
-        let wait = crate::backoff::jittered(failures, self.settings.max_backoff);
+    async fn back_off(&self, wait: Duration, error: &ReadError) {
         match error {
             ReadError::Throttled => debug!(shard = %self.shard, ?wait, "throttled; backing off"),
             e => {

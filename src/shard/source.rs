@@ -169,7 +169,8 @@ impl RecordSource for KinesisRecords {
                         .map_err(|e| ReadError::Other(Box::new(e)))?;
                     Ok(RawRecord {
                         sequence,
-                        partition_key: r.partition_key,
+                        // Every Kinesis record has one; the SDK models it as optional.
+                        partition_key: r.partition_key.unwrap_or_default(),
                         data: Bytes::from(r.data.into_inner()),
                         arrived_at: r
                             .approximate_arrival_timestamp

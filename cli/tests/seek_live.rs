@@ -2,6 +2,7 @@
 //! user would: `shardwise seek` while consumers run and while none run, and `shardwise frontier`
 //! checked against the handled-record log.
 
+#[path = "../../tests/support/mod.rs"]
 mod support;
 
 use std::collections::HashMap;

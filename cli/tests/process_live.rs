@@ -7,6 +7,7 @@
 //! Run with the emulators up:
 //! `envs=$(scripts/emulators start) && eval "$envs" && SHARDWISE_LIVE=require cargo test --test process_live -- --test-threads=2`
 
+#[path = "../../tests/support/mod.rs"]
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};

@@ -236,11 +236,11 @@ async fn live(scale: &Scale) {
     );
 
     // Process start to first record.
-    let bin = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/shardwise");
+    let bin = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/shardwise");
     let bin = if bin.exists() {
         bin
     } else {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/debug/shardwise")
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/shardwise")
     };
     if bin.exists() {
         let t0 = Instant::now();

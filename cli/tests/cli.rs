@@ -2,6 +2,7 @@
 //! describe`, `put` (every id once, in order per key) and `leases`, plus the failures a user
 //! meets first (a missing stream, a missing lease table).
 
+#[path = "../../tests/support/mod.rs"]
 mod support;
 
 use std::collections::{BTreeSet, HashMap};
@@ -100,7 +101,7 @@ async fn read_all(live: &support::Live, stream: &str) -> Vec<Read> {
                 last_sequence = Some(sequence);
                 records.push(Read {
                     shard: shard.clone(),
-                    key: r.partition_key().to_owned(),
+                    key: r.partition_key().unwrap_or_default().to_owned(),
                     data: r.data().as_ref().to_vec(),
                 });
             }

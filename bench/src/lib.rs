@@ -1,0 +1,1 @@
+//! Benchmarks of shardwise; see `benches/`.

@@ -1,0 +1,1 @@
+//! Interop tests of shardwise against other implementations of its wire formats; see `tests/`.
