@@ -15,9 +15,18 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-/// Names the attempt a copy carries: the first delivery (no header) is attempt 1, and a retry copy
-/// of attempt `n` carries `n + 1`.
+/// The count of retries before this record, in decimal, exactly as ruststream-runtime reads and
+/// writes it: absent or malformed means 0; a copy of a delivery whose header says `n` carries
+/// `n + 1`; the attempt of a delivery is its count + 1. So a first delivery (no header) is attempt
+/// 1, its first copy carries `1` and is attempt 2, and the dead letter of attempt 3 carries `3`.
 pub const RETRY_COUNT_HEADER: &str = "x-ruststream-retry-count";
+
+/// The origin header that shardwise builds before 0.1.0 wrote on their copies, under a name
+/// ruststream never writes. Those builds counted attempts, not retries (their first copy carried
+/// `2`), so a record that carries this header and not
+/// [`ORIGIN_SEQUENCE_HEADER`](crate::retry::ORIGIN_SEQUENCE_HEADER) is read by their rule: header
+/// `n` is attempt `n`.
+pub const LEGACY_ORIGIN_SEQUENCE_HEADER: &str = "x-ruststream-origin-sequence";
 
 const RSK2: &[u8; 4] = b"RSK2";
 const RSK1: &[u8; 4] = b"RSK1";
@@ -91,13 +100,29 @@ impl Headers {
         self.entries.iter().map(|(n, v)| (n.as_str(), v.as_ref()))
     }
 
-    /// The attempt this record is: `x-ruststream-retry-count` as a positive decimal, or 1 when the
-    /// header is absent or unreadable.
+    /// The retries before this record: [`RETRY_COUNT_HEADER`] (its name in any case) as a decimal,
+    /// or 0 when it is absent or malformed.
+    pub fn retry_count(&self) -> u32 {
+        self.entries
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(RETRY_COUNT_HEADER))
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    /// The attempt this record is: its retry count + 1 (1 for a record without the header). A copy
+    /// written by a shardwise build before 0.1.0 (see [`LEGACY_ORIGIN_SEQUENCE_HEADER`]) is read by
+    /// that build's rule: header `n` is attempt `n`.
     pub fn attempt(&self) -> u32 {
-        self.get_str(RETRY_COUNT_HEADER)
-            .and_then(|v| v.trim().parse::<u32>().ok())
-            .filter(|&n| n >= 1)
-            .unwrap_or(1)
+        let count = self.retry_count();
+        let legacy = self.get(LEGACY_ORIGIN_SEQUENCE_HEADER).is_some()
+            && self.get(crate::retry::ORIGIN_SEQUENCE_HEADER).is_none();
+        if legacy {
+            count.max(1)
+        } else {
+            count.saturating_add(1)
+        }
     }
 }
 
@@ -144,7 +169,8 @@ pub struct Decoded {
 /// let blob = encode(&headers, b"hello");
 /// let back = decode(blob);
 /// assert_eq!(back.payload.as_ref(), b"hello");
-/// assert_eq!(back.headers.attempt(), 2);
+/// assert_eq!(back.headers.retry_count(), 2);
+/// assert_eq!(back.headers.attempt(), 3);
 /// ```
 ///
 /// # Panics
@@ -302,7 +328,7 @@ mod tests {
         assert_eq!(d.format, Format::Rsk2);
         assert_eq!(d.headers, h);
         assert_eq!(d.payload.as_ref(), &[1, 2, 3]);
-        assert_eq!(d.headers.attempt(), 3);
+        assert_eq!(d.headers.attempt(), 4);
     }
 
     #[test]
@@ -354,7 +380,7 @@ mod tests {
         blob.extend_from_slice(b"body");
         let d = decode(Bytes::from(blob));
         assert_eq!(d.format, Format::Rsk1);
-        assert_eq!(d.headers.attempt(), 2);
+        assert_eq!(d.headers.attempt(), 3);
         assert_eq!(d.headers.get_str("tenant"), Some("acme"));
         assert_eq!(d.payload.as_ref(), b"body");
     }
@@ -371,21 +397,50 @@ mod tests {
     }
 
     #[test]
-    fn attempt_ignores_unreadable_counts() {
-        for (value, attempt) in [
-            ("1", 1),
-            ("7", 7),
-            ("0", 1),
-            ("-2", 1),
-            ("x", 1),
-            (" 4 ", 4),
+    fn the_attempt_is_the_retry_count_plus_one_and_malformed_counts_read_as_zero() {
+        // (header value, retry count, attempt): as ruststream-runtime 0.7.7's `current_retry_count`
+        // and `attempt_of` read them.
+        for (value, count, attempt) in [
+            ("0", 0, 1),
+            ("1", 1, 2),
+            ("7", 7, 8),
+            ("-2", 0, 1),
+            ("x", 0, 1),
+            (" 4 ", 0, 1),
+            ("", 0, 1),
+            ("99999999999", u32::MAX, u32::MAX),
         ] {
+            let h = headers(&[(RETRY_COUNT_HEADER, value)]);
             assert_eq!(
-                headers(&[(RETRY_COUNT_HEADER, value)]).attempt(),
-                attempt,
-                "{value}"
+                (h.retry_count(), h.attempt()),
+                (count, attempt),
+                "{value:?}"
             );
         }
+        assert_eq!(Headers::new().attempt(), 1, "no header: the first delivery");
+        assert_eq!(
+            headers(&[("X-Ruststream-Retry-Count", "2")]).attempt(),
+            3,
+            "any case"
+        );
+    }
+
+    #[test]
+    fn copies_of_older_shardwise_builds_keep_their_own_count() {
+        // Older builds wrote "2" on the first copy (attempt 2), with origin headers under the
+        // ruststream prefix.
+        let old = headers(&[
+            (RETRY_COUNT_HEADER, "2"),
+            (LEGACY_ORIGIN_SEQUENCE_HEADER, "42"),
+        ]);
+        assert_eq!(old.attempt(), 2);
+        // A copy that also has the current origin header follows the current rule.
+        let current = headers(&[
+            (RETRY_COUNT_HEADER, "2"),
+            (LEGACY_ORIGIN_SEQUENCE_HEADER, "42"),
+            (crate::retry::ORIGIN_SEQUENCE_HEADER, "42"),
+        ]);
+        assert_eq!(current.attempt(), 3);
     }
 
     proptest! {

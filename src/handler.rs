@@ -154,7 +154,8 @@ impl Delivery {
         self.inner.arrived_at
     }
 
-    /// Which attempt this is: 1 for a first delivery, `n + 1` for the copy a retry of attempt `n` wrote.
+    /// Which attempt this is: 1 for a first delivery, `n + 1` for the copy a retry of attempt `n`
+    /// wrote (its `x-ruststream-retry-count` + 1, as ruststream counts).
     pub fn attempt(&self) -> u32 {
         self.inner.headers.attempt()
     }
@@ -230,12 +231,12 @@ impl DeliveryBuilder {
         self
     }
 
-    /// Sets the attempt (writes the retry-count header; attempt 1 removes it).
+    /// Sets the attempt: writes the retry count `attempt - 1` (attempt 1 removes the header).
     pub fn attempt(mut self, attempt: u32) -> Self {
         self.headers.remove(envelope::RETRY_COUNT_HEADER);
         if attempt > 1 {
             self.headers
-                .insert(envelope::RETRY_COUNT_HEADER, attempt.to_string());
+                .insert(envelope::RETRY_COUNT_HEADER, (attempt - 1).to_string());
         }
         self
     }

@@ -14,6 +14,7 @@
 use std::num::NonZeroU32;
 use std::time::Duration;
 
+pub use crate::envelope::LEGACY_ORIGIN_SEQUENCE_HEADER;
 use crate::envelope::{Headers, RETRY_COUNT_HEADER};
 use crate::handler::{Delivery, Outcome};
 
@@ -22,13 +23,25 @@ use crate::handler::{Delivery, Outcome};
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 
 /// Names the stream the event was first read from (kept across copies).
-pub const ORIGIN_STREAM_HEADER: &str = "x-ruststream-origin-stream";
+pub const ORIGIN_STREAM_HEADER: &str = "x-shardwise-origin-stream";
 /// Names the shard the event was first read from.
-pub const ORIGIN_SHARD_HEADER: &str = "x-ruststream-origin-shard";
+pub const ORIGIN_SHARD_HEADER: &str = "x-shardwise-origin-shard";
 /// Names the sequence number the event first had.
-pub const ORIGIN_SEQUENCE_HEADER: &str = "x-ruststream-origin-sequence";
+pub const ORIGIN_SEQUENCE_HEADER: &str = "x-shardwise-origin-sequence";
 /// Names the KPL sub-sequence the event first had.
-pub const ORIGIN_SUB_SEQUENCE_HEADER: &str = "x-ruststream-origin-subsequence";
+pub const ORIGIN_SUB_SEQUENCE_HEADER: &str = "x-shardwise-origin-subsequence";
+
+/// The origin headers as shardwise builds before 0.1.0 named them (with their attempt-counting
+/// rule; see [`LEGACY_ORIGIN_SEQUENCE_HEADER`]): read, and renamed on the next copy.
+pub const LEGACY_ORIGIN_HEADERS: [(&str, &str); 4] = [
+    ("x-ruststream-origin-stream", ORIGIN_STREAM_HEADER),
+    ("x-ruststream-origin-shard", ORIGIN_SHARD_HEADER),
+    (LEGACY_ORIGIN_SEQUENCE_HEADER, ORIGIN_SEQUENCE_HEADER),
+    (
+        "x-ruststream-origin-subsequence",
+        ORIGIN_SUB_SEQUENCE_HEADER,
+    ),
+];
 /// Why a record was dead-lettered.
 pub const DEAD_LETTER_REASON_HEADER: &str = "x-ruststream-dead-letter-reason";
 /// How many attempts a dead-lettered record had.
@@ -79,7 +92,8 @@ impl RetryPolicy {
         let mut headers = delivery.headers().clone();
         stamp_origin(&mut headers, delivery);
         if attempt < self.cap() {
-            headers.insert(RETRY_COUNT_HEADER, (attempt.saturating_add(1)).to_string());
+            // The copy is attempt + 1: it counts `attempt` retries before it.
+            headers.insert(RETRY_COUNT_HEADER, attempt.to_string());
             return Some(RetryPlan::Copy {
                 stream: delivery.stream().to_string(),
                 delay,
@@ -100,6 +114,9 @@ impl RetryPolicy {
             Some(stream) => {
                 let mut headers = delivery.headers().clone();
                 stamp_origin(&mut headers, delivery);
+                // Published like any copy, as ruststream does: the dead letter of attempt n
+                // carries the count n.
+                headers.insert(RETRY_COUNT_HEADER, attempt.to_string());
                 headers.insert(DEAD_LETTER_REASON_HEADER, reason);
                 headers.insert(ATTEMPTS_HEADER, attempt.to_string());
                 RetryPlan::DeadLetter {
@@ -112,9 +129,20 @@ impl RetryPolicy {
     }
 }
 
-/// Names the first read of the event, so it keeps one identity across copies.
+/// Names the first read of the event, so it keeps one identity across copies. A copy from an older
+/// shardwise build keeps its origin, under the current names (so its copy follows the current
+/// counting rule).
 fn stamp_origin(headers: &mut Headers, d: &Delivery) {
     if headers.get(ORIGIN_SEQUENCE_HEADER).is_some() {
+        return;
+    }
+    if headers.get(LEGACY_ORIGIN_SEQUENCE_HEADER).is_some() {
+        for (old, new) in LEGACY_ORIGIN_HEADERS {
+            if let Some(value) = headers.get(old).map(bytes::Bytes::copy_from_slice) {
+                headers.remove(old);
+                headers.insert(new, value);
+            }
+        }
         return;
     }
     headers.insert(ORIGIN_STREAM_HEADER, d.stream().to_string());
@@ -261,9 +289,15 @@ mod tests {
             Some("shardId-000000000001")
         );
 
+        assert_eq!(
+            headers.get_str(RETRY_COUNT_HEADER),
+            Some("2"),
+            "two retries before it"
+        );
+
         // A copy of the copy keeps the first origin, not the copy's own position.
         let mut h = headers.clone();
-        h.insert(RETRY_COUNT_HEADER, "3");
+        h.insert(RETRY_COUNT_HEADER, "2");
         let copy = Delivery::builder(
             "orders",
             "shardId-000000000009",
@@ -278,6 +312,55 @@ mod tests {
         };
         assert_eq!(headers.attempt(), 4);
         assert_eq!(headers.get_str(ORIGIN_SEQUENCE_HEADER), Some("42"));
+    }
+
+    #[test]
+    fn the_first_copy_carries_one_retry_as_ruststream_counts() {
+        let Some(RetryPlan::Copy { headers, .. }) =
+            policy(Some(3), None).plan(Outcome::Retry, &delivery(1))
+        else {
+            panic!("a copy");
+        };
+        assert_eq!(headers.get_str(RETRY_COUNT_HEADER), Some("1"));
+        assert_eq!(headers.attempt(), 2);
+    }
+
+    #[test]
+    fn a_copy_of_an_older_builds_copy_counts_on_and_renames_its_origin() {
+        // An older build's first copy: "2" meant attempt 2; origin under the ruststream prefix.
+        let mut old = Headers::new();
+        old.insert(RETRY_COUNT_HEADER, "2");
+        for (legacy, _) in LEGACY_ORIGIN_HEADERS {
+            old.insert(legacy, "first");
+        }
+        old.insert(LEGACY_ORIGIN_SEQUENCE_HEADER, "42");
+        let copy = Delivery::builder(
+            "orders",
+            "shardId-000000000003",
+            Position::new(SequenceNumber::parse("77").unwrap(), 0),
+        )
+        .headers(old)
+        .build();
+        assert_eq!(copy.attempt(), 2);
+        let Some(RetryPlan::Copy { headers, .. }) =
+            policy(Some(5), None).plan(Outcome::Retry, &copy)
+        else {
+            panic!("a copy");
+        };
+        assert_eq!(
+            headers.attempt(),
+            3,
+            "the next attempt, by the current rule"
+        );
+        assert_eq!(headers.get_str(RETRY_COUNT_HEADER), Some("2"));
+        assert_eq!(
+            headers.get_str(ORIGIN_SEQUENCE_HEADER),
+            Some("42"),
+            "the first origin kept"
+        );
+        for (legacy, _) in LEGACY_ORIGIN_HEADERS {
+            assert!(headers.get(legacy).is_none(), "{legacy} renamed");
+        }
     }
 
     #[test]
@@ -299,9 +382,9 @@ mod tests {
         assert_eq!(headers.get_str(ATTEMPTS_HEADER), Some("3"));
         assert!(headers.get_str(DEAD_LETTER_REASON_HEADER).is_some());
         assert_eq!(
-            headers.attempt(),
-            3,
-            "the count is the attempt that was spent"
+            headers.get_str(RETRY_COUNT_HEADER),
+            Some("3"),
+            "published like a copy: the dead letter of attempt 3 carries 3"
         );
     }
 }
