@@ -12,6 +12,17 @@
 //! - [`Position`], [`SequenceNumber`]: positions in a shard and their sortable checkpoint key.
 //! - [`Checkpoint`]: where a shard's reading stands, as the lease table stores it.
 
+//!
+//! ## The AWS SDK in the public API
+//!
+//! Four SDK types appear in shardwise's signatures, all to hand it clients you configured:
+//! [`aws_config::SdkConfig`] ([`ConsumerBuilder::aws_config`]), [`aws_sdk_kinesis::Client`]
+//! ([`producer::Producer::kinesis`], [`producer::KinesisSink`], [`shard::source::KinesisRecords`],
+//! [`shard::discovery::KinesisShards`]) and [`aws_sdk_dynamodb::Client`]
+//! ([`DynamoDbLeaseStore::new`]). No SDK error type appears: failures are [`Error`]. The three SDK
+//! crates are re-exported here, so building clients from `shardwise::aws_sdk_kinesis` always gives
+//! the versions shardwise was built with.
+
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
@@ -34,6 +45,9 @@ pub mod testing;
 mod time;
 pub mod track;
 
+pub use aws_config;
+pub use aws_sdk_dynamodb;
+pub use aws_sdk_kinesis;
 pub use consumer::{Consumer, ConsumerBuilder, Ordering, Running, ShutdownReport};
 pub use error::{AckError, BoxError, ConfigError, Error};
 pub use handler::{Delivery, DeliveryBuilder, Handler, Outcome};

@@ -1,4 +1,4 @@
-//! End-to-end figures for the consumer, printed as a table (`cargo bench --bench consumer`):
+//! End-to-end figures for the consumer, printed as a table (`cargo bench -p shardwise-bench --bench consumer`):
 //!
 //! 1. in-process pipeline throughput with a no-op handler (memory stream and lease store);
 //! 2. a 2 ms handler on one shard with 1, 4 and 8 lanes (per-key order, 64 keys);

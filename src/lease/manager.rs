@@ -2,7 +2,7 @@
 //! planner decides, keeps lease rows in step with the stream's shards, and hands leases back on
 //! shutdown. See `docs/leases.md` for the states and the condition on every write.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -191,8 +191,8 @@ struct Inner {
     worker: String,
     settings: LeaseSettings,
     hooks: Arc<dyn LeaseHooks>,
-    held: Mutex<HashMap<String, Held>>,
-    observed: Mutex<HashMap<String, Observation>>,
+    held: Mutex<BTreeMap<String, Held>>,
+    observed: Mutex<BTreeMap<String, Observation>>,
     events: mpsc::UnboundedSender<LeaseEvent>,
     sync_now: Notify,
     taking: CancellationToken,
@@ -245,8 +245,8 @@ impl LeaseManager {
             worker: worker.into(),
             settings,
             hooks,
-            held: Mutex::new(HashMap::new()),
-            observed: Mutex::new(HashMap::new()),
+            held: Mutex::new(BTreeMap::new()),
+            observed: Mutex::new(BTreeMap::new()),
             events,
             sync_now: Notify::new(),
             taking: CancellationToken::new(),
@@ -336,7 +336,7 @@ impl LeaseManager {
 }
 
 impl Inner {
-    fn held(&self) -> MutexGuard<'_, HashMap<String, Held>> {
+    fn held(&self) -> MutexGuard<'_, BTreeMap<String, Held>> {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -361,6 +361,7 @@ impl Inner {
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             tokio::select! {
+                biased;
                 _ = stop.cancelled() => return,
                 _ = tick.tick() => {}
             }
@@ -430,10 +431,11 @@ impl Inner {
 
     async fn take_loop(self: Arc<Self>) {
         loop {
-            if let Err(e) = self.scan().await {
+            if let Err(e) = self.scan_table().await {
                 warn!(stream = %self.stream, error = %e, "lease scan failed");
             }
             tokio::select! {
+                biased;
                 _ = self.taking.cancelled() => return,
                 _ = tokio::time::sleep(self.settings.scan_interval) => {}
             }
@@ -441,7 +443,7 @@ impl Inner {
     }
 
     /// One scan: observe counters, notice leases taken from us, plan, and take.
-    async fn scan(&self) -> Result<(), Error> {
+    async fn scan_table(&self) -> Result<(), Error> {
         let rows = self.store.list(&self.stream).await?;
         let now = Instant::now();
         let latest = frontier::compute(&rows.iter().map(Lease::coordinate).collect::<Vec<_>>());
@@ -553,6 +555,7 @@ impl Inner {
     async fn sync_loop(self: Arc<Self>) {
         loop {
             tokio::select! {
+                biased;
                 _ = self.taking.cancelled() => return,
                 _ = tokio::time::sleep(self.settings.shard_sync_interval) => {}
                 _ = self.sync_now.notified() => {}

@@ -1,7 +1,9 @@
 //! The lease store in memory: the same conditions and typed answers as the DynamoDB store, for
-//! tests and deterministic simulations.
+//! tests and deterministic simulations. With the `testing` feature it also injects faults and
+//! reports every change it applies.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use futures::future::BoxFuture;
@@ -31,9 +33,73 @@ use crate::error::Error;
 /// assert!(store.take(&seen, "worker-b").await.unwrap().is_none(), "seen is stale now");
 /// # });
 /// ```
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct MemoryLeaseStore {
     rows: Arc<Mutex<BTreeMap<String, Lease>>>,
+    #[cfg(any(test, feature = "testing"))]
+    faults: crate::testing::faults::Injector,
+    #[cfg(any(test, feature = "testing"))]
+    observer: Arc<Mutex<Option<Observer>>>,
+}
+
+/// Called with every change the store applies, under the store's lock (so in the order the changes
+/// happened). It must not call the store.
+#[cfg(any(test, feature = "testing"))]
+pub type Observer = Arc<dyn Fn(&Change) + Send + Sync>;
+
+/// One change the store applied: the operation and the row before and after (`None` for a row
+/// that did not exist, or was deleted).
+#[cfg(any(test, feature = "testing"))]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Change {
+    /// The [`LeaseStore`] method, e.g. `"checkpoint"`.
+    pub operation: &'static str,
+    /// The row before.
+    pub before: Option<Lease>,
+    /// The row after.
+    pub after: Option<Lease>,
+}
+
+impl fmt::Debug for MemoryLeaseStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryLeaseStore")
+            .field("rows", &self.rows().len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The rows under the lock, and the changes made to them (reported once the operation is done).
+struct Rows<'s> {
+    rows: MutexGuard<'s, BTreeMap<String, Lease>>,
+    changes: Vec<(&'static str, Option<Lease>, Option<Lease>)>,
+}
+
+impl Rows<'_> {
+    /// Applies `f` to the row at `key`, recording the change when `f` says it made one.
+    fn change(
+        &mut self,
+        operation: &'static str,
+        key: &str,
+        f: impl FnOnce(&mut Lease) -> bool,
+    ) -> bool {
+        let Some(row) = self.rows.get_mut(key) else {
+            return false;
+        };
+        let before = row.clone();
+        let changed = f(row);
+        if changed {
+            self.changes
+                .push((operation, Some(before), Some(row.clone())));
+        }
+        changed
+    }
+
+    fn held(&self, held: &Ownership) -> bool {
+        self.rows.get(&held.key()).is_some_and(|row| {
+            row.owner.as_deref() == Some(held.owner.as_str()) && row.owner_epoch == held.epoch
+        })
+    }
 }
 
 impl MemoryLeaseStore {
@@ -47,18 +113,91 @@ impl MemoryLeaseStore {
         self.rows().values().cloned().collect()
     }
 
+    /// Injects `faults` into every later call, drawn from a generator seeded with `seed`: the
+    /// same calls in the same order meet the same faults. Clones share them.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn inject(&self, seed: u64, faults: crate::testing::Faults) {
+        self.faults.set(seed, faults);
+    }
+
+    /// Stops injecting faults.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn heal(&self) {
+        self.faults.clear();
+    }
+
+    /// Calls `observer` with every change applied from now on (see [`Observer`]).
+    #[cfg(any(test, feature = "testing"))]
+    pub fn observe(&self, observer: Observer) {
+        *self.observer.lock().unwrap_or_else(PoisonError::into_inner) = Some(observer);
+    }
+
     fn rows(&self) -> MutexGuard<'_, BTreeMap<String, Lease>> {
         // Every operation leaves the map consistent before it can panic: a poisoned lock is safe.
         self.rows.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn held_by<'r>(
-        rows: &'r mut BTreeMap<String, Lease>,
-        held: &Ownership,
-    ) -> Option<&'r mut Lease> {
-        rows.get_mut(&held.key()).filter(|row| {
-            row.owner.as_deref() == Some(held.owner.as_str()) && row.owner_epoch == held.epoch
+    /// Runs `op` atomically under the lock, reporting its changes; with faults injected, the call
+    /// may fail before it (no effect) or after it (its answer lost).
+    fn call<'a, T: Send + 'a>(
+        &'a self,
+        operation: &'static str,
+        write: bool,
+        op: impl FnOnce(&mut Rows<'_>) -> T + Send + 'a,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        Box::pin(async move {
+            #[cfg(any(test, feature = "testing"))]
+            {
+                use crate::testing::Fault;
+                let injected = |what: &str| Error::DynamoDb {
+                    operation,
+                    table: "memory".into(),
+                    source: format!("injected fault: {what}").into(),
+                };
+                match self.faults.draw(write, false) {
+                    None | Some(Fault::ExpiredIterator) => {}
+                    Some(Fault::Error) => return Err(injected("error")),
+                    Some(Fault::Throttle) => return Err(injected("throttled")),
+                    Some(Fault::Timeout(after)) => {
+                        tokio::time::sleep(after).await;
+                        return Err(injected("timed out"));
+                    }
+                    Some(Fault::LostAnswer(after)) => {
+                        let _ = self.apply(op);
+                        tokio::time::sleep(after).await;
+                        return Err(injected("timed out after the write was applied"));
+                    }
+                }
+            }
+            let _ = (operation, write);
+            Ok(self.apply(op))
         })
+    }
+
+    fn apply<T>(&self, op: impl FnOnce(&mut Rows<'_>) -> T) -> T {
+        let mut rows = Rows {
+            rows: self.rows(),
+            changes: Vec::new(),
+        };
+        let result = op(&mut rows);
+        #[cfg(any(test, feature = "testing"))]
+        if !rows.changes.is_empty() {
+            let observer = self
+                .observer
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            if let Some(observer) = observer {
+                for (operation, before, after) in rows.changes.drain(..) {
+                    observer(&Change {
+                        operation,
+                        before,
+                        after,
+                    });
+                }
+            }
+        }
+        result
     }
 }
 
@@ -68,15 +207,15 @@ impl LeaseStore for MemoryLeaseStore {
     }
 
     fn list<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<Lease>, Error>> {
-        Box::pin(async move {
-            let mut rows: Vec<Lease> = self
-                .rows()
+        self.call("list", false, move |rows| {
+            let mut found: Vec<Lease> = rows
+                .rows
                 .values()
                 .filter(|row| row.stream == stream)
                 .cloned()
                 .collect();
-            rows.sort_by(|a, b| a.shard_id.cmp(&b.shard_id));
-            Ok(rows)
+            found.sort_by(|a, b| a.shard_id.cmp(&b.shard_id));
+            found
         })
     }
 
@@ -85,32 +224,32 @@ impl LeaseStore for MemoryLeaseStore {
         stream: &'a str,
         shard_id: &'a str,
     ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
-        Box::pin(async move { Ok(self.rows().get(&lease_key(stream, shard_id)).cloned()) })
+        self.call("get", false, move |rows| {
+            rows.rows.get(&lease_key(stream, shard_id)).cloned()
+        })
     }
 
     fn create<'a>(&'a self, lease: &'a NewLease) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            let mut rows = self.rows();
+        self.call("create", true, move |rows| {
             let key = lease_key(&lease.stream, &lease.shard_id);
-            if rows.contains_key(&key) {
-                return Ok(false);
+            if rows.rows.contains_key(&key) {
+                return false;
             }
-            rows.insert(
-                key,
-                Lease {
-                    stream: lease.stream.clone(),
-                    shard_id: lease.shard_id.clone(),
-                    owner: None,
-                    counter: 0,
-                    owner_epoch: 0,
-                    checkpoint: lease.checkpoint.clone(),
-                    parents: lease.parents.clone(),
-                    children: Vec::new(),
-                    complete_through: None,
-                    seek_epoch: 0,
-                },
-            );
-            Ok(true)
+            let row = Lease {
+                stream: lease.stream.clone(),
+                shard_id: lease.shard_id.clone(),
+                owner: None,
+                counter: 0,
+                owner_epoch: 0,
+                checkpoint: lease.checkpoint.clone(),
+                parents: lease.parents.clone(),
+                children: Vec::new(),
+                complete_through: None,
+                seek_epoch: 0,
+            };
+            rows.changes.push(("create", None, Some(row.clone())));
+            rows.rows.insert(key, row);
+            true
         })
     }
 
@@ -119,26 +258,29 @@ impl LeaseStore for MemoryLeaseStore {
         seen: &'a Lease,
         owner: &'a str,
     ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
-        Box::pin(async move {
-            let mut rows = self.rows();
-            Ok(rows
-                .get_mut(&seen.key())
-                .filter(|row| row.counter == seen.counter && row.owner == seen.owner)
-                .map(|row| {
-                    row.owner = Some(owner.to_owned());
-                    row.counter += 1;
-                    row.owner_epoch += 1;
-                    row.clone()
-                }))
+        self.call("take", true, move |rows| {
+            let mut taken = None;
+            rows.change("take", &seen.key(), |row| {
+                if row.counter != seen.counter || row.owner != seen.owner {
+                    return false;
+                }
+                row.owner = Some(owner.to_owned());
+                row.counter += 1;
+                row.owner_epoch += 1;
+                taken = Some(row.clone());
+                true
+            });
+            taken
         })
     }
 
     fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            let mut rows = self.rows();
-            Ok(Self::held_by(&mut rows, held)
-                .map(|row| row.counter += 1)
-                .is_some())
+        self.call("renew", true, move |rows| {
+            rows.held(held)
+                && rows.change("renew", &held.key(), |row| {
+                    row.counter += 1;
+                    true
+                })
         })
     }
 
@@ -148,42 +290,48 @@ impl LeaseStore for MemoryLeaseStore {
         to: &'a Checkpoint,
         complete_through: Option<i64>,
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        Box::pin(async move {
-            let mut rows = self.rows();
-            Ok(match Self::held_by(&mut rows, held) {
-                None => CheckpointWrite::Lost,
-                Some(row) if row.checkpoint.sort_key() >= to.sort_key() => {
-                    CheckpointWrite::NotNewer
+        self.call("checkpoint", true, move |rows| {
+            if !rows.held(held) {
+                return CheckpointWrite::Lost;
+            }
+            let written = rows.change("checkpoint", &held.key(), |row| {
+                if row.checkpoint.sort_key() >= to.sort_key() {
+                    return false;
                 }
-                Some(row) => {
-                    row.checkpoint = to.clone();
-                    // Only upwards, as the DynamoDB store's condition has it.
-                    row.complete_through = row.complete_through.max(complete_through);
-                    CheckpointWrite::Written
-                }
-            })
+                row.checkpoint = to.clone();
+                // Only upwards, as the DynamoDB store's condition has it.
+                row.complete_through = row.complete_through.max(complete_through);
+                true
+            });
+            if written {
+                CheckpointWrite::Written
+            } else {
+                CheckpointWrite::NotNewer
+            }
         })
     }
 
     fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            let mut rows = self.rows();
+        self.call("seek", true, move |rows| {
             let all_as_seen = moves.iter().all(|m| {
-                rows.get(&m.seen.key())
+                rows.rows
+                    .get(&m.seen.key())
                     .is_some_and(|row| row.seek_epoch == m.seen.seek_epoch)
             });
             if !all_as_seen {
-                return Ok(false);
+                return false;
             }
             for m in moves {
-                let row = rows.get_mut(&m.seen.key()).expect("checked above");
-                row.checkpoint = m.to.clone();
-                row.seek_epoch += 1;
-                row.owner_epoch += 1;
-                row.owner = None;
-                row.counter += 1;
+                rows.change("seek", &m.seen.key(), |row| {
+                    row.checkpoint = m.to.clone();
+                    row.seek_epoch += 1;
+                    row.owner_epoch += 1;
+                    row.owner = None;
+                    row.counter += 1;
+                    true
+                });
             }
-            Ok(true)
+            true
         })
     }
 
@@ -192,48 +340,50 @@ impl LeaseStore for MemoryLeaseStore {
         held: &'a Ownership,
         complete_through: i64,
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        Box::pin(async move {
-            let mut rows = self.rows();
-            Ok(match Self::held_by(&mut rows, held) {
-                None => CheckpointWrite::Lost,
-                Some(row)
-                    if row
-                        .complete_through
-                        .is_some_and(|ct| ct >= complete_through) =>
+        self.call("advance_frontier", true, move |rows| {
+            if !rows.held(held) {
+                return CheckpointWrite::Lost;
+            }
+            let written = rows.change("advance_frontier", &held.key(), |row| {
+                if row
+                    .complete_through
+                    .is_some_and(|ct| ct >= complete_through)
                 {
-                    CheckpointWrite::NotNewer
+                    return false;
                 }
-                Some(row) => {
-                    row.complete_through = Some(complete_through);
-                    CheckpointWrite::Written
-                }
-            })
+                row.complete_through = Some(complete_through);
+                true
+            });
+            if written {
+                CheckpointWrite::Written
+            } else {
+                CheckpointWrite::NotNewer
+            }
         })
     }
 
     fn delete<'a>(&'a self, seen: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            let mut rows = self.rows();
+        self.call("delete", true, move |rows| {
             let key = seen.key();
-            let deletable = rows.get(&key).is_some_and(|row| {
+            let deletable = rows.rows.get(&key).is_some_and(|row| {
                 row.checkpoint == Checkpoint::ShardEnd && row.counter == seen.counter
             });
             if deletable {
-                rows.remove(&key);
+                let before = rows.rows.remove(&key);
+                rows.changes.push(("delete", before, None));
             }
-            Ok(deletable)
+            deletable
         })
     }
 
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            let mut rows = self.rows();
-            Ok(Self::held_by(&mut rows, held)
-                .map(|row| {
+        self.call("release", true, move |rows| {
+            rows.held(held)
+                && rows.change("release", &held.key(), |row| {
                     row.owner = None;
                     row.counter += 1;
+                    true
                 })
-                .is_some())
         })
     }
 
@@ -243,11 +393,11 @@ impl LeaseStore for MemoryLeaseStore {
         shard_id: &'a str,
         children: &'a [String],
     ) -> BoxFuture<'a, Result<(), Error>> {
-        Box::pin(async move {
-            if let Some(row) = self.rows().get_mut(&lease_key(stream, shard_id)) {
+        self.call("set_children", true, move |rows| {
+            rows.change("set_children", &lease_key(stream, shard_id), |row| {
                 row.children = children.to_vec();
-            }
-            Ok(())
+                true
+            });
         })
     }
 }

@@ -17,5 +17,7 @@ pub(crate) use sync::new_leases;
 pub use dynamodb::{Billing, DynamoDbLeaseStore, TableOptions};
 pub use manager::{HeldLease, LeaseEvent, LeaseHooks, LeaseManager, LeaseSettings};
 pub use memory::MemoryLeaseStore;
+#[cfg(any(test, feature = "testing"))]
+pub use memory::{Change, Observer};
 pub use row::{Checkpoint, InitialPosition, Lease, NewLease, Ownership};
 pub use store::{CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, SeekMove};

@@ -129,6 +129,7 @@ impl ShardReader {
     /// Reads until the end, cancellation, or a dropped receiver.
     pub async fn run(mut self, out: mpsc::Sender<ReaderMessage>, cancel: CancellationToken) {
         let msg = tokio::select! {
+            biased;
             _ = cancel.cancelled() => return,
             msg = self.read(&out) => msg,
         };

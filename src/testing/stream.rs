@@ -1,14 +1,5 @@
-//! In-memory Kinesis for tests: a stream with shards, records, splits and merges, serving the
-//! [`RecordSource`] and [`ShardLister`] traits, so handlers can be tested with the real dispatcher,
-//! lanes and tracker. Pair it with [`MemoryLeaseStore`](crate::lease::MemoryLeaseStore).
-//!
-//! ```
-//! use std::sync::Arc;
-//! use shardwise::testing::MemoryStream;
-//! let stream = MemoryStream::new("orders", 2);
-//! stream.put("customer-1", "hello");
-//! assert_eq!(stream.records().len(), 1);
-//! ```
+//! In-memory Kinesis: a stream with shards, records, splits, merges and retention, serving the
+//! [`RecordSource`], [`ShardLister`] and [`RecordSink`](crate::producer::RecordSink) traits.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -16,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 
+use super::faults::{Fault, Faults, Injector};
 use crate::error::Error;
 use crate::position::SequenceNumber;
 use crate::shard::discovery::{ShardInfo, ShardLister};
@@ -50,6 +42,7 @@ struct State {
 #[derive(Debug, Clone)]
 pub struct MemoryStream {
     state: Arc<Mutex<State>>,
+    faults: Injector,
 }
 
 /// A record as stored, with its shard.
@@ -90,6 +83,7 @@ impl MemoryStream {
         }
         Self {
             state: Arc::new(Mutex::new(state)),
+            faults: Injector::default(),
         }
     }
 
@@ -196,6 +190,18 @@ impl MemoryStream {
         shard.aged_out = true;
     }
 
+    /// Injects `faults` into every later call (iterators, reads, listings and writes), drawn from a
+    /// generator seeded with `seed`: the same calls in the same order meet the same faults. A
+    /// write whose answer is lost appends its record (a retried write then duplicates it).
+    pub fn inject(&self, seed: u64, faults: Faults) {
+        self.faults.set(seed, faults);
+    }
+
+    /// Stops injecting faults.
+    pub fn heal(&self) {
+        self.faults.clear();
+    }
+
     /// GetRecords calls served so far.
     pub fn reads(&self) -> u64 {
         self.state().reads
@@ -234,6 +240,7 @@ impl RecordSource for MemoryStream {
         shard: &'a str,
         start: &'a StartAt,
     ) -> BoxFuture<'a, Result<String, ReadError>> {
+        let fault = self.faults.draw(false, false);
         let result = (|| {
             let state = self.state();
             if stream != state.name {
@@ -265,7 +272,7 @@ impl RecordSource for MemoryStream {
             };
             Ok(format!("{shard}/{index}"))
         })();
-        Box::pin(async move { result })
+        read_fault(fault, result)
     }
 
     fn get_records<'a>(
@@ -273,6 +280,7 @@ impl RecordSource for MemoryStream {
         iterator: &'a str,
         limit: i32,
     ) -> BoxFuture<'a, Result<Page, ReadError>> {
+        let fault = self.faults.draw(false, true);
         let result = (|| {
             let mut state = self.state();
             state.reads += 1;
@@ -294,12 +302,63 @@ impl RecordSource for MemoryStream {
                 millis_behind_latest: Some(if at_end { 0 } else { 1000 }),
             })
         })();
-        Box::pin(async move { result })
+        read_fault(fault, result)
     }
+}
+
+/// A read's answer as `fault` makes it: the read had no effect, so only its answer changes.
+fn read_fault<T: Send + 'static>(
+    fault: Option<Fault>,
+    result: Result<T, ReadError>,
+) -> BoxFuture<'static, Result<T, ReadError>> {
+    Box::pin(async move {
+        match fault {
+            None => result,
+            Some(Fault::Error) => Err(ReadError::Other("injected fault: error".into())),
+            Some(Fault::Throttle) => Err(ReadError::Throttled),
+            Some(Fault::ExpiredIterator) => Err(ReadError::ExpiredIterator),
+            Some(Fault::Timeout(after) | Fault::LostAnswer(after)) => {
+                tokio::time::sleep(after).await;
+                Err(ReadError::Other("injected fault: timed out".into()))
+            }
+        }
+    })
+}
+
+/// A call's answer as `fault` makes it (`result` is what happened, if anything did).
+fn call_fault<T: Send + 'static>(
+    operation: &'static str,
+    stream: &str,
+    fault: Option<Fault>,
+    result: Result<T, Error>,
+) -> BoxFuture<'static, Result<T, Error>> {
+    let stream = stream.to_string();
+    Box::pin(async move {
+        let injected = |what: &str, stream: String| Error::Kinesis {
+            operation,
+            stream,
+            shard: None,
+            source: format!("injected fault: {what}").into(),
+        };
+        match fault {
+            None | Some(Fault::ExpiredIterator) => result,
+            Some(Fault::Error) => Err(injected("error", stream)),
+            Some(Fault::Throttle) => Err(injected("throughput exceeded", stream)),
+            Some(Fault::Timeout(after)) => {
+                tokio::time::sleep(after).await;
+                Err(injected("timed out", stream))
+            }
+            Some(Fault::LostAnswer(after)) => {
+                tokio::time::sleep(after).await;
+                Err(injected("timed out after the record was written", stream))
+            }
+        }
+    })
 }
 
 impl ShardLister for MemoryStream {
     fn list_shards<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<ShardInfo>, Error>> {
+        let fault = self.faults.draw(false, false);
         let result = {
             let state = self.state();
             if stream != state.name {
@@ -319,7 +378,7 @@ impl ShardLister for MemoryStream {
                     .collect())
             }
         };
-        Box::pin(async move { result })
+        call_fault("ListShards", stream, fault, result)
     }
 }
 
@@ -330,15 +389,22 @@ impl crate::producer::RecordSink for MemoryStream {
         partition_key: &'a str,
         data: Bytes,
     ) -> BoxFuture<'a, Result<crate::producer::Written, Error>> {
-        let result = if stream == self.name() {
-            let (shard_id, sequence) = MemoryStream::put(self, partition_key, data);
-            Ok(crate::producer::Written { shard_id, sequence })
-        } else {
+        let fault = self.faults.draw(true, false);
+        let applies = matches!(fault, None | Some(Fault::LostAnswer(_)));
+        let result = if stream != self.name() {
             Err(Error::StreamNotFound {
                 stream: stream.to_string(),
             })
+        } else if applies {
+            let (shard_id, sequence) = MemoryStream::put(self, partition_key, data);
+            Ok(crate::producer::Written { shard_id, sequence })
+        } else {
+            Err(Error::Corrupt {
+                what: "injected fault",
+                detail: "not written".into(),
+            })
         };
-        Box::pin(async move { result })
+        call_fault("PutRecord", stream, fault, result)
     }
 
     fn check<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>> {
@@ -424,47 +490,5 @@ impl crate::producer::RecordSink for MemoryStreams {
                 })
             }),
         }
-    }
-}
-
-/// Makes shardwise deterministic on this thread, for tests on paused Tokio time
-/// (`#[tokio::test(start_paused = true)]`, a current-thread runtime) and for simulations: wall time
-/// (arrival times, LATEST pins, frontier coordinates) follows Tokio's clock from `base`, and the
-/// jitter of every retry backoff is drawn from generators seeded from `seed`. Dropping the guard
-/// returns this thread to the system clock and entropy.
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
-/// # async fn main() {
-/// use std::time::{Duration, UNIX_EPOCH};
-/// let base = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
-/// let _deterministic = shardwise::testing::simulate(base, 42);
-/// let stream = shardwise::testing::MemoryStream::new("orders", 1);
-/// stream.put("k", "first");
-/// tokio::time::sleep(Duration::from_secs(60)).await; // simulated: returns at once
-/// stream.put("k", "a minute later");
-/// let arrived: Vec<_> = stream.records().iter().map(|r| r.record.arrived_at.unwrap()).collect();
-/// assert_eq!(arrived, [base, base + Duration::from_secs(60)]);
-/// # }
-/// ```
-pub fn simulate(base: std::time::SystemTime, seed: u64) -> Simulated {
-    crate::time::simulate_wall_clock(Some(base));
-    crate::backoff::simulate_jitter(Some(seed));
-    Simulated {
-        _not_send: std::marker::PhantomData,
-    }
-}
-
-/// Keeps this thread deterministic until dropped; see [`simulate`].
-#[derive(Debug)]
-#[must_use = "the thread returns to the system clock when this is dropped"]
-pub struct Simulated {
-    _not_send: std::marker::PhantomData<*const ()>,
-}
-
-impl Drop for Simulated {
-    fn drop(&mut self) {
-        crate::time::simulate_wall_clock(None);
-        crate::backoff::simulate_jitter(None);
     }
 }
