@@ -176,6 +176,11 @@ impl ConfigError {
     pub fn value(&self) -> &str {
         &self.value
     }
+
+    /// Why the value was rejected (what the setting accepts).
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
 }
 
 /// Why the runtime would not carry out an outcome the handler returned.

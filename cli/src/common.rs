@@ -1,4 +1,5 @@
-//! What every subcommand shares: the AWS configuration, errors and their report, and output.
+//! What every subcommand shares: the AWS configuration, the failure report, polling waits, and
+//! output.
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -6,15 +7,28 @@ use std::io::{self, Write};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::bail;
 use aws_config::BehaviorVersion;
 use aws_sdk_kinesis::error::{ProvideErrorMetadata, SdkError};
-use serde_json::Value;
-
-/// Any error a command can fail with.
-pub(crate) type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
+use serde::Serialize;
 
 /// The result of a command.
-pub(crate) type Result<T, E = BoxError> = std::result::Result<T, E>;
+pub(crate) type Result<T, E = anyhow::Error> = std::result::Result<T, E>;
+
+/// Environment variables the tool reads, for `--help`.
+pub(crate) const ENVIRONMENT_HELP: &str = "\
+Environment:
+  AWS_REGION                 The region to call (AWS_DEFAULT_REGION is read too); required
+  AWS_PROFILE                The profile of ~/.aws/config and ~/.aws/credentials to use
+  AWS_ACCESS_KEY_ID          The access key id of static credentials
+  AWS_SECRET_ACCESS_KEY      The secret access key of static credentials
+  AWS_SESSION_TOKEN          The session token of temporary credentials
+  AWS_ENDPOINT_URL           One endpoint for every service (an emulator, LocalStack)
+  AWS_ENDPOINT_URL_KINESIS   The Kinesis endpoint, before AWS_ENDPOINT_URL
+  AWS_ENDPOINT_URL_DYNAMODB  The DynamoDB endpoint (lease tables), before AWS_ENDPOINT_URL
+  AWS_EC2_METADATA_DISABLED  `true`: skip the EC2 instance metadata service (region, credentials)
+  RUST_LOG                   What is logged to stderr (default `warn`), e.g. `shardwise=info,warn`";
 
 /// The AWS configuration, from the standard environment only.
 #[derive(Debug)]
@@ -23,10 +37,14 @@ pub(crate) struct Ctx {
 }
 
 impl Ctx {
-    /// Loads the configuration the way every AWS SDK does (env, profile, IMDS, ...).
-    pub(crate) async fn load() -> Self {
+    /// Loads the configuration the way every AWS SDK does (env, profile, IMDS, ...). Fails when it
+    /// names no region: every command calls AWS.
+    pub(crate) async fn load() -> Result<Self> {
         let config = aws_config::defaults(BehaviorVersion::latest()).load().await;
-        Self { config }
+        if config.region().is_none() {
+            bail!("no AWS region is configured: set AWS_REGION (or the region of an AWS_PROFILE)");
+        }
+        Ok(Self { config })
     }
 
     /// The loaded configuration.
@@ -55,66 +73,27 @@ pub(crate) fn init_logging() {
         .init();
 }
 
-/// An error with a message of its own and, optionally, the error that caused it.
-#[derive(Debug)]
-pub(crate) struct Failure {
-    message: String,
-    source: Option<BoxError>,
-}
-
-impl Failure {
-    /// An error that is its own cause.
-    pub(crate) fn msg(message: impl Into<String>) -> BoxError {
-        Box::new(Self {
-            message: message.into(),
-            source: None,
-        })
-    }
-
-    /// An error explaining `source`.
-    pub(crate) fn caused_by(message: impl Into<String>, source: impl Into<BoxError>) -> BoxError {
-        Box::new(Self {
-            message: message.into(),
-            source: Some(source.into()),
-        })
-    }
-}
-
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl StdError for Failure {
-    fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        self.source
-            .as_deref()
-            .map(|e| e as &(dyn StdError + 'static))
-    }
-}
-
 /// Prints `error: <message>` and every cause to stderr; the exit status for a failure.
 ///
 /// A closed stdout (`shardwise ... | head`) is not a failure: the reader has what it wanted.
-pub(crate) fn report(err: &BoxError) -> ExitCode {
-    if chain(err.as_ref()).any(|e| {
-        e.downcast_ref::<io::Error>()
-            .is_some_and(|e| e.kind() == io::ErrorKind::BrokenPipe)
-    }) {
+pub(crate) fn report(err: &anyhow::Error) -> ExitCode {
+    if err.chain().any(is_broken_pipe) {
         return ExitCode::SUCCESS;
     }
-    let _ = io::stderr()
-        .lock()
-        .write_all(render_report(err.as_ref()).as_bytes());
+    let _ = io::stderr().lock().write_all(render_report(err).as_bytes());
     ExitCode::FAILURE
 }
 
+fn is_broken_pipe(err: &(dyn StdError + 'static)) -> bool {
+    err.downcast_ref::<io::Error>()
+        .is_some_and(|e| e.kind() == io::ErrorKind::BrokenPipe)
+}
+
 /// `error: <message>`, then one `  caused by: <message>` line per cause.
-fn render_report(err: &(dyn StdError + 'static)) -> String {
+fn render_report(err: &anyhow::Error) -> String {
     let mut text = format!("error: {err}\n");
     let mut last = err.to_string();
-    for cause in chain(err).skip(1) {
+    for cause in err.chain().skip(1) {
         let line = cause.to_string();
         // Some layers repeat their source's message; print each distinct message once.
         if line != last && !last.ends_with(&line) {
@@ -125,12 +104,6 @@ fn render_report(err: &(dyn StdError + 'static)) -> String {
     text
 }
 
-fn chain<'a>(
-    err: &'a (dyn StdError + 'static),
-) -> impl Iterator<Item = &'a (dyn StdError + 'static)> {
-    std::iter::successors(Some(err), |e: &&'a (dyn StdError + 'static)| (*e).source())
-}
-
 /// Maps a failed Kinesis call to shardwise's error: a missing stream is
 /// [`shardwise::Error::StreamNotFound`], anything else [`shardwise::Error::Kinesis`].
 pub(crate) fn kinesis_error<E, R>(
@@ -138,22 +111,22 @@ pub(crate) fn kinesis_error<E, R>(
     stream: &str,
     shard: Option<&str>,
     err: SdkError<E, R>,
-) -> BoxError
+) -> shardwise::Error
 where
     E: ProvideErrorMetadata + StdError + Send + Sync + 'static,
     R: fmt::Debug + Send + Sync + 'static,
 {
     if is_not_found(&err) {
-        return Box::new(shardwise::Error::StreamNotFound {
+        return shardwise::Error::StreamNotFound {
             stream: stream.to_owned(),
-        });
+        };
     }
-    Box::new(shardwise::Error::Kinesis {
+    shardwise::Error::Kinesis {
         operation,
         stream: stream.to_owned(),
         shard: shard.map(str::to_owned),
         source: Box::new(err),
-    })
+    }
 }
 
 /// Whether a Kinesis call failed with `ResourceNotFoundException`.
@@ -163,22 +136,22 @@ pub(crate) fn is_not_found<E: ProvideErrorMetadata, R>(err: &SdkError<E, R>) -> 
         .is_some_and(|code| code == "ResourceNotFoundException")
 }
 
-/// Reads an RFC 3339 time such as `2026-11-29T21:37:00Z`.
-pub(crate) fn parse_rfc3339(text: &str) -> std::result::Result<std::time::SystemTime, String> {
-    use aws_sdk_kinesis::primitives::{DateTime, DateTimeFormat};
-    let t = DateTime::from_str(text, DateTimeFormat::DateTime)
-        .map_err(|e| format!("`{text}` is not an RFC 3339 time: {e}"))?;
-    std::time::SystemTime::try_from(t).map_err(|e| format!("`{text}`: {e}"))
+/// Waits between polls and between attempts: from `first`, doubling, capped at `max`, never
+/// ending.
+pub(crate) fn backoff(first: Duration, max: Duration) -> ExponentialBackoff {
+    ExponentialBuilder::new()
+        .with_min_delay(first)
+        .with_max_delay(max)
+        .with_factor(2.0)
+        .without_max_times()
+        .build()
 }
 
-/// A JSON object with its fields in the order given (serde_json's map would sort them).
-pub(crate) fn json_object(fields: &[(&str, Value)]) -> String {
-    let body = fields
-        .iter()
-        .map(|(name, value)| format!("{}:{value}", Value::from(*name)))
-        .collect::<Vec<_>>()
-        .join(",");
-    format!("{{{body}}}")
+/// Sleeps for the next of `delays`.
+pub(crate) async fn pause(delays: &mut ExponentialBackoff) {
+    if let Some(delay) = delays.next() {
+        tokio::time::sleep(delay).await;
+    }
 }
 
 /// Writes lines to stdout.
@@ -193,6 +166,20 @@ where
         out.write_all(b"\n")?;
     }
     out.flush()
+}
+
+/// Writes each value to stdout as one line of JSON (fields in their declared order).
+pub(crate) fn print_json_lines<I, T>(values: I) -> Result<()>
+where
+    I: IntoIterator<Item = T>,
+    T: Serialize,
+{
+    let lines = values
+        .into_iter()
+        .map(|value| serde_json::to_string(&value))
+        .collect::<Result<Vec<_>, _>>()?;
+    print_lines(lines)?;
+    Ok(())
 }
 
 /// Renders rows under a header as left-aligned columns separated by two spaces.
@@ -232,37 +219,10 @@ pub(crate) fn list_or_dash(items: &[String]) -> String {
     }
 }
 
-/// Polling delays: start short, double, cap.
-#[derive(Debug)]
-pub(crate) struct Backoff {
-    next: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    pub(crate) fn new(first: Duration, max: Duration) -> Self {
-        Self { next: first, max }
-    }
-
-    /// Sleeps for the current delay and doubles it (up to the cap).
-    pub(crate) async fn wait(&mut self) {
-        tokio::time::sleep(self.next).await;
-        self.next = (self.next * 2).min(self.max);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn json_objects_keep_field_order() {
-        let line = json_object(&[("b", json!(1)), ("a", json!("x\"y")), ("c", json!([1, 2]))]);
-        assert_eq!(line, r#"{"b":1,"a":"x\"y","c":[1,2]}"#);
-        let parsed: Value = serde_json::from_str(&line).unwrap();
-        assert_eq!(parsed["a"], "x\"y");
-    }
+    use anyhow::Context;
 
     #[test]
     fn tables_align_columns() {
@@ -279,13 +239,35 @@ mod tests {
 
     #[test]
     fn the_report_lists_causes_once() {
-        let err = Failure::caused_by(
-            "outer",
-            Failure::caused_by("middle: inner", Failure::msg("inner")),
-        );
+        let inner: Result<()> = Err(anyhow::anyhow!("inner"));
+        let err = inner.context("middle: inner").context("outer").unwrap_err();
         assert_eq!(
-            render_report(err.as_ref()),
+            render_report(&err),
             "error: outer\n  caused by: middle: inner\n"
         );
+        // A cause that repeats the message before it is printed once.
+        let err = anyhow::anyhow!("same").context("same").context("top");
+        assert_eq!(render_report(&err), "error: top\n  caused by: same\n");
+        let err = anyhow::anyhow!("no such table");
+        assert_eq!(render_report(&err), "error: no such table\n");
+    }
+
+    #[test]
+    fn a_broken_pipe_anywhere_in_the_chain_is_found() {
+        let pipe = anyhow::Error::from(io::Error::from(io::ErrorKind::BrokenPipe));
+        assert!(pipe.chain().any(is_broken_pipe));
+        let wrapped = pipe.context("printing the leases").context("leases");
+        assert!(wrapped.chain().any(is_broken_pipe));
+        let other = anyhow::Error::from(io::Error::from(io::ErrorKind::NotFound));
+        assert!(!other.chain().any(is_broken_pipe));
+    }
+
+    #[test]
+    fn waits_double_up_to_the_cap() {
+        let waits: Vec<u64> = backoff(Duration::from_millis(25), Duration::from_secs(1))
+            .take(8)
+            .map(|d| d.as_millis() as u64)
+            .collect();
+        assert_eq!(waits, [25, 50, 100, 200, 400, 800, 1000, 1000]);
     }
 }

@@ -5,15 +5,20 @@
 use std::io::Write;
 use std::num::NonZeroU32;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::time::{Duration, SystemTime};
 
+use anyhow::Context;
+use aws_config::SdkConfig;
 use base64::Engine;
-use serde_json::{Value, json};
-use shardwise::lease::{InitialPosition, LeaseSettings};
-use shardwise::{Consumer, Delivery, Ordering, Outcome};
+use serde::Serialize;
+use shardwise::lease::{Billing, InitialPosition, LeaseSettings, TableOptions};
+use shardwise::{ConfigError, Consumer, Delivery, Handler, Ordering, Outcome, ShutdownReport};
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::common::{Ctx, Failure, Result, json_object, parse_rfc3339};
+use crate::common::{Ctx, Result};
+use crate::flag_error::{Source, invalid_setting};
+use crate::target::{START_VALUES, parse_start, time_help};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
@@ -21,9 +26,27 @@ pub(crate) struct Args {
     #[arg(long, value_name = "STREAM")]
     stream: String,
 
-    /// The application: names the lease table, shared by every worker of the application.
+    /// The application, shared by every worker of the application; names the lease table unless
+    /// --lease-table does.
     #[arg(long, value_name = "APP")]
     app: String,
+
+    /// The DynamoDB lease table (default: the application's name).
+    #[arg(long, value_name = "NAME")]
+    lease_table: Option<String>,
+
+    /// How the lease table is billed when this worker creates it: on demand, or provisioned read
+    /// and write capacity units.
+    #[arg(long, value_name = "on-demand|provisioned:READ,WRITE", default_value = "on-demand", value_parser = parse_billing)]
+    billing_mode: Billing,
+
+    /// A tag of the lease table when this worker creates it (repeat for more).
+    #[arg(long = "tag", value_name = "KEY=VALUE", value_parser = parse_tag)]
+    tags: Vec<(String, String)>,
+
+    /// Turn on point-in-time recovery (continuous backups) of the lease table, new or existing.
+    #[arg(long)]
+    point_in_time_recovery: bool,
 
     /// This worker's id in the lease table (default: host name and process id).
     #[arg(long, value_name = "ID")]
@@ -41,8 +64,13 @@ pub(crate) struct Args {
     #[arg(long, value_name = "MS", default_value_t = 0)]
     handler_delay_ms: u64,
 
-    /// Where shards new to the application start.
-    #[arg(long, value_name = "trim-horizon|latest|at-timestamp:RFC3339", default_value = "trim-horizon", value_parser = parse_start)]
+    #[arg(
+        long,
+        value_name = START_VALUES,
+        default_value = "trim-horizon",
+        value_parser = parse_start,
+        help = concat!("Where shards new to the application start. ", time_help!()),
+    )]
     start: InitialPosition,
 
     /// Attempts a record gets, counting the first delivery.
@@ -91,6 +119,77 @@ pub(crate) struct Args {
     quiet: bool,
 }
 
+impl Args {
+    /// This worker's id: `--worker-id`, or the library's default.
+    fn worker(&self) -> String {
+        self.worker_id
+            .clone()
+            .unwrap_or_else(shardwise::consumer::default_worker_id)
+    }
+
+    /// The value the user typed for the flag that sets `err`'s setting; `None` when the flag was
+    /// not given (see [`source_of`]).
+    fn given(&self, err: &ConfigError) -> Option<String> {
+        match err.field() {
+            "stream" => Some(self.stream.clone()),
+            "application" => Some(self.app.clone()),
+            "lease_table" => self.lease_table.clone(),
+            "billing" => Some(billing_name(self.billing_mode)),
+            "tags" => self.rejected_tag(err.value()),
+            "worker_id" => self.worker_id.clone(),
+            "lanes" => Some(self.lanes.to_string()),
+            "poll_interval" => Some(self.poll_interval_ms.to_string()),
+            "checkpoint_interval" => Some(self.checkpoint_interval_ms.to_string()),
+            "lease_duration" | "renew_interval" => Some(self.lease_duration_ms.to_string()),
+            "scan_interval" => Some(self.scan_interval_ms.to_string()),
+            "dead_letter" => self.dead_letter.clone(),
+            "max_attempts" => self.max_attempts.map(|n| n.to_string()),
+            _ => None,
+        }
+    }
+
+    /// The `--tag` whose key or value the library rejected (it names the rejected text).
+    fn rejected_tag(&self, rejected: &str) -> Option<String> {
+        self.tags
+            .iter()
+            .find(|(key, value)| format!("{key:?}") == rejected || format!("{value:?}") == rejected)
+            .map(|(key, value)| format!("{key}={value}"))
+    }
+
+    /// How a missing lease table is created.
+    fn table_options(&self) -> TableOptions {
+        let options = TableOptions::default()
+            .billing(self.billing_mode)
+            .point_in_time_recovery(self.point_in_time_recovery);
+        self.tags
+            .iter()
+            .fold(options, |options, (key, value)| options.tag(key, value))
+    }
+}
+
+/// Where each library setting a [`ConfigError`] can name comes from on this command line.
+fn source_of(setting: &str) -> Option<Source> {
+    let flag = match setting {
+        "stream" => "--stream",
+        "application" => "--app",
+        "lease_table" => "--lease-table",
+        "billing" => "--billing-mode",
+        "tags" => "--tag",
+        "worker_id" => "--worker-id",
+        "lanes" => "--lanes",
+        "poll_interval" => "--poll-interval-ms",
+        "checkpoint_interval" => "--checkpoint-interval-ms",
+        // The lease is renewed every third of its duration.
+        "lease_duration" | "renew_interval" => "--lease-duration-ms",
+        "scan_interval" => "--scan-interval-ms",
+        "dead_letter" => "--dead-letter",
+        "max_attempts" => "--max-attempts",
+        "region" => return Some(Source::Environment),
+        _ => return None,
+    };
+    Some(Source::Flag(flag))
+}
+
 fn parse_ordering(s: &str) -> std::result::Result<Ordering, String> {
     match s {
         "per-key" => Ok(Ordering::PerKey),
@@ -99,17 +198,39 @@ fn parse_ordering(s: &str) -> std::result::Result<Ordering, String> {
     }
 }
 
-fn parse_start(s: &str) -> std::result::Result<InitialPosition, String> {
-    match s {
-        "trim-horizon" => Ok(InitialPosition::TrimHorizon),
-        "latest" => Ok(InitialPosition::Latest),
-        other => {
-            let ts = other.strip_prefix("at-timestamp:").ok_or_else(|| {
-                format!("`{other}`: expected trim-horizon, latest or at-timestamp:RFC3339")
-            })?;
-            Ok(InitialPosition::AtTimestamp(parse_rfc3339(ts)?))
-        }
+fn parse_billing(s: &str) -> std::result::Result<Billing, String> {
+    if s == "on-demand" {
+        return Ok(Billing::OnDemand);
     }
+    let expected = || format!("`{s}`: expected on-demand or provisioned:READ,WRITE");
+    let (read, write) = s
+        .strip_prefix("provisioned:")
+        .and_then(|units| units.split_once(','))
+        .ok_or_else(expected)?;
+    let units = |n: &str| {
+        n.parse::<u64>()
+            .map_err(|_| format!("`{n}` is not a number of capacity units"))
+    };
+    Ok(Billing::Provisioned {
+        read: units(read)?,
+        write: units(write)?,
+    })
+}
+
+/// `--billing-mode` as the user spells it.
+fn billing_name(billing: Billing) -> String {
+    match billing {
+        Billing::OnDemand => "on-demand".into(),
+        Billing::Provisioned { read, write } => format!("provisioned:{read},{write}"),
+        other => format!("{other:?}"),
+    }
+}
+
+fn parse_tag(s: &str) -> std::result::Result<(String, String), String> {
+    let (key, value) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}`: expected KEY=VALUE"))?;
+    Ok((key.to_owned(), value.to_owned()))
 }
 
 fn parse_outcome(s: &str) -> std::result::Result<Outcome, String> {
@@ -138,44 +259,115 @@ fn outcome_name(o: Outcome) -> String {
     }
 }
 
+/// The line printed for a handled delivery.
+#[derive(Debug, Serialize)]
+struct HandledLine<'a> {
+    shard: &'a str,
+    sequence: String,
+    subsequence: u64,
+    partition_key: &'a str,
+    attempt: u32,
+    worker: &'a str,
+    lane: usize,
+    outcome: String,
+    arrived_ms: Option<u64>,
+    #[serde(flatten)]
+    payload: Payload<'a>,
+}
+
+/// A payload: `data` when it is UTF-8, else `data_b64`.
+#[derive(Debug, Serialize)]
+enum Payload<'a> {
+    #[serde(rename = "data")]
+    Text(&'a str),
+    #[serde(rename = "data_b64")]
+    Base64(String),
+}
+
+/// The line printed to stderr at exit.
+#[derive(Debug, Serialize)]
+struct ShutdownLine<'a> {
+    event: &'static str,
+    worker: &'a str,
+    handled: u64,
+    shards_stopped: usize,
+    leases_released: usize,
+    deadline_passed: bool,
+}
+
 /// One JSON line for a handled delivery.
-fn line(d: &Delivery, worker: &str, outcome: Outcome) -> String {
-    let data = match std::str::from_utf8(d.payload()) {
-        Ok(text) => ("data", Value::from(text)),
-        Err(_) => (
-            "data_b64",
-            Value::from(base64::engine::general_purpose::STANDARD.encode(d.payload())),
-        ),
+fn line<'a>(d: &'a Delivery, worker: &'a str, outcome: Outcome) -> HandledLine<'a> {
+    let payload = match std::str::from_utf8(d.payload()) {
+        Ok(text) => Payload::Text(text),
+        Err(_) => Payload::Base64(base64::engine::general_purpose::STANDARD.encode(d.payload())),
     };
-    let arrived = d
-        .arrived_at()
-        .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
-        .map(|d| json!(d.as_millis() as u64))
-        .unwrap_or(Value::Null);
-    json_object(&[
-        ("shard", json!(d.shard())),
-        ("sequence", json!(d.sequence_number().to_string())),
-        ("subsequence", json!(d.sub_sequence())),
-        ("partition_key", json!(d.partition_key())),
-        ("attempt", json!(d.attempt())),
-        ("worker", json!(worker)),
-        ("lane", json!(d.lane())),
-        ("outcome", json!(outcome_name(outcome))),
-        ("arrived_ms", arrived),
-        data,
-    ])
+    HandledLine {
+        shard: d.shard(),
+        sequence: d.sequence_number().to_string(),
+        subsequence: d.sub_sequence(),
+        partition_key: d.partition_key(),
+        attempt: d.attempt(),
+        worker,
+        lane: d.lane(),
+        outcome: outcome_name(outcome),
+        arrived_ms: d
+            .arrived_at()
+            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+            .map(|d| d.as_millis() as u64),
+        payload,
+    }
+}
+
+fn shutdown_line<'a>(worker: &'a str, handled: u64, report: &ShutdownReport) -> ShutdownLine<'a> {
+    ShutdownLine {
+        event: "shutdown",
+        worker,
+        handled,
+        shards_stopped: report.shards_stopped,
+        leases_released: report.leases_released,
+        deadline_passed: report.deadline_passed,
+    }
+}
+
+/// The consumer `args` describe; a rejected setting names the flag that set it.
+fn consumer<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> Result<Consumer<H>> {
+    let lease = LeaseSettings::default()
+        .lease_duration(Duration::from_millis(args.lease_duration_ms))
+        .scan_interval(Duration::from_millis(args.scan_interval_ms));
+    let mut builder = Consumer::builder(args.stream.clone(), args.app.clone(), handler)
+        .worker_id(args.worker())
+        .lanes(args.lanes)
+        .ordering(args.ordering)
+        .lease_settings(lease)
+        .lease_table_options(args.table_options())
+        .initial_position(args.start)
+        .checkpoint_interval(Duration::from_millis(args.checkpoint_interval_ms))
+        .poll_interval(Duration::from_millis(args.poll_interval_ms))
+        .aws_config(config);
+    if let Some(table) = &args.lease_table {
+        builder = builder.lease_table(table.clone());
+    }
+    if let Some(n) = args.max_attempts {
+        builder = builder.max_attempts(n);
+    }
+    if let Some(ms) = args.caught_up_skew_ms {
+        builder = builder.caught_up_frontier(Duration::from_millis(ms));
+    }
+    if let Some(dl) = &args.dead_letter {
+        builder = builder.dead_letter(dl.clone());
+    }
+    builder
+        .build()
+        .map_err(|err| invalid_setting(&err, args.given(&err), source_of))
 }
 
 pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
-    let worker = args
-        .worker_id
-        .clone()
-        .unwrap_or_else(shardwise::consumer::default_worker_id);
+    let worker = args.worker();
     let delay = Duration::from_millis(args.handler_delay_ms);
     let fail_keys: Arc<Vec<String>> = Arc::new(args.fail_keys.clone());
     let fail_outcome = args.fail_outcome;
     let quiet = args.quiet;
-    let handled = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let handled = Arc::new(AtomicU64::new(0));
     let (w, h) = (worker.clone(), handled.clone());
     let handler = move |d: Delivery| {
         let (w, h, fail_keys) = (w.clone(), h.clone(), fail_keys.clone());
@@ -188,47 +380,21 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
             } else {
                 Outcome::Ack
             };
-            h.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            if !quiet {
-                let mut out = std::io::stdout().lock();
-                let _ = writeln!(out, "{}", line(&d, &w, outcome));
+            h.fetch_add(1, AtomicOrdering::Relaxed);
+            if !quiet && let Ok(text) = serde_json::to_string(&line(&d, &w, outcome)) {
+                let _ = writeln!(std::io::stdout().lock(), "{text}");
             }
             outcome
         }
     };
-    let lease = LeaseSettings::default()
-        .lease_duration(Duration::from_millis(args.lease_duration_ms))
-        .scan_interval(Duration::from_millis(args.scan_interval_ms));
-    let mut builder = Consumer::builder(args.stream.clone(), args.app.clone(), handler)
-        .worker_id(worker.clone())
-        .lanes(args.lanes)
-        .ordering(args.ordering)
-        .lease_settings(lease)
-        .initial_position(args.start)
-        .checkpoint_interval(Duration::from_millis(args.checkpoint_interval_ms))
-        .poll_interval(Duration::from_millis(args.poll_interval_ms))
-        .aws_config(ctx.config().clone());
-    if let Some(n) = args.max_attempts {
-        builder = builder.max_attempts(n);
-    }
-    if let Some(ms) = args.caught_up_skew_ms {
-        builder = builder.caught_up_frontier(Duration::from_millis(ms));
-    }
-    if let Some(dl) = &args.dead_letter {
-        builder = builder.dead_letter(dl.clone());
-    }
-    let consumer = builder
-        .build()
-        .map_err(|e| Failure::caused_by("invalid settings", e))?;
+    let consumer = consumer(&args, handler, ctx.config().clone())?;
 
-    let mut term = signal(SignalKind::terminate())
-        .map_err(|e| Failure::caused_by("installing a SIGTERM handler", e))?;
-    let mut int = signal(SignalKind::interrupt())
-        .map_err(|e| Failure::caused_by("installing a SIGINT handler", e))?;
-    let running = consumer
-        .run()
-        .await
-        .map_err(|e| Failure::caused_by(format!("cannot consume `{}`", args.stream), e))?;
+    let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
+    let running = consumer.run().await.map_err(|err| match err {
+        shardwise::Error::Config(err) => invalid_setting(&err, args.given(&err), source_of),
+        err => anyhow::Error::new(err).context(format!("cannot consume `{}`", args.stream)),
+    })?;
     tracing::info!(worker = %worker, "consuming; SIGTERM or SIGINT stops gracefully");
     tokio::select! {
         _ = term.recv() => {}
@@ -237,19 +403,236 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
     let report = running
         .shutdown(Duration::from_millis(args.shutdown_deadline_ms))
         .await;
+    let handled = handled.load(AtomicOrdering::Relaxed);
     eprintln!(
         "{}",
-        json_object(&[
-            ("event", json!("shutdown")),
-            ("worker", json!(worker)),
-            (
-                "handled",
-                json!(handled.load(std::sync::atomic::Ordering::Relaxed))
-            ),
-            ("shards_stopped", json!(report.shards_stopped)),
-            ("leases_released", json!(report.leases_released)),
-            ("deadline_passed", json!(report.deadline_passed)),
-        ])
+        serde_json::to_string(&shutdown_line(&worker, handled, &report))?
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use shardwise::{Position, SequenceNumber};
+
+    /// `consume`'s flags, a later one overriding an earlier one.
+    #[derive(Debug, Parser)]
+    #[command(args_override_self = true)]
+    struct Command {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn args(extra: &[&str]) -> Args {
+        let argv = ["consume", "--stream", "orders", "--app", "billing"];
+        Command::parse_from(argv.iter().chain(extra)).args
+    }
+
+    /// The message `consume` fails with for these flags, before calling AWS.
+    fn rejection(extra: &[&str]) -> String {
+        let args = args(extra);
+        let handler = |_: Delivery| async { Outcome::Ack };
+        let config = SdkConfig::builder().build();
+        match consumer(&args, handler, config) {
+            Ok(_) => panic!("{extra:?} accepted"),
+            Err(err) => err.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_rejected_setting_names_the_flag_and_the_value_given() {
+        let cases: &[(&[&str], &str)] = &[
+            (
+                &["--stream", "no spaces"],
+                r#"invalid --stream "no spaces": must be 1 to 128 characters of [a-zA-Z0-9_.-]"#,
+            ),
+            // The application names the table unless --lease-table does (named as the flag).
+            (
+                &["--app", "ab"],
+                "invalid --app ab: names the DynamoDB lease table: 3 to 255 characters of \
+                 [a-zA-Z0-9_.-] (or name the table with --lease-table)",
+            ),
+            (
+                &["--lease-table", "a/b"],
+                "invalid --lease-table a/b: a DynamoDB table name: 3 to 255 characters of \
+                 [a-zA-Z0-9_.-]",
+            ),
+            (
+                &["--billing-mode", "provisioned:0,5"],
+                "invalid --billing-mode provisioned:0,5: provisioned read and write capacity \
+                 must each be at least 1",
+            ),
+            // The tag whose key is refused, among others.
+            (
+                &["--tag", "team=billing", "--tag", "aws:owner=me"],
+                "invalid --tag aws:owner=me: a tag key is 1 to 128 characters and does not start \
+                 with `aws:`",
+            ),
+            (
+                &["--worker-id", ""],
+                r#"invalid --worker-id "": must be 1 to 256 characters"#,
+            ),
+            (&["--lanes", "0"], "invalid --lanes 0: must be 1 to 1024"),
+            (
+                &["--lanes", "1025"],
+                "invalid --lanes 1025: must be 1 to 1024",
+            ),
+            (
+                &["--poll-interval-ms", "10"],
+                "invalid --poll-interval-ms 10: must be at least 200ms (Kinesis allows 5 \
+                 GetRecords calls per second per shard)",
+            ),
+            (
+                &["--checkpoint-interval-ms", "0"],
+                "invalid --checkpoint-interval-ms 0: must be above zero",
+            ),
+            // The other setting in the reason is named as its flag too.
+            (
+                &["--checkpoint-interval-ms", "10000"],
+                "invalid --checkpoint-interval-ms 10000: must be shorter than \
+                 --lease-duration-ms (10s)",
+            ),
+            (
+                &[
+                    "--lease-duration-ms",
+                    "50",
+                    "--checkpoint-interval-ms",
+                    "10",
+                ],
+                "invalid --lease-duration-ms 50: must be at least 100ms",
+            ),
+            (
+                &["--scan-interval-ms", "0"],
+                "invalid --scan-interval-ms 0: must be above zero",
+            ),
+            (
+                &["--dead-letter", "orders"],
+                "invalid --dead-letter orders: must not be the stream being consumed",
+            ),
+            (
+                &["--dead-letter", "dead letters"],
+                r#"invalid --dead-letter "dead letters": must be a stream name: 1 to 128 characters of [a-zA-Z0-9_.-]"#,
+            ),
+        ];
+        for (extra, expected) in cases {
+            assert_eq!(rejection(extra), *expected, "{extra:?}");
+        }
+    }
+
+    #[test]
+    fn settings_no_flag_reaches_are_named_by_what_sets_them() {
+        let args = args(&["--lease-duration-ms", "900", "--max-attempts", "3"]);
+        let cases = [
+            // Renewals follow --lease-duration-ms.
+            (
+                ConfigError::new("renew_interval", Duration::ZERO, "must be above zero"),
+                "invalid --lease-duration-ms 900: must be above zero",
+            ),
+            (
+                ConfigError::new("max_attempts", 3, "must be at most 2"),
+                "invalid --max-attempts 3: must be at most 2",
+            ),
+            // A region comes from the environment: the library's words name the variable.
+            (
+                ConfigError::new(
+                    "region",
+                    "none",
+                    "no AWS region is configured: set AWS_REGION (or the region of an AWS_PROFILE)",
+                ),
+                "no AWS region is configured: set AWS_REGION (or the region of an AWS_PROFILE)",
+            ),
+            // No flag sets it: the library's message as it is.
+            (
+                ConfigError::new("max_in_flight", 0, "must be at least 1"),
+                "invalid `max_in_flight` = 0: must be at least 1",
+            ),
+        ];
+        for (err, expected) in cases {
+            let message = invalid_setting(&err, args.given(&err), source_of).to_string();
+            assert_eq!(message, expected);
+        }
+    }
+
+    #[test]
+    fn lease_table_flags_become_table_options() {
+        let plain = args(&[]);
+        assert_eq!(plain.table_options(), TableOptions::default());
+        assert_eq!(billing_name(plain.billing_mode), "on-demand");
+        let args = args(&[
+            "--lease-table",
+            "billing-leases",
+            "--billing-mode",
+            "provisioned:7,3",
+            "--tag",
+            "team=billing",
+            "--tag",
+            "cost-centre=a=b",
+            "--point-in-time-recovery",
+        ]);
+        assert_eq!(args.lease_table.as_deref(), Some("billing-leases"));
+        assert_eq!(
+            args.table_options(),
+            TableOptions::default()
+                .billing(Billing::Provisioned { read: 7, write: 3 })
+                .tag("team", "billing")
+                .tag("cost-centre", "a=b")
+                .point_in_time_recovery(true)
+        );
+        assert_eq!(billing_name(args.billing_mode), "provisioned:7,3");
+    }
+
+    #[test]
+    fn billing_modes_and_tags_are_spelled_one_way() {
+        for bad in [
+            "provisioned",
+            "provisioned:5",
+            "provisioned:a,5",
+            "ondemand",
+        ] {
+            assert!(parse_billing(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            parse_billing("provisioned:x,1"),
+            Err("`x` is not a number of capacity units".into())
+        );
+        assert_eq!(parse_tag("k="), Ok(("k".into(), String::new())));
+        assert_eq!(parse_tag("k"), Err("`k`: expected KEY=VALUE".into()));
+    }
+
+    #[test]
+    fn lines_keep_their_fields_and_order() {
+        let sequence =
+            SequenceNumber::parse("49590338271490256608559692538361571095921575989136588898")
+                .unwrap();
+        let text = Delivery::builder("s", "shardId-000000000001", Position::new(sequence, 3))
+            .partition_key("key-1")
+            .payload("{\"id\":7}")
+            .arrived_at(SystemTime::UNIX_EPOCH + Duration::from_millis(1_764_452_220_123))
+            .attempt(2)
+            .lane(3)
+            .build();
+        let outcome = Outcome::RetryAfter(Duration::from_millis(250));
+        assert_eq!(
+            serde_json::to_string(&line(&text, "w-1", outcome)).unwrap(),
+            r#"{"shard":"shardId-000000000001","sequence":"49590338271490256608559692538361571095921575989136588898","subsequence":3,"partition_key":"key-1","attempt":2,"worker":"w-1","lane":3,"outcome":"retry-after:250","arrived_ms":1764452220123,"data":"{\"id\":7}"}"#
+        );
+        let sequence = SequenceNumber::parse("1").unwrap();
+        let binary = Delivery::builder("s", "shardId-000000000000", Position::new(sequence, 0))
+            .partition_key("k\"q")
+            .payload(vec![0xffu8, 0, 1])
+            .build();
+        assert_eq!(
+            serde_json::to_string(&line(&binary, "w", Outcome::Ack)).unwrap(),
+            r#"{"shard":"shardId-000000000000","sequence":"1","subsequence":0,"partition_key":"k\"q","attempt":1,"worker":"w","lane":0,"outcome":"ack","arrived_ms":null,"data_b64":"/wAB"}"#
+        );
+        let mut report = ShutdownReport::default();
+        report.shards_stopped = 2;
+        report.leases_released = 1;
+        assert_eq!(
+            serde_json::to_string(&shutdown_line("w-1", 42, &report)).unwrap(),
+            r#"{"event":"shutdown","worker":"w-1","handled":42,"shards_stopped":2,"leases_released":1,"deadline_passed":false}"#
+        );
+    }
 }

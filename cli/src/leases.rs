@@ -3,20 +3,25 @@
 use std::collections::BTreeSet;
 use std::time::UNIX_EPOCH;
 
+use anyhow::Context;
 use aws_sdk_dynamodb::types::AttributeValue;
-use serde_json::{Value, json};
+use serde::Serialize;
 use shardwise::lease::{Checkpoint, DynamoDbLeaseStore, Lease, LeaseStore};
 
-use crate::common::{Ctx, Failure, Result, json_object, list_or_dash, print_lines, table};
+use crate::common::{Ctx, Result, list_or_dash, print_json_lines, print_lines, table};
 
 /// The attribute of a lease row naming its stream (see `docs/leases.md`).
 const STREAM_ATTRIBUTE: &str = "streamName";
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
-    /// The application; its lease table has the same name.
+    /// The application.
     #[arg(long, value_name = "APP")]
     app: String,
+
+    /// The application's DynamoDB lease table (default: the application's name).
+    #[arg(long, value_name = "NAME")]
+    lease_table: Option<String>,
 
     /// Only the leases of this stream (default: every stream in the table).
     #[arg(long, value_name = "STREAM")]
@@ -29,30 +34,23 @@ pub(crate) struct Args {
 
 pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
     let client = ctx.dynamodb();
-    let store = DynamoDbLeaseStore::new(client.clone(), &args.app).create_if_missing(false);
+    let table_name = args.lease_table.as_deref().unwrap_or(&args.app);
+    let store = DynamoDbLeaseStore::new(client.clone(), table_name).create_if_missing(false);
     let context = || format!("cannot read the leases of application `{}`", args.app);
     // Checks that the table exists with the lease key schema; never creates it.
-    store
-        .prepare()
-        .await
-        .map_err(|e| Failure::caused_by(context(), e))?;
+    store.prepare().await.with_context(context)?;
     let streams = match &args.stream {
         Some(stream) => vec![stream.clone()],
-        None => stream_names(&client, &args.app)
+        None => stream_names(&client, table_name)
             .await
-            .map_err(|e| Failure::caused_by(context(), e))?,
+            .with_context(context)?,
     };
     let mut leases = Vec::new();
     for stream in &streams {
-        leases.extend(
-            store
-                .list(stream)
-                .await
-                .map_err(|e| Failure::caused_by(context(), e))?,
-        );
+        leases.extend(store.list(stream).await.with_context(context)?);
     }
     if args.json {
-        print_lines(leases.iter().map(lease_json))?;
+        print_json_lines(leases.iter().map(LeaseJson::of))?;
     } else {
         let rows: Vec<Vec<String>> = leases.iter().map(lease_row).collect();
         print_lines(table(
@@ -127,34 +125,55 @@ fn lease_row(lease: &Lease) -> Vec<String> {
     ]
 }
 
-fn lease_json(lease: &Lease) -> String {
-    let starting_timestamp_ms = match lease.checkpoint {
-        Checkpoint::AtTimestamp(t) => match t.duration_since(UNIX_EPOCH) {
-            Ok(d) => json!(d.as_millis() as i64),
-            Err(e) => json!(-(e.duration().as_millis() as i64)),
-        },
-        _ => Value::Null,
-    };
-    json_object(&[
-        ("stream", json!(lease.stream)),
-        ("shard", json!(lease.shard_id)),
-        ("owner", json!(lease.owner)),
-        ("counter", json!(lease.counter)),
-        ("epoch", json!(lease.owner_epoch)),
-        ("checkpoint", json!(lease.checkpoint.label())),
-        ("sub_sequence", json!(lease.checkpoint.sub_sequence())),
-        ("starting_timestamp_ms", starting_timestamp_ms),
-        ("state", json!(state(lease))),
-        ("parents", json!(lease.parents)),
-        ("children", json!(lease.children)),
-        ("complete_through", json!(lease.complete_through)),
-        ("seek_epoch", json!(lease.seek_epoch)),
-    ])
+/// One lease as `--json` prints it.
+#[derive(Debug, Serialize)]
+struct LeaseJson<'a> {
+    stream: &'a str,
+    shard: &'a str,
+    owner: Option<&'a str>,
+    counter: u64,
+    epoch: u64,
+    checkpoint: String,
+    sub_sequence: u64,
+    starting_timestamp_ms: Option<i64>,
+    state: &'static str,
+    parents: &'a [String],
+    children: &'a [String],
+    complete_through: Option<i64>,
+    seek_epoch: u64,
+}
+
+impl<'a> LeaseJson<'a> {
+    fn of(lease: &'a Lease) -> Self {
+        let starting_timestamp_ms = match lease.checkpoint {
+            Checkpoint::AtTimestamp(t) => Some(match t.duration_since(UNIX_EPOCH) {
+                Ok(d) => d.as_millis() as i64,
+                Err(e) => -(e.duration().as_millis() as i64),
+            }),
+            _ => None,
+        };
+        Self {
+            stream: &lease.stream,
+            shard: &lease.shard_id,
+            owner: lease.owner.as_deref(),
+            counter: lease.counter,
+            epoch: lease.owner_epoch,
+            checkpoint: lease.checkpoint.label(),
+            sub_sequence: lease.checkpoint.sub_sequence(),
+            starting_timestamp_ms,
+            state: state(lease),
+            parents: &lease.parents,
+            children: &lease.children,
+            complete_through: lease.complete_through,
+            seek_epoch: lease.seek_epoch,
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::{Value, json};
     use shardwise::{Position, SequenceNumber};
 
     fn lease(owner: Option<&str>, checkpoint: Checkpoint) -> Lease {
@@ -199,12 +218,37 @@ mod tests {
     #[test]
     fn json_rows_carry_every_field() {
         let at = Checkpoint::At(Position::new(SequenceNumber::parse("4959").unwrap(), 2));
-        let value: Value = serde_json::from_str(&lease_json(&lease(None, at))).unwrap();
+        let line = serde_json::to_string(&LeaseJson::of(&lease(None, at))).unwrap();
+        let value: Value = serde_json::from_str(&line).unwrap();
         assert_eq!(value["checkpoint"], "4959");
         assert_eq!(value["sub_sequence"], 2);
         assert_eq!(value["owner"], Value::Null);
         assert_eq!(value["state"], "free");
         assert_eq!(value["parents"].as_array().unwrap().len(), 2);
         assert_eq!(value["children"], json!([]));
+    }
+
+    #[test]
+    fn json_rows_keep_their_fields_and_order() {
+        let json = |lease: &Lease| serde_json::to_string(&LeaseJson::of(lease)).unwrap();
+        let mut owned = lease(
+            Some("w1"),
+            Checkpoint::At(Position::new(SequenceNumber::parse("4959").unwrap(), 2)),
+        );
+        owned.children = vec!["shardId-000000000005".into()];
+        assert_eq!(
+            json(&owned),
+            r#"{"stream":"orders","shard":"shardId-000000000002","owner":"w1","counter":7,"epoch":3,"checkpoint":"4959","sub_sequence":2,"starting_timestamp_ms":null,"state":"owned","parents":["shardId-000000000000","shardId-000000000001"],"children":["shardId-000000000005"],"complete_through":12,"seek_epoch":1}"#
+        );
+        let at = |ms| Checkpoint::AtTimestamp(UNIX_EPOCH + std::time::Duration::from_millis(ms));
+        let mut timed = lease(None, at(1_764_452_220_123));
+        timed.complete_through = None;
+        assert_eq!(
+            json(&timed),
+            r#"{"stream":"orders","shard":"shardId-000000000002","owner":null,"counter":7,"epoch":3,"checkpoint":"AT_TIMESTAMP","sub_sequence":0,"starting_timestamp_ms":1764452220123,"state":"free","parents":["shardId-000000000000","shardId-000000000001"],"children":[],"complete_through":null,"seek_epoch":1}"#
+        );
+        timed.checkpoint =
+            Checkpoint::AtTimestamp(UNIX_EPOCH - std::time::Duration::from_millis(5));
+        assert!(json(&timed).contains(r#""starting_timestamp_ms":-5,"#));
     }
 }

@@ -11,21 +11,28 @@
 
 mod common;
 mod consume;
+mod flag_error;
 mod frontier;
 mod leases;
 mod put;
 mod seek;
 mod stream;
+mod target;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::common::Ctx;
+use crate::common::{Ctx, ENVIRONMENT_HELP};
 
 /// Kinesis consumer framework tooling: write records, inspect leases, manage streams.
 #[derive(Debug, Parser)]
-#[command(name = "shardwise", version, propagate_version = true)]
+#[command(
+    name = "shardwise",
+    version,
+    propagate_version = true,
+    after_help = ENVIRONMENT_HELP
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -34,10 +41,12 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Consume a stream with leases and checkpoints, printing one JSON line per handled delivery.
+    #[command(after_help = ENVIRONMENT_HELP)]
     Consume(consume::Args),
     /// Write numbered JSON records `{"id": N}` to a stream, in order per partition key.
     Put(put::Args),
-    /// Show the lease table of an application (the table is named after the application).
+    /// Show the lease table of an application (named after the application unless
+    /// --lease-table names it).
     Leases(leases::Args),
     /// Move an application's checkpoints of a stream (backwards too), running or not.
     Seek(seek::Args),
@@ -70,11 +79,23 @@ fn main() -> ExitCode {
         Err(err) => return common::report(&err.into()),
     };
     let result = runtime.block_on(async {
-        let ctx = Ctx::load().await;
+        let ctx = Ctx::load().await?;
         dispatch(cli.command, &ctx).await
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => common::report(&err),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
     }
 }

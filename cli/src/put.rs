@@ -15,13 +15,14 @@
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
+use anyhow::bail;
 use aws_sdk_kinesis::Client;
 use aws_sdk_kinesis::primitives::Blob;
 use aws_sdk_kinesis::types::PutRecordsRequestEntry;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use serde_json::{Value, json};
+use serde::Serialize;
 
-use crate::common::{Backoff, Ctx, Failure, Result, json_object, kinesis_error, print_lines};
+use crate::common::{Ctx, Result, backoff, kinesis_error, pause, print_json_lines};
 
 /// Kinesis limits on one PutRecords request and one record (data plus partition key).
 const MAX_BATCH_RECORDS: u64 = 500;
@@ -60,21 +61,32 @@ pub(crate) struct Args {
     start_id: u64,
 }
 
+/// The line printed once every record is written.
+#[derive(Debug, Serialize)]
+struct Summary<'a> {
+    stream: &'a str,
+    written: u64,
+    first_id: Option<u64>,
+    last_id: Option<u64>,
+    seconds: f64,
+}
+
 pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
     let Some(end) = args.start_id.checked_add(args.count) else {
-        return Err(Failure::msg(format!(
+        bail!(
             "--start-id {} + --count {} is past the largest id",
-            args.start_id, args.count
-        )));
+            args.start_id,
+            args.count
+        );
     };
     let longest_key = partition_key(args.keys - 1, args.keys).len();
     if let Some(size) = args.size
         && size + longest_key > MAX_RECORD_BYTES
     {
-        return Err(Failure::msg(format!(
+        bail!(
             "--size {size} is too large: a record's data plus its partition key may have at most \
              {MAX_RECORD_BYTES} bytes"
-        )));
+        );
     }
 
     let client = ctx.kinesis();
@@ -90,20 +102,14 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
     }
     progress.finish_and_clear();
 
-    let (first, last) = if args.count == 0 {
-        (Value::Null, Value::Null)
-    } else {
-        (json!(args.start_id), json!(end - 1))
-    };
-    let seconds = (started.elapsed().as_secs_f64() * 1000.0).round() / 1000.0;
-    print_lines([json_object(&[
-        ("stream", json!(args.stream)),
-        ("written", json!(args.count)),
-        ("first_id", first),
-        ("last_id", last),
-        ("seconds", json!(seconds)),
-    ])])?;
-    Ok(())
+    let written = args.count > 0;
+    print_json_lines([Summary {
+        stream: &args.stream,
+        written: args.count,
+        first_id: written.then_some(args.start_id),
+        last_id: written.then_some(end - 1),
+        seconds: (started.elapsed().as_secs_f64() * 1000.0).round() / 1000.0,
+    }])
 }
 
 /// One record on its way: its id and the request entry.
@@ -135,7 +141,7 @@ fn next_batch(from: u64, end: u64, args: &Args) -> Vec<Pending> {
 
 /// Writes one request's records, resending failed entries (in order) until all are written.
 async fn put_batch(client: &Client, stream: &str, mut pending: Vec<Pending>) -> Result<()> {
-    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    let mut delays = backoff(Duration::from_millis(50), Duration::from_secs(2));
     for attempt in 1.. {
         let out = client
             .put_records()
@@ -146,11 +152,11 @@ async fn put_batch(client: &Client, stream: &str, mut pending: Vec<Pending>) -> 
             .map_err(|e| kinesis_error("PutRecords", stream, None, e))?;
         let results = out.records();
         if results.len() != pending.len() {
-            return Err(Failure::msg(format!(
+            bail!(
                 "PutRecords on stream `{stream}` answered {} results for {} records",
                 results.len(),
                 pending.len()
-            )));
+            );
         }
         if out.failed_record_count().unwrap_or(0) == 0
             && results.iter().all(|r| r.error_code().is_none())
@@ -184,14 +190,14 @@ async fn put_batch(client: &Client, stream: &str, mut pending: Vec<Pending>) -> 
             "resending failed PutRecords entries"
         );
         if attempt >= MAX_ATTEMPTS {
-            return Err(Failure::msg(format!(
+            bail!(
                 "PutRecords on stream `{stream}`: {} records still failed after {MAX_ATTEMPTS} \
                  attempts (first: {first_failure})",
                 failed.len()
-            )));
+            );
         }
         pending = failed;
-        backoff.wait().await;
+        pause(&mut delays).await;
     }
     unreachable!("the loop returns")
 }
@@ -237,6 +243,7 @@ fn progress_bar(count: u64) -> ProgressBar {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::{Value, json};
 
     fn args(keys: u64, size: Option<usize>) -> Args {
         Args {
@@ -415,5 +422,27 @@ mod tests {
         assert_eq!(batch.len(), 5);
         let batch = next_batch(0, 1000, &args(1000, Some(100_000)));
         assert_eq!(batch.len(), 52);
+    }
+
+    #[test]
+    fn the_summary_keeps_its_fields_and_order() {
+        let summary = |written, first_id, last_id, seconds| {
+            serde_json::to_string(&Summary {
+                stream: "s",
+                written,
+                first_id,
+                last_id,
+                seconds,
+            })
+            .unwrap()
+        };
+        assert_eq!(
+            summary(10, Some(5), Some(14), 1.235),
+            r#"{"stream":"s","written":10,"first_id":5,"last_id":14,"seconds":1.235}"#
+        );
+        assert_eq!(
+            summary(0, None, None, 0.0),
+            r#"{"stream":"s","written":0,"first_id":null,"last_id":null,"seconds":0.0}"#
+        );
     }
 }

@@ -2,83 +2,86 @@
 //! consumers run or not. Running readers of the moved shards lose their leases at once on their
 //! next write (or at their next renewal) and the next owner reads from the new place.
 
-use std::sync::Arc;
-
-use serde_json::json;
+use anyhow::Context;
+use serde::Serialize;
 use shardwise::lease::DynamoDbLeaseStore;
 use shardwise::seek::{SeekTarget, seek};
 use shardwise::shard::discovery::KinesisShards;
-use shardwise::{Position, SequenceNumber};
 
-use crate::common::{Ctx, Failure, Result, json_object, parse_rfc3339, print_lines};
+use crate::common::{Ctx, Result, print_json_lines};
+use crate::target::{SEEK_VALUES, parse_seek_target, time_help};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
-    /// The application; its lease table has the same name.
+    /// The application.
     #[arg(long, value_name = "APP")]
     app: String,
+
+    /// The application's DynamoDB lease table (default: the application's name).
+    #[arg(long, value_name = "NAME")]
+    lease_table: Option<String>,
 
     /// The stream.
     #[arg(long, value_name = "STREAM")]
     stream: String,
 
-    /// Where to: every shard to the trim horizon, the tip, or a time; or one shard to a record
-    /// (inclusive; `SEQ.SUB` for a record inside a KPL aggregate).
-    #[arg(long, value_name = "trim-horizon|latest|timestamp:RFC3339|sequence:SHARD:SEQ[.SUB]", value_parser = parse_target)]
+    #[arg(
+        long,
+        value_name = SEEK_VALUES,
+        value_parser = parse_seek_target,
+        help = concat!(
+            "Where to: every shard to the trim horizon, the tip, or a time; or one shard to a \
+             record (inclusive; `SEQ.SUB` for a record inside a KPL aggregate). ",
+            time_help!()
+        ),
+    )]
     to: SeekTarget,
 }
 
-fn parse_target(s: &str) -> std::result::Result<SeekTarget, String> {
-    match s {
-        "trim-horizon" => return Ok(SeekTarget::TrimHorizon),
-        "latest" => return Ok(SeekTarget::Latest),
-        _ => {}
-    }
-    if let Some(ts) = s.strip_prefix("timestamp:") {
-        return Ok(SeekTarget::Timestamp(parse_rfc3339(ts)?));
-    }
-    if let Some(rest) = s.strip_prefix("sequence:") {
-        let (shard, seq) = rest
-            .split_once(':')
-            .ok_or_else(|| format!("`{s}`: expected sequence:SHARD:SEQ"))?;
-        let (digits, sub) = match seq.split_once('.') {
-            Some((d, sub)) => (
-                d,
-                sub.parse::<u64>()
-                    .map_err(|_| format!("`{sub}` is not a sub-sequence number"))?,
-            ),
-            None => (seq, 0),
-        };
-        let sequence = SequenceNumber::parse(digits).map_err(|e| e.to_string())?;
-        let shard_id = match shard.parse::<u64>() {
-            Ok(n) => format!("shardId-{n:012}"),
-            Err(_) => shard.to_string(),
-        };
-        return Ok(SeekTarget::Position {
-            shard_id,
-            position: Position::new(sequence, sub),
-        });
-    }
-    Err(format!(
-        "`{s}`: expected trim-horizon, latest, timestamp:RFC3339 or sequence:SHARD:SEQ"
-    ))
+/// The line printed for a seek.
+#[derive(Debug, Serialize)]
+struct SeekLine<'a> {
+    stream: &'a str,
+    app: &'a str,
+    moved: &'a [String],
 }
 
 pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
-    let store = DynamoDbLeaseStore::new(ctx.dynamodb(), &args.app);
-    let lister = Arc::new(KinesisShards::new(ctx.kinesis()));
-    let report = seek(&store, lister.as_ref(), &args.stream, &args.to)
+    let table = args.lease_table.as_deref().unwrap_or(&args.app);
+    let store = DynamoDbLeaseStore::new(ctx.dynamodb(), table);
+    let lister = KinesisShards::new(ctx.kinesis());
+    let report = seek(&store, &lister, &args.stream, &args.to)
         .await
-        .map_err(|e| {
-            Failure::caused_by(
-                format!("cannot seek `{}` for `{}`", args.stream, args.app),
-                e,
-            )
-        })?;
-    print_lines([json_object(&[
-        ("stream", json!(args.stream)),
-        ("app", json!(args.app)),
-        ("moved", json!(report.moved)),
-    ])])?;
-    Ok(())
+        .with_context(|| format!("cannot seek `{}` for `{}`", args.stream, args.app))?;
+    print_json_lines([SeekLine {
+        stream: &args.stream,
+        app: &args.app,
+        moved: &report.moved,
+    }])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_line_keeps_its_fields_and_order() {
+        let moved = [
+            "shardId-000000000000".to_owned(),
+            "shardId-000000000001".to_owned(),
+        ];
+        let line = |moved| SeekLine {
+            stream: "orders",
+            app: "billing",
+            moved,
+        };
+        assert_eq!(
+            serde_json::to_string(&line(&moved)).unwrap(),
+            r#"{"stream":"orders","app":"billing","moved":["shardId-000000000000","shardId-000000000001"]}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&line(&[])).unwrap(),
+            r#"{"stream":"orders","app":"billing","moved":[]}"#
+        );
+    }
 }

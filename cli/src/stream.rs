@@ -6,12 +6,14 @@
 
 use std::time::{Duration, Instant};
 
+use anyhow::{Context, bail};
 use aws_sdk_kinesis::Client;
 use aws_sdk_kinesis::types::{Shard, StreamStatus};
-use serde_json::json;
+use backon::ExponentialBackoff;
+use serde::Serialize;
 
 use crate::common::{
-    Backoff, Ctx, Failure, Result, is_not_found, json_object, kinesis_error, list_or_dash,
+    Ctx, Result, backoff, is_not_found, kinesis_error, list_or_dash, pause, print_json_lines,
     print_lines, table,
 };
 
@@ -148,9 +150,7 @@ async fn split(client: &Client, stream: &str, shard: &str, deadline: Deadline) -
     let target = open_shard(&shards, stream, shard)?;
     let (start, end) = hash_range(target, stream)?;
     let Some(at) = split_point(start, end) else {
-        return Err(Failure::msg(format!(
-            "shard `{shard}` of stream `{stream}` covers a single hash key and cannot be split"
-        )));
+        bail!("shard `{shard}` of stream `{stream}` covers a single hash key and cannot be split");
     };
     client
         .split_shard()
@@ -185,11 +185,14 @@ async fn merge(
         hash_range(open_shard(&shards, stream, adjacent)?, stream)?,
     );
     if a.1.checked_add(1) != Some(b.0) && b.1.checked_add(1) != Some(a.0) {
-        return Err(Failure::msg(format!(
+        bail!(
             "shards `{shard}` ({}..{}) and `{adjacent}` ({}..{}) of stream `{stream}` are not \
              adjacent: their hash key ranges must adjoin",
-            a.0, a.1, b.0, b.1
-        )));
+            a.0,
+            a.1,
+            b.0,
+            b.1
+        );
     }
     client
         .merge_shards()
@@ -224,7 +227,7 @@ async fn delete(
         .send()
         .await
         .map_err(|e| kinesis_error("DeleteStream", stream, None, e))?;
-    let mut backoff = poll_backoff();
+    let mut delays = poll_backoff();
     loop {
         match client
             .describe_stream_summary()
@@ -233,14 +236,16 @@ async fn delete(
             .await
         {
             Err(err) if is_not_found(&err) => break,
-            Err(err) => return Err(kinesis_error("DescribeStreamSummary", stream, None, err)),
+            Err(err) => {
+                return Err(kinesis_error("DescribeStreamSummary", stream, None, err).into());
+            }
             Ok(_) if deadline.passed() => {
-                return Err(Failure::msg(format!(
+                bail!(
                     "stream `{stream}` was still there {} s after DeleteStream",
                     deadline.seconds
-                )));
+                );
             }
-            Ok(_) => backoff.wait().await,
+            Ok(_) => pause(&mut delays).await,
         }
     }
     print_lines([format!("deleted stream {stream}")])?;
@@ -254,18 +259,7 @@ async fn describe(client: &Client, stream: &str, as_json: bool) -> Result<()> {
         described.push(Described::of(shard, stream)?);
     }
     if as_json {
-        print_lines(described.iter().map(|d| {
-            json_object(&[
-                ("stream", json!(stream)),
-                ("shard", json!(d.id)),
-                ("state", json!(d.state())),
-                ("parents", json!(d.parents)),
-                ("hash_start", json!(d.hash.0.to_string())),
-                ("hash_end", json!(d.hash.1.to_string())),
-                ("starting_sequence", json!(d.starting_sequence)),
-                ("ending_sequence", json!(d.ending_sequence)),
-            ])
-        }))?;
+        print_json_lines(described.iter().map(|d| d.json(stream)))?;
     } else {
         let rows: Vec<Vec<String>> = described
             .iter()
@@ -285,6 +279,19 @@ async fn describe(client: &Client, stream: &str, as_json: bool) -> Result<()> {
         ))?;
     }
     Ok(())
+}
+
+/// One shard as `describe --json` prints it.
+#[derive(Debug, Serialize)]
+struct ShardJson<'a> {
+    stream: &'a str,
+    shard: &'a str,
+    state: &'static str,
+    parents: &'a [String],
+    hash_start: String,
+    hash_end: String,
+    starting_sequence: Option<&'a str>,
+    ending_sequence: Option<&'a str>,
 }
 
 /// One shard as `describe` shows it.
@@ -315,6 +322,19 @@ impl Described {
             "closed"
         } else {
             "open"
+        }
+    }
+
+    fn json<'a>(&'a self, stream: &'a str) -> ShardJson<'a> {
+        ShardJson {
+            stream,
+            shard: &self.id,
+            state: self.state(),
+            parents: &self.parents,
+            hash_start: self.hash.0.to_string(),
+            hash_end: self.hash.1.to_string(),
+            starting_sequence: self.starting_sequence.as_deref(),
+            ending_sequence: self.ending_sequence.as_deref(),
         }
     }
 }
@@ -369,15 +389,13 @@ async fn list_shards(client: &Client, stream: &str) -> Result<Vec<Shard>> {
 fn open_shard<'a>(shards: &'a [Shard], stream: &str, id: &str) -> Result<&'a Shard> {
     let Some(shard) = shards.iter().find(|s| s.shard_id() == id) else {
         let known: Vec<String> = shards.iter().map(|s| s.shard_id().to_owned()).collect();
-        return Err(Failure::msg(format!(
+        bail!(
             "stream `{stream}` has no shard `{id}` (its shards: {})",
             list_or_dash(&known)
-        )));
+        );
     };
     if ending_sequence(shard).is_some() {
-        return Err(Failure::msg(format!(
-            "shard `{id}` of stream `{stream}` is closed; only open shards can be resharded"
-        )));
+        bail!("shard `{id}` of stream `{stream}` is closed; only open shards can be resharded");
     }
     Ok(shard)
 }
@@ -385,22 +403,19 @@ fn open_shard<'a>(shards: &'a [Shard], stream: &str, id: &str) -> Result<&'a Sha
 /// The shard's hash key range as numbers (Kinesis sends 128-bit decimal strings).
 fn hash_range(shard: &Shard, stream: &str) -> Result<(u128, u128)> {
     let parse = |value: &str| {
-        value.parse::<u128>().map_err(|e| {
-            Failure::caused_by(
-                format!(
-                    "shard `{}` of stream `{stream}` has the hash key `{value}`, which is not a \
-                     128-bit number",
-                    shard.shard_id()
-                ),
-                e,
+        value.parse::<u128>().with_context(|| {
+            format!(
+                "shard `{}` of stream `{stream}` has the hash key `{value}`, which is not a \
+                 128-bit number",
+                shard.shard_id()
             )
         })
     };
     let Some(range) = shard.hash_key_range() else {
-        return Err(Failure::msg(format!(
+        bail!(
             "shard `{}` of stream `{stream}` has no hash key range",
             shard.shard_id()
-        )));
+        );
     };
     Ok((
         parse(range.starting_hash_key())?,
@@ -415,8 +430,9 @@ fn split_point(start: u128, end: u128) -> Option<u128> {
     (end > start).then(|| start + (end - start) / 2 + 1)
 }
 
-fn poll_backoff() -> Backoff {
-    Backoff::new(Duration::from_millis(25), Duration::from_secs(1))
+/// Waits between DescribeStreamSummary and ListShards polls.
+fn poll_backoff() -> ExponentialBackoff {
+    backoff(Duration::from_millis(25), Duration::from_secs(1))
 }
 
 /// Polls DescribeStreamSummary until the stream is ACTIVE. With `missing_ok` a stream that is
@@ -427,7 +443,7 @@ async fn wait_active(
     deadline: Deadline,
     missing_ok: bool,
 ) -> Result<()> {
-    let mut backoff = poll_backoff();
+    let mut delays = poll_backoff();
     loop {
         let status = match client
             .describe_stream_summary()
@@ -439,23 +455,23 @@ async fn wait_active(
                 .stream_description_summary()
                 .map(|s| s.stream_status().clone()),
             Err(err) if missing_ok && is_not_found(&err) => None,
-            Err(err) => return Err(kinesis_error("DescribeStreamSummary", stream, None, err)),
+            Err(err) => {
+                return Err(kinesis_error("DescribeStreamSummary", stream, None, err).into());
+            }
         };
         match &status {
             Some(StreamStatus::Active) => return Ok(()),
-            Some(StreamStatus::Deleting) => {
-                return Err(Failure::msg(format!("stream `{stream}` is being deleted")));
-            }
+            Some(StreamStatus::Deleting) => bail!("stream `{stream}` is being deleted"),
             _ => {}
         }
         if deadline.passed() {
             let seen = status.map_or("not visible".to_owned(), |s| s.as_str().to_owned());
-            return Err(Failure::msg(format!(
+            bail!(
                 "stream `{stream}` did not become ACTIVE within {} s (last status: {seen})",
                 deadline.seconds
-            )));
+            );
         }
-        backoff.wait().await;
+        pause(&mut delays).await;
     }
 }
 
@@ -467,7 +483,7 @@ async fn wait_for_children(
     expected: usize,
     is_child: impl Fn(&Shard) -> bool,
 ) -> Result<Vec<Shard>> {
-    let mut backoff = poll_backoff();
+    let mut delays = poll_backoff();
     loop {
         wait_active(client, stream, deadline, false).await?;
         let children: Vec<Shard> = list_shards(client, stream)
@@ -479,13 +495,13 @@ async fn wait_for_children(
             return Ok(children);
         }
         if deadline.passed() {
-            return Err(Failure::msg(format!(
+            bail!(
                 "stream `{stream}` is ACTIVE but shows {} of the {expected} new shards after {} s",
                 children.len(),
                 deadline.seconds
-            )));
+            );
         }
-        backoff.wait().await;
+        pause(&mut delays).await;
     }
 }
 
@@ -512,5 +528,26 @@ mod tests {
         assert_eq!(shard_id("3"), "shardId-000000000003");
         assert_eq!(shard_id("shardId-000000000003"), "shardId-000000000003");
         assert_eq!(shard_id("+3"), "+3");
+    }
+
+    #[test]
+    fn json_shards_keep_their_fields_and_order() {
+        let described =
+            |parents: &[&str], starting: Option<&str>, ending: Option<&str>| Described {
+                id: "shardId-000000000002".into(),
+                parents: parents.iter().map(|p| (*p).to_owned()).collect(),
+                hash: (0, u128::MAX),
+                starting_sequence: starting.map(str::to_owned),
+                ending_sequence: ending.map(str::to_owned),
+            };
+        let json = |d: &Described| serde_json::to_string(&d.json("s")).unwrap();
+        assert_eq!(
+            json(&described(&["shardId-000000000000"], Some("4959"), None)),
+            r#"{"stream":"s","shard":"shardId-000000000002","state":"open","parents":["shardId-000000000000"],"hash_start":"0","hash_end":"340282366920938463463374607431768211455","starting_sequence":"4959","ending_sequence":null}"#
+        );
+        assert_eq!(
+            json(&described(&[], None, Some("5000"))),
+            r#"{"stream":"s","shard":"shardId-000000000002","state":"closed","parents":[],"hash_start":"0","hash_end":"340282366920938463463374607431768211455","starting_sequence":null,"ending_sequence":"5000"}"#
+        );
     }
 }

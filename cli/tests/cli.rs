@@ -1,12 +1,16 @@
 //! The `shardwise` binary, black box, against the live emulators: `stream create/split/merge/
-//! describe`, `put` (every id once, in order per key) and `leases`, plus the failures a user
-//! meets first (a missing stream, a missing lease table).
+//! describe`, `put` (every id once, in order per key), `leases`, and a lease table created with the
+//! options `consume` was given; plus the failures a user meets first (a missing stream, a missing
+//! lease table, a missing region, a rejected setting) and what `--help` says.
 
 #[path = "../../tests/support/mod.rs"]
 mod support;
 
 use std::collections::{BTreeSet, HashMap};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
 
+use aws_sdk_dynamodb::types::{BillingMode, PointInTimeRecoveryStatus, TableStatus};
 use aws_sdk_kinesis::types::ShardIteratorType;
 use serde_json::Value;
 use shardwise::lease::{Checkpoint, DynamoDbLeaseStore, LeaseStore, NewLease};
@@ -44,19 +48,29 @@ impl Run {
     }
 }
 
-/// Runs the binary; it inherits the AWS_* variables that point at the emulators.
-async fn shardwise(args: &[&str]) -> Run {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_shardwise"))
+/// The binary with `args`; it inherits the AWS_* variables that point at the emulators.
+fn command(args: &[&str]) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_shardwise"));
+    command
         .args(args)
         .env("RUST_LOG", "warn")
-        .output()
-        .await
-        .expect("run shardwise");
+        .kill_on_drop(true);
+    command
+}
+
+/// Runs `command` to its end.
+async fn run(mut command: tokio::process::Command) -> Run {
+    let out = command.output().await.expect("run shardwise");
     Run {
         code: out.status.code(),
         stdout: String::from_utf8(out.stdout).expect("utf-8 stdout"),
         stderr: String::from_utf8(out.stderr).expect("utf-8 stderr"),
     }
+}
+
+/// Runs the binary with `args`.
+async fn shardwise(args: &[&str]) -> Run {
+    run(command(args)).await
 }
 
 /// One record read back: its shard, partition key and data.
@@ -402,4 +416,278 @@ async fn put_to_a_missing_stream_fails_naming_it() {
     assert!(err.contains(&format!("`{stream}` does not exist")), "{err}");
     let err = shardwise(&["stream", "describe", &stream]).await.failed();
     assert!(err.contains(&format!("`{stream}` does not exist")), "{err}");
+}
+
+/// Every variable `--help` must explain.
+const ENVIRONMENT: [&str; 10] = [
+    "AWS_REGION",
+    "AWS_PROFILE",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_KINESIS",
+    "AWS_ENDPOINT_URL_DYNAMODB",
+    "AWS_EC2_METADATA_DISABLED",
+    "RUST_LOG",
+];
+
+#[tokio::test]
+async fn help_lists_the_environment_it_reads() {
+    for args in [&["--help"][..], &["consume", "--help"], &["consume", "-h"]] {
+        let help = shardwise(args).await.ok();
+        let environment = help
+            .split_once("Environment:\n")
+            .unwrap_or_else(|| panic!("{args:?} has no Environment section: {help}"))
+            .1;
+        for var in ENVIRONMENT {
+            let line = environment
+                .lines()
+                .find(|line| line.split_whitespace().next() == Some(var))
+                .unwrap_or_else(|| panic!("{args:?} does not list {var}: {help}"));
+            assert!(
+                line.split_whitespace().count() > 2,
+                "{var} says what it does: {line}"
+            );
+        }
+    }
+}
+
+/// `args` in the environment of a machine with no AWS region anywhere: no variable, empty config
+/// files (`empty`), no instance metadata.
+fn without_region(args: &[&str], empty: &std::path::Path) -> tokio::process::Command {
+    let mut command = command(args);
+    command
+        .env_remove("AWS_REGION")
+        .env_remove("AWS_DEFAULT_REGION")
+        .env_remove("AWS_PROFILE")
+        .env("AWS_CONFIG_FILE", empty)
+        .env("AWS_SHARED_CREDENTIALS_FILE", empty)
+        .env("AWS_EC2_METADATA_DISABLED", "true");
+    command
+}
+
+#[tokio::test]
+async fn a_missing_region_is_named_as_aws_region() {
+    let empty = std::env::temp_dir().join(support::unique_name("empty-aws-config"));
+    std::fs::write(&empty, "").expect("an empty AWS config file");
+    let commands: [&[&str]; 6] = [
+        &["consume", "--stream", "orders", "--app", "billing"],
+        &["put", "--stream", "orders", "--count", "1"],
+        &["leases", "--app", "billing"],
+        &[
+            "seek", "--app", "billing", "--stream", "orders", "--to", "latest",
+        ],
+        &["frontier", "--app", "billing", "--stream", "orders"],
+        &["stream", "describe", "orders"],
+    ];
+    for args in commands {
+        let err = run(without_region(args, &empty)).await.failed();
+        assert_eq!(
+            err,
+            "error: no AWS region is configured: set AWS_REGION (or the region of an \
+             AWS_PROFILE)\n",
+            "{args:?}"
+        );
+    }
+    let _ = std::fs::remove_file(&empty);
+}
+
+#[tokio::test]
+async fn a_rejected_setting_names_the_flag_as_typed() {
+    let consume = ["consume", "--stream", "orders", "--app", "billing"];
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["--lanes", "0"],
+            "error: invalid --lanes 0: must be 1 to 1024\n",
+        ),
+        (
+            &["--poll-interval-ms", "10"],
+            "error: invalid --poll-interval-ms 10: must be at least 200ms (Kinesis allows 5 \
+             GetRecords calls per second per shard)\n",
+        ),
+        (
+            &["--billing-mode", "provisioned:5,0"],
+            "error: invalid --billing-mode provisioned:5,0: provisioned read and write capacity \
+             must each be at least 1\n",
+        ),
+    ];
+    for (extra, expected) in cases {
+        let args: Vec<&str> = consume.iter().chain(extra).copied().collect();
+        // Settings are checked before any call: a region is all it needs.
+        let mut command = command(&args);
+        command.env("AWS_REGION", "us-east-1");
+        assert_eq!(run(command).await.failed(), expected, "{extra:?}");
+    }
+}
+
+/// Waits until `done` answers, failing after `limit` or when `consumer` exits first.
+async fn wait_while_running<F, Fut>(
+    what: &str,
+    consumer: &mut tokio::process::Child,
+    limit: Duration,
+    mut done: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !done().await {
+        if let Some(status) = consumer.try_wait().expect("try_wait") {
+            panic!("shardwise consume exited with {status} before {what}");
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn consume_creates_the_lease_table_it_is_given_and_the_other_commands_read_it() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("cli-table-opts");
+    let app = support::unique_name("cli-table-app");
+    let table = support::unique_name("cli-table");
+    live.create_stream(&stream, 1).await;
+
+    let mut consume = command(&[
+        "consume",
+        "--stream",
+        &stream,
+        "--app",
+        &app,
+        "--lease-table",
+        &table,
+        "--billing-mode",
+        "provisioned:7,3",
+        "--tag",
+        "team=billing",
+        "--point-in-time-recovery",
+        "--lease-duration-ms",
+        "3000",
+        "--scan-interval-ms",
+        "500",
+    ]);
+    let mut consumer = consume
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn shardwise consume");
+    let store = DynamoDbLeaseStore::new(live.dynamodb.clone(), &table).create_if_missing(false);
+    wait_while_running(
+        "the table and its lease row",
+        &mut consumer,
+        Duration::from_secs(30),
+        || async { store.list(&stream).await.is_ok_and(|rows| rows.len() == 1) },
+    )
+    .await;
+    let pid = consumer.id().expect("a running consumer").to_string();
+    let killed = tokio::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .await
+        .expect("run kill");
+    assert!(killed.success(), "kill -TERM {pid}");
+    let out = tokio::time::timeout(Duration::from_secs(30), consumer.wait_with_output())
+        .await
+        .expect("consume stops within 30 s of SIGTERM")
+        .expect("wait for consume");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "consume failed: {stderr}");
+    assert!(stderr.contains(r#""event":"shutdown""#), "{stderr}");
+
+    let described = live
+        .dynamodb
+        .describe_table()
+        .table_name(&table)
+        .send()
+        .await
+        .expect("DescribeTable")
+        .table
+        .expect("a table description");
+    assert_eq!(described.table_status(), Some(&TableStatus::Active));
+    let billing = described
+        .billing_mode_summary()
+        .and_then(|summary| summary.billing_mode());
+    assert_eq!(billing, Some(&BillingMode::Provisioned));
+    let throughput = described
+        .provisioned_throughput()
+        .expect("provisioned throughput");
+    assert_eq!(throughput.read_capacity_units(), Some(7));
+    assert_eq!(throughput.write_capacity_units(), Some(3));
+
+    let tags = live
+        .dynamodb
+        .list_tags_of_resource()
+        .resource_arn(described.table_arn().expect("a table ARN"))
+        .send()
+        .await
+        .expect("ListTagsOfResource");
+    let tags: Vec<(&str, &str)> = tags.tags().iter().map(|t| (t.key(), t.value())).collect();
+    assert_eq!(tags, [("team", "billing")]);
+
+    let backups = live
+        .dynamodb
+        .describe_continuous_backups()
+        .table_name(&table)
+        .send()
+        .await
+        .expect("DescribeContinuousBackups")
+        .continuous_backups_description
+        .expect("continuous backups");
+    let recovery = backups
+        .point_in_time_recovery_description()
+        .and_then(|p| p.point_in_time_recovery_status());
+    assert_eq!(recovery, Some(&PointInTimeRecoveryStatus::Enabled));
+
+    // `leases`, `frontier` and `seek` read the table named by --lease-table, not the app's.
+    let rows = shardwise(&["leases", "--app", &app, "--lease-table", &table, "--json"])
+        .await
+        .json_lines();
+    assert_eq!(rows.len(), 1, "{rows:#?}");
+    assert_eq!(rows[0]["stream"], stream.as_str());
+    assert_eq!(rows[0]["shard"], "shardId-000000000000");
+    assert_eq!(rows[0]["owner"], Value::Null, "released at shutdown");
+    let err = shardwise(&["leases", "--app", &app]).await.failed();
+    assert!(err.contains(&format!("`{app}`")), "{err}");
+    assert!(err.contains("does not exist"), "{err}");
+
+    let frontier = shardwise(&[
+        "frontier",
+        "--app",
+        &app,
+        "--lease-table",
+        &table,
+        "--stream",
+        &stream,
+        "--json",
+    ])
+    .await
+    .json_lines();
+    assert_eq!(frontier[0]["members"].as_array().map(Vec::len), Some(1));
+
+    let sought = shardwise(&[
+        "seek",
+        "--app",
+        &app,
+        "--lease-table",
+        &table,
+        "--stream",
+        &stream,
+        "--to",
+        "at-timestamp:2026-01-01",
+    ])
+    .await
+    .json_lines();
+    assert_eq!(
+        sought[0]["moved"],
+        serde_json::json!(["shardId-000000000000"])
+    );
+    let row = store.get(&stream, "shardId-000000000000").await.unwrap();
+    assert_eq!(
+        row.expect("the row").checkpoint,
+        Checkpoint::AtTimestamp(std::time::UNIX_EPOCH + Duration::from_secs(1_767_225_600))
+    );
+
+    live.delete_table(&table).await;
+    live.delete_stream(&stream).await;
 }
