@@ -130,8 +130,7 @@ async fn run_ruststream(
     }
     tokio::time::sleep(Duration::from_millis(500)).await; // let copies it publishes leave
     running.shutdown().await.expect("ruststream stops");
-    let seen = seen.lock().unwrap().clone();
-    seen
+    seen.lock().unwrap().clone()
 }
 
 /// One delivery as a shardwise handler saw it.
@@ -194,8 +193,7 @@ async fn run_shardwise(
     tokio::time::sleep(Duration::from_millis(500)).await;
     running.shutdown(Duration::from_secs(5)).await;
     live.delete_table(&app).await;
-    let seen = seen.lock().unwrap().clone();
-    seen
+    seen.lock().unwrap().clone()
 }
 
 async fn put(live: &support::Live, stream: &str, key: &str, headers: &Headers, payload: &[u8]) {

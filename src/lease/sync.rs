@@ -7,8 +7,10 @@ use crate::shard::discovery::ShardInfo;
 
 /// Rows to create, parents before children.
 ///
-/// - A shard whose parent already had a row (a split or merge while consuming) starts at the trim
-///   horizon, so nothing written to it before its parents ended is missed.
+/// - A shard descending from a shard that already had a row (a split or merge while consuming,
+///   however many times the stream resharded since) starts at the trim horizon, so nothing written
+///   to it before its parents ended is missed: the lineage is followed through the rows created in
+///   the same pass.
 /// - Otherwise the lineage is new to this application and the initial position applies to it, with
 ///   one refinement: at `Latest`, a closed shard has nothing left at its tip and starts ended.
 pub(crate) fn new_leases(
@@ -40,15 +42,23 @@ pub(crate) fn new_leases(
             ordered.append(&mut pending);
         }
     }
+    // Shards whose lineage this application already consumes: those with rows, and their
+    // descendants as they are placed.
+    let mut consumed: HashSet<&str> = existing.iter().map(String::as_str).collect();
     for shard in ordered {
-        if !existing.contains(&shard.shard_id) {
-            out.push(NewLease {
-                stream: stream.to_string(),
-                shard_id: shard.shard_id.clone(),
-                checkpoint: start_of(shard, existing, initial),
-                parents: shard.parents.clone(),
-            });
+        if existing.contains(&shard.shard_id) {
+            continue;
         }
+        let known_lineage = shard.parents.iter().any(|p| consumed.contains(p.as_str()));
+        if known_lineage {
+            consumed.insert(shard.shard_id.as_str());
+        }
+        out.push(NewLease {
+            stream: stream.to_string(),
+            shard_id: shard.shard_id.clone(),
+            checkpoint: start_of(shard, known_lineage, initial),
+            parents: shard.parents.clone(),
+        });
     }
     out
 }
@@ -78,8 +88,8 @@ pub(crate) fn aged_out<'a>(rows: &'a [Lease], listed: &HashSet<&str>) -> Vec<&'a
         .collect()
 }
 
-fn start_of(shard: &ShardInfo, existing: &HashSet<String>, initial: InitialPosition) -> Checkpoint {
-    if shard.parents.iter().any(|p| existing.contains(p)) {
+fn start_of(shard: &ShardInfo, known_lineage: bool, initial: InitialPosition) -> Checkpoint {
+    if known_lineage {
         return Checkpoint::TrimHorizon;
     }
     match initial {
@@ -139,6 +149,44 @@ mod tests {
                 ("2".into(), Checkpoint::TrimHorizon)
             ]
         );
+    }
+
+    #[test]
+    fn descendants_of_a_consumed_shard_start_at_the_trim_horizon_however_many_reshards_ago() {
+        // Nobody ran while 0 split into 1 and 2, 1 split into 3 and 4, and 3 merged with 2 into 5:
+        // only 0 has a row. Every descendant, closed or open, must be read from its start
+        // (found by the simulation, seed 491: 3 started ended and 5 at LATEST, skipping records).
+        let shards = [
+            shard("0", &[], true),
+            shard("1", &["0"], true),
+            shard("2", &["0"], true),
+            shard("3", &["1"], true),
+            shard("4", &["1"], false),
+            shard("5", &["3", "2"], false),
+            shard("9", &[], false),
+        ];
+        for initial in [
+            InitialPosition::Latest,
+            InitialPosition::AtTimestamp(std::time::SystemTime::UNIX_EPOCH),
+        ] {
+            let planned = plan(&shards, &["0"], initial);
+            for (id, checkpoint) in &planned {
+                if id == "9" {
+                    assert_eq!(
+                        *checkpoint,
+                        initial.checkpoint(),
+                        "an unrelated shard is new"
+                    );
+                } else {
+                    assert_eq!(
+                        *checkpoint,
+                        Checkpoint::TrimHorizon,
+                        "{id} under {initial:?}"
+                    );
+                }
+            }
+            assert_eq!(planned.len(), 6);
+        }
     }
 
     #[test]

@@ -172,6 +172,26 @@ impl MemoryStream {
         )
     }
 
+    /// Pairs of open shards with adjacent hash ranges: what [`merge`](Self::merge) accepts.
+    pub fn adjacent_open_shards(&self) -> Vec<(String, String)> {
+        let state = self.state();
+        let mut open: Vec<&Shard> = state.shards.values().filter(|s| !s.closed).collect();
+        open.sort_by_key(|s| s.range.0);
+        open.windows(2)
+            .filter(|w| w[0].range.1.wrapping_add(1) == w[1].range.0)
+            .map(|w| (w[0].id.clone(), w[1].id.clone()))
+            .collect()
+    }
+
+    /// Every shard's id and parents, and whether it is closed and aged out, in id order.
+    pub fn lineage(&self) -> Vec<(String, Vec<String>, bool, bool)> {
+        self.state()
+            .shards
+            .values()
+            .map(|s| (s.id.clone(), s.parents.clone(), s.closed, s.aged_out))
+            .collect()
+    }
+
     /// Makes every `n`-th GetRecords call fail with an expired iterator (0 turns it off).
     pub fn expire_iterators_every(&self, n: u64) {
         self.state().expire_every = n;

@@ -1,0 +1,170 @@
+//! Deterministic simulation: the real consumer, lease manager, readers, lanes, tracker, copy
+//! writer and seek, on the in-memory stream and lease store under paused Tokio time, with one
+//! `u64` seed deciding everything: the workload, handler outcomes and durations, workers that
+//! start, stop, crash and are cut off longer than a lease, lease theft, seeks, splits, merges,
+//! retention, and faults in the store and the stream (errors, throttling, timeouts, writes whose
+//! answer is lost). Invariants are checked as each event happens (see `sim/model.rs`); at the end
+//! everything owed must have been handled and be covered by the final checkpoints.
+//!
+//! `cargo test --test sim` runs `SHARDWISE_SIM_SEEDS` seeds (default 1,000) from
+//! `SHARDWISE_SIM_FROM` (default 0); `scripts/sim --seeds N [--from SEED]` runs any number. The
+//! last line is `N seeds, V violations, trace HASH`: the same seeds always give the same hash. A
+//! failing seed prints its replay command and the last events before the violation.
+
+mod model;
+mod world;
+mod wrap;
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use md5::{Digest, Md5};
+
+/// Seeds that found real bugs, replayed on every run (the bug each found, fixed, is named).
+/// Scenario changes can change what a seed does: when the generator changes, check that each
+/// still fails with its fix reverted.
+const REGRESSIONS: &[(u64, &str)] = &[(
+    491,
+    "shard sync started grandchildren of a consumed shard at the initial position (LATEST: skipped)",
+)];
+
+/// Seeds run twice at the start, to check that a seed always gives the same trace.
+const DETERMINISM_CHECKS: u64 = 20;
+
+struct Args {
+    seeds: u64,
+    from: u64,
+    trace: bool,
+    threads: usize,
+}
+
+fn args() -> Args {
+    let env = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let mut args = Args {
+        seeds: env("SHARDWISE_SIM_SEEDS", 1_000),
+        from: env("SHARDWISE_SIM_FROM", 0),
+        trace: false,
+        threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut number = |what: &str| -> u64 {
+            it.next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{what} takes a number"))
+        };
+        match arg.as_str() {
+            "--seeds" => args.seeds = number("--seeds"),
+            "--from" => args.from = number("--from"),
+            "--threads" => args.threads = number("--threads") as usize,
+            "--trace" => args.trace = true,
+            // What `cargo test` may pass to every test binary.
+            _ => {}
+        }
+    }
+    args
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn main() {
+    let args = args();
+    // Simulated handler panics are part of the workload: keep them out of the output.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.payload().downcast_ref::<&str>() != Some(&"simulated handler panic") {
+            report(info);
+        }
+    }));
+    let mut failed = false;
+    for (seed, bug) in REGRESSIONS {
+        let r = world::run_seed(*seed);
+        if !r.violations.is_empty() {
+            failed = true;
+            eprintln!(
+                "regression seed {seed} ({bug}) violated again: {:#?}",
+                r.violations
+            );
+        }
+    }
+    for seed in args.from..args.from + args.seeds.min(DETERMINISM_CHECKS) {
+        let (a, b) = (world::run_seed(seed), world::run_seed(seed));
+        if a.hash != b.hash {
+            failed = true;
+            eprintln!(
+                "seed {seed} is not deterministic: traces {} and {}",
+                hex(&a.hash),
+                hex(&b.hash)
+            );
+        }
+    }
+    let started = Instant::now();
+    let next = AtomicU64::new(args.from);
+    let end = args.from + args.seeds;
+    let results = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..args.threads.max(1) {
+            scope.spawn(|| {
+                loop {
+                    let seed = next.fetch_add(1, Ordering::SeqCst);
+                    if seed >= end {
+                        return;
+                    }
+                    let result = world::run_seed(seed);
+                    results.lock().unwrap().push(result);
+                }
+            });
+        }
+    });
+    let mut results = results.into_inner().unwrap();
+    results.sort_by_key(|r| r.seed);
+    let elapsed = started.elapsed().as_secs_f64();
+
+    let mut hasher = Md5::new();
+    let mut violations = 0;
+    let (mut events, mut invocations) = (0u64, 0u64);
+    for r in &results {
+        hasher.update(r.hash);
+        events += r.events;
+        invocations += r.invocations;
+        if !r.violations.is_empty() {
+            violations += 1;
+            eprintln!("\nseed {} violated:", r.seed);
+            for v in &r.violations {
+                eprintln!("  {v}");
+            }
+            eprintln!("  last events before it:");
+            for line in &r.trace {
+                eprintln!("    {line}");
+            }
+            eprintln!("  replay: scripts/sim --seeds 1 --from {} --trace", r.seed);
+        } else if args.trace {
+            for line in &r.trace {
+                println!("{line}");
+            }
+            println!("seed {} trace {}", r.seed, hex(&r.hash));
+        }
+    }
+    let hash = hex(&hasher.finalize()[..8]);
+    println!(
+        "{:.1} seeds/s ({} seeds in {elapsed:.1} s on {} threads; {events} events, {invocations} handler calls)",
+        results.len() as f64 / elapsed,
+        results.len(),
+        args.threads
+    );
+    println!(
+        "{} seeds, {violations} violations, trace {hash}",
+        results.len()
+    );
+    if violations > 0 || failed {
+        std::process::exit(1);
+    }
+}

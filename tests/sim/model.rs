@@ -1,0 +1,656 @@
+//! What the simulation observed, and the invariants checked as each observation arrives: every
+//! change the lease store applied, every handler call, every copy written, every frontier seen.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, SystemTime};
+
+use md5::{Digest, Md5};
+use shardwise::frontier::Frontier;
+use shardwise::lease::{Change, Checkpoint, Lease};
+use shardwise::testing::{MemoryStream, StoredRecord};
+use shardwise::{Outcome, Position};
+
+/// How many of the last events a failing seed prints (`SHARDWISE_SIM_TRACE` overrides).
+fn trace_tail() -> usize {
+    std::env::var("SHARDWISE_SIM_TRACE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(80)
+}
+
+/// The events of one run: hashed in full, the last ones kept for a trace.
+pub struct EventLog {
+    hasher: Md5,
+    tail: VecDeque<String>,
+    keep: usize,
+    count: u64,
+}
+
+impl Default for EventLog {
+    fn default() -> Self {
+        Self {
+            hasher: Md5::new(),
+            tail: VecDeque::new(),
+            keep: trace_tail(),
+            count: 0,
+        }
+    }
+}
+
+impl EventLog {
+    pub fn push(&mut self, at_ms: u64, event: String) {
+        let line = format!("{at_ms:>7} {event}");
+        self.hasher.update(line.as_bytes());
+        self.hasher.update(b"\n");
+        self.count += 1;
+        if self.tail.len() == self.keep {
+            self.tail.pop_front();
+        }
+        self.tail.push_back(line);
+    }
+
+    /// The hash of every event so far.
+    pub fn hash(&self) -> [u8; 16] {
+        self.hasher.clone().finalize().into()
+    }
+
+    pub fn tail(&self) -> Vec<String> {
+        self.tail.iter().cloned().collect()
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+}
+
+/// Where a record stands against a checkpoint.
+fn after_start(checkpoint: &Checkpoint, position: &Position, arrived: SystemTime) -> bool {
+    match checkpoint {
+        Checkpoint::TrimHorizon | Checkpoint::Latest => true,
+        Checkpoint::AtTimestamp(t) => arrived >= *t,
+        Checkpoint::At(p) => position > p,
+        Checkpoint::Before(p) => position >= p,
+        Checkpoint::ShardEnd => false,
+    }
+}
+
+/// Whether a checkpoint covers (promises a durable outcome for) a record.
+fn covered_by(checkpoint: &Checkpoint, position: &Position) -> bool {
+    match checkpoint {
+        Checkpoint::At(p) => position <= p,
+        Checkpoint::Before(p) => position < p,
+        Checkpoint::ShardEnd => true,
+        _ => false,
+    }
+}
+
+/// The stream as a seek or a start left it: records arriving before `boundary` in `shards` need not
+/// be handled (`None` boundary: none are excused), and every other record that existed at `at`
+/// must be handled again after `at`.
+#[derive(Debug, Clone)]
+pub struct Reset {
+    pub at_ms: u64,
+    pub shards: BTreeSet<String>,
+    pub excuse: Excuse,
+}
+
+#[derive(Debug, Clone)]
+pub enum Excuse {
+    /// Nothing is excused: everything is read again.
+    Nothing,
+    /// Records that arrived before this time.
+    ArrivedBefore(SystemTime),
+    /// Records of this shard before this position.
+    Before(String, Position),
+    /// Every record of these shards (ended by a seek to latest).
+    All,
+}
+
+/// One handler call: which worker, which delivery.
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub worker: String,
+    pub shard: String,
+    /// The ownership epoch the delivery was read under.
+    pub epoch: u64,
+    pub position: Position,
+    pub key: String,
+    /// The record's id (its payload).
+    pub id: u64,
+    pub attempt: u32,
+}
+
+/// The simulation's view of the world and its invariant checks.
+pub struct Model {
+    pub log: EventLog,
+    pub violations: Vec<String>,
+    /// The lease rows as the store's change hook reported them.
+    rows: BTreeMap<String, Lease>,
+    /// When each (shard, epoch) stopped being the row's epoch.
+    superseded: BTreeMap<(String, u64), u64>,
+    /// Who took each (shard, epoch), and when.
+    takes: BTreeMap<(String, u64), (String, u64)>,
+    /// The first time each shard's lease was taken: a LATEST start owes every record after it.
+    first_take: BTreeMap<String, u64>,
+    /// Per (shard, epoch, key): the last position started, and whether it still runs.
+    keys: BTreeMap<(String, u64, String), (Option<Position>, bool)>,
+    /// Deliveries a handler settled (ack, drop, spent without a dead letter): (worker, shard,
+    /// epoch, position).
+    settled: BTreeSet<(String, String, u64, Position)>,
+    /// Deliveries a handler asked to retry: (worker, shard, epoch, position) -> (id, attempt).
+    retried: BTreeMap<(String, String, u64, Position), (u64, u32)>,
+    /// Copies and dead letters written: (worker, id, attempt of the delivery retried) -> times.
+    copies: BTreeMap<(String, u64, u32), Vec<u64>>,
+    /// Completion times of every handling of each record.
+    handled: BTreeMap<(String, Position), Vec<u64>>,
+    /// How each shard's row was created.
+    starts: BTreeMap<String, Checkpoint>,
+    pub resets: Vec<Reset>,
+    /// Shards that aged out (their unread records are lost to retention, by design).
+    aged_out: BTreeSet<String>,
+    /// Each worker's last frontier: (membership epoch, scalar).
+    frontiers: BTreeMap<String, (u64, Option<i64>)>,
+    /// Handler calls that ran (for the summary).
+    pub invocations: u64,
+    /// The longest a stale owner went on dispatching after its epoch was superseded.
+    pub stale_window_ms: u64,
+    /// How long a stale owner may go on dispatching after it lost its lease.
+    stale_bound_ms: u64,
+    lineage: BTreeMap<String, Vec<String>>,
+    closed: BTreeSet<String>,
+    records: Vec<StoredRecord>,
+    stream: MemoryStream,
+    /// A seek to latest in progress, asked at this time: a pin later than it would skip records.
+    latest_seek: Option<u64>,
+}
+
+impl Model {
+    pub fn new(stale_bound: Duration, stream: MemoryStream) -> Self {
+        Self {
+            log: EventLog::default(),
+            violations: Vec::new(),
+            rows: BTreeMap::new(),
+            superseded: BTreeMap::new(),
+            takes: BTreeMap::new(),
+            first_take: BTreeMap::new(),
+            keys: BTreeMap::new(),
+            settled: BTreeSet::new(),
+            retried: BTreeMap::new(),
+            copies: BTreeMap::new(),
+            handled: BTreeMap::new(),
+            starts: BTreeMap::new(),
+            resets: Vec::new(),
+            aged_out: BTreeSet::new(),
+            frontiers: BTreeMap::new(),
+            invocations: 0,
+            stale_window_ms: 0,
+            stale_bound_ms: stale_bound.as_millis() as u64,
+            lineage: BTreeMap::new(),
+            closed: BTreeSet::new(),
+            records: Vec::new(),
+            stream,
+            latest_seek: None,
+        }
+    }
+
+    pub fn event(&mut self, at_ms: u64, event: impl Into<String>) {
+        self.log.push(at_ms, event.into());
+    }
+
+    fn violation(&mut self, at_ms: u64, what: String) {
+        self.log.push(at_ms, format!("VIOLATION {what}"));
+        if self.violations.len() < 20 {
+            self.violations.push(format!("at {at_ms} ms: {what}"));
+        }
+    }
+
+    /// Reads the stream as it is now (records, lineage, which shards are closed).
+    pub fn refresh(&mut self) {
+        self.records = self.stream.records();
+        let lineage = self.stream.lineage();
+        self.closed.clear();
+        for (shard, parents, closed, aged_out) in lineage {
+            if closed {
+                self.closed.insert(shard.clone());
+            }
+            if aged_out {
+                self.aged_out.insert(shard.clone());
+            }
+            self.lineage.insert(shard, parents);
+        }
+    }
+
+    pub fn aged_out(&mut self, shard: &str) {
+        self.aged_out.insert(shard.to_string());
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // The lease store
+
+    /// A change the store applied (called under the store's lock, in order).
+    pub fn change(&mut self, at_ms: u64, change: &Change) {
+        let row = change.after.as_ref().or(change.before.as_ref());
+        let Some(row) = row else { return };
+        let shard = row.shard_id.clone();
+        self.event(
+            at_ms,
+            format!(
+                "store {} {shard} {}",
+                change.operation,
+                change
+                    .after
+                    .as_ref()
+                    .map(describe)
+                    .unwrap_or_else(|| "deleted".into())
+            ),
+        );
+        let (Some(before), Some(after)) = (&change.before, &change.after) else {
+            if let (None, Some(after)) = (&change.before, &change.after) {
+                self.starts.insert(shard.clone(), after.checkpoint.clone());
+                self.rows.insert(shard, after.clone());
+            } else {
+                self.rows.remove(&shard);
+            }
+            return;
+        };
+        if after.owner_epoch > before.owner_epoch {
+            self.superseded
+                .insert((shard.clone(), before.owner_epoch), at_ms);
+        }
+        if change.operation == "take" {
+            let owner = after.owner.clone().unwrap_or_default();
+            self.takes
+                .insert((shard.clone(), after.owner_epoch), (owner, at_ms));
+            self.first_take.entry(shard.clone()).or_insert(at_ms);
+        }
+        // A checkpoint moves back only by a seek, which bumps the seek epoch.
+        if change.operation != "seek" && after.checkpoint.sort_key() < before.checkpoint.sort_key()
+        {
+            self.violation(
+                at_ms,
+                format!(
+                    "{shard}: checkpoint moved back from {} to {} by {} without a seek",
+                    before.checkpoint, after.checkpoint, change.operation
+                ),
+            );
+        }
+        if change.operation == "seek" {
+            if after.seek_epoch <= before.seek_epoch {
+                self.violation(at_ms, format!("{shard}: a seek without a new seek epoch"));
+            }
+            self.refresh();
+            let excuse = match &after.checkpoint {
+                Checkpoint::TrimHorizon => Excuse::Nothing,
+                Checkpoint::AtTimestamp(t) => {
+                    if let Some(asked) = self.latest_seek
+                        && self.ms_of(*t) > asked
+                    {
+                        self.violation(
+                            at_ms,
+                            format!("{shard}: a seek to latest asked at {asked} ms pinned a later start {}", after.checkpoint),
+                        );
+                    }
+                    Excuse::ArrivedBefore(*t)
+                }
+                Checkpoint::Before(p) => Excuse::Before(shard.clone(), *p),
+                Checkpoint::ShardEnd => Excuse::All,
+                other => {
+                    self.violation(
+                        at_ms,
+                        format!("{shard}: a seek left {other}, a moving start"),
+                    );
+                    Excuse::Nothing
+                }
+            };
+            self.resets.push(Reset {
+                at_ms,
+                shards: BTreeSet::from([shard.clone()]),
+                excuse,
+            });
+        }
+        if change.operation == "checkpoint" && after.checkpoint != before.checkpoint {
+            self.check_checkpoint(at_ms, before, after);
+        }
+        self.rows.insert(shard, after.clone());
+    }
+
+    /// A checkpoint write from `before` to `after`: every record between must have a durable
+    /// outcome from this very ownership, and SHARD_END needs a closed shard.
+    fn check_checkpoint(&mut self, at_ms: u64, before: &Lease, after: &Lease) {
+        self.refresh();
+        let shard = after.shard_id.clone();
+        let owner = after.owner.clone().unwrap_or_default();
+        let epoch = after.owner_epoch;
+        if after.checkpoint == Checkpoint::ShardEnd
+            && !self.closed.contains(&shard)
+            && !self.aged_out.contains(&shard)
+        {
+            self.violation(
+                at_ms,
+                format!("{shard}: SHARD_END written on an open shard"),
+            );
+        }
+        let taken_at = self
+            .takes
+            .get(&(shard.clone(), epoch))
+            .map_or(0, |(_, at)| *at);
+        let mut unsettled = Vec::new();
+        for r in self.records.iter().filter(|r| r.shard_id == shard) {
+            let position = Position::new(r.record.sequence, 0);
+            let arrived = r.record.arrived_at.unwrap_or(SystemTime::UNIX_EPOCH);
+            if !after_start(&before.checkpoint, &position, arrived)
+                || !covered_by(&after.checkpoint, &position)
+            {
+                continue;
+            }
+            if self.aged_out.contains(&shard) && after.checkpoint == Checkpoint::ShardEnd {
+                continue; // lost to retention: ending it is what the shard's work comes to
+            }
+            let key = (owner.clone(), shard.clone(), epoch, position);
+            let settled = self.settled.contains(&key)
+                || self.retried.get(&key).is_some_and(|(id, attempt)| {
+                    self.copies
+                        .get(&(owner.clone(), *id, *attempt))
+                        .is_some_and(|times| times.iter().any(|t| *t >= taken_at))
+                });
+            if !settled {
+                unsettled.push(position.to_string());
+            }
+        }
+        if !unsettled.is_empty() {
+            self.violation(
+                at_ms,
+                format!(
+                    "{shard}: {owner} (epoch {epoch}) moved the checkpoint from {} to {} past {} \
+                     deliveries without a durable outcome of its own, first {}",
+                    before.checkpoint,
+                    after.checkpoint,
+                    unsettled.len(),
+                    unsettled[0]
+                ),
+            );
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Handlers
+
+    /// A handler started on a delivery.
+    pub fn started(&mut self, at_ms: u64, call: &Call) {
+        let Call {
+            worker,
+            shard,
+            epoch,
+            position,
+            key,
+            id,
+            attempt,
+        } = call.clone();
+        let (worker, shard, key) = (worker.as_str(), shard.as_str(), key.as_str());
+        self.invocations += 1;
+        self.event(
+            at_ms,
+            format!(
+                "start {worker} {shard}@{epoch} {position} key={key} id={id} attempt={attempt}"
+            ),
+        );
+        let current = self.rows.get(shard).is_some_and(|r| r.owner_epoch == epoch);
+        if current {
+            // Children only after every parent ended.
+            let parents = self.lineage.get(shard).cloned().unwrap_or_default();
+            for p in parents {
+                if let Some(row) = self.rows.get(&p)
+                    && row.checkpoint != Checkpoint::ShardEnd
+                {
+                    let cp = row.checkpoint.clone();
+                    self.violation(
+                        at_ms,
+                        format!(
+                            "{worker} handles {shard} {position} while its parent {p} is at {cp}"
+                        ),
+                    );
+                }
+            }
+        } else if let Some(since) = self.superseded.get(&(shard.to_string(), epoch)).copied() {
+            // A stale owner: allowed only within a bounded window after it lost the lease.
+            let late = at_ms.saturating_sub(since);
+            self.stale_window_ms = self.stale_window_ms.max(late);
+            if late > self.stale_bound_ms {
+                self.violation(
+                    at_ms,
+                    format!(
+                        "{worker} still dispatches {shard} {position} under epoch {epoch}, {late} ms \
+                         after the lease moved on (bound {} ms)",
+                        self.stale_bound_ms
+                    ),
+                );
+            }
+        }
+        // Order per key within one ownership, one delivery of a key at a time.
+        let state = self
+            .keys
+            .entry((shard.to_string(), epoch, key.to_string()))
+            .or_insert((None, false));
+        let (last, running) = *state;
+        if running {
+            self.violation(
+                at_ms,
+                format!("{worker} runs two deliveries of key {key} of {shard}@{epoch} at once"),
+            );
+        } else if let Some(last) = last
+            && last >= position
+        {
+            self.violation(
+                at_ms,
+                format!(
+                    "{worker} handles {shard}@{epoch} key {key} out of order (or twice): {position} after {last}"
+                ),
+            );
+        }
+        self.keys.insert(
+            (shard.to_string(), epoch, key.to_string()),
+            (Some(position), true),
+        );
+    }
+
+    /// A handler finished with `outcome` (`settles`: the runtime settles it at once).
+    pub fn finished(&mut self, at_ms: u64, call: &Call, outcome: Option<Outcome>, settles: bool) {
+        let Call {
+            worker,
+            shard,
+            epoch,
+            position,
+            key,
+            id,
+            attempt,
+        } = call.clone();
+        let (worker, shard, key) = (worker.as_str(), shard.as_str(), key.as_str());
+        self.event(
+            at_ms,
+            format!(
+                "done {worker} {shard}@{epoch} {position} id={id} attempt={attempt} {outcome:?}"
+            ),
+        );
+        if let Some(state) = self
+            .keys
+            .get_mut(&(shard.to_string(), epoch, key.to_string()))
+        {
+            state.1 = false;
+        }
+        self.handled
+            .entry((shard.to_string(), position))
+            .or_default()
+            .push(at_ms);
+        let key = (worker.to_string(), shard.to_string(), epoch, position);
+        if settles {
+            self.settled.insert(key);
+        } else {
+            self.retried.insert(key, (id, attempt));
+        }
+    }
+
+    /// A handler was dropped before it finished (its shard stopped or was lost).
+    pub fn abandoned(&mut self, shard: &str, epoch: u64, key: &str) {
+        if let Some(state) = self
+            .keys
+            .get_mut(&(shard.to_string(), epoch, key.to_string()))
+        {
+            state.1 = false;
+        }
+    }
+
+    /// A copy or dead letter of the delivery (`id`, `attempt`) was written by `worker`.
+    pub fn copied(&mut self, at_ms: u64, worker: &str, id: u64, attempt: u32, to: &str) {
+        self.event(
+            at_ms,
+            format!("copy {worker} id={id} of attempt {attempt} to {to}"),
+        );
+        self.copies
+            .entry((worker.to_string(), id, attempt))
+            .or_default()
+            .push(at_ms);
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // The frontier
+
+    pub fn frontier(&mut self, at_ms: u64, worker: &str, frontier: &Frontier) {
+        let now = (frontier.epoch, frontier.scalar);
+        if let Some((epoch, scalar)) = self.frontiers.get(worker).copied()
+            && epoch == now.0
+            && scalar.is_some()
+            && now.1 < scalar
+        {
+            self.violation(
+                at_ms,
+                format!(
+                    "{worker}'s frontier went down within membership epoch {epoch}: {scalar:?} -> {:?}",
+                    now.1
+                ),
+            );
+        }
+        self.frontiers.insert(worker.to_string(), now);
+    }
+
+    pub fn forget_worker(&mut self, worker: &str) {
+        self.frontiers.remove(worker);
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Skips
+
+    /// Records that must still be handled (each with the time after which it must be), given the
+    /// starts, seeks and retention seen so far.
+    pub fn owed(&self) -> Vec<(String, Position, u64)> {
+        let mut owed = Vec::new();
+        for r in &self.records {
+            let shard = &r.shard_id;
+            let position = Position::new(r.record.sequence, 0);
+            let arrived = r.record.arrived_at.unwrap_or(SystemTime::UNIX_EPOCH);
+            let Some(after_ms) = self.owing(shard, &position, arrived) else {
+                continue;
+            };
+            let done = self
+                .handled
+                .get(&(shard.clone(), position))
+                .is_some_and(|times| times.iter().any(|t| *t >= after_ms));
+            if !done {
+                owed.push((shard.clone(), position, after_ms));
+            }
+        }
+        owed
+    }
+
+    /// A seek to latest is being asked for at `at_ms` (`None`: no longer).
+    pub fn seeking_latest(&mut self, at_ms: Option<u64>) {
+        self.latest_seek = at_ms;
+    }
+
+    /// Records owed a durable outcome (not excused by a start, a seek or retention) that the
+    /// final checkpoints do not cover: after every worker stopped gracefully there must be none.
+    pub fn uncovered(&mut self) -> Vec<String> {
+        self.refresh();
+        let owed_positions: Vec<(String, Position)> = self
+            .records
+            .iter()
+            .filter(|r| !self.aged_out.contains(&r.shard_id))
+            .map(|r| (r.shard_id.clone(), Position::new(r.record.sequence, 0)))
+            .filter(|(shard, position)| !self.excused(shard, position))
+            .collect();
+        owed_positions
+            .into_iter()
+            .filter(|(shard, position)| {
+                !self
+                    .rows
+                    .get(shard)
+                    .is_some_and(|row| covered_by(&row.checkpoint, position))
+                    && self.rows.contains_key(shard)
+            })
+            .map(|(shard, position)| format!("{shard} {position}"))
+            .collect()
+    }
+
+    /// Whether the starts, seeks and retention seen excuse a record from being handled.
+    fn excused(&self, shard: &str, position: &Position) -> bool {
+        let Some(r) = self
+            .records
+            .iter()
+            .find(|r| r.shard_id == shard && Position::new(r.record.sequence, 0) == *position)
+        else {
+            return true;
+        };
+        let arrived = r.record.arrived_at.unwrap_or(SystemTime::UNIX_EPOCH);
+        self.owing(shard, position, arrived).is_none()
+    }
+
+    /// When a record must have been handled after (`None`: it need not be).
+    fn owing(&self, shard: &str, position: &Position, arrived: SystemTime) -> Option<u64> {
+        if self.aged_out.contains(shard) {
+            return None;
+        }
+        let arrived_ms = self.ms_of(arrived);
+        let mut after_ms = 0;
+        let mut excused = match self.starts.get(shard) {
+            Some(Checkpoint::Latest) => self
+                .first_take
+                .get(shard)
+                .is_none_or(|first| arrived_ms < *first),
+            Some(Checkpoint::AtTimestamp(t)) => arrived < *t,
+            _ => false,
+        };
+        for reset in &self.resets {
+            if !reset.shards.contains(shard) || arrived_ms > reset.at_ms {
+                continue;
+            }
+            let excuses = match &reset.excuse {
+                Excuse::Nothing => false,
+                Excuse::ArrivedBefore(t) => arrived < *t,
+                Excuse::Before(s, p) => s == shard && position < p,
+                Excuse::All => true,
+            };
+            if excuses {
+                excused = true;
+            } else {
+                excused = false;
+                after_ms = after_ms.max(reset.at_ms);
+            }
+        }
+        (!excused).then_some(after_ms)
+    }
+
+    /// The simulation's time base, set by the world: wall time at 0 ms.
+    pub fn ms_of(&self, t: SystemTime) -> u64 {
+        t.duration_since(crate::world::base())
+            .map_or(0, |d| d.as_millis() as u64)
+    }
+}
+
+fn describe(row: &Lease) -> String {
+    format!(
+        "owner={} epoch={} seek={} cp={}",
+        row.owner.as_deref().unwrap_or("-"),
+        row.owner_epoch,
+        row.seek_epoch,
+        row.checkpoint
+    )
+}

@@ -1,0 +1,669 @@
+//! One seed's world: an in-memory stream and lease store shared by simulated workers, a chaos
+//! phase driven by the seed, then a quiet phase in which everything owed must be handled.
+
+use std::cell::Cell;
+use std::collections::BTreeSet;
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::future::BoxFuture;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use shardwise::lease::{Change, InitialPosition, LeaseSettings, LeaseStore, MemoryLeaseStore};
+use shardwise::seek::SeekTarget;
+use shardwise::testing::{Faults, MemoryStream, MemoryStreams};
+use shardwise::{Consumer, Delivery, Outcome, Position, Running, ShutdownReport};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::model::{Call, Model};
+use crate::wrap::{Gate, Store, Stream};
+
+/// Wall time at the start of every run (2026-01-01T00:00:00Z).
+pub fn base() -> SystemTime {
+    UNIX_EPOCH + Duration::from_secs(1_767_225_600)
+}
+
+const STREAM: &str = "orders";
+const DLQ: &str = "orders-dlq";
+const APP: &str = "sim";
+
+const LEASE: Duration = Duration::from_secs(2);
+const SCAN: Duration = Duration::from_millis(200);
+/// How long a stale owner may go on dispatching after its lease moved on: a renewal interval
+/// (it notices at its next renewal) and its timeout, a scan, and slack.
+pub const STALE_BOUND: Duration = Duration::from_millis(2 * 667 + 200 + 300);
+/// The chaos phase.
+const CHAOS: Duration = Duration::from_secs(20);
+/// The most the quiet phase may take before what is owed counts as stuck.
+const QUIET: Duration = Duration::from_secs(120);
+const STEP: Duration = Duration::from_millis(50);
+
+thread_local! {
+    static START: Cell<Option<Instant>> = const { Cell::new(None) };
+}
+
+/// Milliseconds of simulated time since the run started.
+pub fn now_ms() -> u64 {
+    START
+        .get()
+        .map_or(0, |start| (Instant::now() - start).as_millis() as u64)
+}
+
+/// What one seed decided about the world.
+#[derive(Debug, Clone)]
+struct Scenario {
+    seed: u64,
+    shards: u32,
+    keys: u64,
+    lanes: usize,
+    max_attempts: u32,
+    dead_letter: bool,
+    start: InitialPosition,
+    workers: usize,
+    caught_up_frontier: bool,
+    /// (time, action), in time order.
+    actions: Vec<(Duration, Action)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    Put(u64),
+    Split,
+    Merge,
+    Crash,
+    Stop,
+    Start,
+    Pause(Duration),
+    Steal,
+    Seek,
+    AgeOut,
+    StoreFaults(bool),
+    StreamFaults(bool),
+}
+
+impl Scenario {
+    fn from_seed(seed: u64) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let start = match rng.random_range(0..10) {
+            0..=5 => InitialPosition::TrimHorizon,
+            6..=7 => InitialPosition::Latest,
+            _ => InitialPosition::AtTimestamp(
+                base() + Duration::from_millis(rng.random_range(0..3_000)),
+            ),
+        };
+        let mut actions = Vec::new();
+        let n = rng.random_range(4..=24);
+        for _ in 0..n {
+            let at = Duration::from_millis(rng.random_range(0..CHAOS.as_millis() as u64));
+            let action = match rng.random_range(0..100) {
+                0..=29 => Action::Put(rng.random_range(1..=12)),
+                30..=36 => Action::Split,
+                37..=40 => Action::Merge,
+                41..=48 => Action::Crash,
+                49..=53 => Action::Stop,
+                54..=62 => Action::Start,
+                63..=68 => Action::Pause(Duration::from_millis(rng.random_range(500..5_000))),
+                69..=73 => Action::Steal,
+                74..=81 => Action::Seek,
+                82..=84 => Action::AgeOut,
+                85..=91 => Action::StoreFaults(rng.random_bool(0.6)),
+                _ => Action::StreamFaults(rng.random_bool(0.6)),
+            };
+            actions.push((at, action));
+        }
+        actions.sort_by_key(|(at, _)| *at);
+        Self {
+            seed,
+            shards: rng.random_range(1..=3),
+            keys: rng.random_range(1..=6),
+            lanes: rng.random_range(1..=3),
+            max_attempts: rng.random_range(1..=4),
+            dead_letter: rng.random_bool(0.5),
+            start,
+            workers: rng.random_range(1..=3),
+            caught_up_frontier: rng.random_bool(0.3),
+            actions,
+        }
+    }
+}
+
+/// What a handler does with a delivery: decided by the seed, the record and the attempt alone, so
+/// every owner does the same.
+fn decide(seed: u64, id: u64, attempt: u32) -> (Option<Outcome>, Duration) {
+    let mut z = seed
+        ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ u64::from(attempt).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let duration = Duration::from_millis((z >> 40) % 250);
+    let outcome = match z % 100 {
+        0..=71 => Some(Outcome::Ack),
+        72..=79 => Some(Outcome::Drop),
+        80..=88 => Some(Outcome::Retry),
+        89..=94 => Some(Outcome::RetryAfter(Duration::from_millis(
+            100 + (z >> 20) % 1_500,
+        ))),
+        95..=96 => None, // a panic
+        _ => Some(Outcome::Ack),
+    };
+    (outcome, duration)
+}
+
+/// A handler call in flight: marks its key free again if the call is dropped before it finishes
+/// (its shard stopped or was lost).
+struct InFlight {
+    model: Arc<Mutex<Model>>,
+    call: Call,
+    done: bool,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if !self.done {
+            self.model
+                .lock()
+                .unwrap()
+                .abandoned(&self.call.shard, self.call.epoch, &self.call.key);
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Slot {
+    Down,
+    Up { running: Running, gate: Gate },
+    Stopping(JoinHandle<ShutdownReport>),
+}
+
+/// The result of one seed.
+pub struct SeedResult {
+    pub seed: u64,
+    pub hash: [u8; 16],
+    pub violations: Vec<String>,
+    pub trace: Vec<String>,
+    pub events: u64,
+    pub invocations: u64,
+}
+
+pub struct World {
+    scenario: Scenario,
+    rng: StdRng,
+    model: Arc<Mutex<Model>>,
+    stream: MemoryStream,
+    sink: MemoryStreams,
+    store: MemoryLeaseStore,
+    slots: Vec<Slot>,
+    next_id: u64,
+}
+
+impl World {
+    fn new(seed: u64) -> Self {
+        let scenario = Scenario::from_seed(seed);
+        let stream = MemoryStream::new(STREAM, scenario.shards);
+        let dlq = MemoryStream::new(DLQ, 1);
+        let sink = MemoryStreams::new([stream.clone(), dlq]);
+        let store = MemoryLeaseStore::new();
+        let model = Arc::new(Mutex::new(Model::new(STALE_BOUND, stream.clone())));
+        let observer = model.clone();
+        store.observe(Arc::new(move |change: &Change| {
+            observer.lock().unwrap().change(now_ms(), change);
+        }));
+        Self {
+            slots: (0..scenario.workers).map(|_| Slot::Down).collect(),
+            rng: StdRng::seed_from_u64(seed.wrapping_mul(31).wrapping_add(7)),
+            scenario,
+            model,
+            stream,
+            sink,
+            store,
+            next_id: 0,
+        }
+    }
+
+    fn event(&self, what: String) {
+        self.model.lock().unwrap().event(now_ms(), what);
+    }
+
+    fn put(&mut self, n: u64) {
+        for _ in 0..n {
+            let id = self.next_id;
+            self.next_id += 1;
+            let key = format!("k{}", id % self.scenario.keys);
+            let (shard, seq) = self.stream.put(&key, id.to_string());
+            self.event(format!("put id={id} key={key} -> {shard} {seq}"));
+        }
+    }
+
+    fn handler(
+        &self,
+        worker: String,
+    ) -> impl Fn(Delivery) -> BoxFuture<'static, Outcome> + Send + Sync + 'static {
+        let model = self.model.clone();
+        let seed = self.scenario.seed;
+        let cap = self.scenario.max_attempts;
+        let dead_letter = self.scenario.dead_letter;
+        move |d: Delivery| {
+            let call = Call {
+                worker: worker.clone(),
+                shard: d.shard().to_string(),
+                epoch: d.id().map_or(0, |i| i.epoch()),
+                position: *d.position(),
+                key: d.partition_key().to_string(),
+                id: std::str::from_utf8(d.payload())
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(u64::MAX),
+                attempt: d.attempt(),
+            };
+            model.lock().unwrap().started(now_ms(), &call);
+            let (outcome, took) = decide(seed, call.id, call.attempt);
+            let mut guard = InFlight {
+                model: model.clone(),
+                call,
+                done: false,
+            };
+            Box::pin(async move {
+                tokio::time::sleep(took).await;
+                let terminal = matches!(outcome, Some(Outcome::Ack | Outcome::Drop));
+                // A retry at the cap without a dead-letter stream is settled as a drop at once.
+                let settles = terminal || (guard.call.attempt >= cap && !dead_letter);
+                guard.done = true;
+                guard
+                    .model
+                    .lock()
+                    .unwrap()
+                    .finished(now_ms(), &guard.call, outcome, settles);
+                match outcome {
+                    Some(o) => o,
+                    None => std::panic::panic_any("simulated handler panic"),
+                }
+            })
+        }
+    }
+
+    async fn start(&mut self, slot: usize) {
+        if !matches!(self.slots[slot], Slot::Down) {
+            return;
+        }
+        let worker = format!("w{slot}");
+        let gate = Gate::new();
+        let store = Arc::new(Store {
+            inner: self.store.clone(),
+            gate: gate.clone(),
+            worker: worker.clone(),
+            model: self.model.clone(),
+        });
+        let stream = Arc::new(Stream {
+            inner: self.stream.clone(),
+            sink: self.sink.clone(),
+            gate: gate.clone(),
+            worker: worker.clone(),
+            model: self.model.clone(),
+        });
+        let s = &self.scenario;
+        let mut builder = Consumer::builder(STREAM, APP, self.handler(worker.clone()))
+            .worker_id(worker.clone())
+            .lanes(s.lanes)
+            .max_in_flight(40)
+            .get_records_limit(20)
+            .poll_interval(Duration::from_millis(200))
+            .checkpoint_interval(Duration::from_millis(100))
+            .lease_settings(
+                LeaseSettings::default()
+                    .lease_duration(LEASE)
+                    .scan_interval(SCAN)
+                    .shard_sync_interval(Duration::from_secs(1)),
+            )
+            .initial_position(s.start)
+            .max_attempts(NonZeroU32::new(s.max_attempts).unwrap())
+            .lease_store(store)
+            .record_source(stream.clone())
+            .shard_lister(stream.clone())
+            .record_sink(stream);
+        if s.dead_letter {
+            builder = builder.dead_letter(DLQ);
+        }
+        if s.caught_up_frontier {
+            builder = builder
+                .caught_up_frontier(Duration::from_millis(500))
+                .frontier_interval(Duration::from_secs(1));
+        }
+        match builder.build().expect("valid settings").run().await {
+            Ok(running) => {
+                self.event(format!("worker {worker} started"));
+                self.slots[slot] = Slot::Up { running, gate };
+            }
+            Err(e) => self.event(format!("worker {worker} failed to start: {e}")),
+        }
+    }
+
+    fn pick_up(&mut self) -> Option<usize> {
+        let up: Vec<usize> = (0..self.slots.len())
+            .filter(|i| matches!(self.slots[*i], Slot::Up { .. }))
+            .collect();
+        (!up.is_empty()).then(|| up[self.rng.random_range(0..up.len())])
+    }
+
+    fn pick_down(&mut self) -> Option<usize> {
+        let down: Vec<usize> = (0..self.slots.len())
+            .filter(|i| matches!(self.slots[*i], Slot::Down))
+            .collect();
+        (!down.is_empty()).then(|| down[self.rng.random_range(0..down.len())])
+    }
+
+    async fn act(&mut self, action: Action) {
+        match action {
+            Action::Put(n) => self.put(n),
+            Action::Split => {
+                let open = self.stream.open_shards();
+                if open.len() < 6 {
+                    let shard = open[self.rng.random_range(0..open.len())].clone();
+                    let (a, b) = self.stream.split(&shard);
+                    self.event(format!("split {shard} -> {a} {b}"));
+                }
+            }
+            Action::Merge => {
+                let pairs = self.stream.adjacent_open_shards();
+                if !pairs.is_empty() {
+                    let (a, b) = pairs[self.rng.random_range(0..pairs.len())].clone();
+                    let child = self.stream.merge(&a, &b);
+                    self.event(format!("merge {a} {b} -> {child}"));
+                }
+            }
+            Action::Crash => {
+                if let Some(i) = self.pick_up()
+                    && let Slot::Up { running, .. } =
+                        std::mem::replace(&mut self.slots[i], Slot::Down)
+                {
+                    self.event(format!("worker w{i} crashes"));
+                    running.abort();
+                    self.model.lock().unwrap().forget_worker(&format!("w{i}"));
+                }
+            }
+            Action::Stop => {
+                if let Some(i) = self.pick_up()
+                    && let Slot::Up { running, gate } =
+                        std::mem::replace(&mut self.slots[i], Slot::Down)
+                {
+                    self.event(format!("worker w{i} stops"));
+                    gate.set_cut(false);
+                    let deadline = Duration::from_millis(self.rng.random_range(100..3_000));
+                    self.slots[i] = Slot::Stopping(tokio::spawn(running.shutdown(deadline)));
+                    self.model.lock().unwrap().forget_worker(&format!("w{i}"));
+                }
+            }
+            Action::Start => {
+                if let Some(i) = self.pick_down() {
+                    self.start(i).await;
+                }
+            }
+            Action::Pause(d) => {
+                if let Some(i) = self.pick_up()
+                    && let Slot::Up { gate, .. } = &self.slots[i]
+                {
+                    self.event(format!("worker w{i} cut off for {} ms", d.as_millis()));
+                    gate.set_cut(true);
+                    let gate = gate.clone();
+                    let model = self.model.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(d).await;
+                        gate.set_cut(false);
+                        model
+                            .lock()
+                            .unwrap()
+                            .event(now_ms(), format!("worker w{i} back"));
+                    });
+                }
+            }
+            Action::Steal => {
+                if let Ok(rows) = self.store.list(STREAM).await {
+                    let owned: Vec<_> = rows.into_iter().filter(|r| r.owner.is_some()).collect();
+                    if !owned.is_empty() {
+                        let row = owned[self.rng.random_range(0..owned.len())].clone();
+                        let taken = self.store.take(&row, "thief").await;
+                        self.event(format!(
+                            "thief takes {}: {:?}",
+                            row.shard_id,
+                            taken.map(|t| t.is_some())
+                        ));
+                    }
+                }
+            }
+            Action::Seek => {
+                let target = self.seek_target();
+                self.event(format!("seek to {target:?}"));
+                if target == SeekTarget::Latest {
+                    self.model.lock().unwrap().seeking_latest(Some(now_ms()));
+                }
+                let result =
+                    shardwise::seek::seek(&self.store, &self.stream, STREAM, &target).await;
+                self.model.lock().unwrap().seeking_latest(None);
+                self.event(format!("seek done: {:?}", result.map(|r| r.moved)));
+            }
+            Action::AgeOut => {
+                let lineage = self.stream.lineage();
+                let closed: Vec<String> = lineage
+                    .into_iter()
+                    .filter(|(_, _, closed, aged)| *closed && !aged)
+                    .map(|(s, ..)| s)
+                    .collect();
+                if !closed.is_empty() {
+                    let shard = closed[self.rng.random_range(0..closed.len())].clone();
+                    self.stream.age_out(&shard);
+                    self.model.lock().unwrap().aged_out(&shard);
+                    self.event(format!("retention trims {shard}"));
+                }
+            }
+            Action::StoreFaults(on) => {
+                if on {
+                    let seed = self.rng.random();
+                    self.store.inject(
+                        seed,
+                        Faults::default()
+                            .error(0.03)
+                            .throttle(0.02)
+                            .lost_answer(0.02)
+                            .timeout(
+                                0.02,
+                                Duration::from_millis(self.rng.random_range(100..1_500)),
+                            ),
+                    );
+                } else {
+                    self.store.heal();
+                }
+                self.event(format!("store faults {on}"));
+            }
+            Action::StreamFaults(on) => {
+                if on {
+                    let seed = self.rng.random();
+                    self.stream.inject(
+                        seed,
+                        Faults::default()
+                            .error(0.03)
+                            .throttle(0.03)
+                            .lost_answer(0.02)
+                            .expired_iterator(0.03)
+                            .timeout(0.01, Duration::from_millis(700)),
+                    );
+                } else {
+                    self.stream.heal();
+                }
+                self.event(format!("stream faults {on}"));
+            }
+        }
+    }
+
+    fn seek_target(&mut self) -> SeekTarget {
+        match self.rng.random_range(0..4) {
+            0 => SeekTarget::TrimHorizon,
+            1 => SeekTarget::Latest,
+            2 => SeekTarget::Timestamp(
+                base() + Duration::from_millis(self.rng.random_range(0..=now_ms().max(1))),
+            ),
+            _ => {
+                let records = self.stream.records();
+                let listed: BTreeSet<String> = self
+                    .stream
+                    .lineage()
+                    .into_iter()
+                    .filter(|(.., aged)| !aged)
+                    .map(|(s, ..)| s)
+                    .collect();
+                let candidates: Vec<_> = records
+                    .iter()
+                    .filter(|r| listed.contains(&r.shard_id))
+                    .collect();
+                if candidates.is_empty() {
+                    return SeekTarget::TrimHorizon;
+                }
+                let r = candidates[self.rng.random_range(0..candidates.len())];
+                SeekTarget::Position {
+                    shard_id: r.shard_id.clone(),
+                    position: Position::new(r.record.sequence, 0),
+                }
+            }
+        }
+    }
+
+    /// Samples what workers expose: their frontier.
+    fn sample(&mut self) {
+        let mut model = self.model.lock().unwrap();
+        for (i, slot) in self.slots.iter().enumerate() {
+            if let Slot::Up { running, .. } = slot {
+                let f = running.frontier().borrow().clone();
+                model.frontier(now_ms(), &format!("w{i}"), &f);
+            }
+        }
+    }
+
+    async fn reap(&mut self) {
+        for slot in &mut self.slots {
+            if let Slot::Stopping(handle) = slot
+                && handle.is_finished()
+            {
+                let _ = handle.await;
+                *slot = Slot::Down;
+            }
+        }
+    }
+
+    async fn run(mut self) -> SeedResult {
+        let first = self.rng.random_range(0..20);
+        self.put(first);
+        for i in 0..self.slots.len() {
+            self.start(i).await;
+        }
+        let actions = std::mem::take(&mut self.scenario.actions);
+        let mut pending = actions.into_iter().peekable();
+        let t0 = Instant::now();
+        while t0.elapsed() < CHAOS {
+            while let Some((at, _)) = pending.peek()
+                && *at <= t0.elapsed()
+            {
+                let (_, action) = pending.next().unwrap();
+                self.act(action).await;
+            }
+            tokio::time::sleep(STEP).await;
+            self.sample();
+            self.reap().await;
+        }
+
+        // The quiet phase: no more faults or partitions, at least one worker, and everything owed
+        // must get handled.
+        self.store.heal();
+        self.stream.heal();
+        for slot in &self.slots {
+            if let Slot::Up { gate, .. } = slot {
+                gate.set_cut(false);
+            }
+        }
+        self.event("quiet".into());
+        let quiet = Instant::now();
+        loop {
+            self.reap().await;
+            if !self.slots.iter().any(|s| matches!(s, Slot::Up { .. }))
+                && let Some(i) = self.pick_down()
+            {
+                self.start(i).await;
+            }
+            tokio::time::sleep(STEP).await;
+            self.sample();
+            let (owed, uncovered) = {
+                let mut model = self.model.lock().unwrap();
+                model.refresh();
+                (model.owed(), model.uncovered())
+            };
+            if owed.is_empty() && uncovered.is_empty() {
+                break;
+            }
+            if quiet.elapsed() > QUIET {
+                let mut model = self.model.lock().unwrap();
+                let first: Vec<String> = owed
+                    .iter()
+                    .take(5)
+                    .map(|(s, p, after)| format!("{s} {p} (after {after} ms)"))
+                    .collect();
+                let what = format!(
+                    "stuck: {} records never handled (skipped or stuck), first {first:?}; {} not covered by a checkpoint, first {:?}",
+                    owed.len(),
+                    uncovered.len(),
+                    &uncovered[..uncovered.len().min(3)]
+                );
+                model.event(now_ms(), format!("VIOLATION {what}"));
+                model.violations.push(what);
+                break;
+            }
+        }
+        // Stop everyone gracefully; their final checkpoints must cover everything handled.
+        for slot in std::mem::take(&mut self.slots) {
+            match slot {
+                Slot::Up { running, .. } => {
+                    running.shutdown(Duration::from_secs(10)).await;
+                }
+                Slot::Stopping(handle) => {
+                    let _ = handle.await;
+                }
+                Slot::Down => {}
+            }
+        }
+        let uncovered = self.model.lock().unwrap().uncovered();
+        if !uncovered.is_empty() {
+            let mut model = self.model.lock().unwrap();
+            let what = format!(
+                "{} records handled but behind the final checkpoints, first {:?}",
+                uncovered.len(),
+                &uncovered[..uncovered.len().min(3)]
+            );
+            model.event(now_ms(), format!("VIOLATION {what}"));
+            model.violations.push(what);
+        }
+        let model = self.model.lock().unwrap();
+        SeedResult {
+            seed: self.scenario.seed,
+            hash: model.log.hash(),
+            violations: model.violations.clone(),
+            trace: model.log.tail(),
+            events: model.log.count(),
+            invocations: model.invocations,
+        }
+    }
+}
+
+/// Runs one seed on a fresh current-thread runtime with paused time.
+pub fn run_seed(seed: u64) -> SeedResult {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async move {
+        START.set(Some(Instant::now()));
+        let _deterministic = shardwise::testing::simulate(base(), seed);
+        let result = World::new(seed).run().await;
+        START.set(None);
+        result
+    })
+}
