@@ -63,6 +63,15 @@ impl EventLog {
     }
 }
 
+/// A record's id: its payload is the id, then `|` and padding of a size the seed chose.
+pub fn id_of(payload: &[u8]) -> u64 {
+    std::str::from_utf8(payload)
+        .ok()
+        .and_then(|s| s.split('|').next())
+        .and_then(|id| id.parse().ok())
+        .unwrap_or(u64::MAX)
+}
+
 /// Where a record stands against a checkpoint.
 fn after_start(checkpoint: &Checkpoint, position: &Position, arrived: SystemTime) -> bool {
     match checkpoint {

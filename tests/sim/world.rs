@@ -63,6 +63,8 @@ struct Scenario {
     start: InitialPosition,
     workers: usize,
     caught_up_frontier: bool,
+    /// Records carry up to this many bytes of padding.
+    max_padding: usize,
     /// (time, action), in time order.
     actions: Vec<(Duration, Action)>,
 }
@@ -124,6 +126,7 @@ impl Scenario {
             start,
             workers: rng.random_range(1..=3),
             caught_up_frontier: rng.random_bool(0.3),
+            max_padding: [1, 64, 4_096][rng.random_range(0..3)],
             actions,
         }
     }
@@ -191,6 +194,8 @@ pub struct SeedResult {
 pub struct World {
     scenario: Scenario,
     rng: StdRng,
+    /// Record sizes, apart so they do not shift the other decisions.
+    sizes: StdRng,
     model: Arc<Mutex<Model>>,
     stream: MemoryStream,
     sink: MemoryStreams,
@@ -214,6 +219,7 @@ impl World {
         Self {
             slots: (0..scenario.workers).map(|_| Slot::Down).collect(),
             rng: StdRng::seed_from_u64(seed.wrapping_mul(31).wrapping_add(7)),
+            sizes: StdRng::seed_from_u64(seed ^ 0x5151_5151),
             scenario,
             model,
             stream,
@@ -232,7 +238,10 @@ impl World {
             let id = self.next_id;
             self.next_id += 1;
             let key = format!("k{}", id % self.scenario.keys);
-            let (shard, seq) = self.stream.put(&key, id.to_string());
+            let padding = self.sizes.random_range(0..self.scenario.max_padding);
+            let (shard, seq) = self
+                .stream
+                .put(&key, format!("{id}|{}", "x".repeat(padding)));
             self.event(format!("put id={id} key={key} -> {shard} {seq}"));
         }
     }
@@ -252,10 +261,7 @@ impl World {
                 epoch: d.id().map_or(0, |i| i.epoch()),
                 position: *d.position(),
                 key: d.partition_key().to_string(),
-                id: std::str::from_utf8(d.payload())
-                    .ok()
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or(u64::MAX),
+                id: crate::model::id_of(d.payload()),
                 attempt: d.attempt(),
             };
             model.lock().unwrap().started(now_ms(), &call);

@@ -251,10 +251,7 @@ impl RecordSink for Stream {
             if result.is_ok() {
                 // A copy of attempt n carries the retry count n (a dead letter too).
                 let attempt = decoded.headers.retry_count();
-                let id = std::str::from_utf8(&decoded.payload)
-                    .ok()
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or(u64::MAX);
+                let id = crate::model::id_of(&decoded.payload);
                 self.model
                     .lock()
                     .unwrap()
