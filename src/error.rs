@@ -57,6 +57,16 @@ pub enum Error {
         reason: String,
     },
 
+    /// A DynamoDB table other than the lease table (a receipt ledger, a table effects write)
+    /// cannot be used.
+    #[error("table `{table}` {reason}")]
+    Table {
+        /// The DynamoDB table.
+        table: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
     /// A Kinesis call failed after the SDK's own retries.
     #[error("kinesis {operation} on stream `{stream}`{} failed", shard_suffix(.shard))]
     Kinesis {
@@ -104,6 +114,7 @@ impl Error {
                 | Error::AccessDenied { .. }
                 | Error::RecordTooLarge { .. }
                 | Error::LeaseTableSchema { .. }
+                | Error::Table { .. }
         )
     }
 

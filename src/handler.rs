@@ -8,6 +8,11 @@ use bytes::Bytes;
 
 use crate::envelope::{self, Headers};
 use crate::position::{Position, SequenceNumber};
+use crate::receipts::{Effects, EventId};
+use crate::retry::{
+    LEGACY_ORIGIN_HEADERS, ORIGIN_SEQUENCE_HEADER, ORIGIN_SHARD_HEADER, ORIGIN_STREAM_HEADER,
+    ORIGIN_SUB_SEQUENCE_HEADER,
+};
 use crate::track::DeliveryId;
 
 /// What the handler decided for one delivery.
@@ -18,7 +23,10 @@ use crate::track::DeliveryId;
 /// | `Drop` | settled: a poison record passes |
 /// | `Retry` | a counted copy goes back to the stream (needs `max_attempts` or a dead-letter stream; refused otherwise and the record holds the checkpoint) |
 /// | `RetryAfter(d)` | the same copy, written once `d` has passed; the original settles after the copy is durable |
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// | `Apply(effects)` | (with receipts) the DynamoDB writes committed together with the event's `applied` receipt, in one transaction; a replay (the receipt exists) writes nothing and settles |
+/// | `Quarantine(reason)` | (with receipts) a terminal `quarantined` receipt, then settled |
+/// | `Hold(reason)` | (with receipts) a `held` receipt: the delivery stays unsettled and holds the checkpoint until the receipt is made terminal (settled) or released (handled again) |
+#[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum Outcome {
     /// Handled.
@@ -29,12 +37,32 @@ pub enum Outcome {
     Retry,
     /// Try again as a counted copy written after the delay.
     RetryAfter(Duration),
+    /// Commit these DynamoDB writes with the event's receipt, exactly once (needs receipts).
+    Apply(Effects),
+    /// Set the event aside for good, with the reason (needs receipts).
+    Quarantine(String),
+    /// Wait (retry later, operator review), with the reason: the event's receipt says `held` and
+    /// the checkpoint waits for it (needs receipts).
+    Hold(String),
 }
 
 impl Outcome {
     /// Whether this outcome settles the delivery without writing anything back.
     pub fn is_terminal(&self) -> bool {
         matches!(self, Outcome::Ack | Outcome::Drop)
+    }
+
+    /// The outcome's name, as logs and metrics label it.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Ack => "ack",
+            Outcome::Drop => "drop",
+            Outcome::Retry => "retry",
+            Outcome::RetryAfter(_) => "retry_after",
+            Outcome::Apply(_) => "apply",
+            Outcome::Quarantine(_) => "quarantine",
+            Outcome::Hold(_) => "hold",
+        }
     }
 }
 
@@ -55,6 +83,7 @@ struct Inner {
     arrived_at: Option<SystemTime>,
     id: Option<DeliveryId>,
     lane: usize,
+    event: Option<EventId>,
 }
 
 impl Delivery {
@@ -85,6 +114,7 @@ impl Delivery {
             arrived_at: None,
             id: None,
             lane: 0,
+            event: None,
         }
     }
 
@@ -169,7 +199,79 @@ impl Delivery {
     pub fn lane(&self) -> usize {
         self.inner.lane
     }
+
+    /// The same delivery on another lane.
+    pub(crate) fn on_lane(&self, lane: usize) -> Delivery {
+        let i = &self.inner;
+        Delivery {
+            inner: Arc::new(Inner {
+                stream: i.stream.clone(),
+                shard: i.shard.clone(),
+                position: i.position,
+                partition_key: i.partition_key.clone(),
+                explicit_hash_key: i.explicit_hash_key.clone(),
+                payload: i.payload.clone(),
+                headers: i.headers.clone(),
+                arrived_at: i.arrived_at,
+                id: i.id,
+                lane,
+                event: i.event.clone(),
+            }),
+        }
+    }
+
+    /// The event's stable identity, the same for every delivery of it: the record's own position
+    /// for a record read for the first time; for a retry copy, the record it was first copied from
+    /// (its `x-shardwise-origin-*` headers, or those of older shardwise builds); for a copy
+    /// ruststream wrote, the record it copied (`kinesis-shard-id`, `kinesis-sequence-number`).
+    ///
+    /// ```
+    /// use shardwise::{Delivery, Position, SequenceNumber};
+    /// let d = Delivery::builder("orders", "shardId-000000000000", Position::new(SequenceNumber::parse("42").unwrap(), 0)).build();
+    /// assert_eq!(d.event_id().as_str(), "kinesis/orders/shardId-000000000000/42.0");
+    /// ```
+    pub fn event_id(&self) -> EventId {
+        if let Some(event) = &self.inner.event {
+            return event.clone();
+        }
+        let h = &self.inner.headers;
+        let origin = |current: &str| {
+            h.get_str(current).or_else(|| {
+                LEGACY_ORIGIN_HEADERS
+                    .iter()
+                    .find(|(_, now)| *now == current)
+                    .and_then(|(old, _)| h.get_str(old))
+            })
+        };
+        if let Some(sequence) =
+            origin(ORIGIN_SEQUENCE_HEADER).and_then(|s| SequenceNumber::parse(s).ok())
+        {
+            let sub = origin(ORIGIN_SUB_SEQUENCE_HEADER)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            return EventId::kinesis(
+                origin(ORIGIN_STREAM_HEADER).unwrap_or(self.stream()),
+                origin(ORIGIN_SHARD_HEADER).unwrap_or(self.shard()),
+                &Position::new(sequence, sub),
+            );
+        }
+        if h.get(envelope::RETRY_COUNT_HEADER).is_some()
+            && let (Some(shard), Some(sequence)) = (
+                h.get_str(RUSTSTREAM_SHARD_HEADER),
+                h.get_str(RUSTSTREAM_SEQUENCE_HEADER)
+                    .and_then(|s| SequenceNumber::parse(s).ok()),
+            )
+        {
+            return EventId::kinesis(self.stream(), shard, &Position::new(sequence, 0));
+        }
+        EventId::kinesis(self.stream(), self.shard(), self.position())
+    }
 }
+
+/// The shard a ruststream-kinesis copy's delivery was read from (its reader sets it).
+const RUSTSTREAM_SHARD_HEADER: &str = "kinesis-shard-id";
+/// The sequence number a ruststream-kinesis copy's delivery had.
+const RUSTSTREAM_SEQUENCE_HEADER: &str = "kinesis-sequence-number";
 
 impl std::fmt::Debug for Delivery {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -198,6 +300,7 @@ pub struct DeliveryBuilder {
     arrived_at: Option<SystemTime>,
     id: Option<DeliveryId>,
     lane: usize,
+    event: Option<EventId>,
 }
 
 impl DeliveryBuilder {
@@ -253,6 +356,13 @@ impl DeliveryBuilder {
         self
     }
 
+    /// Sets the event's identity (by default it comes from the record; see
+    /// [`Delivery::event_id`]).
+    pub fn event_id(mut self, event: EventId) -> Self {
+        self.event = Some(event);
+        self
+    }
+
     /// Sets the arrival time if known.
     pub fn set_arrived_at(mut self, at: Option<SystemTime>) -> Self {
         self.arrived_at = at;
@@ -279,6 +389,7 @@ impl DeliveryBuilder {
                 arrived_at: self.arrived_at,
                 id: self.id,
                 lane: self.lane,
+                event: self.event,
             }),
         }
     }

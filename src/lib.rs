@@ -29,6 +29,7 @@
 mod backoff;
 pub mod checkpoint;
 pub mod consumer;
+mod dynamo;
 pub mod envelope;
 mod error;
 pub mod frontier;
@@ -37,6 +38,7 @@ pub mod kpl;
 pub mod lease;
 pub mod position;
 pub mod producer;
+pub mod receipts;
 pub mod retry;
 pub mod seek;
 pub mod shard;

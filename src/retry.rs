@@ -77,12 +77,12 @@ impl RetryPolicy {
             .map_or(DEFAULT_MAX_ATTEMPTS, NonZeroU32::get)
     }
 
-    /// Decides what a retry outcome becomes. `None` for terminal outcomes.
-    pub(crate) fn plan(&self, outcome: Outcome, delivery: &Delivery) -> Option<RetryPlan> {
+    /// Decides what a retry outcome becomes. `None` for outcomes that are not retries.
+    pub(crate) fn plan(&self, outcome: &Outcome, delivery: &Delivery) -> Option<RetryPlan> {
         let delay = match outcome {
-            Outcome::Ack | Outcome::Drop => return None,
             Outcome::Retry => Duration::ZERO,
-            Outcome::RetryAfter(d) => d,
+            Outcome::RetryAfter(d) => *d,
+            _ => return None,
         };
         let declared = self.max_attempts.is_some() || self.dead_letter.is_some();
         if matches!(outcome, Outcome::Retry) && !declared {
@@ -266,7 +266,7 @@ mod tests {
             ),
         ];
         for (what, outcome, max, dl, attempt, want) in rows {
-            let plan = policy(*max, *dl).plan(*outcome, &delivery(*attempt));
+            let plan = policy(*max, *dl).plan(outcome, &delivery(*attempt));
             assert_eq!(kind(&plan), *want, "{what}");
         }
     }
@@ -277,7 +277,7 @@ mod tests {
             stream,
             delay,
             headers,
-        }) = policy(Some(5), None).plan(Outcome::RetryAfter(Duration::from_secs(2)), &delivery(2))
+        }) = policy(Some(5), None).plan(&Outcome::RetryAfter(Duration::from_secs(2)), &delivery(2))
         else {
             panic!("a copy");
         };
@@ -306,7 +306,7 @@ mod tests {
         .headers(h)
         .build();
         let Some(RetryPlan::Copy { headers, .. }) =
-            policy(Some(5), None).plan(Outcome::Retry, &copy)
+            policy(Some(5), None).plan(&Outcome::Retry, &copy)
         else {
             panic!("a copy");
         };
@@ -317,7 +317,7 @@ mod tests {
     #[test]
     fn the_first_copy_carries_one_retry_as_ruststream_counts() {
         let Some(RetryPlan::Copy { headers, .. }) =
-            policy(Some(3), None).plan(Outcome::Retry, &delivery(1))
+            policy(Some(3), None).plan(&Outcome::Retry, &delivery(1))
         else {
             panic!("a copy");
         };
@@ -343,7 +343,7 @@ mod tests {
         .build();
         assert_eq!(copy.attempt(), 2);
         let Some(RetryPlan::Copy { headers, .. }) =
-            policy(Some(5), None).plan(Outcome::Retry, &copy)
+            policy(Some(5), None).plan(&Outcome::Retry, &copy)
         else {
             panic!("a copy");
         };
@@ -373,7 +373,7 @@ mod tests {
             .payload("p")
             .build();
         let Some(RetryPlan::DeadLetter { stream, headers }) =
-            policy(Some(3), Some("dlq")).plan(Outcome::Retry, &d)
+            policy(Some(3), Some("dlq")).plan(&Outcome::Retry, &d)
         else {
             panic!("dead letter");
         };

@@ -22,7 +22,7 @@
 use std::collections::VecDeque;
 
 /// Identifies one delivery to its shard's tracker: the epoch it was read under and its arrival index.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DeliveryId {
     epoch: u64,
     index: u64,

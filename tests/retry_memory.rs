@@ -58,7 +58,11 @@ fn recorder(
         seen.lock()
             .unwrap()
             .push((text.clone(), d.attempt(), Instant::now()));
-        std::future::ready(if text == fail { outcome } else { Outcome::Ack })
+        std::future::ready(if text == fail {
+            outcome.clone()
+        } else {
+            Outcome::Ack
+        })
     }
 }
 

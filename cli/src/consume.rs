@@ -249,13 +249,10 @@ fn parse_outcome(s: &str) -> std::result::Result<Outcome, String> {
     }
 }
 
-fn outcome_name(o: Outcome) -> String {
+fn outcome_name(o: &Outcome) -> String {
     match o {
-        Outcome::Ack => "ack".into(),
-        Outcome::Drop => "drop".into(),
-        Outcome::Retry => "retry".into(),
         Outcome::RetryAfter(d) => format!("retry-after:{}", d.as_millis()),
-        _ => "other".into(),
+        other => other.label().into(),
     }
 }
 
@@ -296,7 +293,7 @@ struct ShutdownLine<'a> {
 }
 
 /// One JSON line for a handled delivery.
-fn line<'a>(d: &'a Delivery, worker: &'a str, outcome: Outcome) -> HandledLine<'a> {
+fn line<'a>(d: &'a Delivery, worker: &'a str, outcome: &Outcome) -> HandledLine<'a> {
     let payload = match std::str::from_utf8(d.payload()) {
         Ok(text) => Payload::Text(text),
         Err(_) => Payload::Base64(base64::engine::general_purpose::STANDARD.encode(d.payload())),
@@ -365,12 +362,17 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
     let worker = args.worker();
     let delay = Duration::from_millis(args.handler_delay_ms);
     let fail_keys: Arc<Vec<String>> = Arc::new(args.fail_keys.clone());
-    let fail_outcome = args.fail_outcome;
+    let fail_outcome = args.fail_outcome.clone();
     let quiet = args.quiet;
     let handled = Arc::new(AtomicU64::new(0));
     let (w, h) = (worker.clone(), handled.clone());
     let handler = move |d: Delivery| {
-        let (w, h, fail_keys) = (w.clone(), h.clone(), fail_keys.clone());
+        let (w, h, fail_keys, fail_outcome) = (
+            w.clone(),
+            h.clone(),
+            fail_keys.clone(),
+            fail_outcome.clone(),
+        );
         async move {
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
@@ -381,7 +383,7 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
                 Outcome::Ack
             };
             h.fetch_add(1, AtomicOrdering::Relaxed);
-            if !quiet && let Ok(text) = serde_json::to_string(&line(&d, &w, outcome)) {
+            if !quiet && let Ok(text) = serde_json::to_string(&line(&d, &w, &outcome)) {
                 let _ = writeln!(std::io::stdout().lock(), "{text}");
             }
             outcome
@@ -615,7 +617,7 @@ mod tests {
             .build();
         let outcome = Outcome::RetryAfter(Duration::from_millis(250));
         assert_eq!(
-            serde_json::to_string(&line(&text, "w-1", outcome)).unwrap(),
+            serde_json::to_string(&line(&text, "w-1", &outcome)).unwrap(),
             r#"{"shard":"shardId-000000000001","sequence":"49590338271490256608559692538361571095921575989136588898","subsequence":3,"partition_key":"key-1","attempt":2,"worker":"w-1","lane":3,"outcome":"retry-after:250","arrived_ms":1764452220123,"data":"{\"id\":7}"}"#
         );
         let sequence = SequenceNumber::parse("1").unwrap();
@@ -624,7 +626,7 @@ mod tests {
             .payload(vec![0xffu8, 0, 1])
             .build();
         assert_eq!(
-            serde_json::to_string(&line(&binary, "w", Outcome::Ack)).unwrap(),
+            serde_json::to_string(&line(&binary, "w", &Outcome::Ack)).unwrap(),
             r#"{"shard":"shardId-000000000000","sequence":"1","subsequence":0,"partition_key":"k\"q","attempt":1,"worker":"w","lane":0,"outcome":"ack","arrived_ms":null,"data_b64":"/wAB"}"#
         );
         let mut report = ShutdownReport::default();

@@ -55,6 +55,9 @@ pub struct Settings {
     pub caught_up_skew: Option<Duration>,
     /// Least time between two frontier-only writes of an idle shard.
     pub frontier_interval: Duration,
+    /// How often the receipts of held deliveries are read, to settle the ones made terminal and
+    /// handle again the ones released.
+    pub hold_poll_interval: Duration,
     /// How far back from the local clock a LATEST start is pinned (see
     /// [`ConsumerBuilder::latest_margin`](super::ConsumerBuilder::latest_margin)).
     pub latest_margin: Duration,
@@ -90,6 +93,7 @@ impl Settings {
             caught_up_skew: None,
             frontier_interval: Duration::from_secs(5),
             latest_margin: DEFAULT_LATEST_MARGIN,
+            hold_poll_interval: Duration::from_secs(5),
         }
     }
 
@@ -191,6 +195,13 @@ impl Settings {
                     "must not be the stream being consumed",
                 ));
             }
+        }
+        if self.hold_poll_interval.is_zero() {
+            return Err(ConfigError::new(
+                "hold_poll_interval",
+                self.hold_poll_interval,
+                "must be above zero",
+            ));
         }
         if self.frontier_interval.is_zero() {
             return Err(ConfigError::new(

@@ -20,6 +20,7 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
+use super::hooks::Settled;
 use crate::backoff::Backoff;
 use crate::envelope::Headers;
 use crate::error::Error;
@@ -92,16 +93,18 @@ impl Drop for Entry {
     }
 }
 
-/// What a write reports to its shard.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a write (a copy, a dead letter, a receipt) reports to its shard.
+#[derive(Debug)]
 pub(crate) enum WriteEvent {
-    /// The copy or dead letter is durable (or the record was spent without a dead-letter
+    /// The copy, dead letter or receipt is durable (or the record was spent without a dead-letter
     /// stream): the original settles.
-    Durable(DeliveryId),
+    Durable(DeliveryId, Delivery, Settled),
     /// The write fails for good for now: the original will not settle while this lasts.
-    Stuck(DeliveryId),
+    Stuck,
     /// A stuck write got through after all, or ended: no longer stuck.
-    Unstuck(DeliveryId),
+    Unstuck,
+    /// A held receipt is recorded: the delivery waits for it to be made terminal or released.
+    Held(DeliveryId, Delivery),
 }
 
 /// A retry copy or dead letter on its way to a stream.
@@ -175,9 +178,14 @@ impl PendingWrite {
                         "{what}"
                     );
                     if entry.listed {
-                        let _ = events.send(WriteEvent::Unstuck(self.id));
+                        let _ = events.send(WriteEvent::Unstuck);
                     }
-                    let _ = events.send(WriteEvent::Durable(self.id));
+                    let how = if self.dead_letter {
+                        Settled::DeadLettered(self.stream.clone())
+                    } else {
+                        Settled::Copied(self.stream.clone())
+                    };
+                    let _ = events.send(WriteEvent::Durable(self.id, d, how));
                     return;
                 }
                 Err(e) => e,
@@ -196,9 +204,9 @@ impl PendingWrite {
                     _ => {
                         error!(stream = d.stream(), shard = d.shard(), seq = %d.position(), partition_key = d.partition_key(), error = %error, "retry copy too large and no dead-letter stream: settled as a drop");
                         if entry.listed {
-                            let _ = events.send(WriteEvent::Unstuck(self.id));
+                            let _ = events.send(WriteEvent::Unstuck);
                         }
-                        let _ = events.send(WriteEvent::Durable(self.id));
+                        let _ = events.send(WriteEvent::Durable(self.id, d, Settled::Spent));
                         return;
                     }
                 }
@@ -235,7 +243,7 @@ impl PendingWrite {
                         },
                     );
                     entry.listed = true;
-                    let _ = events.send(WriteEvent::Stuck(self.id));
+                    let _ = events.send(WriteEvent::Stuck);
                 }
                 stuck_for.next()
             } else {

@@ -115,6 +115,13 @@ impl Lanes {
         }
     }
 
+    /// Queues a delivery again (its hold was released): on the lane its key has deliveries on now,
+    /// if any, so the key still runs one delivery at a time.
+    pub(crate) fn redispatch(&mut self, delivery: Delivery) {
+        let lane = self.assign(delivery.partition_key());
+        self.dispatch(delivery.on_lane(lane));
+    }
+
     /// Queues a delivery on the lane [`Lanes::assign`] gave it.
     pub(crate) fn dispatch(&self, delivery: Delivery) {
         let lane = match self.ordering {

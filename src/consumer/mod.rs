@@ -4,7 +4,9 @@ mod checkpointer;
 mod config;
 mod copies;
 mod ending;
+mod hooks;
 mod lanes;
+mod ledger;
 mod outcome;
 mod shard;
 
@@ -21,6 +23,7 @@ use tracing::{error, info, warn};
 
 pub use config::{DEFAULT_LATEST_MARGIN, Ordering, Settings, default_worker_id};
 pub use copies::StuckWrite;
+pub use hooks::{DeliveryHooks, Settled};
 
 use crate::error::{ConfigError, Error};
 use crate::frontier::Frontier;
@@ -30,6 +33,7 @@ use crate::lease::{
     LeaseStore, Ownership, TableOptions,
 };
 use crate::producer::{KinesisSink, Producer, RecordSink};
+use crate::receipts::ReceiptStore;
 use crate::retry::RetryPolicy;
 use crate::seek::{SeekReport, SeekTarget};
 use crate::shard::discovery::{KinesisShards, ShardLister};
@@ -48,6 +52,8 @@ pub struct ConsumerBuilder<H> {
     lister: Option<Arc<dyn ShardLister>>,
     sink: Option<Arc<dyn RecordSink>>,
     hooks: Option<Arc<dyn LeaseHooks>>,
+    delivery_hooks: Option<Arc<dyn DeliveryHooks>>,
+    receipts: Option<Arc<dyn ReceiptStore>>,
     seek: Option<SeekTarget>,
 }
 
@@ -225,6 +231,42 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
+    /// Told how each delivery settled (acked, copied, applied, replayed, ...).
+    pub fn delivery_hooks(mut self, hooks: impl DeliveryHooks) -> Self {
+        self.delivery_hooks = Some(Arc::new(hooks));
+        self
+    }
+
+    /// A receipt ledger: handlers may then answer [`Outcome::Apply`](crate::Outcome::Apply)
+    /// (effects committed exactly once, with the event's receipt),
+    /// [`Outcome::Quarantine`](crate::Outcome::Quarantine) and
+    /// [`Outcome::Hold`](crate::Outcome::Hold). Prepared (its table created) at `run()`.
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use shardwise::receipts::{key, DynamoDbReceipts, Effect};
+    /// use shardwise::{Consumer, Delivery, Outcome};
+    /// # async fn run(client: aws_sdk_dynamodb::Client) -> Result<(), shardwise::Error> {
+    /// let receipts = DynamoDbReceipts::new(client, "billing-receipts", "billing");
+    /// let consumer = Consumer::builder("orders", "billing", |d: Delivery| async move {
+    ///     let order = String::from_utf8_lossy(d.payload()).to_string();
+    ///     Outcome::Apply(Effect::update("order-counts", key("order", order)).add("seen", 1).into())
+    /// })
+    /// .receipts(Arc::new(receipts))
+    /// .build()?;
+    /// # let _ = consumer; Ok(()) }
+    /// ```
+    pub fn receipts(mut self, store: Arc<dyn ReceiptStore>) -> Self {
+        self.receipts = Some(store);
+        self
+    }
+
+    /// How often held deliveries' receipts are read (default 5 s).
+    pub fn hold_poll_interval(mut self, every: Duration) -> Self {
+        self.settings.hold_poll_interval = every;
+        self
+    }
+
     /// Checks every setting; the error names the field and the value.
     pub fn build(self) -> Result<Consumer<H>, ConfigError> {
         self.settings.validate()?;
@@ -237,6 +279,8 @@ impl<H: Handler> ConsumerBuilder<H> {
             lister: self.lister,
             sink: self.sink,
             hooks: self.hooks.unwrap_or_else(|| Arc::new(())),
+            delivery_hooks: self.delivery_hooks.unwrap_or_else(|| Arc::new(())),
+            receipts: self.receipts,
             seek: self.seek,
         })
     }
@@ -252,6 +296,8 @@ pub struct Consumer<H> {
     lister: Option<Arc<dyn ShardLister>>,
     sink: Option<Arc<dyn RecordSink>>,
     hooks: Arc<dyn LeaseHooks>,
+    delivery_hooks: Arc<dyn DeliveryHooks>,
+    receipts: Option<Arc<dyn ReceiptStore>>,
     seek: Option<SeekTarget>,
 }
 
@@ -294,6 +340,8 @@ impl Consumer<()> {
             lister: None,
             sink: None,
             hooks: None,
+            delivery_hooks: None,
+            receipts: None,
             seek: None,
         }
     }
@@ -359,6 +407,9 @@ impl<H: Handler> Consumer<H> {
         if let Some(dead_letter) = &settings.dead_letter {
             producer.check(dead_letter).await?;
         }
+        if let Some(receipts) = &self.receipts {
+            receipts.prepare().await?;
+        }
         if let Some(target) = &self.seek {
             crate::seek::seek(store.as_ref(), lister.as_ref(), &settings.stream, target).await?;
         }
@@ -386,6 +437,8 @@ impl<H: Handler> Consumer<H> {
                 dead_letter: settings.dead_letter.clone(),
             }),
             stuck: stuck.clone(),
+            receipts: self.receipts,
+            hooks: self.delivery_hooks,
             stop: stop.clone(),
             abort: abort.clone(),
         };

@@ -35,15 +35,18 @@ use super::checkpointer::{Checkpointer, Entry};
 use super::config::Settings;
 use super::copies::{StuckWrites, WriteEvent};
 use super::ending::{self, Reading, ShardState, Step};
+use super::hooks::{DeliveryHooks, Settled};
 use super::lanes::{Finished, Lanes};
+use super::ledger::{self, Ledger, LedgerEvent};
 use super::outcome::{Resolved, resolve};
 use crate::backoff::Backoff;
 use crate::checkpoint::Checkpoint;
 use crate::error::Error;
-use crate::handler::{Delivery, Handler};
+use crate::handler::{Delivery, Handler, Outcome};
 use crate::lease::{CheckpointWrite, HeldLease, LeaseStore, Ownership};
 use crate::position::Position;
 use crate::producer::Producer;
+use crate::receipts::ReceiptStore;
 use crate::retry::RetryPolicy;
 use crate::shard::discovery::ShardLister;
 use crate::shard::reader::{ReaderMessage, ShardReader};
@@ -78,6 +81,10 @@ pub(crate) struct ShardContext<H> {
     pub(crate) retry: Arc<RetryPolicy>,
     /// Copies and dead letters whose writes fail for good, for every shard of the consumer.
     pub(crate) stuck: StuckWrites,
+    /// The receipt ledger, if the consumer has one.
+    pub(crate) receipts: Option<Arc<dyn ReceiptStore>>,
+    /// Told how each delivery settled.
+    pub(crate) hooks: Arc<dyn DeliveryHooks>,
     /// Graceful stop: stop reading, drain, write the final checkpoint.
     pub(crate) stop: CancellationToken,
     /// The drain deadline passed: abort running handlers and write what has settled.
@@ -95,6 +102,8 @@ impl<H> Clone for ShardContext<H> {
             producer: self.producer.clone(),
             retry: self.retry.clone(),
             stuck: self.stuck.clone(),
+            receipts: self.receipts.clone(),
+            hooks: self.hooks.clone(),
             stop: self.stop.clone(),
             abort: self.abort.clone(),
         }
@@ -189,6 +198,11 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
     let mut last_read: Option<Position> = None;
     let (write_tx, mut write_rx) = mpsc::unbounded_channel::<WriteEvent>();
     let mut retries: JoinSet<()> = JoinSet::new();
+    let worker: Arc<str> = Arc::from(settings.worker_id.as_str());
+    let mut ledger = ctx
+        .receipts
+        .clone()
+        .map(|store| Ledger::new(store, worker.clone(), settings.hold_poll_interval));
     let mut tick = tokio::time::interval(settings.checkpoint_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut aborted = false;
@@ -222,20 +236,26 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
             }
             Some(done) = finished_rx.recv() => {
                 lanes.finished(&done.delivery);
-                match resolve(done, &ctx.retry, &mut refused, settings) {
-                    Resolved::Settle(id) => settle(&mut tracker, &mut checkpointer, id),
-                    Resolved::Hold => {}
-                    Resolved::Write(write) => {
-                        retries.spawn(write.run(ctx.producer.clone(), ctx.retry.clone(), ctx.stuck.clone(), write_tx.clone()));
-                    }
-                }
+                let resolved = resolve(done.delivery, done.outcome, &ctx.retry, &mut refused, settings, ledger.is_some());
+                carry_out(resolved, &ctx, &mut tracker, &mut checkpointer, &mut ledger, &mut retries, &write_tx, &worker);
                 gauges.in_flight(tracker.unsettled());
             }
             Some(event) = write_rx.recv() => {
                 match event {
-                    WriteEvent::Durable(id) => settle(&mut tracker, &mut checkpointer, id),
-                    WriteEvent::Stuck(_) => stuck_writes += 1,
-                    WriteEvent::Unstuck(_) => stuck_writes = stuck_writes.saturating_sub(1),
+                    WriteEvent::Durable(id, d, how) => settle(&mut tracker, &mut checkpointer, &ctx, id, &d, &how),
+                    WriteEvent::Stuck => stuck_writes += 1,
+                    WriteEvent::Unstuck => stuck_writes = stuck_writes.saturating_sub(1),
+                    WriteEvent::Held(id, d) => {
+                        if let Some(ledger) = ledger.as_mut() {
+                            ledger.hold(id, d);
+                        }
+                    }
+                }
+                gauges.in_flight(tracker.unsettled());
+            }
+            events = async { ledger.as_mut().expect("busy").next().await }, if ledger.as_ref().is_some_and(Ledger::busy) => {
+                for event in events {
+                    on_ledger(event, &ctx, &mut tracker, &mut checkpointer, &mut ledger, &mut retries, &write_tx, &worker, &mut refused, &mut lanes);
                 }
                 gauges.in_flight(tracker.unsettled());
             }
@@ -291,6 +311,10 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                 None => reading = Reading::Stopped,
             },
             _ = tick.tick() => {
+                if let Some(ledger) = ledger.as_mut() {
+                    ledger.start_commit();
+                    ledger.start_poll();
+                }
                 checkpointer.maybe_start(&tracker);
                 if checkpointer.maybe_advance_frontier(&tracker).await.is_err() {
                     break Exit::Lost;
@@ -302,7 +326,7 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
             stopping: ctx.stop.is_cancelled(),
             aborted,
             unsettled: tracker.unsettled(),
-            held: refused.len() + stuck_writes,
+            held: refused.len() + stuck_writes + ledger.as_ref().map_or(0, Ledger::held),
         };
         match ending::step(&state) {
             Step::Continue => {}
@@ -313,6 +337,9 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
 
     retries.abort_all();
     lanes.abort();
+    if let Some(ledger) = ledger.as_mut() {
+        ledger.abort();
+    }
     match exit {
         Exit::Lost => {
             info!(stream = %stream, shard = %shard, "lease lost: shard stopped, nothing more written");
@@ -404,11 +431,102 @@ async fn aged_out(lister: &dyn ShardLister, ownership: &Ownership) -> Result<boo
     Ok(!shards.iter().any(|s| s.shard_id == ownership.shard_id))
 }
 
-fn settle(tracker: &mut Tracker<Entry>, checkpointer: &mut Checkpointer, id: DeliveryId) {
-    if let Some((to, arrived)) = tracker.settle(id).advanced_to() {
+/// A delivery's outcome is durable: the checkpoint may pass it.
+fn settle<H>(
+    tracker: &mut Tracker<Entry>,
+    checkpointer: &mut Checkpointer,
+    ctx: &ShardContext<H>,
+    id: DeliveryId,
+    delivery: &Delivery,
+    how: &Settled,
+) {
+    let settlement = tracker.settle(id);
+    if settlement.accepted() {
+        ctx.hooks.settled(delivery, how);
+    }
+    if let Some((to, arrived)) = settlement.advanced_to() {
         checkpointer.pending = Some(*to);
         if arrived.is_some() {
             checkpointer.last_settled = *arrived;
+        }
+    }
+}
+
+/// Carries out what a handler's outcome resolved to.
+#[allow(clippy::too_many_arguments)]
+fn carry_out<H>(
+    resolved: Resolved,
+    ctx: &ShardContext<H>,
+    tracker: &mut Tracker<Entry>,
+    checkpointer: &mut Checkpointer,
+    ledger: &mut Option<Ledger>,
+    retries: &mut JoinSet<()>,
+    write_tx: &mpsc::UnboundedSender<WriteEvent>,
+    worker: &Arc<str>,
+) {
+    match resolved {
+        Resolved::Settle(id, d, how) => settle(tracker, checkpointer, ctx, id, &d, &how),
+        Resolved::Hold => {}
+        Resolved::Write(write) => {
+            retries.spawn(write.run(
+                ctx.producer.clone(),
+                ctx.retry.clone(),
+                ctx.stuck.clone(),
+                write_tx.clone(),
+            ));
+        }
+        Resolved::Apply(id, d, effects) => {
+            if let Some(ledger) = ledger.as_mut() {
+                ledger.apply(id, d, effects);
+            }
+        }
+        Resolved::Record(id, d, disposition) => {
+            if let Some(store) = ctx.receipts.clone() {
+                retries.spawn(ledger::record(
+                    store,
+                    worker.clone(),
+                    id,
+                    d,
+                    disposition,
+                    write_tx.clone(),
+                ));
+            }
+        }
+    }
+}
+
+/// Carries out what the ledger reports.
+#[allow(clippy::too_many_arguments)]
+fn on_ledger<H>(
+    event: LedgerEvent,
+    ctx: &ShardContext<H>,
+    tracker: &mut Tracker<Entry>,
+    checkpointer: &mut Checkpointer,
+    ledger: &mut Option<Ledger>,
+    retries: &mut JoinSet<()>,
+    write_tx: &mpsc::UnboundedSender<WriteEvent>,
+    worker: &Arc<str>,
+    refused: &mut HashSet<DeliveryId>,
+    lanes: &mut Lanes,
+) {
+    match event {
+        LedgerEvent::Settle(id, d, how) => settle(tracker, checkpointer, ctx, id, &d, &how),
+        LedgerEvent::Retry(d) => {
+            let resolved = resolve(d, Outcome::Retry, &ctx.retry, refused, &ctx.settings, true);
+            carry_out(
+                resolved,
+                ctx,
+                tracker,
+                checkpointer,
+                ledger,
+                retries,
+                write_tx,
+                worker,
+            );
+        }
+        LedgerEvent::Redeliver(d) => {
+            info!(stream = d.stream(), shard = d.shard(), seq = %d.position(), "hold released: handled again");
+            lanes.redispatch(d);
         }
     }
 }

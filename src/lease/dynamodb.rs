@@ -6,24 +6,20 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::time::{Duration, Instant};
 
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::config::http::HttpResponse;
 use aws_sdk_dynamodb::error::SdkError;
 use aws_sdk_dynamodb::operation::update_item::{UpdateItemError, UpdateItemOutput};
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType,
-    PointInTimeRecoverySpecification, PointInTimeRecoveryStatus, ProvisionedThroughput,
-    ReturnValue, ReturnValuesOnConditionCheckFailure, ScalarAttributeType, TableDescription,
-    TableStatus, Tag, TransactWriteItem, Update,
+    AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure, TransactWriteItem, Update,
 };
 use futures::future::BoxFuture;
 
 use super::row::{Lease, NewLease, Ownership, lease_key};
 use super::store::{CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, SeekMove};
-use crate::backoff::Backoff;
 use crate::checkpoint::{AT_TIMESTAMP, Checkpoint};
+use crate::dynamo::{Table, TableOptions, is_condition_failed, n, s};
 use crate::error::Error;
 use crate::time::millis;
 
@@ -46,11 +42,6 @@ mod attr {
 }
 use attr::*;
 
-/// How long [`LeaseStore::prepare`] waits for a table to become `ACTIVE`.
-const ACTIVE_TIMEOUT: Duration = Duration::from_secs(60);
-/// Longest wait between two DescribeTable calls while the table becomes ACTIVE.
-const POLL_MAX: Duration = Duration::from_millis(200);
-
 type Item = HashMap<String, AttributeValue>;
 
 /// Leases in a DynamoDB table keyed by the string `leaseKey` (`stream#shardId`).
@@ -69,94 +60,6 @@ pub struct DynamoDbLeaseStore {
     table: String,
     create_if_missing: bool,
     options: TableOptions,
-}
-
-/// How a missing lease table is created: billing mode, tags, point-in-time recovery. An existing
-/// table is used as it is (only its key schema is checked), except that point-in-time recovery is
-/// turned on when asked for and off.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct TableOptions {
-    /// On-demand (the default) or provisioned capacity.
-    pub billing: Billing,
-    /// Tags set on the table when it is created.
-    pub tags: Vec<(String, String)>,
-    /// Continuous backups with point-in-time recovery.
-    pub point_in_time_recovery: bool,
-}
-
-impl TableOptions {
-    /// Sets the billing mode.
-    pub fn billing(mut self, billing: Billing) -> Self {
-        self.billing = billing;
-        self
-    }
-
-    /// Adds a tag.
-    pub fn tag(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.tags.push((key.into(), value.into()));
-        self
-    }
-
-    /// Turns point-in-time recovery on or off.
-    pub fn point_in_time_recovery(mut self, on: bool) -> Self {
-        self.point_in_time_recovery = on;
-        self
-    }
-
-    /// Checks the options, naming the first bad one (DynamoDB's limits on tags and capacity).
-    pub fn validate(&self) -> Result<(), crate::ConfigError> {
-        use crate::ConfigError;
-        if let Billing::Provisioned { read, write } = self.billing
-            && (read == 0 || write == 0)
-        {
-            return Err(ConfigError::new(
-                "billing",
-                self.billing,
-                "provisioned read and write capacity must each be at least 1",
-            ));
-        }
-        if self.tags.len() > 50 {
-            return Err(ConfigError::new(
-                "tags",
-                self.tags.len(),
-                "a table takes at most 50 tags",
-            ));
-        }
-        for (key, value) in &self.tags {
-            if key.is_empty() || key.chars().count() > 128 || key.starts_with("aws:") {
-                return Err(ConfigError::new(
-                    "tags",
-                    key,
-                    "a tag key is 1 to 128 characters and does not start with `aws:`",
-                ));
-            }
-            if value.chars().count() > 256 {
-                return Err(ConfigError::new(
-                    "tags",
-                    value,
-                    "a tag value is at most 256 characters",
-                ));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The capacity mode of a lease table.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Billing {
-    /// Pay per request (no capacity planning).
-    #[default]
-    OnDemand,
-    /// Provisioned read and write capacity units.
-    Provisioned {
-        /// Read capacity units.
-        read: u64,
-        /// Write capacity units.
-        write: u64,
-    },
 }
 
 impl fmt::Debug for DynamoDbLeaseStore {
@@ -203,125 +106,7 @@ impl DynamoDbLeaseStore {
     where
         E: std::error::Error + Send + Sync + 'static,
     {
-        Error::DynamoDb {
-            operation,
-            table: self.table.clone(),
-            source: Box::new(err),
-        }
-    }
-
-    fn schema(&self, reason: impl Into<String>) -> Error {
-        Error::LeaseTableSchema {
-            table: self.table.clone(),
-            reason: reason.into(),
-        }
-    }
-
-    /// DescribeTable; `None` when the table does not exist.
-    async fn describe(&self) -> Result<Option<TableDescription>, Error> {
-        match self
-            .client
-            .describe_table()
-            .table_name(&self.table)
-            .send()
-            .await
-        {
-            Ok(out) => Ok(out.table),
-            Err(err)
-                if err
-                    .as_service_error()
-                    .is_some_and(|e| e.is_resource_not_found_exception()) =>
-            {
-                Ok(None)
-            }
-            Err(err) => Err(self.failed("DescribeTable", err)),
-        }
-    }
-
-    async fn create_table(&self) -> Result<(), Error> {
-        let definition = AttributeDefinition::builder()
-            .attribute_name(KEY)
-            .attribute_type(ScalarAttributeType::S)
-            .build()
-            .map_err(|e| self.failed("CreateTable", e))?;
-        let key = KeySchemaElement::builder()
-            .attribute_name(KEY)
-            .key_type(KeyType::Hash)
-            .build()
-            .map_err(|e| self.failed("CreateTable", e))?;
-        let mut request = self
-            .client
-            .create_table()
-            .table_name(&self.table)
-            .attribute_definitions(definition)
-            .key_schema(key);
-        request = match self.options.billing {
-            Billing::OnDemand => request.billing_mode(BillingMode::PayPerRequest),
-            Billing::Provisioned { read, write } => request
-                .billing_mode(BillingMode::Provisioned)
-                .provisioned_throughput(
-                    ProvisionedThroughput::builder()
-                        .read_capacity_units(read as i64)
-                        .write_capacity_units(write as i64)
-                        .build()
-                        .map_err(|e| self.failed("CreateTable", e))?,
-                ),
-        };
-        for (key, value) in &self.options.tags {
-            request = request.tags(
-                Tag::builder()
-                    .key(key)
-                    .value(value)
-                    .build()
-                    .map_err(|e| self.failed("CreateTable", e))?,
-            );
-        }
-        let result = request.send().await;
-        match result {
-            Ok(_) => {
-                tracing::info!(table = %self.table, "created the lease table");
-                Ok(())
-            }
-            // Another worker created it at the same time.
-            Err(err)
-                if err
-                    .as_service_error()
-                    .is_some_and(|e| e.is_resource_in_use_exception()) =>
-            {
-                Ok(())
-            }
-            Err(err) => Err(self.failed("CreateTable", err)),
-        }
-    }
-
-    /// Polls DescribeTable until the table can be read and written.
-    async fn wait_active(&self) -> Result<TableDescription, Error> {
-        let deadline = Instant::now() + ACTIVE_TIMEOUT;
-        let mut polls = Backoff::new(POLL_MAX);
-        loop {
-            let status = match self.describe().await? {
-                // Right after CreateTable the table may not be visible yet.
-                None => None,
-                Some(desc) => match desc.table_status() {
-                    None | Some(TableStatus::Active | TableStatus::Updating) => return Ok(desc),
-                    Some(TableStatus::Creating) => Some(TableStatus::Creating),
-                    Some(other) => {
-                        return Err(self.schema(format!(
-                            "table status is {}; expected ACTIVE",
-                            other.as_str()
-                        )));
-                    }
-                },
-            };
-            if Instant::now() >= deadline {
-                let seen = status.map_or("not visible".to_owned(), |s| s.as_str().to_owned());
-                return Err(self.schema(format!(
-                    "table did not become ACTIVE within {} s (last seen: {seen})",
-                    ACTIVE_TIMEOUT.as_secs()
-                )));
-            }
-            tokio::time::sleep(polls.next()).await;
-        }
+        crate::dynamo::failed(&self.table, operation, err)
     }
 
     async fn get_row(&self, key: String) -> Result<Option<Lease>, Error> {
@@ -755,89 +540,17 @@ impl DynamoDbLeaseStore {
         }
     }
 
-    /// Checks the key schema: exactly one key, the hash key `leaseKey` of type S.
-    fn check_schema(&self, desc: &TableDescription) -> Result<(), Error> {
-        let type_of = |name: &str| {
-            desc.attribute_definitions()
-                .iter()
-                .find(|d| d.attribute_name() == name)
-                .map_or("type unknown", |d| d.attribute_type().as_str())
-        };
-        let keys = desc.key_schema();
-        let Some(hash) = keys.iter().find(|k| *k.key_type() == KeyType::Hash) else {
-            return Err(self.schema(format!("has no hash key; expected `{KEY}` (S)")));
-        };
-        let hash_name = hash.attribute_name();
-        if hash_name != KEY {
-            return Err(self.schema(format!(
-                "hash key is `{hash_name}` ({}); expected `{KEY}` (S)",
-                type_of(hash_name)
-            )));
-        }
-        let hash_type = type_of(KEY);
-        if hash_type != ScalarAttributeType::S.as_str() {
-            return Err(self.schema(format!(
-                "hash key `{KEY}` is of type {hash_type}; expected `{KEY}` (S)"
-            )));
-        }
-        if let Some(range) = keys.iter().find(|k| *k.key_type() != KeyType::Hash) {
-            let name = range.attribute_name();
-            return Err(self.schema(format!(
-                "has a range key `{name}` ({}); expected only the hash key `{KEY}` (S)",
-                type_of(name)
-            )));
-        }
-        Ok(())
-    }
-
-    /// Turns on continuous backups with point-in-time recovery (a no-op when they are on).
-    async fn enable_point_in_time_recovery(&self) -> Result<(), Error> {
-        let enabled = self
-            .client
-            .describe_continuous_backups()
-            .table_name(&self.table)
-            .send()
-            .await
-            .map_err(|e| self.failed("DescribeContinuousBackups", e))?
-            .continuous_backups_description
-            .and_then(|d| d.point_in_time_recovery_description)
-            .and_then(|p| p.point_in_time_recovery_status)
-            .is_some_and(|status| status == PointInTimeRecoveryStatus::Enabled);
-        if enabled {
-            return Ok(());
-        }
-        self.client
-            .update_continuous_backups()
-            .table_name(&self.table)
-            .point_in_time_recovery_specification(
-                PointInTimeRecoverySpecification::builder()
-                    .point_in_time_recovery_enabled(true)
-                    .build()
-                    .map_err(|e| self.failed("UpdateContinuousBackups", e))?,
-            )
-            .send()
-            .await
-            .map_err(|e| self.failed("UpdateContinuousBackups", e))?;
-        tracing::info!(table = %self.table, "point-in-time recovery turned on");
-        Ok(())
-    }
-
     async fn prepare_table(&self) -> Result<(), Error> {
-        if self.describe().await?.is_none() {
-            if !self.create_if_missing {
-                return Err(self.schema(format!(
-                    "the table does not exist (and creating it is turned off); create it with \
-                     the hash key `{KEY}` (S), or allow the store to create it"
-                )));
-            }
-            self.create_table().await?;
-        }
-        let desc = self.wait_active().await?;
-        self.check_schema(&desc)?;
-        if self.options.point_in_time_recovery {
-            self.enable_point_in_time_recovery().await?;
-        }
-        Ok(())
+        self.shared()
+            .prepare(KEY, self.create_if_missing, &self.options)
+            .await
+            .map(|_| ())
+    }
+
+    fn shared(&self) -> Table<'_> {
+        Table::new(&self.client, &self.table, |table, reason| {
+            Error::LeaseTableSchema { table, reason }
+        })
     }
 }
 
@@ -913,14 +626,6 @@ impl LeaseStore for DynamoDbLeaseStore {
     }
 }
 
-fn is_condition_failed<E, R>(err: &SdkError<E, R>) -> bool
-where
-    E: aws_sdk_dynamodb::error::ProvideErrorMetadata,
-{
-    err.as_service_error()
-        .is_some_and(|e| e.code() == Some("ConditionalCheckFailedException"))
-}
-
 /// The row a conditional update refused, when the store sent it back (`ALL_OLD`).
 fn refused_item(err: &SdkError<UpdateItemError, HttpResponse>) -> Option<&Item> {
     match err {
@@ -940,14 +645,6 @@ fn holds(item: &Item, held: &Ownership) -> bool {
     let epoch =
         matches!(item.get(EPOCH), Some(AttributeValue::N(e)) if e.parse::<u64>() == Ok(held.epoch));
     owner && epoch
-}
-
-fn s(value: impl Into<String>) -> AttributeValue {
-    AttributeValue::S(value.into())
-}
-
-fn n(value: impl ToString) -> AttributeValue {
-    AttributeValue::N(value.to_string())
 }
 
 fn list(values: &[String]) -> AttributeValue {

@@ -14,7 +14,8 @@ mod store;
 mod sync;
 pub(crate) use sync::new_leases;
 
-pub use dynamodb::{Billing, DynamoDbLeaseStore, TableOptions};
+pub use crate::dynamo::{Billing, TableOptions};
+pub use dynamodb::DynamoDbLeaseStore;
 pub use manager::{HeldLease, LeaseEvent, LeaseHooks, LeaseManager, LeaseSettings};
 pub use memory::MemoryLeaseStore;
 #[cfg(any(test, feature = "testing"))]

@@ -277,11 +277,12 @@ impl World {
                 // A retry at the cap without a dead-letter stream is settled as a drop at once.
                 let settles = terminal || (guard.call.attempt >= cap && !dead_letter);
                 guard.done = true;
-                guard
-                    .model
-                    .lock()
-                    .unwrap()
-                    .finished(now_ms(), &guard.call, outcome, settles);
+                guard.model.lock().unwrap().finished(
+                    now_ms(),
+                    &guard.call,
+                    outcome.clone(),
+                    settles,
+                );
                 match outcome {
                     Some(o) => o,
                     None => std::panic::panic_any("simulated handler panic"),

@@ -1,0 +1,322 @@
+//! A shard's receipts: effects committed with their receipts (the effects of several deliveries
+//! in one transaction where their items are distinct, one commit in flight at a time, in delivery
+//! order), quarantine and hold receipts recorded, and held deliveries polled until someone makes
+//! their receipt terminal (they settle) or releases it (they are handled again).
+//!
+//! A delivery settles only once its receipt is durable. A commit that fails (the store is
+//! unreachable, or its answer is lost) is committed again; if the first one did go through, the
+//! second finds the receipt and the delivery settles as a replay, with nothing written twice.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{error, info, warn};
+
+use super::copies::WriteEvent;
+use super::hooks::Settled;
+use crate::backoff::Backoff;
+use crate::error::Error;
+use crate::handler::Delivery;
+use crate::receipts::{Apply, Committed, Disposition, Effects, Receipt, ReceiptStore, Recorded};
+use crate::track::DeliveryId;
+
+/// Deliveries committed in one call at most (the store packs them into as few transactions as
+/// DynamoDB's limits allow).
+const MAX_BATCH: usize = 100;
+/// Longest wait before a failed commit or record is tried again.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+type Queued = (DeliveryId, Delivery, Effects);
+
+/// What the ledger tells the shard.
+#[derive(Debug)]
+pub(crate) enum LedgerEvent {
+    /// The delivery's outcome is durable.
+    Settle(DeliveryId, Delivery, Settled),
+    /// Its effects cannot be committed (an effect's condition, a limit, a missing table): it goes
+    /// the retry way (a copy, a dead letter), with the reason logged.
+    Retry(Delivery),
+    /// Its hold was released: handle it again.
+    Redeliver(Delivery),
+}
+
+/// A commit's deliveries and the store's answers.
+type CommitDone = (Vec<Queued>, Result<Vec<Committed>, Error>);
+/// Each held delivery and its receipt as read.
+type PollDone = Vec<(DeliveryId, Result<Option<Receipt>, Error>)>;
+type Commit = JoinHandle<CommitDone>;
+type Poll = JoinHandle<PollDone>;
+type Joined<T> = Result<T, tokio::task::JoinError>;
+
+pub(crate) struct Ledger {
+    store: Arc<dyn ReceiptStore>,
+    worker: Arc<str>,
+    queue: VecDeque<Queued>,
+    commit: Option<Commit>,
+    retry_at: Option<Instant>,
+    failures: Backoff,
+    held: BTreeMap<DeliveryId, Delivery>,
+    poll: Option<Poll>,
+    poll_every: Duration,
+    polled_at: Instant,
+}
+
+impl Ledger {
+    pub(crate) fn new(
+        store: Arc<dyn ReceiptStore>,
+        worker: Arc<str>,
+        poll_every: Duration,
+    ) -> Self {
+        Self {
+            store,
+            worker,
+            queue: VecDeque::new(),
+            commit: None,
+            retry_at: None,
+            failures: Backoff::new(MAX_BACKOFF),
+            held: BTreeMap::new(),
+            poll: None,
+            poll_every,
+            polled_at: Instant::now(),
+        }
+    }
+
+    /// Queues a delivery's effects; they are committed in order.
+    pub(crate) fn apply(&mut self, id: DeliveryId, delivery: Delivery, effects: Effects) {
+        self.queue.push_back((id, delivery, effects));
+        self.start_commit();
+    }
+
+    /// Starts committing what is queued, unless a commit is in flight or backing off.
+    pub(crate) fn start_commit(&mut self) {
+        if self.commit.is_some()
+            || self.queue.is_empty()
+            || self.retry_at.is_some_and(|t| Instant::now() < t)
+        {
+            return;
+        }
+        let n = self.queue.len().min(MAX_BATCH);
+        let batch: Vec<Queued> = self.queue.drain(..n).collect();
+        let store = self.store.clone();
+        let worker = self.worker.clone();
+        self.commit = Some(tokio::spawn(async move {
+            let applies: Vec<Apply> = batch
+                .iter()
+                .map(|(_, d, effects)| Apply {
+                    event: d.event_id(),
+                    effects: effects.clone(),
+                })
+                .collect();
+            let result = store.commit(&applies, &worker).await;
+            (batch, result)
+        }));
+    }
+
+    /// Whether a commit or a poll is in flight.
+    pub(crate) fn busy(&self) -> bool {
+        self.commit.is_some() || self.poll.is_some()
+    }
+
+    /// Waits for the commit or the poll in flight, whichever ends first (call only while
+    /// [`busy`](Self::busy)), and says what became of their deliveries.
+    pub(crate) async fn next(&mut self) -> Vec<LedgerEvent> {
+        enum Done {
+            Commit(Joined<CommitDone>),
+            Poll(Joined<PollDone>),
+        }
+        let (commit, poll) = (&mut self.commit, &mut self.poll);
+        let done = tokio::select! {
+            biased;
+            r = async { commit.as_mut().expect("guarded").await }, if commit.is_some() => Done::Commit(r),
+            r = async { poll.as_mut().expect("guarded").await }, if poll.is_some() => Done::Poll(r),
+            else => return Vec::new(),
+        };
+        match done {
+            Done::Commit(joined) => {
+                self.commit = None;
+                self.committed(joined)
+            }
+            Done::Poll(joined) => {
+                self.poll = None;
+                self.polled(joined)
+            }
+        }
+    }
+
+    fn committed(&mut self, joined: Joined<CommitDone>) -> Vec<LedgerEvent> {
+        let (batch, result) = match joined {
+            Ok(done) => done,
+            Err(e) => {
+                error!(error = %e, "the commit task failed");
+                return Vec::new();
+            }
+        };
+        let answers = match result {
+            Ok(answers) => answers,
+            Err(e) => {
+                let wait = self.failures.next();
+                let permanent = e.is_permanent();
+                if permanent {
+                    error!(error = %e, ?wait, deliveries = batch.len(), "committing effects fails; the deliveries wait and hold the checkpoint");
+                } else {
+                    warn!(error = %e, ?wait, deliveries = batch.len(), "committing effects failed; trying again");
+                }
+                self.retry_at = Some(Instant::now() + wait);
+                for queued in batch.into_iter().rev() {
+                    self.queue.push_front(queued);
+                }
+                return Vec::new();
+            }
+        };
+        self.failures.reset();
+        self.retry_at = None;
+        let mut events = Vec::with_capacity(batch.len());
+        for ((id, d, effects), answer) in batch.into_iter().zip(answers) {
+            let stream = d.stream().to_string();
+            match answer {
+                Committed::Applied => {
+                    metrics::counter!("shardwise_effects_applied_total", "stream" => stream)
+                        .increment(1);
+                    metrics::counter!("shardwise_effect_writes_total", "stream" => d.stream().to_string())
+                        .increment(effects.len() as u64);
+                    events.push(LedgerEvent::Settle(id, d, Settled::Applied));
+                }
+                Committed::Replay => {
+                    metrics::counter!("shardwise_replays_total", "stream" => stream).increment(1);
+                    info!(stream = d.stream(), shard = d.shard(), seq = %d.position(), event = %d.event_id(), "replay: the event's receipt exists; nothing written again");
+                    events.push(LedgerEvent::Settle(id, d, Settled::Replayed));
+                }
+                Committed::Refused(why) | Committed::Invalid(why) => {
+                    metrics::counter!("shardwise_effects_refused_total", "stream" => stream)
+                        .increment(1);
+                    error!(stream = d.stream(), shard = d.shard(), seq = %d.position(), event = %d.event_id(), reason = %why, "effects not committed (nothing was written): the delivery goes the retry way");
+                    events.push(LedgerEvent::Retry(d));
+                }
+            }
+        }
+        self.start_commit();
+        events
+    }
+
+    /// A delivery whose held receipt is recorded: it waits, and is polled.
+    pub(crate) fn hold(&mut self, id: DeliveryId, delivery: Delivery) {
+        metrics::gauge!("shardwise_held", "stream" => delivery.stream().to_string()).increment(1.0);
+        self.held.insert(id, delivery);
+    }
+
+    /// Deliveries waiting for their held receipt.
+    pub(crate) fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Starts reading the receipts of held deliveries, at most once per poll interval.
+    pub(crate) fn start_poll(&mut self) {
+        if self.poll.is_some() || self.held.is_empty() || self.polled_at.elapsed() < self.poll_every
+        {
+            return;
+        }
+        self.polled_at = Instant::now();
+        let store = self.store.clone();
+        let held: Vec<(DeliveryId, Delivery)> =
+            self.held.iter().map(|(id, d)| (*id, d.clone())).collect();
+        self.poll = Some(tokio::spawn(async move {
+            let mut out = Vec::with_capacity(held.len());
+            for (id, d) in held {
+                out.push((id, store.get(&d.event_id()).await));
+            }
+            out
+        }));
+    }
+
+    fn polled(&mut self, joined: Joined<PollDone>) -> Vec<LedgerEvent> {
+        let Ok(results) = joined else {
+            return Vec::new();
+        };
+        let mut events = Vec::new();
+        for (id, result) in results {
+            let done = match result {
+                Ok(Some(receipt)) if receipt.disposition.is_terminal() => Some(
+                    LedgerEvent::Settle(id, self.held[&id].clone(), Settled::Resolved),
+                ),
+                Ok(Some(_)) => None,
+                Ok(None) => Some(LedgerEvent::Redeliver(self.held[&id].clone())),
+                Err(e) => {
+                    warn!(error = %e, "reading a held receipt failed; polling again");
+                    None
+                }
+            };
+            if let Some(event) = done {
+                if let Some(d) = self.held.remove(&id) {
+                    metrics::gauge!("shardwise_held", "stream" => d.stream().to_string())
+                        .decrement(1.0);
+                }
+                events.push(event);
+            }
+        }
+        events
+    }
+
+    /// Stops what is in flight (the shard is over: what did not settle is read again).
+    pub(crate) fn abort(&mut self) {
+        if let Some(commit) = self.commit.take() {
+            commit.abort();
+        }
+        if let Some(poll) = self.poll.take() {
+            poll.abort();
+        }
+        for d in std::mem::take(&mut self.held).into_values() {
+            metrics::gauge!("shardwise_held", "stream" => d.stream().to_string()).decrement(1.0);
+        }
+    }
+}
+
+/// Records a quarantine or hold receipt for a delivery, until it is durable (backing off between
+/// failures), and reports it: a quarantine (or an existing terminal receipt) settles it, a hold
+/// makes it wait.
+pub(crate) async fn record(
+    store: Arc<dyn ReceiptStore>,
+    worker: Arc<str>,
+    id: DeliveryId,
+    delivery: Delivery,
+    disposition: Disposition,
+    events: mpsc::UnboundedSender<WriteEvent>,
+) {
+    let event = delivery.event_id();
+    let mut failures = Backoff::new(MAX_BACKOFF);
+    loop {
+        match store.record(&event, &disposition, &worker).await {
+            Ok(Recorded::Recorded) => {
+                let stream = delivery.stream().to_string();
+                let report = match &disposition {
+                    Disposition::Held(reason) => {
+                        info!(stream, shard = delivery.shard(), seq = %delivery.position(), %event, reason, "held: the record waits (and holds the checkpoint) until its receipt is made terminal or released");
+                        WriteEvent::Held(id, delivery)
+                    }
+                    other => {
+                        metrics::counter!("shardwise_quarantined_total", "stream" => stream)
+                            .increment(1);
+                        warn!(shard = delivery.shard(), seq = %delivery.position(), %event, reason = other.reason().unwrap_or_default(), "quarantined");
+                        WriteEvent::Durable(id, delivery, Settled::Quarantined)
+                    }
+                };
+                let _ = events.send(report);
+                return;
+            }
+            Ok(Recorded::Exists(_)) => {
+                metrics::counter!("shardwise_replays_total", "stream" => delivery.stream().to_string())
+                    .increment(1);
+                let _ = events.send(WriteEvent::Durable(id, delivery, Settled::Replayed));
+                return;
+            }
+            Err(e) => {
+                let wait = failures.next();
+                warn!(%event, error = %e, ?wait, "recording a receipt failed; the record stays unsettled");
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,344 @@
+//! The receipt ledger in memory, with the tables its effects write: the same conditions and
+//! answers as [`DynamoDbReceipts`](super::DynamoDbReceipts), for tests and simulations.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use futures::future::BoxFuture;
+
+use super::effect::{Change, Effect, Expect, Item};
+use super::{
+    Apply, Committed, Disposition, EventId, Receipt, ReceiptStore, Recorded, check_limits,
+};
+use crate::error::Error;
+use crate::testing::Faults;
+use crate::testing::faults::{Fault, Injector};
+
+#[derive(Debug, Default)]
+struct State {
+    receipts: BTreeMap<EventId, Receipt>,
+    /// Table -> (key attribute names, items by rendered key).
+    tables: BTreeMap<String, (Vec<String>, BTreeMap<String, Item>)>,
+    /// Effect writes applied, for counting (every put, update and delete).
+    writes: u64,
+}
+
+/// Receipts and effect tables in memory. Clones share them.
+///
+/// ```
+/// use shardwise::receipts::{key, Apply, Committed, Effect, EventId, MemoryReceipts, ReceiptStore};
+/// # futures::executor::block_on(async {
+/// let receipts = MemoryReceipts::new().table("counts", &["id"]);
+/// let apply = Apply { event: EventId::new("e1"), effects: Effect::update("counts", key("id", "a")).add("count", 1).into() };
+/// assert_eq!(receipts.commit(&[apply.clone()], "w").await.unwrap(), vec![Committed::Applied]);
+/// assert_eq!(receipts.commit(&[apply], "w").await.unwrap(), vec![Committed::Replay], "a replay");
+/// assert_eq!(receipts.number("counts", &key("id", "a"), "count"), Some(1));
+/// # });
+/// ```
+#[derive(Clone, Default)]
+pub struct MemoryReceipts {
+    state: Arc<Mutex<State>>,
+    faults: Injector,
+}
+
+impl fmt::Debug for MemoryReceipts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.state();
+        f.debug_struct("MemoryReceipts")
+            .field("receipts", &state.receipts.len())
+            .field("tables", &state.tables.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl MemoryReceipts {
+    /// An empty ledger with no effect tables.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Declares a table effects may write, with its key attribute names.
+    pub fn table(self, name: &str, key: &[&str]) -> Self {
+        self.state().tables.insert(
+            name.to_string(),
+            (key.iter().map(|k| k.to_string()).collect(), BTreeMap::new()),
+        );
+        self
+    }
+
+    /// Injects `faults` into every later call (see [`Faults`]); a commit whose answer is lost was
+    /// applied.
+    pub fn inject(&self, seed: u64, faults: Faults) {
+        self.faults.set(seed, faults);
+    }
+
+    /// Stops injecting faults.
+    pub fn heal(&self) {
+        self.faults.clear();
+    }
+
+    /// Every receipt, by event.
+    pub fn receipts(&self) -> Vec<Receipt> {
+        self.state().receipts.values().cloned().collect()
+    }
+
+    /// The item with `key` in `table`.
+    pub fn item(&self, table: &str, key: &Item) -> Option<Item> {
+        let state = self.state();
+        let (_, items) = state.tables.get(table)?;
+        items.get(&render(key)).cloned()
+    }
+
+    /// Every item of `table`.
+    pub fn items(&self, table: &str) -> Vec<Item> {
+        self.state()
+            .tables
+            .get(table)
+            .map(|(_, items)| items.values().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// The number attribute of the item with `key` in `table`.
+    pub fn number(&self, table: &str, key: &Item, attribute: &str) -> Option<i64> {
+        match self.item(table, key)?.get(attribute)? {
+            AttributeValue::N(n) => n.parse().ok(),
+            _ => None,
+        }
+    }
+
+    /// Effect writes applied so far.
+    pub fn writes(&self) -> u64 {
+        self.state().writes
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// `op` under the lock; with faults, the call fails before it or after it.
+    fn call<'a, T: Send + 'a>(
+        &'a self,
+        operation: &'static str,
+        write: bool,
+        op: impl FnOnce(&mut State) -> T + Send + 'a,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        Box::pin(async move {
+            let injected = |what: &str| Error::DynamoDb {
+                operation,
+                table: "memory-receipts".into(),
+                source: format!("injected fault: {what}").into(),
+            };
+            match self.faults.draw(write, false) {
+                None | Some(Fault::ExpiredIterator) => Ok(op(&mut self.state())),
+                Some(Fault::Error) => Err(injected("error")),
+                Some(Fault::Throttle) => Err(injected("throttled")),
+                Some(Fault::Timeout(after)) => {
+                    tokio::time::sleep(after).await;
+                    Err(injected("timed out"))
+                }
+                Some(Fault::LostAnswer(after)) => {
+                    let _ = op(&mut self.state());
+                    tokio::time::sleep(after).await;
+                    Err(injected("timed out after the write was applied"))
+                }
+            }
+        })
+    }
+}
+
+fn render(key: &Item) -> String {
+    key.iter()
+        .map(|(n, v)| format!("{n}={v:?}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn receipt(event: &EventId, disposition: &Disposition, by: &str) -> Receipt {
+    Receipt {
+        event: event.clone(),
+        disposition: disposition.clone(),
+        recorded_at: crate::time::now(),
+        by: by.to_string(),
+    }
+}
+
+impl State {
+    fn terminal(&self, event: &EventId) -> bool {
+        self.receipts
+            .get(event)
+            .is_some_and(|r| r.disposition.is_terminal())
+    }
+
+    /// The rendered key an effect writes, given the table's key names.
+    fn key_of(&self, effect: &Effect) -> Option<String> {
+        let (names, _) = self.tables.get(effect.table())?;
+        Some(match effect {
+            Effect::Put { item, .. } => render(
+                &names
+                    .iter()
+                    .filter_map(|n| item.get(n).map(|v| (n.clone(), v.clone())))
+                    .collect(),
+            ),
+            Effect::Update { key, .. } | Effect::Delete { key, .. } | Effect::Check { key, .. } => {
+                render(key)
+            }
+        })
+    }
+
+    fn holds(&self, effect: &Effect) -> bool {
+        let expect = match effect {
+            Effect::Put { expect, .. }
+            | Effect::Update { expect, .. }
+            | Effect::Delete { expect, .. } => expect.as_ref(),
+            Effect::Check { expect, .. } => Some(expect),
+        };
+        let Some(expect) = expect else { return true };
+        let current = self
+            .key_of(effect)
+            .and_then(|k| self.tables.get(effect.table())?.1.get(&k));
+        match expect {
+            Expect::Exists => current.is_some(),
+            Expect::NotExists => current.is_none(),
+            Expect::Equals(attribute, value) => {
+                current.and_then(|i| i.get(attribute)) == Some(value)
+            }
+        }
+    }
+
+    fn apply(&mut self, effect: &Effect) {
+        let Some(key) = self.key_of(effect) else {
+            return;
+        };
+        let Some((_, items)) = self.tables.get_mut(effect.table()) else {
+            return;
+        };
+        match effect {
+            Effect::Put { item, .. } => {
+                items.insert(key, item.clone());
+            }
+            Effect::Update {
+                key: k, changes, ..
+            } => {
+                let item = items.entry(key).or_insert_with(|| k.clone());
+                for change in changes {
+                    match change {
+                        Change::Set(a, v) => {
+                            item.insert(a.clone(), v.clone());
+                        }
+                        Change::Add(a, AttributeValue::N(by)) => {
+                            let old = match item.get(a) {
+                                Some(AttributeValue::N(n)) => n.parse::<i64>().unwrap_or(0),
+                                _ => 0,
+                            };
+                            let by: i64 = by.parse().unwrap_or(0);
+                            item.insert(a.clone(), AttributeValue::N((old + by).to_string()));
+                        }
+                        Change::Add(a, v) => {
+                            item.insert(a.clone(), v.clone());
+                        }
+                        Change::Remove(a) => {
+                            item.remove(a);
+                        }
+                    }
+                }
+            }
+            Effect::Delete { .. } => {
+                items.remove(&key);
+            }
+            Effect::Check { .. } => return,
+        }
+        self.writes += 1;
+    }
+}
+
+impl ReceiptStore for MemoryReceipts {
+    fn prepare(&self) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn get<'a>(&'a self, event: &'a EventId) -> BoxFuture<'a, Result<Option<Receipt>, Error>> {
+        self.call("GetItem", false, move |state| {
+            state.receipts.get(event).cloned()
+        })
+    }
+
+    fn record<'a>(
+        &'a self,
+        event: &'a EventId,
+        disposition: &'a Disposition,
+        by: &'a str,
+    ) -> BoxFuture<'a, Result<Recorded, Error>> {
+        self.call("PutItem", true, move |state| {
+            if state.terminal(event) {
+                return Recorded::Exists(state.receipts[event].clone());
+            }
+            state
+                .receipts
+                .insert(event.clone(), receipt(event, disposition, by));
+            Recorded::Recorded
+        })
+    }
+
+    fn release<'a>(&'a self, event: &'a EventId) -> BoxFuture<'a, Result<bool, Error>> {
+        self.call("DeleteItem", true, move |state| {
+            let held = state
+                .receipts
+                .get(event)
+                .is_some_and(|r| !r.disposition.is_terminal());
+            if held {
+                state.receipts.remove(event);
+            }
+            held
+        })
+    }
+
+    fn commit<'a>(
+        &'a self,
+        applies: &'a [Apply],
+        by: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<Committed>, Error>> {
+        self.call("TransactWriteItems", true, move |state| {
+            applies
+                .iter()
+                .map(|apply| {
+                    let key_of = |t: &str| state.tables.get(t).map(|(k, _)| k.clone());
+                    if let Some(missing) =
+                        apply.effects.iter().find(|e| key_of(e.table()).is_none())
+                    {
+                        return Committed::Invalid(format!(
+                            "the effect table `{}` does not exist",
+                            missing.table()
+                        ));
+                    }
+                    if let Err(e) = check_limits(&apply.effects, 0, &key_of) {
+                        return Committed::Invalid(e);
+                    }
+                    if state.terminal(&apply.event) {
+                        return Committed::Replay;
+                    }
+                    if let Some(refused) = apply.effects.iter().position(|e| !state.holds(e)) {
+                        return Committed::Refused(format!(
+                            "the condition of effect {refused} did not hold"
+                        ));
+                    }
+                    for effect in apply.effects.iter() {
+                        state.apply(effect);
+                    }
+                    state.receipts.insert(
+                        apply.event.clone(),
+                        receipt(&apply.event, &Disposition::Applied, by),
+                    );
+                    Committed::Applied
+                })
+                .collect()
+        })
+    }
+
+    fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Receipt>, Error>> {
+        self.call("Scan", false, move |state| {
+            state.receipts.values().take(limit).cloned().collect()
+        })
+    }
+}

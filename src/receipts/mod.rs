@@ -1,0 +1,221 @@
+//! Receipts: a durable record per event identity of what became of it, so that replays (after a
+//! crash, a lease move, a seek, a retry copy) are recognised and their effects not applied twice.
+//!
+//! - [`EventId`]: the stable identity of an event, the same for every delivery of it: for Kinesis,
+//!   stream, shard, sequence number and sub-sequence of the record as first read; a retry copy
+//!   carries the identity of the record it was copied from (its origin headers).
+//! - [`Disposition`]: `applied` and `quarantined` are terminal; `held` (retry later, operator
+//!   review) is not, and blocks the checkpoint like an unsettled delivery until it is made
+//!   terminal or released.
+//! - [`ReceiptStore`]: the ledger. [`DynamoDbReceipts`] keeps it in a DynamoDB table (created on
+//!   first use, expiring receipts by TTL after a retention you set); the `testing` feature adds an
+//!   in-memory one.
+//! - [`Effects`]: the DynamoDB writes a delivery causes. A handler that answers
+//!   [`Outcome::Apply`](crate::Outcome::Apply) has them committed together with the `applied`
+//!   receipt in one transaction, conditioned on no terminal receipt existing: a replay finds the
+//!   receipt, nothing is written again, and the delivery settles as a replay.
+//!
+//! Exactly-once effects hold for writes that go through the ledger (effects in its transaction, or a
+//! sink with its own idempotency keyed by the event identity, checked with
+//! [`ReceiptStore::get`] and recorded with [`ReceiptStore::record`]); a side effect outside them
+//! (an HTTP call without an idempotency key) can still happen twice.
+
+mod dynamodb;
+mod effect;
+#[cfg(any(test, feature = "testing"))]
+pub(crate) mod memory;
+
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+use futures::future::BoxFuture;
+
+pub use dynamodb::DynamoDbReceipts;
+pub use effect::{
+    Change, Effect, Effects, Expect, Item, MAX_ITEM_BYTES, MAX_TRANSACTION_BYTES,
+    MAX_TRANSACTION_ITEMS, Value, key,
+};
+#[cfg(any(test, feature = "testing"))]
+pub use memory::MemoryReceipts;
+
+pub(crate) use effect::{check_limits, item_size};
+
+use crate::error::Error;
+use crate::position::Position;
+
+/// How long receipts are kept by default: they must outlive every replay, so keep them at least as
+/// long as the stream keeps records (Kinesis: 24 hours by default, up to 365 days).
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The stable identity of an event.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EventId(String);
+
+impl EventId {
+    /// An identity of the caller's making (a paged source's event id, say).
+    pub fn new(id: impl Into<String>) -> Self {
+        Self(id.into())
+    }
+
+    /// A Kinesis record's identity: `kinesis/STREAM/SHARD/SEQUENCE.SUB`.
+    ///
+    /// ```
+    /// use shardwise::receipts::EventId;
+    /// use shardwise::{Position, SequenceNumber};
+    /// let p = Position::new(SequenceNumber::parse("4959").unwrap(), 2);
+    /// assert_eq!(EventId::kinesis("orders", "shardId-000000000001", &p).as_str(), "kinesis/orders/shardId-000000000001/4959.2");
+    /// ```
+    pub fn kinesis(stream: &str, shard: &str, position: &Position) -> Self {
+        Self(format!(
+            "kinesis/{stream}/{shard}/{}.{}",
+            position.sequence(),
+            position.sub_sequence()
+        ))
+    }
+
+    /// The identity as stored.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for EventId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What became of an event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Disposition {
+    /// Its effects are durable (terminal).
+    Applied,
+    /// Set aside for good by policy, with the reason (terminal).
+    Quarantined(String),
+    /// Waiting (retry later, operator review), with the reason: not terminal. It blocks the
+    /// checkpoint until it is made terminal or released.
+    Held(String),
+}
+
+impl Disposition {
+    /// Whether the event is done with: the checkpoint may pass it.
+    pub fn is_terminal(&self) -> bool {
+        !matches!(self, Disposition::Held(_))
+    }
+
+    /// `applied`, `quarantined` or `held`, as stored.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Disposition::Applied => "applied",
+            Disposition::Quarantined(_) => "quarantined",
+            Disposition::Held(_) => "held",
+        }
+    }
+
+    /// The reason of a quarantine or hold.
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            Disposition::Applied => None,
+            Disposition::Quarantined(r) | Disposition::Held(r) => Some(r),
+        }
+    }
+
+    pub(crate) fn from_stored(label: &str, reason: Option<String>) -> Option<Self> {
+        let reason = reason.unwrap_or_default();
+        Some(match label {
+            "applied" => Disposition::Applied,
+            "quarantined" => Disposition::Quarantined(reason),
+            "held" => Disposition::Held(reason),
+            _ => return None,
+        })
+    }
+}
+
+/// One receipt as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Receipt {
+    /// The event.
+    pub event: EventId,
+    /// What became of it.
+    pub disposition: Disposition,
+    /// When it was recorded.
+    pub recorded_at: SystemTime,
+    /// The worker (or tool) that recorded it.
+    pub by: String,
+}
+
+/// What [`ReceiptStore::record`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Recorded {
+    /// Stored (in place of a held receipt, if there was one).
+    Recorded,
+    /// A terminal receipt already existed; nothing changed.
+    Exists(Receipt),
+}
+
+/// One delivery's effects, to commit with its `applied` receipt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Apply {
+    /// The event.
+    pub event: EventId,
+    /// Its writes.
+    pub effects: Effects,
+}
+
+/// What became of one [`Apply`] of a [`ReceiptStore::commit`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Committed {
+    /// The effects and the receipt are durable.
+    Applied,
+    /// A terminal receipt already existed: nothing was written (a replay).
+    Replay,
+    /// An effect's own condition did not hold: nothing was written.
+    Refused(String),
+    /// The effects cannot be committed at all (over a limit, a missing table, an unknown key
+    /// schema): nothing was written.
+    Invalid(String),
+}
+
+/// The ledger of receipts, and the committer of effects with them.
+///
+/// Every write is conditioned so that a terminal receipt is never overwritten: a replay cannot
+/// undo or repeat what is done. Cancelling a returned future is safe: a write reached the store or
+/// did not, and repeating it finds the receipt.
+pub trait ReceiptStore: Send + Sync + fmt::Debug + 'static {
+    /// Makes sure the ledger exists with the right key schema (creating it if configured to), or
+    /// fails naming the table and what is wrong.
+    fn prepare(&self) -> BoxFuture<'_, Result<(), Error>>;
+
+    /// The receipt of an event, read consistently.
+    fn get<'a>(&'a self, event: &'a EventId) -> BoxFuture<'a, Result<Option<Receipt>, Error>>;
+
+    /// Records a disposition for an event that has no terminal receipt (a held one is replaced).
+    fn record<'a>(
+        &'a self,
+        event: &'a EventId,
+        disposition: &'a Disposition,
+        by: &'a str,
+    ) -> BoxFuture<'a, Result<Recorded, Error>>;
+
+    /// Removes a held receipt, so the event is handled again. `false` when there was none, or it
+    /// was terminal (left alone).
+    fn release<'a>(&'a self, event: &'a EventId) -> BoxFuture<'a, Result<bool, Error>>;
+
+    /// Commits each [`Apply`] atomically with its `applied` receipt, all in one transaction where
+    /// possible; one answer per apply, in order. Errors are for the store being unreachable.
+    fn commit<'a>(
+        &'a self,
+        applies: &'a [Apply],
+        by: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<Committed>, Error>>;
+
+    /// Receipts in the ledger (of this application), at most `limit`, for inspection.
+    fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Receipt>, Error>>;
+}
+
+#[allow(dead_code)]
+fn _object_safe(_: &dyn ReceiptStore) {}
