@@ -8,12 +8,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::time::{Duration, SystemTime};
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use aws_config::SdkConfig;
 use base64::Engine;
 use serde::Serialize;
+use shardwise::consumer::Settled;
 use shardwise::lease::{Billing, InitialPosition, LeaseSettings, TableOptions};
-use shardwise::{ConfigError, Consumer, Delivery, Handler, Ordering, Outcome, ShutdownReport};
+use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, key};
+use shardwise::{
+    ConfigError, Consumer, ConsumerBuilder, Delivery, Handler, Ordering, Outcome, ShutdownReport,
+};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::common::{Ctx, Result};
@@ -85,8 +89,8 @@ pub(crate) struct Args {
     #[arg(long, value_name = "K1,K2", value_delimiter = ',')]
     fail_keys: Vec<String>,
 
-    /// What the listed keys get.
-    #[arg(long, value_name = "retry|retry-after:MS|drop", default_value = "retry", value_parser = parse_outcome)]
+    /// What the listed keys get; `hold:REASON` and `quarantine:REASON` need --receipts.
+    #[arg(long, value_name = "retry|retry-after:MS|drop|hold:REASON|quarantine:REASON", default_value = "retry", value_parser = parse_outcome)]
     fail_outcome: Outcome,
 
     /// Lease duration (renewed every third of it).
@@ -114,12 +118,49 @@ pub(crate) struct Args {
     #[arg(long, value_name = "MS")]
     caught_up_skew_ms: Option<u64>,
 
+    /// Keep a receipt ledger in this DynamoDB table (`APP-receipts` when no TABLE is given;
+    /// created on first use): effects are committed exactly once, with their event's receipt.
+    /// Lines are then printed as deliveries settle, with `replay`.
+    #[arg(long, value_name = "TABLE", num_args = 0..=1, default_missing_value = "")]
+    receipts: Option<String>,
+
+    /// With --receipts: for each delivery whose payload is JSON with an `id`, add 1 to the
+    /// number `count` of the item whose string key `id` is that id in this table (created on
+    /// first use), in one transaction with the event's receipt.
+    #[arg(long, value_name = "TABLE", requires = "receipts")]
+    count_into: Option<String>,
+
+    /// With --receipts: how often a held record's receipt is read to see whether an operator
+    /// quarantined (settled) or released (handle again) it.
+    #[arg(
+        long,
+        value_name = "MS",
+        default_value_t = 5_000,
+        requires = "receipts"
+    )]
+    hold_poll_interval_ms: u64,
+
+    /// With --receipts: how long receipts are kept (DynamoDB TTL), e.g. `7d`, `36h`.
+    #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = humantime::parse_duration)]
+    receipt_retention: Duration,
+
     /// Print nothing per delivery (for throughput measurements); a count goes to stderr at exit.
     #[arg(long)]
     quiet: bool,
 }
 
 impl Args {
+    /// The receipt table, when `--receipts` was given.
+    fn receipt_table(&self) -> Option<String> {
+        self.receipts.as_ref().map(|table| {
+            if table.is_empty() {
+                format!("{}-receipts", self.app)
+            } else {
+                table.clone()
+            }
+        })
+    }
+
     /// This worker's id: `--worker-id`, or the library's default.
     fn worker(&self) -> String {
         self.worker_id
@@ -144,6 +185,7 @@ impl Args {
             "scan_interval" => Some(self.scan_interval_ms.to_string()),
             "dead_letter" => self.dead_letter.clone(),
             "max_attempts" => self.max_attempts.map(|n| n.to_string()),
+            "hold_poll_interval" => Some(self.hold_poll_interval_ms.to_string()),
             _ => None,
         }
     }
@@ -184,6 +226,7 @@ fn source_of(setting: &str) -> Option<Source> {
         "scan_interval" => "--scan-interval-ms",
         "dead_letter" => "--dead-letter",
         "max_attempts" => "--max-attempts",
+        "hold_poll_interval" => "--hold-poll-interval-ms",
         "region" => return Some(Source::Environment),
         _ => return None,
     };
@@ -234,18 +277,24 @@ fn parse_tag(s: &str) -> std::result::Result<(String, String), String> {
 }
 
 fn parse_outcome(s: &str) -> std::result::Result<Outcome, String> {
+    let expected =
+        || format!("`{s}`: expected retry, retry-after:MS, drop, hold:REASON or quarantine:REASON");
     match s {
-        "retry" => Ok(Outcome::Retry),
-        "drop" => Ok(Outcome::Drop),
-        other => {
-            let ms = other
-                .strip_prefix("retry-after:")
-                .ok_or_else(|| format!("`{other}`: expected retry, retry-after:MS or drop"))?;
-            let ms: u64 = ms
+        "retry" => return Ok(Outcome::Retry),
+        "drop" => return Ok(Outcome::Drop),
+        _ => {}
+    }
+    let (name, argument) = s.split_once(':').ok_or_else(expected)?;
+    match name {
+        "retry-after" => {
+            let ms: u64 = argument
                 .parse()
-                .map_err(|_| format!("`{ms}` is not a number of milliseconds"))?;
+                .map_err(|_| format!("`{argument}` is not a number of milliseconds"))?;
             Ok(Outcome::RetryAfter(Duration::from_millis(ms)))
         }
+        "hold" => Ok(Outcome::Hold(argument.to_owned())),
+        "quarantine" => Ok(Outcome::Quarantine(argument.to_owned())),
+        _ => Err(expected()),
     }
 }
 
@@ -270,6 +319,10 @@ struct HandledLine<'a> {
     arrived_ms: Option<u64>,
     #[serde(flatten)]
     payload: Payload<'a>,
+    /// With receipts: whether the delivery settled from an existing receipt (its effects were
+    /// not applied again).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replay: Option<bool>,
 }
 
 /// A payload: `data` when it is UTF-8, else `data_b64`.
@@ -312,6 +365,38 @@ fn line<'a>(d: &'a Delivery, worker: &'a str, outcome: &Outcome) -> HandledLine<
             .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
             .map(|d| d.as_millis() as u64),
         payload,
+        replay: None,
+    }
+}
+
+/// The outcome named on a line printed as a delivery settles (with receipts).
+fn settled_name(how: &Settled) -> &'static str {
+    match how {
+        Settled::Acked => "ack",
+        Settled::Dropped => "drop",
+        Settled::Copied(_) => "retry",
+        Settled::DeadLettered(_) => "dead-letter",
+        Settled::Spent => "spent",
+        Settled::Applied | Settled::Replayed => "apply",
+        Settled::Quarantined => "quarantine",
+        Settled::Resolved => "resolved",
+        _ => "other",
+    }
+}
+
+/// What the demonstration handler with `--count-into` answers: one counter increment per
+/// record whose payload is JSON with an `id`, an ack otherwise.
+fn count_effect(d: &Delivery, table: &str) -> Outcome {
+    let id = serde_json::from_slice::<serde_json::Value>(d.payload())
+        .ok()
+        .and_then(|v| match v.get("id")? {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Null => None,
+            other => Some(other.to_string()),
+        });
+    match id {
+        Some(id) => Outcome::Apply(Effect::update(table, key("id", id)).add("count", 1).into()),
+        None => Outcome::Ack,
     }
 }
 
@@ -326,8 +411,15 @@ fn shutdown_line<'a>(worker: &'a str, handled: u64, report: &ShutdownReport) -> 
     }
 }
 
-/// The consumer `args` describe; a rejected setting names the flag that set it.
-fn consumer<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> Result<Consumer<H>> {
+/// Builds the consumer, naming the flag of a setting it rejects.
+fn build<H: Handler>(builder: ConsumerBuilder<H>, args: &Args) -> Result<Consumer<H>> {
+    builder
+        .build()
+        .map_err(|err| invalid_setting(&err, args.given(&err), source_of))
+}
+
+/// The consumer `args` describe, not yet built.
+fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBuilder<H> {
     let lease = LeaseSettings::default()
         .lease_duration(Duration::from_millis(args.lease_duration_ms))
         .scan_interval(Duration::from_millis(args.scan_interval_ms));
@@ -340,6 +432,7 @@ fn consumer<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> Result<Co
         .initial_position(args.start)
         .checkpoint_interval(Duration::from_millis(args.checkpoint_interval_ms))
         .poll_interval(Duration::from_millis(args.poll_interval_ms))
+        .hold_poll_interval(Duration::from_millis(args.hold_poll_interval_ms))
         .aws_config(config);
     if let Some(table) = &args.lease_table {
         builder = builder.lease_table(table.clone());
@@ -354,24 +447,36 @@ fn consumer<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> Result<Co
         builder = builder.dead_letter(dl.clone());
     }
     builder
-        .build()
-        .map_err(|err| invalid_setting(&err, args.given(&err), source_of))
 }
 
 pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
+    if matches!(args.fail_outcome, Outcome::Hold(_) | Outcome::Quarantine(_))
+        && args.receipts.is_none()
+    {
+        bail!(
+            "--fail-outcome {}: holding or quarantining a record records a receipt; add --receipts",
+            outcome_name(&args.fail_outcome)
+        );
+    }
     let worker = args.worker();
     let delay = Duration::from_millis(args.handler_delay_ms);
     let fail_keys: Arc<Vec<String>> = Arc::new(args.fail_keys.clone());
     let fail_outcome = args.fail_outcome.clone();
     let quiet = args.quiet;
+    let receipts = args.receipt_table();
+    // With receipts a line is printed as each delivery settles (it says whether it was a replay);
+    // without, as the handler finishes.
+    let print_in_handler = !quiet && receipts.is_none();
+    let count_into: Option<Arc<str>> = args.count_into.as_deref().map(Arc::from);
     let handled = Arc::new(AtomicU64::new(0));
     let (w, h) = (worker.clone(), handled.clone());
     let handler = move |d: Delivery| {
-        let (w, h, fail_keys, fail_outcome) = (
+        let (w, h, fail_keys, fail_outcome, count_into) = (
             w.clone(),
             h.clone(),
             fail_keys.clone(),
             fail_outcome.clone(),
+            count_into.clone(),
         );
         async move {
             if !delay.is_zero() {
@@ -379,17 +484,48 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
             }
             let outcome = if fail_keys.iter().any(|k| k == d.partition_key()) {
                 fail_outcome
+            } else if let Some(table) = &count_into {
+                count_effect(&d, table)
             } else {
                 Outcome::Ack
             };
             h.fetch_add(1, AtomicOrdering::Relaxed);
-            if !quiet && let Ok(text) = serde_json::to_string(&line(&d, &w, &outcome)) {
+            if print_in_handler && let Ok(text) = serde_json::to_string(&line(&d, &w, &outcome)) {
                 let _ = writeln!(std::io::stdout().lock(), "{text}");
             }
             outcome
         }
     };
-    let consumer = consumer(&args, handler, ctx.config().clone())?;
+    let mut consumer_builder = builder(&args, handler, ctx.config().clone());
+    if let Some(table) = &receipts {
+        let ledger = DynamoDbReceipts::new(ctx.dynamodb(), table.clone(), args.app.clone())
+            .retention(args.receipt_retention);
+        ledger
+            .prepare()
+            .await
+            .with_context(|| format!("cannot keep receipts in `{table}`"))?;
+        if let Some(counts) = &args.count_into {
+            ledger
+                .ensure_effect_table(counts, "id")
+                .await
+                .with_context(|| format!("cannot count into `{counts}`"))?;
+        }
+        let w = worker.clone();
+        consumer_builder = consumer_builder.receipts(Arc::new(ledger)).delivery_hooks(
+            move |d: &Delivery, how: &Settled| {
+                if quiet {
+                    return;
+                }
+                let mut line = line(d, &w, &Outcome::Ack);
+                line.outcome = settled_name(how).to_string();
+                line.replay = Some(*how == Settled::Replayed);
+                if let Ok(text) = serde_json::to_string(&line) {
+                    let _ = writeln!(std::io::stdout().lock(), "{text}");
+                }
+            },
+        );
+    }
+    let consumer = build(consumer_builder, &args)?;
 
     let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
@@ -437,7 +573,7 @@ mod tests {
         let args = args(extra);
         let handler = |_: Delivery| async { Outcome::Ack };
         let config = SdkConfig::builder().build();
-        match consumer(&args, handler, config) {
+        match build(builder(&args, handler, config), &args) {
             Ok(_) => panic!("{extra:?} accepted"),
             Err(err) => err.to_string(),
         }
@@ -636,5 +772,36 @@ mod tests {
             serde_json::to_string(&shutdown_line("w-1", 42, &report)).unwrap(),
             r#"{"event":"shutdown","worker":"w-1","handled":42,"shards_stopped":2,"leases_released":1,"deadline_passed":false}"#
         );
+    }
+
+    #[test]
+    fn fail_outcomes_parse_as_typed_and_name_what_is_expected() {
+        let cases = [
+            ("retry", Outcome::Retry),
+            ("drop", Outcome::Drop),
+            (
+                "retry-after:250",
+                Outcome::RetryAfter(Duration::from_millis(250)),
+            ),
+            (
+                "hold:check the price",
+                Outcome::Hold("check the price".into()),
+            ),
+            (
+                "quarantine:bad:json",
+                Outcome::Quarantine("bad:json".into()),
+            ),
+        ];
+        for (text, outcome) in cases {
+            assert_eq!(parse_outcome(text).unwrap(), outcome, "{text}");
+        }
+        for text in ["ack", "hold", "retry-after:soon", "later:5"] {
+            let err = parse_outcome(text).unwrap_err();
+            assert!(
+                err.contains(&format!("`{text}`")) || err.contains("milliseconds"),
+                "{err}"
+            );
+        }
+        assert!(parse_outcome("ack").unwrap_err().contains("hold:REASON"));
     }
 }

@@ -15,6 +15,7 @@ mod flag_error;
 mod frontier;
 mod leases;
 mod put;
+mod receipts;
 mod seek;
 mod stream;
 mod target;
@@ -42,12 +43,14 @@ struct Cli {
 enum Command {
     /// Consume a stream with leases and checkpoints, printing one JSON line per handled delivery.
     #[command(after_help = ENVIRONMENT_HELP)]
-    Consume(consume::Args),
+    Consume(Box<consume::Args>),
     /// Write numbered JSON records `{"id": N}` to a stream, in order per partition key.
     Put(put::Args),
     /// Show the lease table of an application (named after the application unless
     /// --lease-table names it).
     Leases(leases::Args),
+    /// Show an application's receipt ledger, or release or quarantine a held event.
+    Receipts(receipts::Args),
     /// Move an application's checkpoints of a stream (backwards too), running or not.
     Seek(seek::Args),
     /// How far the whole stream is complete: the scalar frontier, its epoch, the per-shard vector.
@@ -59,11 +62,12 @@ enum Command {
 
 async fn dispatch(command: Command, ctx: &Ctx) -> common::Result<()> {
     match command {
-        Command::Consume(args) => consume::run(args, ctx).await,
+        Command::Consume(args) => consume::run(*args, ctx).await,
         Command::Put(args) => put::run(args, ctx).await,
         Command::Seek(args) => seek::run(args, ctx).await,
         Command::Frontier(args) => frontier::run(args, ctx).await,
         Command::Leases(args) => leases::run(args, ctx).await,
+        Command::Receipts(args) => receipts::run(args, ctx).await,
         Command::Stream(command) => stream::run(command, ctx).await,
     }
 }

@@ -49,6 +49,10 @@ struct Handled {
     sequence: String,
     key: String,
     id: u64,
+    /// The outcome the line names (with receipts, how the delivery settled).
+    outcome: String,
+    /// With receipts: settled from an existing receipt (its effects were not applied again).
+    replay: bool,
 }
 
 /// Every line every worker of a test printed, in the order this test read them (each worker's
@@ -139,6 +143,8 @@ fn parse_line(line: &str, at: Instant) -> Option<Handled> {
         shard: v["shard"].as_str()?.to_owned(),
         sequence: v["sequence"].as_str()?.to_owned(),
         key: v["partition_key"].as_str()?.to_owned(),
+        replay: v["replay"].as_bool().unwrap_or(false),
+        outcome: v["outcome"].as_str()?.to_owned(),
         id: data["id"].as_u64()?,
     })
 }
@@ -1779,4 +1785,272 @@ async fn a_latest_start_killed_before_its_first_checkpoint_skips_nothing() {
         .collect();
     assert!(skipped.is_empty(), "skipped: {skipped:?}");
     cleanup(&live, &stream, &app).await;
+}
+
+/// The headline of receipts: two workers count 1,000 records into a DynamoDB table through
+/// transactional effects (`--receipts --count-into`), and one is killed with SIGKILL half way. The
+/// survivor handles again what the dead one had not checkpointed, so the handler runs twice for
+/// some records, yet every counter, read with the DynamoDB client, is exactly 1.
+///
+/// 1,000 and not 10,000 because moto backs up every table a transaction touches once per action
+/// (a deep copy), so a transaction costs its size times the table's: 10,000 records made single
+/// 100-action transactions take seconds and starved lease renewals (README, "Emulator facts").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_with_receipts_applies_every_effect_exactly_once() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-receipts");
+    let app = support::unique_name("pl-receipts-app");
+    let receipts = format!("{app}-receipts");
+    let counts = format!("{app}-counts");
+    live.create_stream(&stream, 4).await;
+    let (n, keys) = (1_000u64, 64u64);
+    put(&stream, n, keys, 0).await;
+
+    let log = Log::default();
+    // FAST with a checkpoint every second, so the killed worker leaves applied records behind.
+    let mut args: Vec<&str> = FAST.to_vec();
+    let at = args
+        .iter()
+        .position(|a| *a == "--checkpoint-interval-ms")
+        .expect("in FAST");
+    args[at + 1] = "1000";
+    args.extend([
+        "--lanes",
+        "4",
+        "--receipts",
+        &receipts,
+        "--count-into",
+        &counts,
+    ]);
+    let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
+    let mut b = Worker::spawn(&stream, &app, "B", &args, &log);
+    eventually("half the records applied", Duration::from_secs(120), || {
+        log.distinct_ids() as u64 >= n / 2
+    })
+    .await;
+    a.kill9().await;
+    eventually("every record applied", Duration::from_secs(180), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    // Let the survivor finish what it re-read (replays of the dead worker's last records).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    b.stop_gracefully(Duration::from_secs(30)).await;
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+
+    // Every counter, read straight from DynamoDB.
+    let mut counters: BTreeMap<u64, i64> = BTreeMap::new();
+    let mut start = None;
+    loop {
+        let page = live
+            .dynamodb
+            .scan()
+            .table_name(&counts)
+            .consistent_read(true)
+            .set_exclusive_start_key(start.take())
+            .send()
+            .await
+            .expect("scan the counts");
+        for item in page.items() {
+            let id: u64 = attr_s(item, "id")
+                .and_then(|s| s.parse().ok())
+                .expect("an id");
+            let count: i64 = match item.get("count") {
+                Some(AttributeValue::N(c)) => c.parse().expect("a number"),
+                other => panic!("count of {id} is {other:?}"),
+            };
+            counters.insert(id, count);
+        }
+        match page.last_evaluated_key {
+            Some(key) if !key.is_empty() => start = Some(key),
+            _ => break,
+        }
+    }
+    let twice: Vec<_> = counters.iter().filter(|(_, c)| **c != 1).take(10).collect();
+    let replays = lines.iter().filter(|h| h.replay).count();
+    let handled_twice = lines.len() - log.distinct_ids();
+    eprintln!(
+        "receipts: {} lines for {n} ids ({handled_twice} handled again, {replays} settled as replays); {} counters",
+        lines.len(),
+        counters.len()
+    );
+    assert_eq!(counters.len() as u64, n, "one counter per record");
+    assert!(twice.is_empty(), "counters not exactly 1: {twice:?}");
+    assert!(
+        replays > 0,
+        "the survivor handled again what the killed worker applied"
+    );
+    cleanup(&live, &stream, &app).await;
+    live.delete_table(&receipts).await;
+    live.delete_table(&counts).await;
+}
+
+/// Runs `shardwise` expecting it to fail, and returns stderr.
+async fn shardwise_fails(args: &[&str]) -> String {
+    let out = tokio::process::Command::new(BIN)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("run shardwise");
+    assert!(
+        !out.status.success(),
+        "shardwise {args:?} succeeded: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8(out.stderr).expect("utf-8 stderr")
+}
+
+/// The receipts `shardwise receipts --json` lists for `app` (restricted to `id` if given).
+async fn receipts_of(app: &str, id: Option<&str>) -> Vec<serde_json::Value> {
+    let mut args = vec!["receipts", "--app", app, "--json"];
+    if let Some(id) = id {
+        args.extend(["--id", id]);
+    }
+    shardwise(&args)
+        .await
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON receipt"))
+        .collect()
+}
+
+/// A held record is the operator's: it holds the checkpoint below it, `shardwise receipts` lists
+/// it, `--release` has the worker handle it again, and `--quarantine` settles it so the
+/// checkpoint passes it. Every other record settles meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_record_waits_for_the_operator_and_settles_when_quarantined() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-held");
+    let app = support::unique_name("pl-held-app");
+    let receipts = format!("{app}-receipts");
+    live.create_stream(&stream, 1).await;
+    // 64 keys and 64 records: key-5 is id 5 alone.
+    let (n, keys) = (64u64, 64u64);
+    put(&stream, n, keys, 0).await;
+    let records = read_shard(&live, &stream, "shardId-000000000000").await;
+    let held_event = format!("kinesis/{stream}/shardId-000000000000/{}.0", records[5].0);
+
+    let log = Log::default();
+    let mut args: Vec<&str> = FAST.to_vec();
+    args.extend([
+        "--lanes",
+        "4",
+        "--receipts",
+        "--hold-poll-interval-ms",
+        "300",
+        "--fail-keys",
+        "key-5",
+        "--fail-outcome",
+        "hold:check the price",
+    ]);
+    let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
+    eventually(
+        "every other record settled",
+        Duration::from_secs(60),
+        || log.distinct_ids() as u64 >= n - 1,
+    )
+    .await;
+    let listed = receipts_of(&app, None).await;
+    let held: Vec<_> = listed
+        .iter()
+        .filter(|r| r["disposition"] == "held")
+        .collect();
+    assert_eq!(held.len(), 1, "{listed:#?}");
+    assert_eq!(held[0]["event"], held_event.as_str());
+    assert_eq!(held[0]["reason"], "check the price");
+    assert_eq!(held[0]["by"], "W");
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "the checkpoint reaches the record before the held one",
+        Duration::from_secs(20),
+        |r| r.len() == 1 && r[0].checkpoint == records[4].0,
+    )
+    .await;
+
+    // Released: W reads the absent receipt, handles the record again, and holds it again.
+    let first = held[0]["recorded_ms"].as_u64().expect("recorded_ms");
+    let out = shardwise(&["receipts", "--app", &app, "--release", &held_event]).await;
+    assert_eq!(out.trim(), format!("released {held_event}"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let again = receipts_of(&app, Some(&held_event)).await;
+        if let [r] = &again[..]
+            && r["disposition"] == "held"
+            && r["recorded_ms"].as_u64() > Some(first)
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not held again: {again:#?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        !log.snapshot().iter().any(|h| h.id == 5),
+        "a held record printed as settled"
+    );
+
+    // Quarantined: W settles it and the checkpoint passes it.
+    let out = shardwise(&[
+        "receipts",
+        "--app",
+        &app,
+        "--quarantine",
+        &held_event,
+        "--reason",
+        "bad price",
+    ])
+    .await;
+    assert_eq!(out.trim(), format!("quarantined {held_event}"));
+    eventually("the held record settled", Duration::from_secs(30), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "the checkpoint passes the quarantined record",
+        Duration::from_secs(20),
+        |r| r.len() == 1 && r[0].checkpoint == records[records.len() - 1].0,
+    )
+    .await;
+    let settled: Vec<String> = log
+        .snapshot()
+        .iter()
+        .filter(|h| h.id == 5)
+        .map(|h| h.outcome.clone())
+        .collect();
+    assert_eq!(settled, ["resolved"]);
+    let receipt = receipts_of(&app, Some(&held_event)).await;
+    assert_eq!(receipt[0]["disposition"], "quarantined", "{receipt:#?}");
+    assert_eq!(receipt[0]["reason"], "bad price");
+
+    // A terminal receipt is neither released nor quarantined again.
+    let err = shardwise_fails(&["receipts", "--app", &app, "--release", &held_event]).await;
+    assert!(err.contains("has no held receipt"), "{err}");
+    let err = shardwise_fails(&[
+        "receipts",
+        "--app",
+        &app,
+        "--quarantine",
+        &held_event,
+        "--reason",
+        "again",
+    ])
+    .await;
+    assert!(
+        err.contains("already has a terminal receipt (quarantined)"),
+        "{err}"
+    );
+
+    w.stop_gracefully(Duration::from_secs(30)).await;
+    log.dump(&app);
+    log.assert_no_garbage();
+    assert_nothing_skipped(&log.snapshot(), n);
+    cleanup(&live, &stream, &app).await;
+    live.delete_table(&receipts).await;
 }

@@ -111,7 +111,7 @@ impl Checkpointer {
             Ok(CheckpointWrite::NotNewer) => Ok(()),
             Ok(CheckpointWrite::Lost) => Err(()),
             Err(e) => {
-                warn!(shard = %self.ownership.shard_id, error = %e, "frontier write failed; will retry");
+                warn!(shard = %self.ownership.shard_id, error = &e as &dyn std::error::Error, "frontier write failed; will retry");
                 Ok(())
             }
         }
@@ -152,7 +152,7 @@ impl Checkpointer {
             }
             Ok(CheckpointWrite::Lost) => Err(()),
             Err(e) => {
-                warn!(shard = %self.ownership.shard_id, error = %e, "checkpoint write failed; will retry");
+                warn!(shard = %self.ownership.shard_id, error = &e as &dyn std::error::Error, "checkpoint write failed; will retry");
                 if self.pending.is_none_or(|p| p < to) {
                     self.pending = Some(to);
                 }

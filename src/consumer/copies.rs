@@ -195,14 +195,14 @@ impl PendingWrite {
                 let reason = format!("retry copy not written: {error}");
                 match policy.spent(&d, reason) {
                     RetryPlan::DeadLetter { stream, headers } => {
-                        warn!(stream = d.stream(), shard = d.shard(), seq = %d.position(), error = %error, to = %stream, "retry copy too large: sent to the dead-letter stream instead");
+                        warn!(stream = d.stream(), shard = d.shard(), seq = %d.position(), error = &error as &dyn std::error::Error, to = %stream, "retry copy too large: sent to the dead-letter stream instead");
                         self.stream = stream;
                         self.headers = headers;
                         self.dead_letter = true;
                         continue;
                     }
                     _ => {
-                        error!(stream = d.stream(), shard = d.shard(), seq = %d.position(), partition_key = d.partition_key(), error = %error, "retry copy too large and no dead-letter stream: settled as a drop");
+                        error!(stream = d.stream(), shard = d.shard(), seq = %d.position(), partition_key = d.partition_key(), error = &error as &dyn std::error::Error, "retry copy too large and no dead-letter stream: settled as a drop");
                         if entry.listed {
                             let _ = events.send(WriteEvent::Unstuck);
                         }
@@ -227,7 +227,7 @@ impl PendingWrite {
                         partition_key = d.partition_key(),
                         to = %self.stream,
                         dead_letter = self.dead_letter,
-                        error = %error,
+                        error = &error as &dyn std::error::Error,
                         retry_at_most_every = ?STUCK_BACKOFF,
                         "writing a retry copy or dead letter fails for good: the record holds its shard's checkpoint until the cause is fixed"
                     );
@@ -253,7 +253,7 @@ impl PendingWrite {
                     shard = d.shard(),
                     seq = %d.position(),
                     to = %self.stream,
-                    error = %error,
+                    error = &error as &dyn std::error::Error,
                     ?wait,
                     "writing a retry copy or dead letter failed; the original stays unsettled"
                 );

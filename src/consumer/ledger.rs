@@ -37,9 +37,12 @@ type Queued = (DeliveryId, Delivery, Effects);
 pub(crate) enum LedgerEvent {
     /// The delivery's outcome is durable.
     Settle(DeliveryId, Delivery, Settled),
-    /// Its effects cannot be committed (an effect's condition, a limit, a missing table): it goes
-    /// the retry way (a copy, a dead letter), with the reason logged.
+    /// An effect's condition did not hold: it goes the retry way (a counted copy), as the condition
+    /// may hold later.
     Retry(Delivery),
+    /// Its effects can never be committed (over a limit, a missing table): its attempts are spent,
+    /// it goes to the dead-letter stream with the reason (or is dropped without one).
+    Spent(Delivery, String),
     /// Its hold was released: handle it again.
     Redeliver(Delivery),
 }
@@ -151,7 +154,10 @@ impl Ledger {
         let (batch, result) = match joined {
             Ok(done) => done,
             Err(e) => {
-                error!(error = %e, "the commit task failed");
+                error!(
+                    error = &e as &dyn std::error::Error,
+                    "the commit task failed"
+                );
                 return Vec::new();
             }
         };
@@ -161,9 +167,19 @@ impl Ledger {
                 let wait = self.failures.next();
                 let permanent = e.is_permanent();
                 if permanent {
-                    error!(error = %e, ?wait, deliveries = batch.len(), "committing effects fails; the deliveries wait and hold the checkpoint");
+                    error!(
+                        error = &e as &dyn std::error::Error,
+                        ?wait,
+                        deliveries = batch.len(),
+                        "committing effects fails; the deliveries wait and hold the checkpoint"
+                    );
                 } else {
-                    warn!(error = %e, ?wait, deliveries = batch.len(), "committing effects failed; trying again");
+                    warn!(
+                        error = &e as &dyn std::error::Error,
+                        ?wait,
+                        deliveries = batch.len(),
+                        "committing effects failed; trying again"
+                    );
                 }
                 self.retry_at = Some(Instant::now() + wait);
                 for queued in batch.into_iter().rev() {
@@ -190,11 +206,17 @@ impl Ledger {
                     info!(stream = d.stream(), shard = d.shard(), seq = %d.position(), event = %d.event_id(), "replay: the event's receipt exists; nothing written again");
                     events.push(LedgerEvent::Settle(id, d, Settled::Replayed));
                 }
-                Committed::Refused(why) | Committed::Invalid(why) => {
+                Committed::Refused(why) => {
                     metrics::counter!("shardwise_effects_refused_total", "stream" => stream)
                         .increment(1);
-                    error!(stream = d.stream(), shard = d.shard(), seq = %d.position(), event = %d.event_id(), reason = %why, "effects not committed (nothing was written): the delivery goes the retry way");
+                    warn!(stream = d.stream(), shard = d.shard(), seq = %d.position(), event = %d.event_id(), reason = %why, "an effect's condition did not hold (nothing was written): the delivery goes the retry way");
                     events.push(LedgerEvent::Retry(d));
+                }
+                Committed::Invalid(why) => {
+                    metrics::counter!("shardwise_effects_invalid_total", "stream" => stream)
+                        .increment(1);
+                    error!(stream = d.stream(), shard = d.shard(), seq = %d.position(), event = %d.event_id(), reason = %why, "effects that can never be committed (nothing was written): the delivery is spent");
+                    events.push(LedgerEvent::Spent(d, why));
                 }
             }
         }
@@ -245,7 +267,10 @@ impl Ledger {
                 Ok(Some(_)) => None,
                 Ok(None) => Some(LedgerEvent::Redeliver(self.held[&id].clone())),
                 Err(e) => {
-                    warn!(error = %e, "reading a held receipt failed; polling again");
+                    warn!(
+                        error = &e as &dyn std::error::Error,
+                        "reading a held receipt failed; polling again"
+                    );
                     None
                 }
             };
@@ -314,7 +339,7 @@ pub(crate) async fn record(
             }
             Err(e) => {
                 let wait = failures.next();
-                warn!(%event, error = %e, ?wait, "recording a receipt failed; the record stays unsettled");
+                warn!(%event, error = &e as &dyn std::error::Error, ?wait, "recording a receipt failed; the record stays unsettled");
                 tokio::time::sleep(wait).await;
             }
         }

@@ -366,7 +366,11 @@ impl<H: Handler> Consumer<H> {
             (None, true) => Some(aws_config::defaults(BehaviorVersion::latest()).load().await),
             (None, false) => None,
         };
-        if let Some(config) = &sdk
+        // The store, source and lister are needed at once; a Kinesis sink without a region fails at
+        // its first write, as a stuck write naming the cause.
+        let reads_aws = self.store.is_none() || self.source.is_none() || self.lister.is_none();
+        if reads_aws
+            && let Some(config) = &sdk
             && config.region().is_none()
         {
             return Err(ConfigError::new(
@@ -581,7 +585,10 @@ impl Running {
         let mut report = match finished {
             Some(Ok(report)) => report,
             Some(Err(e)) => {
-                error!(error = %e, "consumer supervisor failed");
+                error!(
+                    error = &e as &dyn std::error::Error,
+                    "consumer supervisor failed"
+                );
                 self.progress
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -655,7 +662,7 @@ async fn on_exit(
     match exit {
         Ok(ShardExit::Ended(o)) => {
             if let Err(e) = manager.shard_ended(&o).await {
-                warn!(shard = %o.shard_id, error = %e, "releasing an ended shard failed; it will expire");
+                warn!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "releasing an ended shard failed; it will expire");
             }
         }
         Ok(ShardExit::Stopped(o)) => {
@@ -667,9 +674,9 @@ async fn on_exit(
         }
         Ok(ShardExit::Lost(o)) => info!(shard = %o.shard_id, "shard given up: lease lost"),
         Ok(ShardExit::Failed(o, e)) => {
-            error!(shard = %o.shard_id, error = %e, source = ?std::error::Error::source(&e), "shard failed; releasing its lease");
+            error!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "shard failed; releasing its lease");
             let _ = manager.release(&o).await;
         }
-        Err(e) => error!(error = %e, "shard task panicked"),
+        Err(e) => error!(error = &e as &dyn std::error::Error, "shard task panicked"),
     }
 }

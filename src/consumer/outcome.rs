@@ -79,7 +79,7 @@ pub(crate) fn resolve(
                     shard = d.shard(),
                     seq = %d.position(),
                     partition_key = d.partition_key(),
-                    error = %err,
+                    error = &err as &dyn std::error::Error,
                     "retry refused: the record stays unsettled and holds the checkpoint; the next owner rereads it"
                 );
             }

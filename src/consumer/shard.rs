@@ -33,7 +33,7 @@ use tracing::{info, warn};
 
 use super::checkpointer::{Checkpointer, Entry};
 use super::config::Settings;
-use super::copies::{StuckWrites, WriteEvent};
+use super::copies::{PendingWrite, StuckWrites, WriteEvent};
 use super::ending::{self, Reading, ShardState, Step};
 use super::hooks::{DeliveryHooks, Settled};
 use super::lanes::{Finished, Lanes};
@@ -47,7 +47,7 @@ use crate::lease::{CheckpointWrite, HeldLease, LeaseStore, Ownership};
 use crate::position::Position;
 use crate::producer::Producer;
 use crate::receipts::ReceiptStore;
-use crate::retry::RetryPolicy;
+use crate::retry::{RetryPlan, RetryPolicy};
 use crate::shard::discovery::ShardLister;
 use crate::shard::reader::{ReaderMessage, ShardReader};
 use crate::shard::source::{ReadError, RecordSource};
@@ -419,7 +419,7 @@ async fn pin_start<H>(ctx: &ShardContext<H>, held: &HeldLease) -> Result<Checkpo
             Err(e) => e,
         };
         let wait = backoff.next();
-        warn!(stream = %ownership.stream, shard = %ownership.shard_id, error = %error, ?wait, "pinning the LATEST start failed; retrying before reading");
+        warn!(stream = %ownership.stream, shard = %ownership.shard_id, error = &error as &dyn std::error::Error, ?wait, "pinning the LATEST start failed; retrying before reading");
         tokio::time::sleep(wait).await;
     }
 }
@@ -513,6 +513,29 @@ fn on_ledger<H>(
         LedgerEvent::Settle(id, d, how) => settle(tracker, checkpointer, ctx, id, &d, &how),
         LedgerEvent::Retry(d) => {
             let resolved = resolve(d, Outcome::Retry, &ctx.retry, refused, &ctx.settings, true);
+            carry_out(
+                resolved,
+                ctx,
+                tracker,
+                checkpointer,
+                ledger,
+                retries,
+                write_tx,
+                worker,
+            );
+        }
+        LedgerEvent::Spent(d, reason) => {
+            let Some(id) = d.id() else { return };
+            let resolved = match ctx
+                .retry
+                .spent(&d, format!("effects not committed: {reason}"))
+            {
+                plan @ RetryPlan::DeadLetter { .. } => match PendingWrite::new(id, d, plan) {
+                    Some(write) => Resolved::Write(write),
+                    None => Resolved::Hold,
+                },
+                _ => Resolved::Settle(id, d, Settled::Spent),
+            };
             carry_out(
                 resolved,
                 ctx,

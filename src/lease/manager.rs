@@ -394,7 +394,7 @@ impl Inner {
                     });
                     match result {
                         Ok(Err(e)) => {
-                            warn!(shard = %ownership.shard_id, error = %e, "lease renewal failed")
+                            warn!(shard = %ownership.shard_id, error = &e as &dyn std::error::Error, "lease renewal failed")
                         }
                         _ => warn!(shard = %ownership.shard_id, "lease renewal timed out"),
                     }
@@ -432,7 +432,7 @@ impl Inner {
     async fn take_loop(self: Arc<Self>) {
         loop {
             if let Err(e) = self.scan_table().await {
-                warn!(stream = %self.stream, error = %e, "lease scan failed");
+                warn!(stream = %self.stream, error = &e as &dyn std::error::Error, "lease scan failed");
             }
             tokio::select! {
                 biased;
@@ -515,7 +515,11 @@ impl Inner {
             match self.store.take(seen, &self.worker).await {
                 Ok(Some(lease)) => self.acquired(lease, stolen),
                 Ok(None) => debug!(shard, "lease changed before it could be taken"),
-                Err(e) => warn!(shard, error = %e, "taking a lease failed"),
+                Err(e) => warn!(
+                    shard,
+                    error = &e as &dyn std::error::Error,
+                    "taking a lease failed"
+                ),
             }
         }
         Ok(())
@@ -561,7 +565,7 @@ impl Inner {
                 _ = self.sync_now.notified() => {}
             }
             if let Err(e) = self.sync_shards().await {
-                warn!(stream = %self.stream, error = %e, "shard sync failed");
+                warn!(stream = %self.stream, error = &e as &dyn std::error::Error, "shard sync failed");
             }
         }
     }

@@ -114,6 +114,19 @@ impl DynamoDbReceipts {
         &self.table
     }
 
+    /// Creates a table for effects to write, keyed by the string attribute `key` (on-demand), if it
+    /// does not exist, and waits until it is ACTIVE; an existing table must have that key. A
+    /// convenience for demonstrations and tests: production tables are usually made elsewhere.
+    pub async fn ensure_effect_table(&self, table: &str, key: &str) -> Result<(), Error> {
+        Table::new(&self.client, table, |table, reason| Error::Table {
+            table,
+            reason,
+        })
+        .prepare(key, true, &TableOptions::default())
+        .await
+        .map(|_| ())
+    }
+
     fn shared(&self) -> Table<'_> {
         Table::new(&self.client, &self.table, |table, reason| Error::Table {
             table,

@@ -218,7 +218,7 @@ impl ShardReader {
         match error {
             ReadError::Throttled => debug!(shard = %self.shard, ?wait, "throttled; backing off"),
             e => {
-                warn!(shard = %self.shard, error = %e, source = ?std::error::Error::source(e), ?wait, "read failed; backing off")
+                warn!(shard = %self.shard, error = e as &dyn std::error::Error, ?wait, "read failed; backing off")
             }
         }
         tokio::time::sleep(wait).await;
