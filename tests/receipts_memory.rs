@@ -379,6 +379,64 @@ async fn a_released_hold_is_handled_again() {
     );
 }
 
+/// A hold released after its shard was split (read to its end, reading no more): the record is
+/// handled again, the parent then ends and its children are read. (Found by the simulation, seed
+/// 94: the redelivery went to lanes closed at the shard's end and the shard task panicked.)
+#[tokio::test]
+async fn a_hold_released_after_the_shard_was_read_to_its_end_is_handled_and_the_shard_ends() {
+    let stream = MemoryStream::new("orders", 1);
+    let store = MemoryLeaseStore::new();
+    let receipts = MemoryReceipts::new();
+    let (shard, held_at) = stream.put("k1", "held");
+    stream.put("k2", "a");
+    let calls = Calls::default();
+    let running = builder(
+        &stream,
+        &store,
+        Arc::new(receipts.clone()),
+        "w1",
+        holding("held", &calls),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    let held = EventId::kinesis("orders", &shard, &Position::new(held_at, 0));
+    wait_for("the hold recorded", Duration::from_secs(10), || {
+        !receipts.receipts().is_empty() && calls.len() == 2
+    })
+    .await;
+    let (left, right) = stream.split(&shard);
+    // Each child gets a record only once the parent is split.
+    stream.put("k3", "after the split");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        checkpoint(&store),
+        Checkpoint::TrimHorizon,
+        "the held record holds the parent's end"
+    );
+    assert!(receipts.release(&held).await.unwrap(), "released");
+    wait_for(
+        "the parent ended and a child read",
+        Duration::from_secs(10),
+        || calls.of("after the split") == 1,
+    )
+    .await;
+    let rows = store.snapshot();
+    let parent = rows
+        .iter()
+        .find(|r| r.shard_id == shard)
+        .expect("the parent's row");
+    assert_eq!(parent.checkpoint, Checkpoint::ShardEnd);
+    assert!(
+        rows.iter()
+            .any(|r| r.shard_id == left || r.shard_id == right)
+    );
+    running.shutdown(Duration::from_secs(2)).await;
+    assert_eq!(calls.of("held"), 2, "released: handled a second time");
+}
+
 /// A ledger whose commits can be held back (a crash before the receipt write).
 #[derive(Debug, Clone)]
 struct Gated {

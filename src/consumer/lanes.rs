@@ -122,19 +122,17 @@ impl Lanes {
         self.dispatch(delivery.on_lane(lane));
     }
 
-    /// Queues a delivery on the lane [`Lanes::assign`] gave it.
+    /// Queues a delivery on the lane [`Lanes::assign`] gave it. Lanes take work until they are
+    /// aborted, also once the shard reads no more: a held delivery released then runs again.
     pub(crate) fn dispatch(&self, delivery: Delivery) {
         let lane = match self.ordering {
             Ordering::PerKey => delivery.lane(),
             Ordering::None => 0,
         };
-        // A closed lane means the shard is being torn down; the delivery stays unsettled.
-        let _ = self.senders[lane].send(delivery);
-    }
-
-    /// Stops accepting work; lanes finish what they have queued and then end.
-    pub(crate) fn close(&mut self) {
-        self.senders.clear();
+        // No lane means the shard is being torn down; the delivery stays unsettled.
+        if let Some(sender) = self.senders.get(lane) {
+            let _ = sender.send(delivery);
+        }
     }
 
     /// Aborts every running handler (their deliveries stay unsettled).

@@ -10,6 +10,7 @@ mod ledger;
 mod outcome;
 mod shard;
 
+use std::collections::HashMap;
 use std::fmt;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
@@ -625,26 +626,30 @@ async fn supervise<H: Handler>(
     progress: Arc<Mutex<ShutdownReport>>,
 ) -> ShutdownReport {
     let mut shards: JoinSet<ShardExit> = JoinSet::new();
+    // Each shard task's lease, to release it if the task panics.
+    let mut tasks: HashMap<tokio::task::Id, Ownership> = HashMap::new();
     let stop = ctx.stop.clone();
     loop {
         tokio::select! {
             biased;
             _ = stop.cancelled() => break,
-            Some(exit) = shards.join_next() => {
-                on_exit(exit, &manager, &progress).await;
+            Some(exit) = shards.join_next_with_id() => {
+                on_exit(exit, &mut tasks, &manager, &progress).await;
                 held.send_replace(manager.held());
             }
             Some(event) = events.recv() => {
                 if let LeaseEvent::Acquired(lease) = event {
-                    shards.spawn(run_shard(ctx.clone(), *lease));
+                    let ownership = lease.ownership.clone();
+                    let task = shards.spawn(run_shard(ctx.clone(), *lease));
+                    tasks.insert(task.id(), ownership);
                 }
                 held.send_replace(manager.held());
             }
         }
     }
     manager.stop_taking();
-    while let Some(exit) = shards.join_next().await {
-        on_exit(exit, &manager, &progress).await;
+    while let Some(exit) = shards.join_next_with_id().await {
+        on_exit(exit, &mut tasks, &manager, &progress).await;
         held.send_replace(manager.held());
     }
     let released = manager.shutdown().await;
@@ -655,11 +660,17 @@ async fn supervise<H: Handler>(
 }
 
 async fn on_exit(
-    exit: Result<ShardExit, tokio::task::JoinError>,
+    exit: Result<(tokio::task::Id, ShardExit), tokio::task::JoinError>,
+    tasks: &mut HashMap<tokio::task::Id, Ownership>,
     manager: &LeaseManager,
     progress: &Mutex<ShutdownReport>,
 ) {
-    match exit {
+    let task = match &exit {
+        Ok((id, _)) => *id,
+        Err(e) => e.id(),
+    };
+    let ownership = tasks.remove(&task);
+    match exit.map(|(_, exit)| exit) {
         Ok(ShardExit::Ended(o)) => {
             if let Err(e) = manager.shard_ended(&o).await {
                 warn!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "releasing an ended shard failed; it will expire");
@@ -677,6 +688,16 @@ async fn on_exit(
             error!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "shard failed; releasing its lease");
             let _ = manager.release(&o).await;
         }
-        Err(e) => error!(error = &e as &dyn std::error::Error, "shard task panicked"),
+        Err(e) => {
+            // A bug in shardwise: the shard is given back rather than held with nothing reading it.
+            error!(
+                shard = ownership.as_ref().map(|o| o.shard_id.as_str()),
+                error = &e as &dyn std::error::Error,
+                "shard task panicked; releasing its lease"
+            );
+            if let Some(o) = ownership {
+                let _ = manager.release(&o).await;
+            }
+        }
     }
 }

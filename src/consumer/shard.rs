@@ -225,7 +225,6 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
             _ = ctx.stop.cancelled(), if reading == Reading::Open => {
                 reading = Reading::Stopped;
                 reader_cancel.cancel();
-                lanes.close();
             }
             result = async { (&mut checkpointer.in_flight.as_mut().expect("writing").handle).await }, if writing => {
                 let write = checkpointer.in_flight.take().expect("writing");
@@ -283,7 +282,6 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                 }
                 Some(ReaderMessage::End) => {
                     reading = Reading::Closed;
-                    lanes.close();
                 }
                 Some(ReaderMessage::Gone) => match aged_out(ctx.lister.as_ref(), &ownership).await {
                     Ok(true) => {
@@ -298,7 +296,6 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                         );
                         metrics::counter!("shardwise_shards_aged_out_total", &labels).increment(1);
                         reading = Reading::AgedOut;
-                        lanes.close();
                     }
                     Ok(false) => break Exit::Failed(Error::Kinesis {
                         operation: "GetRecords",

@@ -1,5 +1,6 @@
 //! What the simulation observed, and the invariants checked as each observation arrives: every
-//! change the lease store applied, every handler call, every copy written, every frontier seen.
+//! change the lease store applied, every handler call, every copy written, every frontier seen,
+//! and (with receipts) the ledger and effect tables after every commit.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, SystemTime};
@@ -7,8 +8,14 @@ use std::time::{Duration, SystemTime};
 use md5::{Digest, Md5};
 use shardwise::frontier::Frontier;
 use shardwise::lease::{Change, Checkpoint, Lease};
+use shardwise::receipts::{Disposition, EventId, MemoryReceipts};
 use shardwise::testing::{MemoryStream, StoredRecord};
 use shardwise::{Outcome, Position};
+
+/// The effect tables of the simulation's receipts: each applied event adds 1 to its record's
+/// counter (`id`) and to its partition key's (`key`), in one transaction.
+pub const COUNTS: &str = "counts";
+pub const KEYS: &str = "keys";
 
 /// How many of the last events a failing seed prints (`SHARDWISE_SIM_TRACE` overrides).
 fn trace_tail() -> usize {
@@ -127,6 +134,8 @@ pub struct Call {
     /// The record's id (its payload).
     pub id: u64,
     pub attempt: u32,
+    /// The delivery's event identity (a copy has its original's).
+    pub event: EventId,
 }
 
 /// The simulation's view of the world and its invariant checks.
@@ -171,10 +180,26 @@ pub struct Model {
     stream: MemoryStream,
     /// A seek to latest in progress, asked at this time: a pin later than it would skip records.
     latest_seek: Option<u64>,
+    /// The receipt ledger and effect tables, when the seed uses receipts.
+    ledger: Option<MemoryReceipts>,
+    /// Deliveries a handler answered with apply, quarantine or hold: (worker, shard, epoch,
+    /// position) -> event. Durable once the event has a terminal receipt.
+    receipted: BTreeMap<(String, String, u64, Position), EventId>,
+    /// Held deliveries (shard, epoch, position): a release has them handled again, after later
+    /// records of their key.
+    held: BTreeSet<(String, u64, Position)>,
+    /// The record id of each event seen.
+    event_ids: BTreeMap<EventId, u64>,
+    /// The ledger check failed once (reported once).
+    ledger_broken: bool,
 }
 
 impl Model {
-    pub fn new(stale_bound: Duration, stream: MemoryStream) -> Self {
+    pub fn new(
+        stale_bound: Duration,
+        stream: MemoryStream,
+        ledger: Option<MemoryReceipts>,
+    ) -> Self {
         Self {
             log: EventLog::default(),
             violations: Vec::new(),
@@ -199,6 +224,11 @@ impl Model {
             records: Vec::new(),
             stream,
             latest_seek: None,
+            ledger,
+            receipted: BTreeMap::new(),
+            held: BTreeSet::new(),
+            event_ids: BTreeMap::new(),
+            ledger_broken: false,
         }
     }
 
@@ -343,6 +373,17 @@ impl Model {
             .takes
             .get(&(shard.clone(), epoch))
             .map_or(0, |(_, at)| *at);
+        let terminal: BTreeSet<EventId> = self
+            .ledger
+            .as_ref()
+            .map(|l| {
+                l.receipts()
+                    .into_iter()
+                    .filter(|r| r.disposition.is_terminal())
+                    .map(|r| r.event)
+                    .collect()
+            })
+            .unwrap_or_default();
         let mut unsettled = Vec::new();
         for r in self.records.iter().filter(|r| r.shard_id == shard) {
             let position = Position::new(r.record.sequence, 0);
@@ -361,7 +402,11 @@ impl Model {
                     self.copies
                         .get(&(owner.clone(), *id, *attempt))
                         .is_some_and(|times| times.iter().any(|t| *t >= taken_at))
-                });
+                })
+                || self
+                    .receipted
+                    .get(&key)
+                    .is_some_and(|event| terminal.contains(event));
             if !settled {
                 unsettled.push(position.to_string());
             }
@@ -394,9 +439,12 @@ impl Model {
             key,
             id,
             attempt,
+            event,
         } = call.clone();
         let (worker, shard, key) = (worker.as_str(), shard.as_str(), key.as_str());
         self.invocations += 1;
+        self.event_ids.insert(event, id);
+        let released = self.held.remove(&(shard.to_string(), epoch, position));
         self.event(
             at_ms,
             format!(
@@ -448,6 +496,7 @@ impl Model {
             );
         } else if let Some(last) = last
             && last >= position
+            && !released
         {
             self.violation(
                 at_ms,
@@ -458,7 +507,7 @@ impl Model {
         }
         self.keys.insert(
             (shard.to_string(), epoch, key.to_string()),
-            (Some(position), true),
+            (Some(last.map_or(position, |last| last.max(position))), true),
         );
     }
 
@@ -472,6 +521,7 @@ impl Model {
             key,
             id,
             attempt,
+            event,
         } = call.clone();
         let (worker, shard, key) = (worker.as_str(), shard.as_str(), key.as_str());
         self.event(
@@ -491,7 +541,15 @@ impl Model {
             .or_default()
             .push(at_ms);
         let key = (worker.to_string(), shard.to_string(), epoch, position);
-        if settles {
+        if matches!(outcome, Some(Outcome::Hold(_))) {
+            self.held.insert((shard.to_string(), epoch, position));
+        }
+        if matches!(
+            outcome,
+            Some(Outcome::Apply(_) | Outcome::Quarantine(_) | Outcome::Hold(_))
+        ) {
+            self.receipted.insert(key, event);
+        } else if settles {
             self.settled.insert(key);
         } else {
             self.retried.insert(key, (id, attempt));
@@ -518,6 +576,68 @@ impl Model {
             .entry((worker.to_string(), id, attempt))
             .or_default()
             .push(at_ms);
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Receipts
+
+    /// After a commit: no record's effect counted more than once, a counter for exactly the
+    /// events with an `applied` receipt, and every apply's effects all written (the per-key
+    /// counters add up to the applied receipts).
+    pub fn check_ledger(&mut self, at_ms: u64) {
+        let Some(ledger) = &self.ledger else { return };
+        if self.ledger_broken {
+            return;
+        }
+        let applied: Vec<EventId> = ledger
+            .receipts()
+            .into_iter()
+            .filter(|r| r.disposition == Disposition::Applied)
+            .map(|r| r.event)
+            .collect();
+        let applied_ids: BTreeSet<u64> = applied
+            .iter()
+            .filter_map(|e| self.event_ids.get(e).copied())
+            .collect();
+        let number = |item: &shardwise::receipts::Item, name: &str| match item.get(name) {
+            Some(shardwise::aws_sdk_dynamodb::types::AttributeValue::N(n)) => {
+                n.parse::<i64>().unwrap_or(-1)
+            }
+            _ => -1,
+        };
+        let mut problems = Vec::new();
+        let mut counted = BTreeSet::new();
+        for item in ledger.items(COUNTS) {
+            let id = match item.get("id") {
+                Some(shardwise::aws_sdk_dynamodb::types::AttributeValue::S(id)) => {
+                    id.parse().unwrap_or(u64::MAX)
+                }
+                _ => u64::MAX,
+            };
+            let count = number(&item, "count");
+            if count != 1 {
+                problems.push(format!("id {id}'s effect applied {count} times"));
+            }
+            counted.insert(id);
+        }
+        if counted != applied_ids {
+            let missing: Vec<_> = applied_ids.difference(&counted).take(3).collect();
+            let extra: Vec<_> = counted.difference(&applied_ids).take(3).collect();
+            problems.push(format!(
+                "counters and applied receipts differ: applied without effect {missing:?}, effect without an applied receipt {extra:?}"
+            ));
+        }
+        let per_key: i64 = ledger.items(KEYS).iter().map(|i| number(i, "count")).sum();
+        if per_key != applied.len() as i64 {
+            problems.push(format!(
+                "per-key counters add up to {per_key} for {} applied receipts: an apply wrote part of its effects",
+                applied.len()
+            ));
+        }
+        if !problems.is_empty() {
+            self.ledger_broken = true;
+            self.violation(at_ms, format!("receipts: {}", problems.join("; ")));
+        }
     }
 
     // -----------------------------------------------------------------------------------------

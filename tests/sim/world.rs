@@ -11,14 +11,15 @@ use futures::future::BoxFuture;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shardwise::lease::{Change, InitialPosition, LeaseSettings, LeaseStore, MemoryLeaseStore};
+use shardwise::receipts::{Disposition, Effect, Effects, MemoryReceipts, ReceiptStore, key};
 use shardwise::seek::SeekTarget;
 use shardwise::testing::{Faults, MemoryStream, MemoryStreams};
 use shardwise::{Consumer, Delivery, Outcome, Position, Running, ShutdownReport};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::model::{Call, Model};
-use crate::wrap::{Gate, Store, Stream};
+use crate::model::{COUNTS, Call, KEYS, Model};
+use crate::wrap::{Gate, Receipts, Store, Stream};
 
 /// Wall time at the start of every run (2026-01-01T00:00:00Z).
 pub fn base() -> SystemTime {
@@ -39,9 +40,19 @@ const CHAOS: Duration = Duration::from_secs(20);
 /// The most the quiet phase may take before what is owed counts as stuck.
 const QUIET: Duration = Duration::from_secs(120);
 const STEP: Duration = Duration::from_millis(50);
+/// How often the operator looks at held receipts during the chaos phase.
+const OPERATOR: Duration = Duration::from_secs(1);
 
 thread_local! {
     static START: Cell<Option<Instant>> = const { Cell::new(None) };
+    /// Panics other than the simulated handler panics, raised on this thread (each seed runs on
+    /// one thread).
+    static PANICS: std::cell::RefCell<Vec<String>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Records a panic of shardwise itself: the seed running on this thread fails with it.
+pub fn panicked(what: String) {
+    PANICS.with_borrow_mut(|p| p.push(what));
 }
 
 /// Milliseconds of simulated time since the run started.
@@ -65,6 +76,8 @@ struct Scenario {
     caught_up_frontier: bool,
     /// Records carry up to this many bytes of padding.
     max_padding: usize,
+    /// Handlers answer with effects, quarantines and holds too, through a receipt ledger.
+    receipts: bool,
     /// (time, action), in time order.
     actions: Vec<(Duration, Action)>,
 }
@@ -127,14 +140,17 @@ impl Scenario {
             workers: rng.random_range(1..=3),
             caught_up_frontier: rng.random_bool(0.3),
             max_padding: [1, 64, 4_096][rng.random_range(0..3)],
+            // Apart from the other decisions, so seeds without receipts stay as they were.
+            receipts: StdRng::seed_from_u64(seed ^ 0x7ece_1475).random_bool(0.5),
             actions,
         }
     }
 }
 
 /// What a handler does with a delivery: decided by the seed, the record and the attempt alone, so
-/// every owner does the same.
-fn decide(seed: u64, id: u64, attempt: u32) -> (Option<Outcome>, Duration) {
+/// every owner does the same. With receipts, some acks become effects (a counter for the record
+/// and one for its key, in one transaction), quarantines or holds.
+fn decide(seed: u64, id: u64, attempt: u32, receipts: Option<&str>) -> (Option<Outcome>, Duration) {
     let mut z = seed
         ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15)
         ^ u64::from(attempt).wrapping_mul(0xD1B5_4A32_D192_ED03);
@@ -151,6 +167,18 @@ fn decide(seed: u64, id: u64, attempt: u32) -> (Option<Outcome>, Duration) {
         ))),
         95..=96 => None, // a panic
         _ => Some(Outcome::Ack),
+    };
+    let outcome = match (outcome, receipts) {
+        (Some(Outcome::Ack), Some(partition_key)) => Some(match (z >> 8) % 100 {
+            0..=49 => Outcome::Apply(Effects::from_iter([
+                Effect::update(COUNTS, key("id", id.to_string())).add("count", 1),
+                Effect::update(KEYS, key("key", partition_key)).add("count", 1),
+            ])),
+            50..=54 => Outcome::Quarantine(format!("id {id} quarantined")),
+            55..=59 => Outcome::Hold(format!("id {id} held")),
+            _ => Outcome::Ack,
+        }),
+        (outcome, _) => outcome,
     };
     (outcome, duration)
 }
@@ -200,6 +228,10 @@ pub struct World {
     stream: MemoryStream,
     sink: MemoryStreams,
     store: MemoryLeaseStore,
+    /// The receipt ledger and effect tables (seeds with receipts).
+    ledger: Option<MemoryReceipts>,
+    /// The operator's choices and the ledger's fault seeds, apart from the other decisions.
+    operator: StdRng,
     slots: Vec<Slot>,
     next_id: u64,
 }
@@ -211,7 +243,16 @@ impl World {
         let dlq = MemoryStream::new(DLQ, 1);
         let sink = MemoryStreams::new([stream.clone(), dlq]);
         let store = MemoryLeaseStore::new();
-        let model = Arc::new(Mutex::new(Model::new(STALE_BOUND, stream.clone())));
+        let ledger = scenario.receipts.then(|| {
+            MemoryReceipts::new()
+                .table(COUNTS, &["id"])
+                .table(KEYS, &["key"])
+        });
+        let model = Arc::new(Mutex::new(Model::new(
+            STALE_BOUND,
+            stream.clone(),
+            ledger.clone(),
+        )));
         let observer = model.clone();
         store.observe(Arc::new(move |change: &Change| {
             observer.lock().unwrap().change(now_ms(), change);
@@ -225,6 +266,8 @@ impl World {
             stream,
             sink,
             store,
+            ledger,
+            operator: StdRng::seed_from_u64(seed ^ 0x0be7_a709),
             next_id: 0,
         }
     }
@@ -254,6 +297,7 @@ impl World {
         let seed = self.scenario.seed;
         let cap = self.scenario.max_attempts;
         let dead_letter = self.scenario.dead_letter;
+        let receipts = self.scenario.receipts;
         move |d: Delivery| {
             let call = Call {
                 worker: worker.clone(),
@@ -263,9 +307,15 @@ impl World {
                 key: d.partition_key().to_string(),
                 id: crate::model::id_of(d.payload()),
                 attempt: d.attempt(),
+                event: d.event_id(),
             };
             model.lock().unwrap().started(now_ms(), &call);
-            let (outcome, took) = decide(seed, call.id, call.attempt);
+            let (outcome, took) = decide(
+                seed,
+                call.id,
+                call.attempt,
+                receipts.then_some(d.partition_key()),
+            );
             let mut guard = InFlight {
                 model: model.clone(),
                 call,
@@ -332,6 +382,16 @@ impl World {
             .record_sink(stream);
         if s.dead_letter {
             builder = builder.dead_letter(DLQ);
+        }
+        if let Some(ledger) = &self.ledger {
+            builder = builder
+                .receipts(Arc::new(Receipts {
+                    inner: ledger.clone(),
+                    gate: gate.clone(),
+                    worker: worker.clone(),
+                    model: self.model.clone(),
+                }))
+                .hold_poll_interval(Duration::from_millis(500));
         }
         if s.caught_up_frontier {
             builder = builder
@@ -481,6 +541,21 @@ impl World {
                 } else {
                     self.store.heal();
                 }
+                if let Some(ledger) = &self.ledger {
+                    if on {
+                        let seed = self.operator.random();
+                        ledger.inject(
+                            seed,
+                            Faults::default()
+                                .error(0.03)
+                                .throttle(0.02)
+                                .lost_answer(0.03)
+                                .timeout(0.02, Duration::from_millis(800)),
+                        );
+                    } else {
+                        ledger.heal();
+                    }
+                }
                 self.event(format!("store faults {on}"));
             }
             Action::StreamFaults(on) => {
@@ -535,6 +610,37 @@ impl World {
         }
     }
 
+    /// The operator: each held receipt is released (handled again) or quarantined (settled),
+    /// half and half; `settle_all` quarantines every one (the quiet phase).
+    fn operate(&mut self, settle_all: bool) {
+        let Some(ledger) = self.ledger.clone() else {
+            return;
+        };
+        let held: Vec<_> = ledger
+            .receipts()
+            .into_iter()
+            .filter(|r| !r.disposition.is_terminal())
+            .collect();
+        for receipt in held {
+            let release = !settle_all && self.operator.random_bool(0.5);
+            let (ledger, model) = (ledger.clone(), self.model.clone());
+            tokio::spawn(async move {
+                let event = receipt.event;
+                let what = if release {
+                    format!("release {event}: {:?}", ledger.release(&event).await)
+                } else {
+                    let quarantined = Disposition::Quarantined("operator".into());
+                    let recorded = ledger.record(&event, &quarantined, "operator").await;
+                    format!("quarantine {event}: {recorded:?}")
+                };
+                model
+                    .lock()
+                    .unwrap()
+                    .event(now_ms(), format!("operator {what}"));
+            });
+        }
+    }
+
     /// Samples what workers expose: their frontier.
     fn sample(&mut self) {
         let mut model = self.model.lock().unwrap();
@@ -566,7 +672,12 @@ impl World {
         let actions = std::mem::take(&mut self.scenario.actions);
         let mut pending = actions.into_iter().peekable();
         let t0 = Instant::now();
+        let mut operated = Duration::ZERO;
         while t0.elapsed() < CHAOS {
+            if t0.elapsed() >= operated + OPERATOR {
+                operated = t0.elapsed();
+                self.operate(false);
+            }
             while let Some((at, _)) = pending.peek()
                 && *at <= t0.elapsed()
             {
@@ -582,6 +693,9 @@ impl World {
         // must get handled.
         self.store.heal();
         self.stream.heal();
+        if let Some(ledger) = &self.ledger {
+            ledger.heal();
+        }
         for slot in &self.slots {
             if let Slot::Up { gate, .. } = slot {
                 gate.set_cut(false);
@@ -598,6 +712,7 @@ impl World {
             }
             tokio::time::sleep(STEP).await;
             self.sample();
+            self.operate(true);
             let (owed, uncovered) = {
                 let mut model = self.model.lock().unwrap();
                 model.refresh();
@@ -669,8 +784,13 @@ pub fn run_seed(seed: u64) -> SeedResult {
     runtime.block_on(async move {
         START.set(Some(Instant::now()));
         let _deterministic = shardwise::testing::simulate(base(), seed);
-        let result = World::new(seed).run().await;
+        let mut result = World::new(seed).run().await;
         START.set(None);
+        for panic in PANICS.take() {
+            result
+                .violations
+                .push(format!("shardwise panicked: {panic}"));
+        }
         result
     })
 }

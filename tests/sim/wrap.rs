@@ -1,6 +1,6 @@
 //! One worker's view of the shared store and stream: every call passes a gate first, so the
 //! simulation can cut a worker off (a partition, or a pause longer than a lease) and let it back;
-//! copies and dead letters it writes are reported to the model.
+//! copies and dead letters it writes, and its receipt commits, are reported to the model.
 
 use std::sync::{Arc, Mutex};
 
@@ -12,6 +12,9 @@ use shardwise::lease::{
     Checkpoint, CheckpointWrite, Lease, LeaseStore, MemoryLeaseStore, NewLease, Ownership, SeekMove,
 };
 use shardwise::producer::{RecordSink, Written};
+use shardwise::receipts::{
+    Apply, Committed, Disposition, EventId, MemoryReceipts, Receipt, ReceiptStore, Recorded,
+};
 use shardwise::shard::discovery::{ShardInfo, ShardLister};
 use shardwise::shard::source::{Page, ReadError, RecordSource, StartAt};
 use shardwise::testing::{MemoryStream, MemoryStreams};
@@ -265,6 +268,100 @@ impl RecordSink for Stream {
         Box::pin(async move {
             self.gate.pass().await;
             self.sink.check(stream).await
+        })
+    }
+}
+
+/// The receipt ledger as one worker reaches it; after each commit the model checks that no
+/// effect was applied twice and that every apply wrote all its effects or none.
+pub struct Receipts {
+    pub inner: MemoryReceipts,
+    pub gate: Gate,
+    pub worker: String,
+    pub model: Arc<Mutex<Model>>,
+}
+
+impl std::fmt::Debug for Receipts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Receipts")
+            .field("worker", &self.worker)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Receipts {
+    fn calls(&self, what: &str) {
+        if std::env::var_os("SHARDWISE_SIM_CALLS").is_some() {
+            self.model
+                .lock()
+                .unwrap()
+                .event(now_ms(), format!("call {} receipts {what}", self.worker));
+        }
+    }
+}
+
+impl ReceiptStore for Receipts {
+    fn prepare(&self) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            self.inner.prepare().await
+        })
+    }
+    fn get<'a>(&'a self, event: &'a EventId) -> BoxFuture<'a, Result<Option<Receipt>, Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            self.calls("get");
+            self.inner.get(event).await
+        })
+    }
+    fn record<'a>(
+        &'a self,
+        event: &'a EventId,
+        disposition: &'a Disposition,
+        by: &'a str,
+    ) -> BoxFuture<'a, Result<Recorded, Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            let recorded = self.inner.record(event, disposition, by).await;
+            self.model.lock().unwrap().event(
+                now_ms(),
+                format!(
+                    "receipt {} {event} {}: {recorded:?}",
+                    self.worker,
+                    disposition.label()
+                ),
+            );
+            recorded
+        })
+    }
+    fn release<'a>(&'a self, event: &'a EventId) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            self.inner.release(event).await
+        })
+    }
+    fn commit<'a>(
+        &'a self,
+        applies: &'a [Apply],
+        by: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<Committed>, Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            let committed = self.inner.commit(applies, by).await;
+            let mut model = self.model.lock().unwrap();
+            let events: Vec<&str> = applies.iter().map(|a| a.event.as_str()).collect();
+            model.event(
+                now_ms(),
+                format!("commit {} {events:?}: {committed:?}", self.worker),
+            );
+            model.check_ledger(now_ms());
+            committed
+        })
+    }
+    fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Receipt>, Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            self.inner.list(limit).await
         })
     }
 }
