@@ -47,6 +47,11 @@ pub mod testing;
 mod time;
 pub mod track;
 
+/// The README's Rust examples, compiled with the doctests so they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExamples;
+
 pub use aws_config;
 pub use aws_sdk_dynamodb;
 pub use aws_sdk_kinesis;

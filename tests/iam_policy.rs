@@ -1,6 +1,7 @@
 //! The least-privilege IAM policies in the README name exactly the Kinesis and DynamoDB actions the
 //! code calls: every SDK operation called in `src/` is in the library's policy, every one called in
-//! `cli/src/` is in the library's or the command's, and neither policy names one nobody calls.
+//! `cli/src/` is in the library's or the command's, and neither policy names one nobody calls. A
+//! transaction counts as the item actions its parts are authorized as.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -109,6 +110,19 @@ const DYNAMODB: &[&str] = &[
 /// `TagResource` too.
 const IMPLIED: &[(&str, &str)] = &[("dynamodb:CreateTable", "dynamodb:TagResource")];
 
+/// Operations that are not IAM actions themselves, and the actions that authorize them: each
+/// action of a `TransactWriteItems` is authorized as the item operation it is (DynamoDB developer
+/// guide, "Using IAM with DynamoDB transactions"); there is no `dynamodb:TransactWriteItems`.
+const AUTHORIZED_AS: &[(&str, &[&str])] = &[(
+    "dynamodb:TransactWriteItems",
+    &[
+        "dynamodb:ConditionCheckItem",
+        "dynamodb:PutItem",
+        "dynamodb:UpdateItem",
+        "dynamodb:DeleteItem",
+    ],
+)];
+
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -166,6 +180,11 @@ fn called(dir: &Path) -> BTreeSet<String> {
     for (call, implied) in IMPLIED {
         if actions.contains(*call) {
             actions.insert((*implied).to_string());
+        }
+    }
+    for (operation, authorized_as) in AUTHORIZED_AS {
+        if actions.remove(*operation) {
+            actions.extend(authorized_as.iter().map(|a| a.to_string()));
         }
     }
     actions

@@ -254,6 +254,30 @@ async fn lists_the_applications_receipts(s: &Subject<'_>) {
     assert_eq!(s.store.list(1).await.unwrap().len(), 1);
 }
 
+/// Receipt-only use: a sink with its own idempotency asks whether an event was done, and records
+/// it once done; a held event is not done.
+async fn seen_is_true_only_for_a_terminal_receipt(s: &Subject<'_>) {
+    let e = event("11");
+    assert!(!s.store.seen(&e).await.unwrap(), "no receipt");
+    let held = Disposition::Held("later".into());
+    s.store.record(&e, &held, "w1").await.unwrap();
+    assert!(!s.store.seen(&e).await.unwrap(), "held is not done");
+    assert_eq!(
+        s.store
+            .record(&e, &Disposition::Applied, "w1")
+            .await
+            .unwrap(),
+        Recorded::Recorded
+    );
+    assert!(s.store.seen(&e).await.unwrap(), "applied is done");
+    let q = event("12");
+    s.store
+        .record(&q, &Disposition::Quarantined("bad".into()), "w1")
+        .await
+        .unwrap();
+    assert!(s.store.seen(&q).await.unwrap(), "quarantined is done");
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -316,6 +340,7 @@ conformance!(
     a_refused_condition_writes_nothing,
     effects_over_the_limits_are_refused_before_the_call,
     lists_the_applications_receipts,
+    seen_is_true_only_for_a_terminal_receipt,
 );
 
 #[tokio::test]

@@ -3,9 +3,11 @@
 //! 1. in-process pipeline throughput with a no-op handler (memory stream and lease store);
 //! 2. a 2 ms handler on one shard with 1, 4 and 8 lanes (per-key order, 64 keys);
 //! 3. live: the consumer against a raw GetRecords loop on the same emulator, same stream, same run;
-//! 4. live: time from `shardwise consume` process start to its first record.
+//! 4. live: time from `shardwise consume` process start to its first record;
+//! 5. receipts: records/s settled with transactional effects (a counter per record, committed with
+//!    its receipt) against plain acks, in process (memory ledger) and live (DynamoDB ledger).
 //!
-//! Parts 3 and 4 need the emulators (`envs=$(scripts/emulators start) && eval "$envs"`) and are
+//! Parts 3 to 5 need the emulators (`envs=$(scripts/emulators start) && eval "$envs"`) and are
 //! skipped without `AWS_ENDPOINT_URL_KINESIS`. Under `cargo test` (no `--bench` argument) every
 //! part runs once at a tiny size, so the bench cannot rot.
 
@@ -18,14 +20,18 @@ use std::time::{Duration, Instant};
 use aws_config::BehaviorVersion;
 use aws_sdk_kinesis::primitives::Blob;
 use aws_sdk_kinesis::types::{PutRecordsRequestEntry, ShardIteratorType, StreamStatus};
+use shardwise::consumer::Settled;
 use shardwise::lease::{LeaseSettings, MemoryLeaseStore};
+use shardwise::receipts::{DynamoDbReceipts, Effect, MemoryReceipts, ReceiptStore, key};
 use shardwise::testing::MemoryStream;
-use shardwise::{Consumer, Delivery, Outcome};
+use shardwise::{Consumer, ConsumerBuilder, Delivery, Outcome};
 
 struct Scale {
     pipeline_records: u64,
     lane_records: u64,
     live_records: u64,
+    receipt_records: u64,
+    live_receipt_records: u64,
 }
 
 fn lease() -> LeaseSettings {
@@ -98,6 +104,170 @@ async fn lanes(scale: &Scale) {
         println!("2 ms handler, 1 shard, {lanes} lanes, {n} records: {rate:.0} records/s");
     }
     println!("  8 lanes / 1 lane = {:.2}x", rates[2] / rates[0]);
+}
+
+/// The handler of the receipts figures: with `counts`, one effect per record (add 1 to the
+/// record's counter, committed with its receipt); without, an ack.
+fn count_or_ack(counts: Option<&'static str>) -> impl Fn(Delivery) -> std::future::Ready<Outcome> {
+    move |d: Delivery| {
+        std::future::ready(match counts {
+            Some(table) => {
+                let id = String::from_utf8_lossy(d.payload()).into_owned();
+                Outcome::Apply(Effect::update(table, key("id", id)).add("count", 1).into())
+            }
+            None => Outcome::Ack,
+        })
+    }
+}
+
+/// Runs `builder` until `count` deliveries settled; returns records/s from `run()` to the last.
+async fn settled_rate<H: shardwise::Handler>(builder: ConsumerBuilder<H>, count: u64) -> f64 {
+    let settled = Arc::new(AtomicU64::new(0));
+    let s = settled.clone();
+    let started = Instant::now();
+    let running = builder
+        .delivery_hooks(move |_: &Delivery, _: &Settled| {
+            s.fetch_add(1, Ordering::Relaxed);
+        })
+        .build()
+        .expect("settings")
+        .run()
+        .await
+        .expect("start");
+    while settled.load(Ordering::Relaxed) < count {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    running.shutdown(Duration::from_secs(5)).await;
+    count as f64 / secs
+}
+
+/// In process: effects with the memory ledger against acks, 4 shards x 4 lanes.
+async fn receipts_memory(scale: &Scale) {
+    let n = scale.receipt_records;
+    let mut rates = Vec::new();
+    for counts in [None, Some("counts")] {
+        let stream = MemoryStream::new("receipts", 4);
+        for i in 0..n {
+            stream.put(&format!("key-{}", i % 256), format!("{i}"));
+        }
+        let ledger: Arc<dyn ReceiptStore> =
+            Arc::new(MemoryReceipts::new().table("counts", &["id"]));
+        let builder = Consumer::builder(stream.name(), "bench-app", count_or_ack(counts))
+            .worker_id("bench")
+            .lanes(4)
+            .poll_interval(Duration::from_millis(200))
+            .lease_settings(lease())
+            .lease_store(Arc::new(MemoryLeaseStore::new()))
+            .record_source(Arc::new(stream.clone()))
+            .shard_lister(Arc::new(stream.clone()))
+            .receipts(ledger);
+        rates.push(settled_rate(builder, n).await);
+    }
+    println!(
+        "receipts in process (memory ledger), {n} records over 4 shards x 4 lanes: acks {:.0} records/s, effects {:.0} records/s ({:.0}% of acks)",
+        rates[0],
+        rates[1],
+        100.0 * rates[1] / rates[0]
+    );
+}
+
+/// Creates a stream of `shards` shards holding records `0..n` (payload the id as text).
+async fn filled_stream(kinesis: &aws_sdk_kinesis::Client, name: &str, shards: i32, n: u64) {
+    kinesis
+        .create_stream()
+        .stream_name(name)
+        .shard_count(shards)
+        .send()
+        .await
+        .expect("create");
+    loop {
+        let s = kinesis
+            .describe_stream_summary()
+            .stream_name(name)
+            .send()
+            .await
+            .expect("describe");
+        if s.stream_description_summary()
+            .is_some_and(|d| *d.stream_status() == StreamStatus::Active)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let ids: Vec<u64> = (0..n).collect();
+    for chunk in ids.chunks(500) {
+        let entries = chunk
+            .iter()
+            .map(|i| {
+                PutRecordsRequestEntry::builder()
+                    .partition_key(format!("key-{}", i % 256))
+                    .data(Blob::new(format!("{i}")))
+                    .build()
+                    .unwrap()
+            })
+            .collect::<Vec<_>>();
+        kinesis
+            .put_records()
+            .stream_name(name)
+            .set_records(Some(entries))
+            .send()
+            .await
+            .expect("put");
+    }
+}
+
+/// Live: effects with the DynamoDB ledger against acks on the same stream (fresh applications).
+async fn receipts_live(scale: &Scale, config: &aws_config::SdkConfig) {
+    let n = scale.live_receipt_records;
+    let kinesis = aws_sdk_kinesis::Client::new(config);
+    let dynamodb = shardwise::aws_sdk_dynamodb::Client::new(config);
+    let tag = format!(
+        "{}-{}",
+        std::process::id(),
+        Instant::now().elapsed().as_nanos()
+    );
+    let stream = format!("bench-receipts-{tag}");
+    filled_stream(&kinesis, &stream, 4, n).await;
+    let counts: &'static str = Box::leak(format!("bench-counts-{tag}").into_boxed_str());
+    let ledger_table = format!("bench-receipts-{tag}");
+    let mut rates = Vec::new();
+    for (i, effects) in [None, Some(counts)].into_iter().enumerate() {
+        let ledger = DynamoDbReceipts::new(dynamodb.clone(), &ledger_table, "bench");
+        ledger.prepare().await.expect("the ledger");
+        ledger
+            .ensure_effect_table(counts, "id")
+            .await
+            .expect("the counts table");
+        let builder = Consumer::builder(
+            stream.clone(),
+            format!("bench-app-{i}-{tag}"),
+            count_or_ack(effects),
+        )
+        .worker_id("bench")
+        .lanes(4)
+        .lease_settings(lease())
+        .aws_config(config.clone())
+        .receipts(Arc::new(ledger));
+        rates.push(settled_rate(builder, n).await);
+    }
+    println!(
+        "receipts live (DynamoDB ledger on moto), {n} records over 4 shards x 4 lanes: acks {:.0} records/s, effects {:.0} records/s ({:.0}% of acks)",
+        rates[0],
+        rates[1],
+        100.0 * rates[1] / rates[0]
+    );
+    let _ = kinesis.delete_stream().stream_name(&stream).send().await;
+    for table in [ledger_table.as_str(), counts] {
+        let _ = dynamodb.delete_table().table_name(table).send().await;
+    }
+    for i in 0..2 {
+        let _ = dynamodb
+            .delete_table()
+            .table_name(format!("bench-app-{i}-{tag}"))
+            .send()
+            .await;
+    }
 }
 
 async fn live(scale: &Scale) {
@@ -274,6 +444,7 @@ async fn live(scale: &Scale) {
         println!("process start to first record skipped: build the shardwise binary first");
     }
     let _ = kinesis.delete_stream().stream_name(&stream).send().await;
+    receipts_live(scale, &config).await;
 }
 
 fn main() {
@@ -283,12 +454,16 @@ fn main() {
             pipeline_records: 200_000,
             lane_records: 2_000,
             live_records: 20_000,
+            receipt_records: 100_000,
+            live_receipt_records: 5_000,
         }
     } else {
         Scale {
             pipeline_records: 500,
             lane_records: 40,
             live_records: 0,
+            receipt_records: 200,
+            live_receipt_records: 0,
         }
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -298,6 +473,7 @@ fn main() {
     rt.block_on(async {
         pipeline(&scale).await;
         lanes(&scale).await;
+        receipts_memory(&scale).await;
         if benching {
             live(&scale).await;
         }

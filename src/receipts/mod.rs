@@ -215,6 +215,32 @@ pub trait ReceiptStore: Send + Sync + fmt::Debug + 'static {
 
     /// Receipts in the ledger (of this application), at most `limit`, for inspection.
     fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Receipt>, Error>>;
+
+    /// Whether the event has a terminal receipt (`applied` or `quarantined`): for a handler whose
+    /// sink has its own idempotency (an HTTP API with idempotency keys, an S3 object named by the
+    /// event), the work already done. Record it with [`record`](Self::record) once the sink
+    /// accepted it:
+    ///
+    /// ```
+    /// # use shardwise::receipts::{Disposition, EventId, MemoryReceipts, ReceiptStore};
+    /// # futures::executor::block_on(async {
+    /// let ledger = MemoryReceipts::new();
+    /// let event = EventId::new("kinesis/orders/shardId-000000000000/42.0");
+    /// if !ledger.seen(&event).await? {
+    ///     // ... write to the sink, keyed by `event` ...
+    ///     ledger.record(&event, &Disposition::Applied, "worker-1").await?;
+    /// }
+    /// assert!(ledger.seen(&event).await?);
+    /// # Ok::<(), shardwise::Error>(()) });
+    /// ```
+    fn seen<'a>(&'a self, event: &'a EventId) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            Ok(self
+                .get(event)
+                .await?
+                .is_some_and(|r| r.disposition.is_terminal()))
+        })
+    }
 }
 
 #[allow(dead_code)]
