@@ -1,5 +1,5 @@
-"""moto's server, with requests handled one at a time, no memory kept per object ever created,
-and a cheaper backup in DynamoDB TransactWriteItems.
+"""moto's server, with each DynamoDB table used by one request at a time, no memory kept per
+object ever created, and a cheaper backup in DynamoDB TransactWriteItems.
 
 Started by scripts/emulators in place of moto's `moto_server` entry point, with the same
 arguments. Three facts about moto 5.2.5 measured here (README, "Emulator facts"):
@@ -8,8 +8,11 @@ arguments. Three facts about moto 5.2.5 measured here (README, "Emulator facts")
   TransactWriteItems deep-copies the tables it touches for rollback while other requests write to
   them ("RuntimeError: dictionary changed size during iteration", answered as HTTP 500), and a
   rollback restores that copy over whatever other requests wrote meanwhile. DynamoDB applies each
-  request atomically; here each request runs alone, under one lock, as a single-threaded server
-  would (moto holds Python's global interpreter lock while it works anyway).
+  request atomically; here a request holds a lock on each table it names (in name order, so two
+  requests never wait on each other crosswise), and requests that create, delete or list tables,
+  or name none, hold the catalogue's lock too. Requests on other tables run meanwhile: a lease
+  renewal does not wait behind a 100-action transaction on an effect table. Requests to other
+  services take one lock per service.
 - TransactWriteItems backs up a table once per action that touches it (every item copied, again
   for each action), so a transaction of n actions on a table of m items costs n * m item copies.
   The backups are identical: they are all taken before any action is applied. Here a table's
@@ -18,11 +21,14 @@ arguments. Three facts about moto 5.2.5 measured here (README, "Emulator facts")
 - Every model object it creates is appended to a class-level list for its dashboard and never
   released: each item a write creates, each copy a read returns, each table backup above. Two
   tables of 5,000 items grown by 50-record transactions held 2.7 million objects and 420 MB; a
-  working session of tests, with 10,000-record receipt runs among them, grew the server to 16.8 GB. Here model objects are not tracked (the
-  dashboard shows nothing; nothing else reads that list).
+  working session of tests, with 10,000-record receipt runs among them, grew the server to
+  16.8 GB. Here model objects are not tracked (the dashboard shows nothing; nothing else reads
+  that list).
 """
 
 import copy
+import io
+import json
 import sys
 import threading
 
@@ -32,18 +38,59 @@ from moto.dynamodb.models.table import Table
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication
 from moto.server import main
 
-_one_at_a_time = threading.Lock()
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
 _dispatch = DomainDispatcherApplication.__call__
+_CATALOGUE = "\0catalogue"
+_CATALOGUE_OPERATIONS = {"CreateTable", "DeleteTable", "ListTables"}
 
 
-def _dispatch_alone(self, environ, start_response):
-    with _one_at_a_time:
+def _lock(name):
+    with _locks_guard:
+        return _locks.setdefault(name, threading.Lock())
+
+
+def _names(environ):
+    """What a request touches: its DynamoDB tables (plus the catalogue), or its service. Reads the
+    body and puts it back for moto."""
+    target = environ.get("HTTP_X_AMZ_TARGET", "")
+    service, _, operation = target.partition(".")
+    if not service.startswith("DynamoDB_"):
+        return {"\0service:" + (service or environ.get("PATH_INFO", ""))}
+    length = int(environ.get("CONTENT_LENGTH") or 0)
+    body = environ["wsgi.input"].read(length) if length else b""
+    environ["wsgi.input"] = io.BytesIO(body)
+    try:
+        request = json.loads(body or b"{}")
+    except ValueError:
+        request = {}
+    names = set()
+    if isinstance(request.get("TableName"), str):
+        names.add(request["TableName"])
+    for item in request.get("TransactItems") or []:
+        for action in item.values():
+            if isinstance(action, dict) and isinstance(action.get("TableName"), str):
+                names.add(action["TableName"])
+    names.update(name for name in request.get("RequestItems") or {} if isinstance(name, str))
+    if not names or operation in _CATALOGUE_OPERATIONS:
+        names.add(_CATALOGUE)
+    return names
+
+
+def _dispatch_locked(self, environ, start_response):
+    locks = [_lock(name) for name in sorted(_names(environ))]
+    for lock in locks:
+        lock.acquire()
+    try:
         body = _dispatch(self, environ, start_response)
         try:
             return [b"".join(body)]
         finally:
             if hasattr(body, "close"):
                 body.close()
+    finally:
+        for lock in reversed(locks):
+            lock.release()
 
 
 _transaction = threading.local()
@@ -78,7 +125,7 @@ def _new_untracked(cls, *args, **kwargs):
 
 
 BaseModel.__new__ = staticmethod(_new_untracked)
-DomainDispatcherApplication.__call__ = _dispatch_alone
+DomainDispatcherApplication.__call__ = _dispatch_locked
 DynamoDBBackend.transact_write_items = _transact_write_items_backing_up_once
 Table.__deepcopy__ = _table_deepcopy
 
