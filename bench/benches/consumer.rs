@@ -172,8 +172,15 @@ async fn receipts_memory(scale: &Scale) {
     );
 }
 
-/// Creates a stream of `shards` shards holding records `0..n` (payload the id as text).
-async fn filled_stream(kinesis: &aws_sdk_kinesis::Client, name: &str, shards: i32, n: u64) {
+/// Creates a stream of `shards` shards holding records `0..n` over 256 keys, the payload of id `i`
+/// being `payload(i)`.
+async fn filled_stream(
+    kinesis: &aws_sdk_kinesis::Client,
+    name: &str,
+    shards: i32,
+    n: u64,
+    payload: fn(u64) -> String,
+) {
     kinesis
         .create_stream()
         .stream_name(name)
@@ -202,7 +209,7 @@ async fn filled_stream(kinesis: &aws_sdk_kinesis::Client, name: &str, shards: i3
             .map(|i| {
                 PutRecordsRequestEntry::builder()
                     .partition_key(format!("key-{}", i % 256))
-                    .data(Blob::new(format!("{i}")))
+                    .data(Blob::new(payload(*i)))
                     .build()
                     .unwrap()
             })
@@ -228,7 +235,7 @@ async fn receipts_live(scale: &Scale, config: &aws_config::SdkConfig) {
         Instant::now().elapsed().as_nanos()
     );
     let stream = format!("bench-receipts-{tag}");
-    filled_stream(&kinesis, &stream, 4, n).await;
+    filled_stream(&kinesis, &stream, 4, n, |i| i.to_string()).await;
     let counts: &'static str = Box::leak(format!("bench-counts-{tag}").into_boxed_str());
     let ledger_table = format!("bench-receipts-{tag}");
     let mut rates = Vec::new();
@@ -282,48 +289,8 @@ async fn live(scale: &Scale) {
     let tag = std::process::id();
     let stream = format!("bench-{tag}-{}", Instant::now().elapsed().as_nanos());
     let shards = 4;
-    kinesis
-        .create_stream()
-        .stream_name(&stream)
-        .shard_count(shards)
-        .send()
-        .await
-        .expect("create");
-    loop {
-        let s = kinesis
-            .describe_stream_summary()
-            .stream_name(&stream)
-            .send()
-            .await
-            .expect("describe");
-        if s.stream_description_summary()
-            .is_some_and(|d| *d.stream_status() == StreamStatus::Active)
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let n = scale.live_records;
-    let ids: Vec<u64> = (0..n).collect();
-    for chunk in ids.chunks(500) {
-        let entries = chunk
-            .iter()
-            .map(|i| {
-                PutRecordsRequestEntry::builder()
-                    .partition_key(format!("key-{}", i % 256))
-                    .data(Blob::new(format!("{{\"id\":{i}}}")))
-                    .build()
-                    .unwrap()
-            })
-            .collect::<Vec<_>>();
-        kinesis
-            .put_records()
-            .stream_name(&stream)
-            .set_records(Some(entries))
-            .send()
-            .await
-            .expect("put");
-    }
+    filled_stream(&kinesis, &stream, shards, n, |i| format!("{{\"id\":{i}}}")).await;
 
     // Raw loop: one task per shard, GetRecords (10,000) until caught up, no processing.
     let shard_ids: Vec<String> = kinesis
