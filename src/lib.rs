@@ -36,6 +36,7 @@ pub mod frontier;
 mod handler;
 pub mod kpl;
 pub mod lease;
+pub mod paged;
 pub mod position;
 pub mod producer;
 pub mod receipts;

@@ -116,6 +116,7 @@ async fn move_group(
                 moves.push(SeekMove {
                     seen,
                     to: to.clone(),
+                    progress: None,
                 });
             }
         }
@@ -258,6 +259,7 @@ mod tests {
             children: vec![],
             complete_through: None,
             seek_epoch: 0,
+            progress: None,
         }
     }
 

@@ -2,6 +2,7 @@
 //! and paused tokio time. Dropping a manager without `shutdown` is a crash (kill -9): its tasks stop
 //! and nothing is released.
 
+use shardwise::paged::PagedProgress;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -319,6 +320,15 @@ impl LeaseStore for Counting {
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
         self.tick();
         self.inner.checkpoint(held, to, complete_through)
+    }
+    fn paged_checkpoint<'a>(
+        &'a self,
+        held: &'a shardwise::lease::Ownership,
+        expected: &'a PagedProgress,
+        to: &'a PagedProgress,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        self.tick();
+        self.inner.paged_checkpoint(held, expected, to)
     }
     fn release<'a>(
         &'a self,

@@ -11,6 +11,7 @@ use shardwise::lease::{
     Checkpoint, CheckpointWrite, DynamoDbLeaseStore, Lease, LeaseStore, MemoryLeaseStore, NewLease,
     Ownership, SeekMove,
 };
+use shardwise::paged::{Cursor, PagePosition, PagedProgress};
 use shardwise::{Error, Position, SequenceNumber};
 
 const SHARD: &str = "shardId-000000000000";
@@ -525,6 +526,7 @@ fn mv(seen: &Lease, to: Checkpoint) -> SeekMove {
     SeekMove {
         seen: seen.clone(),
         to,
+        progress: None,
     }
 }
 
@@ -737,6 +739,141 @@ async fn delete_takes_only_an_untouched_ended_row(store: &dyn LeaseStore) {
 // ---------------------------------------------------------------------------------------------
 // One test per (store, case)
 
+fn progress(cursor: Option<&str>, applied: Option<u64>, version: u64) -> PagedProgress {
+    PagedProgress {
+        resume_cursor: cursor.map(|c| Cursor::new(c.to_string())),
+        applied_position: applied.map(PagePosition::from_u64),
+        checkpoint_version: version,
+    }
+}
+
+/// Seed 003's walkthrough as store writes: from nothing to C7/105, then 106 applied under the same
+/// attempt, then the barrier to C8. Every write is a compare-and-swap on the attempt (cursor and
+/// version): a stale attempt loses and changes nothing; the applied position never goes down.
+async fn paged_progress_moves_by_compare_and_swap_on_the_attempt(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (_, me) = held(store, &stream, "w1").await;
+    let start = PagedProgress::default();
+    assert_eq!(
+        row(store, &stream).await.progress,
+        None,
+        "a new row has none"
+    );
+    let c7 = progress(Some("C7"), Some(105), 1);
+    assert_eq!(
+        store.paged_checkpoint(&me, &start, &c7).await.unwrap(),
+        CheckpointWrite::Written,
+        "the first barrier"
+    );
+    assert_eq!(row(store, &stream).await.progress, Some(c7.clone()));
+
+    // 106 applied under the attempt (C7, version 1).
+    let c7_106 = progress(Some("C7"), Some(106), 1);
+    assert_eq!(
+        store.paged_checkpoint(&me, &c7, &c7_106).await.unwrap(),
+        CheckpointWrite::Written
+    );
+    // The same applied position again, or a lower one, is not newer.
+    for stale in [c7_106.clone(), progress(Some("C7"), Some(104), 1)] {
+        assert_eq!(
+            store.paged_checkpoint(&me, &c7_106, &stale).await.unwrap(),
+            CheckpointWrite::NotNewer,
+            "{stale:?}"
+        );
+    }
+    // A stale attempt (fetched at version 0, or at another cursor) loses the compare-and-swap.
+    let c8 = progress(Some("C8"), Some(107), 2);
+    for stale in [start.clone(), progress(Some("C6"), Some(106), 1)] {
+        assert_eq!(
+            store.paged_checkpoint(&me, &stale, &c8).await.unwrap(),
+            CheckpointWrite::NotNewer,
+            "{stale:?}"
+        );
+    }
+    assert_eq!(row(store, &stream).await.progress, Some(c7_106.clone()));
+    // A barrier may not lower the applied position, nor skip a version.
+    for bad in [
+        progress(Some("C8"), Some(105), 2),
+        progress(Some("C8"), None, 2),
+        progress(Some("C8"), Some(107), 3),
+    ] {
+        assert_eq!(
+            store.paged_checkpoint(&me, &c7_106, &bad).await.unwrap(),
+            CheckpointWrite::NotNewer,
+            "{bad:?}"
+        );
+    }
+    // The barrier: C8, version 2. The two attempts that raced for it: one wins, the other rereads.
+    assert_eq!(
+        store.paged_checkpoint(&me, &c7_106, &c8).await.unwrap(),
+        CheckpointWrite::Written
+    );
+    assert_eq!(
+        store.paged_checkpoint(&me, &c7_106, &c8).await.unwrap(),
+        CheckpointWrite::NotNewer,
+        "the loser of two attempts with the same version"
+    );
+    assert_eq!(row(store, &stream).await.progress, Some(c8.clone()));
+    // An empty page's barrier keeps the applied position.
+    let c9 = progress(Some("C9"), Some(107), 3);
+    assert_eq!(
+        store.paged_checkpoint(&me, &c8, &c9).await.unwrap(),
+        CheckpointWrite::Written
+    );
+}
+
+/// A paged write is fenced by owner and epoch like every checkpoint: a zombie's is `Lost`.
+async fn a_zombie_cannot_write_paged_progress(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (seen, zombie) = held(store, &stream, "w1").await;
+    let seen = store
+        .get(&seen.stream, &seen.shard_id)
+        .await
+        .unwrap()
+        .unwrap();
+    store.take(&seen, "w2").await.unwrap().expect("stolen");
+    let to = progress(Some("C1"), Some(1), 1);
+    assert_eq!(
+        store
+            .paged_checkpoint(&zombie, &PagedProgress::default(), &to)
+            .await
+            .unwrap(),
+        CheckpointWrite::Lost
+    );
+    assert_eq!(row(store, &stream).await.progress, None);
+}
+
+/// A seek of a paged partition replaces its cursor and applied position and bumps its version, so
+/// a page fetched before the seek cannot pass its barrier.
+async fn a_seek_resets_paged_progress_and_bumps_the_version(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (_, me) = held(store, &stream, "w1").await;
+    let c3 = progress(Some("C3"), Some(30), 1);
+    store
+        .paged_checkpoint(&me, &PagedProgress::default(), &c3)
+        .await
+        .unwrap();
+    let seen = row(store, &stream).await;
+    let moved = store
+        .seek(&[SeekMove {
+            seen,
+            to: Checkpoint::TrimHorizon,
+            progress: Some(PagedProgress::default()),
+        }])
+        .await
+        .unwrap();
+    assert!(moved);
+    let after = row(store, &stream).await;
+    assert_eq!(after.progress, Some(progress(None, None, 2)));
+    assert_eq!(after.owner, None);
+    // A barrier of the attempt at C3 version 1 is refused (and the lease is gone anyway).
+    let c4 = progress(Some("C4"), Some(40), 2);
+    assert_ne!(
+        store.paged_checkpoint(&me, &c3, &c4).await.unwrap(),
+        CheckpointWrite::Written
+    );
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -787,6 +924,9 @@ conformance!(
     a_latest_start_is_pinned_by_a_fenced_write,
     advance_frontier_only_rises,
     delete_takes_only_an_untouched_ended_row,
+    paged_progress_moves_by_compare_and_swap_on_the_attempt,
+    a_zombie_cannot_write_paged_progress,
+    a_seek_resets_paged_progress_and_bumps_the_version,
 );
 
 // ---------------------------------------------------------------------------------------------

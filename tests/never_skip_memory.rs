@@ -9,6 +9,7 @@
 #[path = "support/recorder.rs"]
 mod recorder;
 
+use shardwise::paged::PagedProgress;
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -381,6 +382,14 @@ impl LeaseStore for SlowSeeks {
         complete_through: Option<i64>,
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
         self.0.checkpoint(held, to, complete_through)
+    }
+    fn paged_checkpoint<'a>(
+        &'a self,
+        held: &'a Ownership,
+        expected: &'a PagedProgress,
+        to: &'a PagedProgress,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        self.0.paged_checkpoint(held, expected, to)
     }
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
         self.0.release(held)

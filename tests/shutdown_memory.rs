@@ -4,6 +4,7 @@
 #[path = "support/recorder.rs"]
 mod recorder;
 
+use shardwise::paged::PagedProgress;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -71,6 +72,14 @@ impl LeaseStore for Hanging {
         complete_through: Option<i64>,
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
         self.gate(self.inner.checkpoint(held, to, complete_through))
+    }
+    fn paged_checkpoint<'a>(
+        &'a self,
+        held: &'a Ownership,
+        expected: &'a PagedProgress,
+        to: &'a PagedProgress,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        self.gate(self.inner.paged_checkpoint(held, expected, to))
     }
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
         self.gate(self.inner.release(held))

@@ -188,6 +188,7 @@ mod tests {
             children: vec![],
             complete_through: Some(12),
             seek_epoch: 1,
+            progress: None,
         }
     }
 

@@ -11,6 +11,7 @@ use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::config::http::HttpResponse;
 use aws_sdk_dynamodb::error::SdkError;
 use aws_sdk_dynamodb::operation::update_item::{UpdateItemError, UpdateItemOutput};
+use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::{
     AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure, TransactWriteItem, Update,
 };
@@ -21,6 +22,7 @@ use super::store::{CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, SeekMove};
 use crate::checkpoint::{AT_TIMESTAMP, Checkpoint};
 use crate::dynamo::{Table, TableOptions, is_condition_failed, n, s};
 use crate::error::Error;
+use crate::paged::{Cursor, PagePosition, PagedProgress};
 use crate::time::millis;
 
 /// Attribute names of a lease row (see `docs/leases.md`).
@@ -39,6 +41,9 @@ mod attr {
     pub(super) const CHILDREN: &str = "childShardIds";
     pub(super) const COMPLETE_THROUGH: &str = "completeThrough";
     pub(super) const SEEK_EPOCH: &str = "seekEpoch";
+    pub(super) const RESUME_CURSOR: &str = "resumeCursor";
+    pub(super) const APPLIED_POSITION: &str = "appliedPosition";
+    pub(super) const CHECKPOINT_VERSION: &str = "checkpointVersion";
 }
 use attr::*;
 
@@ -333,6 +338,84 @@ impl DynamoDbLeaseStore {
             .await
     }
 
+    /// The paged progress write of `docs/paged.md`: owner, epoch, the attempt's cursor and
+    /// version, and an applied position that does not go down.
+    async fn paged_checkpoint_row(
+        &self,
+        held: &Ownership,
+        expected: &PagedProgress,
+        to: &PagedProgress,
+    ) -> Result<CheckpointWrite, Error> {
+        let same_attempt = to.checkpoint_version == expected.checkpoint_version;
+        if !(same_attempt && to.resume_cursor == expected.resume_cursor
+            || to.checkpoint_version == expected.checkpoint_version + 1)
+        {
+            // Not a write of this attempt, as the memory store refuses it too.
+            return Ok(CheckpointWrite::NotNewer);
+        }
+        let mut condition = String::from("#owner = :owner AND #epoch = :epoch");
+        let mut set = vec!["#version = :version"];
+        let mut remove = Vec::new();
+        let mut request = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(held.key()))
+            .expression_attribute_names("#owner", OWNER)
+            .expression_attribute_names("#epoch", EPOCH)
+            .expression_attribute_names("#version", CHECKPOINT_VERSION)
+            .expression_attribute_names("#cursor", RESUME_CURSOR)
+            .expression_attribute_names("#applied", APPLIED_POSITION)
+            .expression_attribute_values(":owner", s(&held.owner))
+            .expression_attribute_values(":epoch", n(held.epoch))
+            .expression_attribute_values(":seenVersion", n(expected.checkpoint_version))
+            .expression_attribute_values(":version", n(to.checkpoint_version))
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
+        // A version never written reads as 0.
+        condition.push_str(if expected.checkpoint_version == 0 {
+            " AND (attribute_not_exists(#version) OR #version = :seenVersion)"
+        } else {
+            " AND #version = :seenVersion"
+        });
+        match &expected.resume_cursor {
+            Some(cursor) => {
+                condition.push_str(" AND #cursor = :seenCursor");
+                request =
+                    request.expression_attribute_values(":seenCursor", blob(cursor.as_bytes()));
+            }
+            None => condition.push_str(" AND attribute_not_exists(#cursor)"),
+        }
+        match &to.resume_cursor {
+            Some(cursor) => {
+                set.push("#cursor = :cursor");
+                request = request.expression_attribute_values(":cursor", blob(cursor.as_bytes()));
+            }
+            None => remove.push("#cursor"),
+        }
+        match &to.applied_position {
+            Some(applied) => {
+                set.push("#applied = :applied");
+                condition.push_str(if same_attempt {
+                    " AND (attribute_not_exists(#applied) OR #applied < :applied)"
+                } else {
+                    " AND (attribute_not_exists(#applied) OR #applied <= :applied)"
+                });
+                request = request.expression_attribute_values(":applied", blob(applied.as_bytes()));
+            }
+            None => condition.push_str(" AND attribute_not_exists(#applied)"),
+        }
+        let mut update = format!("SET {}", set.join(", "));
+        if !remove.is_empty() {
+            update.push_str(&format!(" REMOVE {}", remove.join(", ")));
+        }
+        let result = request
+            .update_expression(update)
+            .condition_expression(condition)
+            .send()
+            .await;
+        self.fenced_write_result(held, result).await
+    }
+
     /// Reads the answer to a write conditioned on ownership and on the new value being greater:
     /// a refused condition is `NotNewer` while the lease is still ours, `Lost` otherwise, told
     /// apart by the row the store refused (or, if it sent none, by reading the row).
@@ -391,6 +474,36 @@ impl DynamoDbLeaseStore {
             set.push_str(", #ts = :ts");
             names.insert("#ts".into(), STARTING_TIMESTAMP.into());
             values.insert(":ts".into(), n(millis(*t)));
+        }
+        if let Some(progress) = &m.progress {
+            set.push_str(", #version = if_not_exists(#version, :zero) + :one");
+            names.insert("#version".into(), CHECKPOINT_VERSION.into());
+            values.insert(":zero".into(), n(0u64));
+            let mut remove = Vec::new();
+            match &progress.resume_cursor {
+                Some(cursor) => {
+                    set.push_str(", #cursor = :cursor");
+                    values.insert(":cursor".into(), blob(cursor.as_bytes()));
+                }
+                None => remove.push("#cursor"),
+            }
+            match &progress.applied_position {
+                Some(applied) => {
+                    set.push_str(", #applied = :applied");
+                    values.insert(":applied".into(), blob(applied.as_bytes()));
+                }
+                None => remove.push("#applied"),
+            }
+            names.insert("#cursor".into(), RESUME_CURSOR.into());
+            names.insert("#applied".into(), APPLIED_POSITION.into());
+            if !remove.is_empty() {
+                // `REMOVE #owner` opens the expression: the paged attributes join that clause.
+                set = set.replacen(
+                    "REMOVE #owner",
+                    &format!("REMOVE #owner, {}", remove.join(", ")),
+                    1,
+                );
+            }
         }
         (set, names, values)
     }
@@ -596,6 +709,15 @@ impl LeaseStore for DynamoDbLeaseStore {
         Box::pin(self.checkpoint_row(held, to, complete_through))
     }
 
+    fn paged_checkpoint<'a>(
+        &'a self,
+        held: &'a Ownership,
+        expected: &'a PagedProgress,
+        to: &'a PagedProgress,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        Box::pin(self.paged_checkpoint_row(held, expected, to))
+    }
+
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(self.fenced(held, "REMOVE #owner SET #counter = #counter + :one"))
     }
@@ -645,6 +767,10 @@ fn holds(item: &Item, held: &Ownership) -> bool {
     let epoch =
         matches!(item.get(EPOCH), Some(AttributeValue::N(e)) if e.parse::<u64>() == Ok(held.epoch));
     owner && epoch
+}
+
+fn blob(bytes: &[u8]) -> AttributeValue {
+    AttributeValue::B(Blob::new(bytes.to_vec()))
 }
 
 fn list(values: &[String]) -> AttributeValue {
@@ -698,6 +824,7 @@ fn parse_row(item: &Item) -> Result<Lease, Error> {
         children: row.strings(CHILDREN)?,
         complete_through: row.number(COMPLETE_THROUGH)?,
         seek_epoch: row.number(SEEK_EPOCH)?.unwrap_or(0),
+        progress: row.progress()?,
         stream,
         shard_id,
     })
@@ -737,6 +864,29 @@ impl Row<'_> {
             }),
             Some(other) => Err(self.corrupt(attribute, format!("is {}, expected N", kind(other)))),
         }
+    }
+
+    fn binary(&self, attribute: &str) -> Result<Option<Vec<u8>>, Error> {
+        match self.item.get(attribute) {
+            None | Some(AttributeValue::Null(_)) => Ok(None),
+            Some(AttributeValue::B(v)) => Ok(Some(v.as_ref().to_vec())),
+            Some(other) => Err(self.corrupt(attribute, format!("is {}, expected B", kind(other)))),
+        }
+    }
+
+    /// A paged partition's progress; `None` when the row has none of its attributes.
+    fn progress(&self) -> Result<Option<PagedProgress>, Error> {
+        let cursor = self.binary(RESUME_CURSOR)?;
+        let applied = self.binary(APPLIED_POSITION)?;
+        let version = self.number::<u64>(CHECKPOINT_VERSION)?;
+        if cursor.is_none() && applied.is_none() && version.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(PagedProgress {
+            resume_cursor: cursor.map(Cursor::new),
+            applied_position: applied.map(PagePosition::from_bytes),
+            checkpoint_version: version.unwrap_or(0),
+        }))
     }
 
     /// A list of strings (L of S, or SS); absent reads as empty.

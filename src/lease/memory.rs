@@ -9,8 +9,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use futures::future::BoxFuture;
 
 use super::row::{Checkpoint, Lease, NewLease, Ownership, lease_key};
-use super::store::{CheckpointWrite, LeaseStore, SeekMove};
+use super::store::{CheckpointWrite, LeaseStore, SeekMove, paged_write_holds};
 use crate::error::Error;
+use crate::paged::PagedProgress;
 
 /// Leases held in memory. Clones share the same rows, so several simulated workers can race on
 /// one table; every operation is atomic under one lock, as a conditional write is in DynamoDB, and
@@ -246,6 +247,7 @@ impl LeaseStore for MemoryLeaseStore {
                 children: Vec::new(),
                 complete_through: None,
                 seek_epoch: 0,
+                progress: None,
             };
             rows.changes.push(("create", None, Some(row.clone())));
             rows.rows.insert(key, row);
@@ -311,6 +313,31 @@ impl LeaseStore for MemoryLeaseStore {
         })
     }
 
+    fn paged_checkpoint<'a>(
+        &'a self,
+        held: &'a Ownership,
+        expected: &'a PagedProgress,
+        to: &'a PagedProgress,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        self.call("paged_checkpoint", true, move |rows| {
+            if !rows.held(held) {
+                return CheckpointWrite::Lost;
+            }
+            let written = rows.change("paged_checkpoint", &held.key(), |row| {
+                if !paged_write_holds(row.progress.as_ref(), expected, to) {
+                    return false;
+                }
+                row.progress = Some(to.clone());
+                true
+            });
+            if written {
+                CheckpointWrite::Written
+            } else {
+                CheckpointWrite::NotNewer
+            }
+        })
+    }
+
     fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
         self.call("seek", true, move |rows| {
             let all_as_seen = moves.iter().all(|m| {
@@ -324,6 +351,13 @@ impl LeaseStore for MemoryLeaseStore {
             for m in moves {
                 rows.change("seek", &m.seen.key(), |row| {
                     row.checkpoint = m.to.clone();
+                    if let Some(progress) = &m.progress {
+                        let version = row.progress.as_ref().map_or(0, |p| p.checkpoint_version);
+                        row.progress = Some(PagedProgress {
+                            checkpoint_version: version + 1,
+                            ..progress.clone()
+                        });
+                    }
                     row.seek_epoch += 1;
                     row.owner_epoch += 1;
                     row.owner = None;

@@ -186,6 +186,7 @@ mod tests {
             children: vec![],
             complete_through: None,
             seek_epoch: 0,
+            progress: None,
         }
     }
 

@@ -1,6 +1,7 @@
 //! The lease row and the values it carries.
 
 pub use crate::checkpoint::{Checkpoint, InitialPosition};
+use crate::paged::PagedProgress;
 
 /// One lease row as read from the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +26,9 @@ pub struct Lease {
     pub complete_through: Option<i64>,
     /// +1 on every seek.
     pub seek_epoch: u64,
+    /// A paged partition's progress (`None` for a Kinesis shard, and for a partition that has
+    /// written none yet: it reads from its first page).
+    pub progress: Option<PagedProgress>,
 }
 
 impl Lease {

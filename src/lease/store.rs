@@ -6,6 +6,7 @@ use futures::future::BoxFuture;
 
 use super::row::{Checkpoint, Lease, NewLease, Ownership};
 use crate::error::Error;
+use crate::paged::PagedProgress;
 
 /// What a fenced checkpoint write did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +28,35 @@ pub struct SeekMove {
     pub seen: Lease,
     /// The new checkpoint.
     pub to: Checkpoint,
+    /// For a paged partition, its new cursor and applied position; the store sets the version to
+    /// the stored one + 1 (whatever this says), so a page fetched before the seek cannot pass its
+    /// barrier.
+    pub progress: Option<PagedProgress>,
+}
+
+/// Whether a paged progress write holds on a row whose stored progress is `stored`: the stored
+/// cursor and version are `expected`'s (the compare-and-swap on the page attempt), and the applied
+/// position does not go down. An applied-only write (same version) must raise it; a barrier (the
+/// next version) may leave it. Any other version is refused.
+pub(crate) fn paged_write_holds(
+    stored: Option<&PagedProgress>,
+    expected: &PagedProgress,
+    to: &PagedProgress,
+) -> bool {
+    let default = PagedProgress::default();
+    let stored = stored.unwrap_or(&default);
+    let attempt = stored.checkpoint_version == expected.checkpoint_version
+        && stored.resume_cursor == expected.resume_cursor;
+    let applied = match (&stored.applied_position, &to.applied_position) {
+        (None, _) => true,
+        (Some(_), None) => false,
+        (Some(old), Some(new)) if to.checkpoint_version == expected.checkpoint_version => new > old,
+        (Some(old), Some(new)) => new >= old,
+    };
+    let version = to.checkpoint_version == expected.checkpoint_version
+        && to.resume_cursor == expected.resume_cursor
+        || to.checkpoint_version == expected.checkpoint_version + 1;
+    attempt && applied && version
 }
 
 /// The most rows one seek moves at once (DynamoDB's limit on items in one transaction): a shard
@@ -76,6 +106,19 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         held: &'a Ownership,
         to: &'a Checkpoint,
         complete_through: Option<i64>,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>>;
+
+    /// Writes a paged partition's progress, fenced by owner and epoch and conditioned on the page
+    /// attempt: the stored `resumeCursor` and `checkpointVersion` are `expected`'s. Either `to` keeps
+    /// the cursor and version and raises `appliedPosition` (the settled prefix grew), or it is a
+    /// page barrier: a new cursor, version + 1, the applied position not lower. `NotNewer`: the
+    /// lease is ours but the attempt is stale (the cursor or version moved, the applied position is
+    /// not newer); the caller rereads the row rather than overwrite newer progress.
+    fn paged_checkpoint<'a>(
+        &'a self,
+        held: &'a Ownership,
+        expected: &'a PagedProgress,
+        to: &'a PagedProgress,
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>>;
 
     /// Gives a held lease up so another worker can take it at once. `false`: it was already lost.

@@ -245,6 +245,7 @@ mod tests {
             children: children.iter().map(|c| c.to_string()).collect(),
             complete_through: Some(1),
             seek_epoch: 0,
+            progress: None,
         }
     }
 

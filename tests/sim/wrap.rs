@@ -2,6 +2,7 @@
 //! simulation can cut a worker off (a partition, or a pause longer than a lease) and let it back;
 //! copies and dead letters it writes, and its receipt commits, are reported to the model.
 
+use shardwise::paged::PagedProgress;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -142,6 +143,18 @@ impl LeaseStore for Store {
             self.gate.pass().await;
             self.calls("checkpoint");
             self.inner.checkpoint(held, to, complete_through).await
+        })
+    }
+    fn paged_checkpoint<'a>(
+        &'a self,
+        held: &'a Ownership,
+        expected: &'a PagedProgress,
+        to: &'a PagedProgress,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            self.calls("paged_checkpoint");
+            self.inner.paged_checkpoint(held, expected, to).await
         })
     }
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {

@@ -1,0 +1,293 @@
+//! Paged event sources: partitioned APIs read page by page with an opaque continuation cursor
+//! (CloudWatch Logs' `GetLogEvents`, an HTTP events endpoint), leased, tracked and checkpointed like
+//! Kinesis shards.
+//!
+//! A partition is read from its durable `resume_cursor`. Each page's next cursor stays in memory
+//! until every event of that page has a durable terminal outcome; only then does a page barrier
+//! replace `resume_cursor`, by a compare-and-swap on the cursor and `checkpoint_version` the page
+//! was fetched with. Between barriers, `applied_position` records the end of the source-ordered
+//! prefix whose events are durable, so a retried page knows which of its events are replays. See
+//! `docs/paged.md` for the row, the states and every write's condition.
+//!
+//! A cursor is opaque to shardwise: it is stored and handed back, and compared for equality only
+//! (a cursor that comes back unchanged means nothing new: back off), never parsed, ordered or
+//! incremented. Positions, which the source defines, are what orders events.
+
+mod barrier;
+mod order;
+
+use std::fmt;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+
+use crate::error::BoxError;
+
+pub(crate) use barrier::{Barrier, BarrierWrite};
+pub use order::OrderError;
+pub(crate) use order::{Order, Verdict};
+
+/// A provider's continuation token, as the source encodes it: opaque bytes.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Cursor(Bytes);
+
+impl Cursor {
+    /// A cursor holding these bytes.
+    pub fn new(bytes: impl Into<Bytes>) -> Self {
+        Self(bytes.into())
+    }
+
+    /// The bytes, for the source that made them.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Cursor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Cursor({self})")
+    }
+}
+
+impl fmt::Display for Cursor {
+    /// The bytes as text when they are printable, otherwise in hex.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match std::str::from_utf8(&self.0) {
+            Ok(text) if text.chars().all(|c| !c.is_control()) => f.write_str(text),
+            _ => self.0.iter().try_for_each(|b| write!(f, "{b:02x}")),
+        }
+    }
+}
+
+/// Where an event stands in its partition's total order, as the source defines it: bytes compared
+/// byte by byte (DynamoDB compares binary attributes the same way). Build one from a number with
+/// [`from_u64`](Self::from_u64), from several with [`from_parts`](Self::from_parts).
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PagePosition(Bytes);
+
+impl PagePosition {
+    /// These bytes, in this order.
+    pub fn from_bytes(bytes: impl Into<Bytes>) -> Self {
+        Self(bytes.into())
+    }
+
+    /// A number: eight bytes, big-endian, so byte order is numeric order.
+    pub fn from_u64(n: u64) -> Self {
+        Self(Bytes::copy_from_slice(&n.to_be_bytes()))
+    }
+
+    /// Several numbers, compared in turn (each eight bytes, big-endian).
+    pub fn from_parts(parts: &[u64]) -> Self {
+        Self(parts.iter().flat_map(|p| p.to_be_bytes()).collect())
+    }
+
+    /// The number of a position made by [`from_u64`](Self::from_u64).
+    pub fn as_u64(&self) -> Option<u64> {
+        Some(u64::from_be_bytes(self.0.as_ref().try_into().ok()?))
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for PagePosition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PagePosition({self})")
+    }
+}
+
+impl fmt::Display for PagePosition {
+    /// A number as a number, several as `a.b.c`, anything else in hex.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if !self.0.is_empty() && self.0.len() % 8 == 0 {
+            for (i, chunk) in self.0.chunks(8).enumerate() {
+                let n = u64::from_be_bytes(chunk.try_into().expect("eight bytes"));
+                if i > 0 {
+                    f.write_str(".")?;
+                }
+                write!(f, "{n}")?;
+            }
+            return Ok(());
+        }
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+/// One event of a page.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagedEvent {
+    /// Its stable identity within the partition: the same every time the event is read, whatever
+    /// page it comes in. Receipts are keyed by it.
+    pub id: String,
+    /// Its place in the partition's total order.
+    pub position: PagePosition,
+    /// The payload.
+    pub payload: Bytes,
+    /// When it happened, if the source says.
+    pub timestamp: Option<SystemTime>,
+    /// Events with the same key are handled one at a time, in order; `None` orders it against
+    /// nothing (lanes run it whenever one is free).
+    pub key: Option<String>,
+}
+
+/// One answer of a fetch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Page {
+    /// The events, in the partition's order.
+    pub events: Vec<PagedEvent>,
+    /// Where the next fetch continues; `None` once the partition has ended and will have no more
+    /// events (most sources never end a partition).
+    pub next: Option<Cursor>,
+}
+
+/// What an empty page with a new cursor means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EmptyPages {
+    /// A page that happens to hold nothing: its cursor is followed, and promoted like any page's
+    /// (the provider documents that the new cursor skips nothing).
+    ZeroItems,
+    /// Nothing can be concluded: the new cursor is not followed; the same cursor is fetched again
+    /// after a back-off.
+    Refetch,
+}
+
+/// What a source promises about its partitions; the consumer acts on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Contract {
+    /// What an empty page with a new cursor means.
+    pub empty_pages: EmptyPages,
+    /// Events may appear later at positions at or below ones already read (late backfills). Then a
+    /// position at or below the applied prefix proves nothing: only a receipt shows an event
+    /// already has its outcome, and a position below the last one read is a backfill, not a
+    /// regression.
+    pub backfill: bool,
+    /// Positions are consecutive numbers ([`PagePosition::from_u64`]): a jump over a number is a gap
+    /// the source forbids, and stops the partition.
+    pub dense: bool,
+}
+
+impl Default for Contract {
+    /// Zero-item empty pages, no backfills, positions with gaps allowed.
+    fn default() -> Self {
+        Self {
+            empty_pages: EmptyPages::ZeroItems,
+            backfill: false,
+            dense: false,
+        }
+    }
+}
+
+impl Contract {
+    /// Sets what an empty page with a new cursor means.
+    pub fn empty_pages(mut self, empty_pages: EmptyPages) -> Self {
+        self.empty_pages = empty_pages;
+        self
+    }
+
+    /// Sets whether events may be backfilled below positions already read.
+    pub fn backfill(mut self, backfill: bool) -> Self {
+        self.backfill = backfill;
+        self
+    }
+
+    /// Sets whether positions are consecutive numbers.
+    pub fn dense(mut self, dense: bool) -> Self {
+        self.dense = dense;
+        self
+    }
+}
+
+/// Why a fetch failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FetchError {
+    /// The provider asked to slow down: back off and fetch the same cursor again.
+    #[error("throttled")]
+    Throttled,
+    /// The partition does not exist (any more).
+    #[error("partition not found")]
+    NotFound,
+    /// The provider refused the cursor (expired, or not its own): the partition's attempt stops.
+    #[error("cursor refused")]
+    InvalidCursor(#[source] BoxError),
+    /// Anything else (a timeout, a lost answer, a server error): fetched again with back-off.
+    #[error("fetch failed")]
+    Other(#[source] BoxError),
+}
+
+/// A partitioned API read page by page.
+///
+/// Cancelling a returned future is safe: a fetch has no effects (a page fetched and lost is fetched
+/// again from the same cursor).
+pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
+    /// The source's name, unique in the lease table: lease rows (as their stream) and event
+    /// identities carry it, e.g. `logs:/aws/lambda/orders`.
+    fn name(&self) -> &str;
+
+    /// What the source promises.
+    fn contract(&self) -> Contract;
+
+    /// Every partition, in a stable order.
+    fn partitions(&self) -> BoxFuture<'_, Result<Vec<String>, crate::Error>>;
+
+    /// The page of `partition` at `cursor` (`None`: its first page).
+    fn fetch<'a>(
+        &'a self,
+        partition: &'a str,
+        cursor: Option<&'a Cursor>,
+    ) -> BoxFuture<'a, Result<Page, FetchError>>;
+
+    /// A cursor whose pages start with the first event at or after `time`, for a seek; `None`
+    /// when the source cannot start at a time.
+    fn cursor_at(&self, partition: &str, time: SystemTime) -> Option<Cursor> {
+        let _ = (partition, time);
+        None
+    }
+}
+
+#[allow(dead_code)]
+fn _object_safe(_: &dyn PagedSource) {}
+
+/// A paged partition's durable progress, as its lease row keeps it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PagedProgress {
+    /// Where the next fetch starts (`None`: the partition's first page).
+    pub resume_cursor: Option<Cursor>,
+    /// The end of the source-ordered prefix whose events have durable terminal outcomes.
+    pub applied_position: Option<PagePosition>,
+    /// The compare-and-swap generation: +1 on every page barrier and every seek.
+    pub checkpoint_version: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_order_as_their_numbers_and_print_as_them() {
+        let p = |n| PagePosition::from_u64(n);
+        assert!(p(9) < p(10) && p(255) < p(256) && p(0) < p(u64::MAX));
+        assert_eq!(p(105).to_string(), "105");
+        assert_eq!(p(105).as_u64(), Some(105));
+        let parts = PagePosition::from_parts(&[1_764_000_000_000, 3]);
+        assert!(parts < PagePosition::from_parts(&[1_764_000_000_000, 4]));
+        assert!(parts < PagePosition::from_parts(&[1_764_000_000_001, 0]));
+        assert_eq!(parts.to_string(), "1764000000000.3");
+        assert_eq!(parts.as_u64(), None);
+        assert_eq!(
+            PagePosition::from_bytes(&b"\x01\xff"[..]).to_string(),
+            "01ff"
+        );
+    }
+
+    #[test]
+    fn cursors_print_as_text_or_hex() {
+        assert_eq!(Cursor::new("f/0000042").to_string(), "f/0000042");
+        assert_eq!(Cursor::new(vec![0u8, 1, 254]).to_string(), "0001fe");
+    }
+}

@@ -1,0 +1,325 @@
+//! Order validation of fetched pages (pure): what each event of a page is, given the durable
+//! applied prefix and what this attempt has already handed out, or why the page stops the attempt.
+//!
+//! | event's position | verdict |
+//! |---|---|
+//! | at or below the durable applied prefix | `Replay` (its outcome is durable); with a backfilling source `Backfill` (a receipt decides) |
+//! | at or below the last one handed out, same identity as handed out there | `Overlap` (skip it) |
+//! | at or below the last one handed out, another identity there | `Conflict` error |
+//! | at or below the last one handed out, nothing handed out there | `Regression` error; with a backfilling source `New` |
+//! | above the last one handed out | `New`; with dense positions anything but the next number is a `Gap` error |
+//!
+//! A page is judged whole before anything of it is handed out: an error leaves the state as it was.
+
+use std::collections::BTreeMap;
+
+use super::{Contract, PagePosition, PagedEvent};
+
+/// What to do with one event of a page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Hand it to the handler.
+    New,
+    /// At or below the durable applied prefix: its outcome is durable already. Settled without
+    /// the handler.
+    Replay,
+    /// Handed out already by this attempt (an overlapping or repeated page): skipped.
+    Overlap,
+    /// At or below the applied prefix of a source that backfills: a terminal receipt makes it a
+    /// replay; otherwise it is handled (never skipped).
+    Backfill,
+}
+
+/// Why a page stops its partition's attempt.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum OrderError {
+    /// An event came back at or below one already read, where nothing had been read.
+    #[error(
+        "position {position} comes at or below {last}, already read, in a source that does not backfill: a regression"
+    )]
+    Regression {
+        /// The event's position.
+        position: PagePosition,
+        /// The greatest position read before it.
+        last: PagePosition,
+    },
+    /// Two identities at one position.
+    #[error(
+        "position {position} holds `{got}`, but `{seen}` was read there: conflicting identities"
+    )]
+    Conflict {
+        /// The position.
+        position: PagePosition,
+        /// The identity read there first.
+        seen: String,
+        /// The identity read there now.
+        got: String,
+    },
+    /// Dense positions skipped a number.
+    #[error("position {got} follows {after}: a gap the source's contract forbids")]
+    Gap {
+        /// The position before.
+        after: PagePosition,
+        /// The position that came next.
+        got: PagePosition,
+    },
+}
+
+/// What one attempt of a partition has read.
+#[derive(Debug)]
+pub(crate) struct Order {
+    contract: Contract,
+    /// The durable applied prefix.
+    applied: Option<PagePosition>,
+    /// The greatest position handed out.
+    last: Option<PagePosition>,
+    /// Identities handed out above the applied prefix.
+    seen: BTreeMap<PagePosition, String>,
+}
+
+impl Order {
+    pub(crate) fn new(contract: Contract, applied: Option<PagePosition>) -> Self {
+        Self {
+            contract,
+            applied,
+            last: None,
+            seen: BTreeMap::new(),
+        }
+    }
+
+    /// Judges a page, all or nothing.
+    pub(crate) fn classify(&mut self, events: &[PagedEvent]) -> Result<Vec<Verdict>, OrderError> {
+        let mut last = self.last.clone();
+        let mut added: BTreeMap<PagePosition, &str> = BTreeMap::new();
+        let mut verdicts = Vec::with_capacity(events.len());
+        for event in events {
+            let position = &event.position;
+            let seen = added
+                .get(position)
+                .copied()
+                .or_else(|| self.seen.get(position).map(String::as_str));
+            let verdict = if self.applied.as_ref().is_some_and(|a| position <= a) {
+                if self.contract.backfill {
+                    Verdict::Backfill
+                } else {
+                    Verdict::Replay
+                }
+            } else if let Some(seen) = seen {
+                if seen != event.id {
+                    return Err(OrderError::Conflict {
+                        position: position.clone(),
+                        seen: seen.to_string(),
+                        got: event.id.clone(),
+                    });
+                }
+                Verdict::Overlap
+            } else if let Some(l) = last.as_ref().filter(|l| position <= *l) {
+                if !self.contract.backfill {
+                    return Err(OrderError::Regression {
+                        position: position.clone(),
+                        last: l.clone(),
+                    });
+                }
+                added.insert(position.clone(), &event.id);
+                Verdict::New
+            } else {
+                if self.contract.dense
+                    && let Some(after) = last.as_ref().or(self.applied.as_ref())
+                {
+                    let next = after.as_u64().and_then(|n| n.checked_add(1));
+                    if position.as_u64().is_none() || position.as_u64() != next {
+                        return Err(OrderError::Gap {
+                            after: after.clone(),
+                            got: position.clone(),
+                        });
+                    }
+                }
+                added.insert(position.clone(), &event.id);
+                last = Some(position.clone());
+                Verdict::New
+            };
+            verdicts.push(verdict);
+        }
+        for (position, id) in added {
+            self.seen.insert(position, id.to_string());
+        }
+        self.last = last;
+        Ok(verdicts)
+    }
+
+    /// The prefix is durable through `through`: what is at or below it needs no identity kept.
+    pub(crate) fn applied(&mut self, through: &PagePosition) {
+        if self.applied.as_ref().is_some_and(|a| a >= through) {
+            return;
+        }
+        self.applied = Some(through.clone());
+        self.seen = self.seen.split_off(through);
+        self.seen.remove(through);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Verdict::*;
+    use super::*;
+
+    fn event(position: u64, id: &str) -> PagedEvent {
+        PagedEvent {
+            id: id.into(),
+            position: PagePosition::from_u64(position),
+            payload: bytes::Bytes::new(),
+            timestamp: None,
+            key: None,
+        }
+    }
+
+    fn page(events: &[(u64, &str)]) -> Vec<PagedEvent> {
+        events.iter().map(|(p, id)| event(*p, id)).collect()
+    }
+
+    fn p(n: u64) -> PagePosition {
+        PagePosition::from_u64(n)
+    }
+
+    /// Seed 003's walkthrough: applied 105, the page at C7 holds 104, 106, 107.
+    #[test]
+    fn an_overlap_below_the_applied_prefix_is_a_replay() {
+        let mut order = Order::new(Contract::default().dense(true), Some(p(105)));
+        let verdicts = order
+            .classify(&page(&[(104, "e104"), (106, "e106"), (107, "e107")]))
+            .unwrap();
+        assert_eq!(verdicts, [Replay, New, New]);
+        // The same page again (a retry of a lost answer): everything was handed out already.
+        let again = order
+            .classify(&page(&[(104, "e104"), (106, "e106"), (107, "e107")]))
+            .unwrap();
+        assert_eq!(again, [Replay, Overlap, Overlap]);
+        // Once 106 is durable, it is a replay too.
+        order.applied(&p(106));
+        let later = order.classify(&page(&[(106, "e106"), (107, "e107"), (108, "e108")]));
+        assert_eq!(later.unwrap(), [Replay, Overlap, New]);
+    }
+
+    #[test]
+    fn table_of_pages_that_stop_the_attempt() {
+        type Case = (
+            &'static str,
+            Contract,
+            Option<u64>,
+            &'static [&'static [(u64, &'static str)]],
+            OrderError,
+        );
+        let cases: &[Case] = &[
+            (
+                "a position below one read, nothing read there",
+                Contract::default(),
+                None,
+                &[&[(10, "a"), (12, "c")], &[(11, "b")]],
+                OrderError::Regression {
+                    position: p(11),
+                    last: p(12),
+                },
+            ),
+            (
+                "a page going backwards inside itself",
+                Contract::default(),
+                None,
+                &[&[(10, "a"), (9, "z")]],
+                OrderError::Regression {
+                    position: p(9),
+                    last: p(10),
+                },
+            ),
+            (
+                "two identities at one position, across pages",
+                Contract::default(),
+                None,
+                &[&[(10, "a")], &[(10, "b")]],
+                OrderError::Conflict {
+                    position: p(10),
+                    seen: "a".into(),
+                    got: "b".into(),
+                },
+            ),
+            (
+                "two identities at one position, in one page",
+                Contract::default(),
+                None,
+                &[&[(10, "a"), (10, "b")]],
+                OrderError::Conflict {
+                    position: p(10),
+                    seen: "a".into(),
+                    got: "b".into(),
+                },
+            ),
+            (
+                "a gap in dense positions",
+                Contract::default().dense(true),
+                Some(5),
+                &[&[(6, "f"), (8, "h")]],
+                OrderError::Gap {
+                    after: p(6),
+                    got: p(8),
+                },
+            ),
+            (
+                "a gap after the applied prefix",
+                Contract::default().dense(true),
+                Some(5),
+                &[&[(7, "g")]],
+                OrderError::Gap {
+                    after: p(5),
+                    got: p(7),
+                },
+            ),
+        ];
+        for (what, contract, applied, pages, expected) in cases {
+            let mut order = Order::new(*contract, applied.map(p));
+            let mut result = Ok(Vec::new());
+            for events in pages.iter() {
+                result = order.classify(&page(events));
+                if result.is_err() {
+                    break;
+                }
+            }
+            assert_eq!(result.unwrap_err(), *expected, "{what}");
+        }
+    }
+
+    #[test]
+    fn a_refused_page_changes_nothing() {
+        let mut order = Order::new(Contract::default(), None);
+        order.classify(&page(&[(1, "a"), (2, "b")])).unwrap();
+        assert!(order.classify(&page(&[(3, "c"), (2, "x")])).is_err());
+        // 3 was not taken from the refused page: it is new now.
+        assert_eq!(order.classify(&page(&[(3, "c")])).unwrap(), [New]);
+    }
+
+    #[test]
+    fn a_backfilling_source_takes_late_events_and_leaves_old_ones_to_receipts() {
+        let mut order = Order::new(Contract::default().backfill(true), Some(p(100)));
+        let verdicts = order
+            .classify(&page(&[(90, "late-old"), (110, "a"), (120, "b")]))
+            .unwrap();
+        assert_eq!(verdicts, [Backfill, New, New]);
+        // 115 arrived late, between events already read: new, not a regression.
+        let verdicts = order
+            .classify(&page(&[(115, "late"), (120, "b"), (130, "c")]))
+            .unwrap();
+        assert_eq!(verdicts, [New, Overlap, New]);
+    }
+
+    #[test]
+    fn positions_that_are_not_numbers_are_gaps_in_a_dense_source() {
+        let mut order = Order::new(Contract::default().dense(true), Some(p(1)));
+        let odd = PagedEvent {
+            position: PagePosition::from_bytes(&b"x"[..]),
+            ..event(0, "x")
+        };
+        assert!(matches!(
+            order.classify(&[odd]),
+            Err(OrderError::Gap { .. })
+        ));
+    }
+}
