@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 
 use crate::envelope::{self, Headers};
+use crate::paged::{PagePosition, PagedEvent};
 use crate::position::{Position, SequenceNumber};
 use crate::receipts::{Effects, EventId};
 use crate::retry::{
@@ -84,6 +85,8 @@ struct Inner {
     id: Option<DeliveryId>,
     lane: usize,
     event: Option<EventId>,
+    /// A paged event's position (its `position` is then zero).
+    page_position: Option<PagePosition>,
 }
 
 impl Delivery {
@@ -115,7 +118,44 @@ impl Delivery {
             id: None,
             lane: 0,
             event: None,
+            page_position: None,
         }
+    }
+
+    /// A delivery of an event of a paged source: its identity is `paged/SOURCE/PARTITION/ID`, its
+    /// partition key the event's key (or its identity, for an event ordered against nothing), its
+    /// arrival time the event's timestamp. [`position`](Self::position) is zero:
+    /// [`page_position`](Self::page_position) says where it stands.
+    ///
+    /// ```
+    /// use shardwise::Delivery;
+    /// use shardwise::paged::{PagePosition, PagedEvent};
+    /// let event = PagedEvent {
+    ///     id: "e106".into(),
+    ///     position: PagePosition::from_u64(106),
+    ///     payload: "hello".into(),
+    ///     timestamp: None,
+    ///     key: None,
+    /// };
+    /// let d = Delivery::paged("events", "tenant-1", &event).build();
+    /// assert_eq!(d.event_id().as_str(), "paged/events/tenant-1/e106");
+    /// assert_eq!(d.partition_key(), "e106");
+    /// assert_eq!(d.locator().to_string(), "106");
+    /// ```
+    pub fn paged(
+        source: impl Into<Arc<str>>,
+        partition: impl Into<Arc<str>>,
+        event: &PagedEvent,
+    ) -> DeliveryBuilder {
+        let (source, partition) = (source.into(), partition.into());
+        let id = EventId::paged(&source, &partition, &event.id);
+        let mut builder = Self::builder(source, partition, Position::zero())
+            .partition_key(event.key.clone().unwrap_or_else(|| event.id.clone()))
+            .payload(event.payload.clone())
+            .set_arrived_at(event.timestamp)
+            .event_id(id);
+        builder.page_position = Some(event.position.clone());
+        builder
     }
 
     /// A delivery from a record's data blob as read from the stream: the header envelope, if any,
@@ -144,9 +184,21 @@ impl Delivery {
         &self.inner.shard
     }
 
-    /// Where the record stands in its shard.
+    /// Where the record stands in its shard (zero for a paged event: see
+    /// [`page_position`](Self::page_position)).
     pub fn position(&self) -> &Position {
         &self.inner.position
+    }
+
+    /// Where a paged event stands in its partition; `None` for a Kinesis record.
+    pub fn page_position(&self) -> Option<&PagePosition> {
+        self.inner.page_position.as_ref()
+    }
+
+    /// Where the delivery stands, for messages: a record's sequence number (and sub-sequence), a
+    /// paged event's position.
+    pub fn locator(&self) -> impl std::fmt::Display + '_ {
+        Locator(self)
     }
 
     /// The record's sequence number.
@@ -216,6 +268,30 @@ impl Delivery {
                 id: i.id,
                 lane,
                 event: i.event.clone(),
+                page_position: i.page_position.clone(),
+            }),
+        }
+    }
+
+    /// The same delivery as the next attempt (a paged event retried in place).
+    pub(crate) fn next_attempt(&self) -> Delivery {
+        let i = &self.inner;
+        let mut headers = i.headers.clone();
+        headers.insert(envelope::RETRY_COUNT_HEADER, self.attempt().to_string());
+        Delivery {
+            inner: Arc::new(Inner {
+                stream: i.stream.clone(),
+                shard: i.shard.clone(),
+                position: i.position,
+                partition_key: i.partition_key.clone(),
+                explicit_hash_key: i.explicit_hash_key.clone(),
+                payload: i.payload.clone(),
+                headers,
+                arrived_at: i.arrived_at,
+                id: i.id,
+                lane: i.lane,
+                event: i.event.clone(),
+                page_position: i.page_position.clone(),
             }),
         }
     }
@@ -278,7 +354,7 @@ impl std::fmt::Debug for Delivery {
         f.debug_struct("Delivery")
             .field("stream", &self.stream())
             .field("shard", &self.shard())
-            .field("position", &self.inner.position.to_string())
+            .field("position", &self.locator().to_string())
             .field("partition_key", &self.partition_key())
             .field("attempt", &self.attempt())
             .field("payload_len", &self.payload().len())
@@ -301,6 +377,19 @@ pub struct DeliveryBuilder {
     id: Option<DeliveryId>,
     lane: usize,
     event: Option<EventId>,
+    page_position: Option<PagePosition>,
+}
+
+/// A delivery's place, as messages show it.
+struct Locator<'a>(&'a Delivery);
+
+impl std::fmt::Display for Locator<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0.inner.page_position {
+            Some(p) => p.fmt(f),
+            None => self.0.inner.position.fmt(f),
+        }
+    }
 }
 
 impl DeliveryBuilder {
@@ -390,6 +479,7 @@ impl DeliveryBuilder {
                 id: self.id,
                 lane: self.lane,
                 event: self.event,
+                page_position: self.page_position,
             }),
         }
     }

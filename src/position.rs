@@ -123,6 +123,15 @@ impl Position {
         }
     }
 
+    /// Sequence number 0, sub-sequence 0: below every record (the position of a paged event,
+    /// which has its own).
+    pub fn zero() -> Self {
+        Self::new(
+            SequenceNumber::parse("0").expect("0 is a sequence number"),
+            0,
+        )
+    }
+
     /// The Kinesis record's sequence number.
     pub fn sequence(&self) -> &SequenceNumber {
         &self.sequence

@@ -25,6 +25,7 @@ use crate::backoff::Backoff;
 use crate::envelope::Headers;
 use crate::error::Error;
 use crate::handler::Delivery;
+use crate::paged::PagePosition;
 use crate::position::Position;
 use crate::producer::Producer;
 use crate::retry::{RetryPlan, RetryPolicy};
@@ -41,8 +42,10 @@ const STUCK_BACKOFF: Duration = Duration::from_secs(30);
 pub struct StuckWrite {
     /// The shard of the original record.
     pub shard: String,
-    /// The original record's position.
+    /// The original record's position (zero for a paged event).
     pub position: Position,
+    /// A paged event's position.
+    pub page_position: Option<PagePosition>,
     /// The stream the copy is for (the consumed stream, or the dead-letter stream).
     pub to: String,
     /// Whether it is a dead letter (otherwise a retry copy).
@@ -56,7 +59,7 @@ pub struct StuckWrite {
 /// The stuck writes of one consumer, shared by its shards. Cloning shares it.
 #[derive(Clone, Default)]
 pub(crate) struct StuckWrites {
-    writes: Arc<Mutex<BTreeMap<(String, Position), StuckWrite>>>,
+    writes: Arc<Mutex<BTreeMap<(String, String), StuckWrite>>>,
 }
 
 impl fmt::Debug for StuckWrites {
@@ -72,7 +75,7 @@ impl StuckWrites {
         self.lock().values().cloned().collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, Position), StuckWrite>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, String), StuckWrite>> {
         self.writes.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -81,7 +84,7 @@ impl StuckWrites {
 /// or aborted with its shard).
 struct Entry {
     stuck: StuckWrites,
-    key: (String, Position),
+    key: (String, String),
     listed: bool,
 }
 
@@ -105,6 +108,8 @@ pub(crate) enum WriteEvent {
     Unstuck,
     /// A held receipt is recorded: the delivery waits for it to be made terminal or released.
     Held(DeliveryId, Delivery),
+    /// A paged event's retry is due: run this next attempt on its lane.
+    Redeliver(Delivery),
 }
 
 /// A retry copy or dead letter on its way to a stream.
@@ -151,7 +156,7 @@ impl PendingWrite {
         let d = self.delivery.clone();
         let mut entry = Entry {
             stuck: stuck.clone(),
-            key: (d.shard().to_string(), *d.position()),
+            key: (d.shard().to_string(), d.locator().to_string()),
             listed: false,
         };
         let mut transient = Backoff::new(MAX_BACKOFF);
@@ -171,7 +176,7 @@ impl PendingWrite {
                     info!(
                         stream = d.stream(),
                         shard = d.shard(),
-                        seq = %d.position(),
+                        seq = %d.locator(),
                         to = %self.stream,
                         attempt = d.attempt(),
                         written_to = %written.shard_id,
@@ -195,14 +200,14 @@ impl PendingWrite {
                 let reason = format!("retry copy not written: {error}");
                 match policy.spent(&d, reason) {
                     RetryPlan::DeadLetter { stream, headers } => {
-                        warn!(stream = d.stream(), shard = d.shard(), seq = %d.position(), error = &error as &dyn std::error::Error, to = %stream, "retry copy too large: sent to the dead-letter stream instead");
+                        warn!(stream = d.stream(), shard = d.shard(), seq = %d.locator(), error = &error as &dyn std::error::Error, to = %stream, "retry copy too large: sent to the dead-letter stream instead");
                         self.stream = stream;
                         self.headers = headers;
                         self.dead_letter = true;
                         continue;
                     }
                     _ => {
-                        error!(stream = d.stream(), shard = d.shard(), seq = %d.position(), partition_key = d.partition_key(), error = &error as &dyn std::error::Error, "retry copy too large and no dead-letter stream: settled as a drop");
+                        error!(stream = d.stream(), shard = d.shard(), seq = %d.locator(), partition_key = d.partition_key(), error = &error as &dyn std::error::Error, "retry copy too large and no dead-letter stream: settled as a drop");
                         if entry.listed {
                             let _ = events.send(WriteEvent::Unstuck);
                         }
@@ -223,7 +228,7 @@ impl PendingWrite {
                     error!(
                         stream = d.stream(),
                         shard = d.shard(),
-                        seq = %d.position(),
+                        seq = %d.locator(),
                         partition_key = d.partition_key(),
                         to = %self.stream,
                         dead_letter = self.dead_letter,
@@ -236,6 +241,7 @@ impl PendingWrite {
                         StuckWrite {
                             shard: d.shard().to_string(),
                             position: *d.position(),
+                            page_position: d.page_position().cloned(),
                             to: self.stream.clone(),
                             dead_letter: self.dead_letter,
                             error: error.to_string(),
@@ -251,7 +257,7 @@ impl PendingWrite {
                 warn!(
                     stream = d.stream(),
                     shard = d.shard(),
-                    seq = %d.position(),
+                    seq = %d.locator(),
                     to = %self.stream,
                     error = &error as &dyn std::error::Error,
                     ?wait,

@@ -154,7 +154,7 @@ async fn run_lane<H: Handler>(
             "delivery",
             stream = delivery.stream(),
             shard = delivery.shard(),
-            seq = %delivery.position(),
+            seq = %delivery.locator(),
             attempt = delivery.attempt(),
             lane = delivery.lane(),
         );
@@ -171,7 +171,7 @@ async fn run_lane<H: Handler>(
                 error!(
                     stream = delivery.stream(),
                     shard = delivery.shard(),
-                    seq = %delivery.position(),
+                    seq = %delivery.locator(),
                     partition_key = delivery.partition_key(),
                     panic = %what,
                     "handler panicked: treated as retry"

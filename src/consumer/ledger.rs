@@ -203,19 +203,19 @@ impl Ledger {
                 }
                 Committed::Replay => {
                     metrics::counter!("shardwise_replays_total", "stream" => stream).increment(1);
-                    info!(stream = d.stream(), shard = d.shard(), seq = %d.position(), event = %d.event_id(), "replay: the event's receipt exists; nothing written again");
+                    info!(stream = d.stream(), shard = d.shard(), seq = %d.locator(), event = %d.event_id(), "replay: the event's receipt exists; nothing written again");
                     events.push(LedgerEvent::Settle(id, d, Settled::Replayed));
                 }
                 Committed::Refused(why) => {
                     metrics::counter!("shardwise_effects_refused_total", "stream" => stream)
                         .increment(1);
-                    warn!(stream = d.stream(), shard = d.shard(), seq = %d.position(), event = %d.event_id(), reason = %why, "an effect's condition did not hold (nothing was written): the delivery goes the retry way");
+                    warn!(stream = d.stream(), shard = d.shard(), seq = %d.locator(), event = %d.event_id(), reason = %why, "an effect's condition did not hold (nothing was written): the delivery goes the retry way");
                     events.push(LedgerEvent::Retry(d));
                 }
                 Committed::Invalid(why) => {
                     metrics::counter!("shardwise_effects_invalid_total", "stream" => stream)
                         .increment(1);
-                    error!(stream = d.stream(), shard = d.shard(), seq = %d.position(), event = %d.event_id(), reason = %why, "effects that can never be committed (nothing was written): the delivery is spent");
+                    error!(stream = d.stream(), shard = d.shard(), seq = %d.locator(), event = %d.event_id(), reason = %why, "effects that can never be committed (nothing was written): the delivery is spent");
                     events.push(LedgerEvent::Spent(d, why));
                 }
             }
@@ -318,13 +318,13 @@ pub(crate) async fn record(
                 let stream = delivery.stream().to_string();
                 let report = match &disposition {
                     Disposition::Held(reason) => {
-                        info!(stream, shard = delivery.shard(), seq = %delivery.position(), %event, reason, "held: the record waits (and holds the checkpoint) until its receipt is made terminal or released");
+                        info!(stream, shard = delivery.shard(), seq = %delivery.locator(), %event, reason, "held: the record waits (and holds the checkpoint) until its receipt is made terminal or released");
                         WriteEvent::Held(id, delivery)
                     }
                     other => {
                         metrics::counter!("shardwise_quarantined_total", "stream" => stream)
                             .increment(1);
-                        warn!(shard = delivery.shard(), seq = %delivery.position(), %event, reason = other.reason().unwrap_or_default(), "quarantined");
+                        warn!(shard = delivery.shard(), seq = %delivery.locator(), %event, reason = other.reason().unwrap_or_default(), "quarantined");
                         WriteEvent::Durable(id, delivery, Settled::Quarantined)
                     }
                 };

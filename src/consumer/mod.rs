@@ -8,6 +8,7 @@ mod hooks;
 mod lanes;
 mod ledger;
 mod outcome;
+mod pipeline;
 mod shard;
 
 use std::collections::HashMap;
@@ -40,6 +41,7 @@ use crate::seek::{SeekReport, SeekTarget};
 use crate::shard::discovery::{KinesisShards, ShardLister};
 use crate::shard::source::{KinesisRecords, RecordSource};
 use copies::StuckWrites;
+use pipeline::PipelineContext;
 use shard::{ShardContext, ShardExit, run_shard};
 
 /// Builds a [`Consumer`]; every setting is checked by [`build`](Self::build).
@@ -431,19 +433,21 @@ impl<H: Handler> Consumer<H> {
         let abort = CancellationToken::new();
         let stuck = StuckWrites::default();
         let ctx = ShardContext {
-            handler: self.handler,
+            pipeline: PipelineContext {
+                handler: self.handler,
+                settings: settings.clone(),
+                producer,
+                retry: Arc::new(RetryPolicy {
+                    max_attempts: settings.max_attempts,
+                    dead_letter: settings.dead_letter.clone(),
+                }),
+                stuck: stuck.clone(),
+                receipts: self.receipts,
+                hooks: self.delivery_hooks,
+            },
             source,
             lister: lister.clone(),
             store: store.clone(),
-            settings: settings.clone(),
-            producer,
-            retry: Arc::new(RetryPolicy {
-                max_attempts: settings.max_attempts,
-                dead_letter: settings.dead_letter.clone(),
-            }),
-            stuck: stuck.clone(),
-            receipts: self.receipts,
-            hooks: self.delivery_hooks,
             stop: stop.clone(),
             abort: abort.clone(),
         };

@@ -52,7 +52,7 @@ pub(crate) fn resolve(
                 error!(
                     stream = d.stream(),
                     shard = d.shard(),
-                    seq = %d.position(),
+                    seq = %d.locator(),
                     outcome = outcome.label(),
                     "the handler answered with a receipt outcome but the consumer has no receipt ledger (ConsumerBuilder::receipts): the record stays unsettled and holds the checkpoint"
                 );
@@ -77,7 +77,7 @@ pub(crate) fn resolve(
                 warn!(
                     stream = d.stream(),
                     shard = d.shard(),
-                    seq = %d.position(),
+                    seq = %d.locator(),
                     partition_key = d.partition_key(),
                     error = &err as &dyn std::error::Error,
                     "retry refused: the record stays unsettled and holds the checkpoint; the next owner rereads it"
@@ -89,7 +89,7 @@ pub(crate) fn resolve(
             warn!(
                 stream = d.stream(),
                 shard = d.shard(),
-                seq = %d.position(),
+                seq = %d.locator(),
                 partition_key = d.partition_key(),
                 attempts,
                 "attempts spent and no dead-letter stream: settled as a drop"

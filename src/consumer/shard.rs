@@ -22,37 +22,26 @@
 //! first checkpoint would leave LATEST behind, and the next owner would open a new LATEST iterator
 //! and skip every record written in between.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
-use tokio::task::JoinSet;
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::checkpointer::{Checkpointer, Entry};
-use super::config::Settings;
-use super::copies::{PendingWrite, StuckWrites, WriteEvent};
 use super::ending::{self, Reading, ShardState, Step};
-use super::hooks::{DeliveryHooks, Settled};
-use super::lanes::{Finished, Lanes};
-use super::ledger::{self, Ledger, LedgerEvent};
-use super::outcome::{Resolved, resolve};
+use super::pipeline::{Advance, Pipeline, PipelineContext, Retries};
 use crate::backoff::Backoff;
 use crate::checkpoint::Checkpoint;
 use crate::error::Error;
-use crate::handler::{Delivery, Handler, Outcome};
+use crate::handler::{Delivery, Handler};
 use crate::lease::{CheckpointWrite, HeldLease, LeaseStore, Ownership};
 use crate::position::Position;
-use crate::producer::Producer;
-use crate::receipts::ReceiptStore;
-use crate::retry::{RetryPlan, RetryPolicy};
 use crate::shard::discovery::ShardLister;
 use crate::shard::reader::{ReaderMessage, ShardReader};
 use crate::shard::source::{ReadError, RecordSource};
 use crate::time::millis;
-use crate::track::{DeliveryId, Tracker};
 
 /// How a shard's run ended.
 #[derive(Debug)]
@@ -69,22 +58,12 @@ pub(crate) enum ShardExit {
 
 /// What a shard needs from the consumer.
 pub(crate) struct ShardContext<H> {
-    pub(crate) handler: Arc<H>,
+    /// What its deliveries need.
+    pub(crate) pipeline: PipelineContext<H>,
     pub(crate) source: Arc<dyn RecordSource>,
     /// Tells a shard that aged out of retention from a stream that is gone.
     pub(crate) lister: Arc<dyn ShardLister>,
     pub(crate) store: Arc<dyn LeaseStore>,
-    pub(crate) settings: Arc<Settings>,
-    /// Writes retry copies and dead letters.
-    pub(crate) producer: Producer,
-    /// What retries become.
-    pub(crate) retry: Arc<RetryPolicy>,
-    /// Copies and dead letters whose writes fail for good, for every shard of the consumer.
-    pub(crate) stuck: StuckWrites,
-    /// The receipt ledger, if the consumer has one.
-    pub(crate) receipts: Option<Arc<dyn ReceiptStore>>,
-    /// Told how each delivery settled.
-    pub(crate) hooks: Arc<dyn DeliveryHooks>,
     /// Graceful stop: stop reading, drain, write the final checkpoint.
     pub(crate) stop: CancellationToken,
     /// The drain deadline passed: abort running handlers and write what has settled.
@@ -94,16 +73,10 @@ pub(crate) struct ShardContext<H> {
 impl<H> Clone for ShardContext<H> {
     fn clone(&self) -> Self {
         Self {
-            handler: self.handler.clone(),
+            pipeline: self.pipeline.clone(),
             source: self.source.clone(),
             lister: self.lister.clone(),
             store: self.store.clone(),
-            settings: self.settings.clone(),
-            producer: self.producer.clone(),
-            retry: self.retry.clone(),
-            stuck: self.stuck.clone(),
-            receipts: self.receipts.clone(),
-            hooks: self.hooks.clone(),
             stop: self.stop.clone(),
             abort: self.abort.clone(),
         }
@@ -135,7 +108,7 @@ impl Drop for Gauges {
 
 /// Runs one shard until it ends, is stopped, or its lease is lost.
 pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease) -> ShardExit {
-    let settings = &ctx.settings;
+    let settings = &ctx.pipeline.settings;
     let ownership = held.ownership.clone();
     let shard: Arc<str> = Arc::from(ownership.shard_id.as_str());
     let stream: Arc<str> = Arc::from(ownership.stream.as_str());
@@ -185,38 +158,22 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
     };
     let _stop_reader = reader_cancel.clone().drop_guard();
 
-    let (finished_tx, mut finished_rx) = mpsc::unbounded_channel::<Finished>();
-    let mut lanes = Lanes::start(
-        settings.lanes,
-        settings.ordering,
-        ctx.handler.clone(),
-        finished_tx,
-    );
-    let mut tracker: Tracker<Entry> = Tracker::new(ownership.epoch);
-    let mut refused: HashSet<DeliveryId> = HashSet::new();
-    let mut stuck_writes = 0usize;
+    let mut pipeline: Pipeline<H, Entry> =
+        Pipeline::new(ctx.pipeline.clone(), ownership.epoch, Retries::Copies);
     let mut last_read: Option<Position> = None;
-    let (write_tx, mut write_rx) = mpsc::unbounded_channel::<WriteEvent>();
-    let mut retries: JoinSet<()> = JoinSet::new();
-    let worker: Arc<str> = Arc::from(settings.worker_id.as_str());
-    let mut ledger = ctx
-        .receipts
-        .clone()
-        .map(|store| Ledger::new(store, worker.clone(), settings.hold_poll_interval));
     let mut tick = tokio::time::interval(settings.checkpoint_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut aborted = false;
 
     let exit = loop {
-        let room = tracker.window() < settings.max_in_flight;
+        let room = pipeline.has_room();
         let writing = checkpointer.in_flight.is_some();
         tokio::select! {
             biased;
             _ = lost.cancelled() => break Exit::Lost,
             _ = ctx.abort.cancelled(), if !aborted => {
                 aborted = true;
-                lanes.abort();
-                retries.abort_all();
+                pipeline.abort_handlers();
                 if reading == Reading::Open {
                     reading = Reading::Stopped;
                 }
@@ -233,32 +190,12 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                     break Exit::Lost;
                 }
             }
-            Some(done) = finished_rx.recv() => {
-                lanes.finished(&done.delivery);
-                let resolved = resolve(done.delivery, done.outcome, &ctx.retry, &mut refused, settings, ledger.is_some());
-                carry_out(resolved, &ctx, &mut tracker, &mut checkpointer, &mut ledger, &mut retries, &write_tx, &worker);
-                gauges.in_flight(tracker.unsettled());
-            }
-            Some(event) = write_rx.recv() => {
-                match event {
-                    WriteEvent::Durable(id, d, how) => settle(&mut tracker, &mut checkpointer, &ctx, id, &d, &how),
-                    WriteEvent::Stuck => stuck_writes += 1,
-                    WriteEvent::Unstuck => stuck_writes = stuck_writes.saturating_sub(1),
-                    WriteEvent::Held(id, d) => {
-                        if let Some(ledger) = ledger.as_mut() {
-                            ledger.hold(id, d);
-                        }
-                    }
+            advance = pipeline.next() => {
+                if let Some(advance) = advance {
+                    advanced(&mut checkpointer, advance);
                 }
-                gauges.in_flight(tracker.unsettled());
+                gauges.in_flight(pipeline.unsettled());
             }
-            events = async { ledger.as_mut().expect("busy").next().await }, if ledger.as_ref().is_some_and(Ledger::busy) => {
-                for event in events {
-                    on_ledger(event, &ctx, &mut tracker, &mut checkpointer, &mut ledger, &mut retries, &write_tx, &worker, &mut refused, &mut lanes);
-                }
-                gauges.in_flight(tracker.unsettled());
-            }
-            Some(_) = retries.join_next(), if !retries.is_empty() => {}
             msg = reader_rx.recv(), if reading == Reading::Open && room => match msg {
                 Some(ReaderMessage::Records { records, millis_behind_latest }) => {
                     if let Some(ms) = millis_behind_latest {
@@ -268,21 +205,18 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                         .then(|| millis(crate::time::now()));
                     for r in records {
                         last_read = Some(r.position);
-                        let id = tracker.track((r.position, r.arrived_at.map(millis)));
-                        let lane = lanes.assign(&r.partition_key);
+                        let (id, lane) = pipeline.track((r.position, r.arrived_at.map(millis)), &r.partition_key);
                         let delivery = Delivery::from_blob(stream.clone(), shard.clone(), r.position, r.partition_key, r.data)
                             .set_arrived_at(r.arrived_at)
                             .set_explicit_hash_key(r.explicit_hash_key)
                             .id(id)
                             .lane(lane)
                             .build();
-                        lanes.dispatch(delivery);
+                        pipeline.dispatch(delivery);
                     }
-                    gauges.in_flight(tracker.unsettled());
+                    gauges.in_flight(pipeline.unsettled());
                 }
-                Some(ReaderMessage::End) => {
-                    reading = Reading::Closed;
-                }
+                Some(ReaderMessage::End) => reading = Reading::Closed,
                 Some(ReaderMessage::Gone) => match aged_out(ctx.lister.as_ref(), &ownership).await {
                     Ok(true) => {
                         let read_through = last_read.map_or_else(|| start.to_string(), |p| p.to_string());
@@ -308,12 +242,9 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                 None => reading = Reading::Stopped,
             },
             _ = tick.tick() => {
-                if let Some(ledger) = ledger.as_mut() {
-                    ledger.start_commit();
-                    ledger.start_poll();
-                }
-                checkpointer.maybe_start(&tracker);
-                if checkpointer.maybe_advance_frontier(&tracker).await.is_err() {
+                pipeline.tick();
+                checkpointer.maybe_start(pipeline.tracker());
+                if checkpointer.maybe_advance_frontier(pipeline.tracker()).await.is_err() {
                     break Exit::Lost;
                 }
             }
@@ -322,8 +253,8 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
             reading,
             stopping: ctx.stop.is_cancelled(),
             aborted,
-            unsettled: tracker.unsettled(),
-            held: refused.len() + stuck_writes + ledger.as_ref().map_or(0, Ledger::held),
+            unsettled: pipeline.unsettled(),
+            held: pipeline.held(),
         };
         match ending::step(&state) {
             Step::Continue => {}
@@ -332,22 +263,18 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
         }
     };
 
-    retries.abort_all();
-    lanes.abort();
-    if let Some(ledger) = ledger.as_mut() {
-        ledger.abort();
-    }
+    pipeline.abort();
     match exit {
         Exit::Lost => {
             info!(stream = %stream, shard = %shard, "lease lost: shard stopped, nothing more written");
             ShardExit::Lost(ownership)
         }
         Exit::Failed(e) => {
-            let _ = checkpointer.flush(&tracker).await;
+            let _ = checkpointer.flush(pipeline.tracker()).await;
             ShardExit::Failed(ownership, e)
         }
         Exit::Stop | Exit::End => {
-            if checkpointer.flush(&tracker).await.is_err() {
+            if checkpointer.flush(pipeline.tracker()).await.is_err() {
                 return ShardExit::Lost(ownership);
             }
             if matches!(exit, Exit::End) {
@@ -387,8 +314,11 @@ async fn pin_start<H>(ctx: &ShardContext<H>, held: &HeldLease) -> Result<Checkpo
     }
     let ownership = &held.ownership;
     let now = crate::time::now();
-    let to = Checkpoint::AtTimestamp(now.checked_sub(ctx.settings.latest_margin).unwrap_or(now));
-    let mut backoff = Backoff::new(ctx.settings.reader.max_backoff);
+    let to = Checkpoint::AtTimestamp(
+        now.checked_sub(ctx.pipeline.settings.latest_margin)
+            .unwrap_or(now),
+    );
+    let mut backoff = Backoff::new(ctx.pipeline.settings.reader.max_backoff);
     loop {
         let result = tokio::select! {
             biased;
@@ -428,125 +358,11 @@ async fn aged_out(lister: &dyn ShardLister, ownership: &Ownership) -> Result<boo
     Ok(!shards.iter().any(|s| s.shard_id == ownership.shard_id))
 }
 
-/// A delivery's outcome is durable: the checkpoint may pass it.
-fn settle<H>(
-    tracker: &mut Tracker<Entry>,
-    checkpointer: &mut Checkpointer,
-    ctx: &ShardContext<H>,
-    id: DeliveryId,
-    delivery: &Delivery,
-    how: &Settled,
-) {
-    let settlement = tracker.settle(id);
-    if settlement.accepted() {
-        ctx.hooks.settled(delivery, how);
-    }
-    if let Some((to, arrived)) = settlement.advanced_to() {
-        checkpointer.pending = Some(*to);
-        if arrived.is_some() {
-            checkpointer.last_settled = *arrived;
-        }
-    }
-}
-
-/// Carries out what a handler's outcome resolved to.
-#[allow(clippy::too_many_arguments)]
-fn carry_out<H>(
-    resolved: Resolved,
-    ctx: &ShardContext<H>,
-    tracker: &mut Tracker<Entry>,
-    checkpointer: &mut Checkpointer,
-    ledger: &mut Option<Ledger>,
-    retries: &mut JoinSet<()>,
-    write_tx: &mpsc::UnboundedSender<WriteEvent>,
-    worker: &Arc<str>,
-) {
-    match resolved {
-        Resolved::Settle(id, d, how) => settle(tracker, checkpointer, ctx, id, &d, &how),
-        Resolved::Hold => {}
-        Resolved::Write(write) => {
-            retries.spawn(write.run(
-                ctx.producer.clone(),
-                ctx.retry.clone(),
-                ctx.stuck.clone(),
-                write_tx.clone(),
-            ));
-        }
-        Resolved::Apply(id, d, effects) => {
-            if let Some(ledger) = ledger.as_mut() {
-                ledger.apply(id, d, effects);
-            }
-        }
-        Resolved::Record(id, d, disposition) => {
-            if let Some(store) = ctx.receipts.clone() {
-                retries.spawn(ledger::record(
-                    store,
-                    worker.clone(),
-                    id,
-                    d,
-                    disposition,
-                    write_tx.clone(),
-                ));
-            }
-        }
-    }
-}
-
-/// Carries out what the ledger reports.
-#[allow(clippy::too_many_arguments)]
-fn on_ledger<H>(
-    event: LedgerEvent,
-    ctx: &ShardContext<H>,
-    tracker: &mut Tracker<Entry>,
-    checkpointer: &mut Checkpointer,
-    ledger: &mut Option<Ledger>,
-    retries: &mut JoinSet<()>,
-    write_tx: &mpsc::UnboundedSender<WriteEvent>,
-    worker: &Arc<str>,
-    refused: &mut HashSet<DeliveryId>,
-    lanes: &mut Lanes,
-) {
-    match event {
-        LedgerEvent::Settle(id, d, how) => settle(tracker, checkpointer, ctx, id, &d, &how),
-        LedgerEvent::Retry(d) => {
-            let resolved = resolve(d, Outcome::Retry, &ctx.retry, refused, &ctx.settings, true);
-            carry_out(
-                resolved,
-                ctx,
-                tracker,
-                checkpointer,
-                ledger,
-                retries,
-                write_tx,
-                worker,
-            );
-        }
-        LedgerEvent::Spent(d, reason) => {
-            let Some(id) = d.id() else { return };
-            let resolved = match ctx
-                .retry
-                .spent(&d, format!("effects not committed: {reason}"))
-            {
-                plan @ RetryPlan::DeadLetter { .. } => match PendingWrite::new(id, d, plan) {
-                    Some(write) => Resolved::Write(write),
-                    None => Resolved::Hold,
-                },
-                _ => Resolved::Settle(id, d, Settled::Spent),
-            };
-            carry_out(
-                resolved,
-                ctx,
-                tracker,
-                checkpointer,
-                ledger,
-                retries,
-                write_tx,
-                worker,
-            );
-        }
-        LedgerEvent::Redeliver(d) => {
-            info!(stream = d.stream(), shard = d.shard(), seq = %d.position(), "hold released: handled again");
-            lanes.redispatch(d);
-        }
+/// The settled prefix moved: the checkpoint may follow.
+fn advanced(checkpointer: &mut Checkpointer, advance: Advance<Entry>) {
+    let (to, arrived) = advance.entry;
+    checkpointer.pending = Some(to);
+    if arrived.is_some() {
+        checkpointer.last_settled = arrived;
     }
 }

@@ -73,6 +73,17 @@ impl EventId {
         ))
     }
 
+    /// The identity of an event of a paged source: `paged/SOURCE/PARTITION/ID`, with the event's
+    /// own stable identity.
+    ///
+    /// ```
+    /// use shardwise::receipts::EventId;
+    /// assert_eq!(EventId::paged("logs:/app", "web-1", "17").as_str(), "paged/logs:/app/web-1/17");
+    /// ```
+    pub fn paged(source: &str, partition: &str, id: &str) -> Self {
+        Self(format!("paged/{source}/{partition}/{id}"))
+    }
+
     /// The identity as stored.
     pub fn as_str(&self) -> &str {
         &self.0

@@ -1,0 +1,375 @@
+//! The deliveries of one owned partition (a Kinesis shard or a paged partition), from dispatch to
+//! settlement: lanes run the handler, each outcome is carried out, and the tracker says how far the
+//! contiguous settled prefix has come. What is read, and how progress is written, belong to the
+//! partition's own loop (`shard.rs`, `partition.rs`).
+//!
+//! Outcomes are carried out as follows:
+//! - an ack or a drop settles at once;
+//! - a retry writes a copy to the stream (Kinesis), or runs the delivery again on its lane after
+//!   the delay (a paged source, which has no stream to copy to). A spent retry writes a dead letter
+//!   or drops;
+//! - effects are committed with their receipt;
+//! - a quarantine or a hold records a receipt.
+//!
+//! A delivery settles only once its outcome is durable. Until then it holds the prefix, so nothing
+//! after it can be checkpointed past it.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tracing::info;
+
+use super::config::Settings;
+use super::copies::{PendingWrite, StuckWrites, WriteEvent};
+use super::hooks::{DeliveryHooks, Settled};
+use super::lanes::{Finished, Lanes};
+use super::ledger::{self, Ledger, LedgerEvent};
+use super::outcome::{Resolved, resolve};
+use crate::handler::{Delivery, Handler, Outcome};
+use crate::producer::Producer;
+use crate::receipts::ReceiptStore;
+use crate::retry::{RetryPlan, RetryPolicy};
+use crate::track::{DeliveryId, Tracker};
+
+/// Longest wait before a paged event is run again after a plain `Retry`.
+const MAX_IN_PLACE_BACKOFF: Duration = Duration::from_secs(5);
+
+/// What a partition's deliveries need from the consumer.
+pub(crate) struct PipelineContext<H> {
+    pub(crate) handler: Arc<H>,
+    pub(crate) settings: Arc<Settings>,
+    /// Writes retry copies and dead letters.
+    pub(crate) producer: Producer,
+    /// What retries become.
+    pub(crate) retry: Arc<RetryPolicy>,
+    /// Copies and dead letters whose writes fail for good, for every partition of the consumer.
+    pub(crate) stuck: StuckWrites,
+    /// The receipt ledger, if the consumer has one.
+    pub(crate) receipts: Option<Arc<dyn ReceiptStore>>,
+    /// Told how each delivery settled.
+    pub(crate) hooks: Arc<dyn DeliveryHooks>,
+}
+
+impl<H> Clone for PipelineContext<H> {
+    fn clone(&self) -> Self {
+        Self {
+            handler: self.handler.clone(),
+            settings: self.settings.clone(),
+            producer: self.producer.clone(),
+            retry: self.retry.clone(),
+            stuck: self.stuck.clone(),
+            receipts: self.receipts.clone(),
+            hooks: self.hooks.clone(),
+        }
+    }
+}
+
+/// Where a retry goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Retries {
+    /// A copy written to the stream (Kinesis).
+    Copies,
+    /// The delivery run again on its lane (a paged source).
+    InPlace,
+}
+
+/// The settled prefix moved: every delivery up to arrival `index` has settled, the last at `entry`.
+#[derive(Debug)]
+pub(crate) struct Advance<E> {
+    pub(crate) index: u64,
+    pub(crate) entry: E,
+}
+
+pub(crate) struct Pipeline<H, E> {
+    ctx: PipelineContext<H>,
+    retries: Retries,
+    lanes: Lanes,
+    finished: mpsc::UnboundedReceiver<Finished>,
+    tracker: Tracker<E>,
+    /// Deliveries whose retry was refused (logged once each).
+    refused: HashSet<DeliveryId>,
+    /// Copies and dead letters whose writes fail for good right now.
+    stuck_writes: usize,
+    write_tx: mpsc::UnboundedSender<WriteEvent>,
+    write_rx: mpsc::UnboundedReceiver<WriteEvent>,
+    /// Copy writes, receipt records and in-place retry timers.
+    tasks: JoinSet<()>,
+    ledger: Option<Ledger>,
+    worker: Arc<str>,
+}
+
+impl<H: Handler, E> Pipeline<H, E> {
+    /// Starts the lanes; deliveries are tracked under `epoch` (the ownership epoch).
+    pub(crate) fn new(ctx: PipelineContext<H>, epoch: u64, retries: Retries) -> Self {
+        let settings = &ctx.settings;
+        let (finished_tx, finished) = mpsc::unbounded_channel::<Finished>();
+        let lanes = Lanes::start(
+            settings.lanes,
+            settings.ordering,
+            ctx.handler.clone(),
+            finished_tx,
+        );
+        let (write_tx, write_rx) = mpsc::unbounded_channel();
+        let worker: Arc<str> = Arc::from(settings.worker_id.as_str());
+        let ledger = ctx
+            .receipts
+            .clone()
+            .map(|store| Ledger::new(store, worker.clone(), settings.hold_poll_interval));
+        Self {
+            ctx,
+            retries,
+            lanes,
+            finished,
+            tracker: Tracker::new(epoch),
+            refused: HashSet::new(),
+            stuck_writes: 0,
+            write_tx,
+            write_rx,
+            tasks: JoinSet::new(),
+            ledger,
+            worker,
+        }
+    }
+
+    /// Tracks the next delivery (`entry` is what the checkpoint is written as) and picks its lane.
+    pub(crate) fn track(&mut self, entry: E, partition_key: &str) -> (DeliveryId, usize) {
+        let id = self.tracker.track(entry);
+        (id, self.lanes.assign(partition_key))
+    }
+
+    /// Hands a tracked delivery to its lane.
+    pub(crate) fn dispatch(&mut self, delivery: Delivery) {
+        self.lanes.dispatch(delivery);
+    }
+
+    /// Settles a tracked delivery that needs no handler (a replay), as `how`.
+    pub(crate) fn settle_now(
+        &mut self,
+        id: DeliveryId,
+        delivery: &Delivery,
+        how: &Settled,
+    ) -> Option<Advance<E>> {
+        self.settle(id, delivery, how)
+    }
+
+    /// Whether more deliveries may be read: fewer than `max_in_flight` between the oldest unsettled
+    /// one and the newest.
+    pub(crate) fn has_room(&self) -> bool {
+        self.tracker.window() < self.ctx.settings.max_in_flight
+    }
+
+    /// Deliveries tracked and not settled.
+    pub(crate) fn unsettled(&self) -> usize {
+        self.tracker.unsettled()
+    }
+
+    /// Deliveries that will not settle by themselves: refused retries, stuck writes, held receipts.
+    pub(crate) fn held(&self) -> usize {
+        self.refused.len() + self.stuck_writes + self.ledger.as_ref().map_or(0, Ledger::held)
+    }
+
+    /// The tracker, for what the partition's checkpoint needs to know (the oldest unsettled
+    /// delivery, the next arrival index).
+    pub(crate) fn tracker(&self) -> &Tracker<E> {
+        &self.tracker
+    }
+
+    /// Starts what is due on the checkpoint timer: the next receipt commit, the poll of held ones.
+    pub(crate) fn tick(&mut self) {
+        if let Some(ledger) = self.ledger.as_mut() {
+            ledger.start_commit();
+            ledger.start_poll();
+        }
+    }
+
+    /// Waits for the next thing that happens to a delivery (a handler finished, a write or receipt
+    /// became durable, a hold was released) and carries it out. Returns how far the settled prefix
+    /// moved, if it did.
+    ///
+    /// Cancellation safe: nothing changes before one of the awaited events is taken, and each of
+    /// them is cancellation safe.
+    pub(crate) async fn next(&mut self) -> Option<Advance<E>> {
+        enum Event {
+            Finished(Finished),
+            Write(WriteEvent),
+            Ledger(Vec<LedgerEvent>),
+            Task,
+        }
+        let busy = self.ledger.as_ref().is_some_and(Ledger::busy);
+        // Biased, in this order: the same events in the same order always do the same (the
+        // simulation relies on it).
+        let event = tokio::select! {
+            biased;
+            Some(done) = self.finished.recv() => Event::Finished(done),
+            Some(event) = self.write_rx.recv() => Event::Write(event),
+            events = async { self.ledger.as_mut().expect("busy").next().await }, if busy => Event::Ledger(events),
+            Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => Event::Task,
+            else => std::future::pending().await,
+        };
+        match event {
+            Event::Finished(done) => {
+                self.lanes.finished(&done.delivery);
+                self.resolve(done.delivery, done.outcome)
+            }
+            Event::Write(event) => match event {
+                WriteEvent::Durable(id, d, how) => self.settle(id, &d, &how),
+                WriteEvent::Stuck => {
+                    self.stuck_writes += 1;
+                    None
+                }
+                WriteEvent::Unstuck => {
+                    self.stuck_writes = self.stuck_writes.saturating_sub(1);
+                    None
+                }
+                WriteEvent::Held(id, d) => {
+                    if let Some(ledger) = self.ledger.as_mut() {
+                        ledger.hold(id, d);
+                    }
+                    None
+                }
+                WriteEvent::Redeliver(d) => {
+                    self.lanes.redispatch(d);
+                    None
+                }
+            },
+            Event::Ledger(events) => {
+                let mut furthest = None;
+                for event in events {
+                    if let Some(advance) = self.on_ledger(event) {
+                        furthest = Some(advance);
+                    }
+                }
+                furthest
+            }
+            Event::Task => None,
+        }
+    }
+
+    /// Stops everything in flight (the partition is over: what did not settle is read again).
+    pub(crate) fn abort(&mut self) {
+        self.tasks.abort_all();
+        self.lanes.abort();
+        if let Some(ledger) = self.ledger.as_mut() {
+            ledger.abort();
+        }
+    }
+
+    /// Aborts the running handlers only (the drain deadline passed); writes go on.
+    pub(crate) fn abort_handlers(&mut self) {
+        self.tasks.abort_all();
+        self.lanes.abort();
+    }
+
+    /// A delivery's outcome is durable: the prefix may pass it.
+    fn settle(&mut self, id: DeliveryId, delivery: &Delivery, how: &Settled) -> Option<Advance<E>> {
+        let settlement = self.tracker.settle(id);
+        if settlement.accepted() {
+            self.ctx.hooks.settled(delivery, how);
+        }
+        match settlement {
+            crate::track::Settlement::Advanced { index, position } => Some(Advance {
+                index,
+                entry: position,
+            }),
+            _ => None,
+        }
+    }
+
+    /// A handler's outcome, carried out.
+    fn resolve(&mut self, delivery: Delivery, outcome: Outcome) -> Option<Advance<E>> {
+        let resolved = resolve(
+            delivery,
+            outcome,
+            &self.ctx.retry,
+            &mut self.refused,
+            &self.ctx.settings,
+            self.ledger.is_some(),
+        );
+        self.carry_out(resolved)
+    }
+
+    fn carry_out(&mut self, resolved: Resolved) -> Option<Advance<E>> {
+        match resolved {
+            Resolved::Settle(id, d, how) => return self.settle(id, &d, &how),
+            Resolved::Hold => {}
+            Resolved::Write(write) if self.retries == Retries::InPlace && !write.dead_letter => {
+                self.tasks.spawn(run_again(write, self.write_tx.clone()));
+            }
+            Resolved::Write(write) => {
+                self.tasks.spawn(write.run(
+                    self.ctx.producer.clone(),
+                    self.ctx.retry.clone(),
+                    self.ctx.stuck.clone(),
+                    self.write_tx.clone(),
+                ));
+            }
+            Resolved::Apply(id, d, effects) => {
+                if let Some(ledger) = self.ledger.as_mut() {
+                    ledger.apply(id, d, effects);
+                }
+            }
+            Resolved::Record(id, d, disposition) => {
+                if let Some(store) = self.ctx.receipts.clone() {
+                    self.tasks.spawn(ledger::record(
+                        store,
+                        self.worker.clone(),
+                        id,
+                        d,
+                        disposition,
+                        self.write_tx.clone(),
+                    ));
+                }
+            }
+        }
+        None
+    }
+
+    /// Carries out what the ledger reports.
+    fn on_ledger(&mut self, event: LedgerEvent) -> Option<Advance<E>> {
+        match event {
+            LedgerEvent::Settle(id, d, how) => self.settle(id, &d, &how),
+            LedgerEvent::Retry(d) => self.resolve(d, Outcome::Retry),
+            LedgerEvent::Spent(d, reason) => {
+                let id = d.id()?;
+                let resolved = match self
+                    .ctx
+                    .retry
+                    .spent(&d, format!("effects not committed: {reason}"))
+                {
+                    plan @ RetryPlan::DeadLetter { .. } => match PendingWrite::new(id, d, plan) {
+                        Some(write) => Resolved::Write(write),
+                        None => Resolved::Hold,
+                    },
+                    _ => Resolved::Settle(id, d, Settled::Spent),
+                };
+                self.carry_out(resolved)
+            }
+            LedgerEvent::Redeliver(d) => {
+                info!(stream = d.stream(), shard = d.shard(), seq = %d.locator(), "hold released: handled again");
+                self.lanes.redispatch(d);
+                None
+            }
+        }
+    }
+}
+
+/// A paged event retried in place: after the retry's delay (`RetryAfter(d)`: `d`; a plain
+/// `Retry`: a backoff that doubles with each attempt from 100 ms to 5 s), the next attempt runs on
+/// its lane. The delivery
+/// stays unsettled meanwhile; a crash reads it again from the unchanged cursor.
+async fn run_again(write: PendingWrite, events: mpsc::UnboundedSender<WriteEvent>) {
+    let attempt = write.delivery.attempt();
+    let wait = if write.delay.is_zero() {
+        Duration::from_millis(100u64 << attempt.saturating_sub(1).min(6)).min(MAX_IN_PLACE_BACKOFF)
+    } else {
+        write.delay
+    };
+    tokio::time::sleep(wait).await;
+    let d = write.delivery.next_attempt();
+    metrics::counter!("shardwise_retries_total", "stream" => d.stream().to_string()).increment(1);
+    info!(stream = d.stream(), partition = d.shard(), seq = %d.locator(), attempt = d.attempt(), "running again in place");
+    let _ = events.send(WriteEvent::Redeliver(d));
+}
