@@ -93,6 +93,23 @@ pub enum Error {
         source: BoxError,
     },
 
+    /// A paged source's partition cannot go on: its pages break the source's order (a
+    /// regression, two identities at one position, a gap the contract forbids), or it cannot be
+    /// fetched (gone, a refused cursor). Its attempt stops; the lease is released and the
+    /// partition is read again from its durable cursor by the next owner.
+    #[error("paged source `{source_name}`, partition `{partition}`: {what}")]
+    Paged {
+        /// The source's name.
+        source_name: String,
+        /// The partition.
+        partition: String,
+        /// What went wrong, e.g. `order violation`.
+        what: &'static str,
+        /// The violation or the fetch error.
+        #[source]
+        source: BoxError,
+    },
+
     /// A value read from the store or the stream breaks shardwise's expectations.
     #[error("corrupt {what}: {detail}")]
     Corrupt {

@@ -42,6 +42,34 @@ pub trait RecordSink: Send + Sync + fmt::Debug + 'static {
     fn check<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>>;
 }
 
+/// A sink for a consumer that never writes to a stream (a paged source without a dead-letter
+/// stream): every write fails, naming why.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Unavailable;
+
+impl RecordSink for Unavailable {
+    fn put<'a>(
+        &'a self,
+        stream: &'a str,
+        _partition_key: &'a str,
+        _data: Bytes,
+    ) -> BoxFuture<'a, Result<Written, Error>> {
+        Box::pin(async move { Err(no_sink(stream)) })
+    }
+
+    fn check<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move { Err(no_sink(stream)) })
+    }
+}
+
+fn no_sink(stream: &str) -> Error {
+    Error::Config(crate::error::ConfigError::new(
+        "record_sink",
+        stream,
+        "this consumer has no stream to write to (no AWS configuration and no record_sink)",
+    ))
+}
+
 /// [`RecordSink`] on the Kinesis PutRecord API.
 #[derive(Debug, Clone)]
 pub struct KinesisSink {

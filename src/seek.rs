@@ -20,8 +20,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::SystemTime;
 
 use crate::checkpoint::Checkpoint;
-use crate::error::Error;
-use crate::lease::{InitialPosition, Lease, LeaseStore, MAX_SEEK_MOVES, SeekMove};
+use crate::error::{ConfigError, Error};
+use crate::lease::{InitialPosition, Lease, LeaseStore, MAX_SEEK_MOVES, NewLease, SeekMove};
+use crate::paged::{PagedProgress, PagedSource};
 use crate::position::Position;
 use crate::shard::discovery::{ShardInfo, ShardLister};
 
@@ -91,32 +92,100 @@ pub async fn seek(
 
     let mut report = SeekReport::default();
     for group in groups {
+        let group: Vec<Move> = group
+            .into_iter()
+            .map(|(shard, to)| (shard, to, None))
+            .collect();
         move_group(store, stream, &group).await?;
-        for (shard_id, to) in &group {
+        for (shard_id, to, _) in &group {
             tracing::info!(stream, shard = %shard_id, to = %to, "seek: checkpoint moved");
         }
         report
             .moved
-            .extend(group.into_iter().map(|(shard, _)| shard));
+            .extend(group.into_iter().map(|(shard, ..)| shard));
     }
     Ok(report)
 }
 
-/// Moves one group of rows at once, reading them again when a concurrent seek got in between.
-async fn move_group(
+/// Moves every partition of a paged source to `target`, each partition alone (partitions have no
+/// lineage). [`SeekTarget::TrimHorizon`]: from the first page, nothing applied.
+/// [`SeekTarget::Timestamp`]: from the cursor the source gives for that time
+/// ([`PagedSource::cursor_at`]); a source that cannot start at a time refuses. The version of each
+/// row is bumped, so no page fetched before the seek passes its barrier after it. Rows are created
+/// for partitions without one.
+pub async fn seek_paged(
     store: &dyn LeaseStore,
-    stream: &str,
-    group: &[(String, Checkpoint)],
-) -> Result<(), Error> {
+    source: &dyn PagedSource,
+    target: &SeekTarget,
+) -> Result<SeekReport, Error> {
+    let stream = source.name();
+    let partitions = source.partitions().await?;
+    let mut moves: Vec<Move> = Vec::with_capacity(partitions.len());
+    for partition in &partitions {
+        let resume_cursor = match target {
+            SeekTarget::TrimHorizon => None,
+            SeekTarget::Timestamp(t) => Some(source.cursor_at(partition, *t).ok_or_else(|| {
+                ConfigError::new(
+                    "seek",
+                    target,
+                    format!("source `{stream}` cannot start at a time"),
+                )
+            })?),
+            _ => {
+                return Err(ConfigError::new(
+                    "seek",
+                    target,
+                    "a paged source seeks to trim-horizon or to a time",
+                )
+                .into());
+            }
+        };
+        let progress = PagedProgress {
+            resume_cursor,
+            ..PagedProgress::default()
+        };
+        moves.push((partition.clone(), Checkpoint::TrimHorizon, Some(progress)));
+    }
+    store.prepare().await?;
+    let existing: BTreeSet<String> = store
+        .list(stream)
+        .await?
+        .into_iter()
+        .map(|r| r.shard_id)
+        .collect();
+    for partition in partitions.iter().filter(|p| !existing.contains(*p)) {
+        store
+            .create(&NewLease {
+                stream: stream.to_string(),
+                shard_id: partition.clone(),
+                checkpoint: Checkpoint::TrimHorizon,
+                parents: Vec::new(),
+            })
+            .await?;
+    }
+    let mut report = SeekReport::default();
+    for m in moves {
+        move_group(store, stream, std::slice::from_ref(&m)).await?;
+        tracing::info!(source = stream, partition = %m.0, cursor = ?m.2.as_ref().and_then(|p| p.resume_cursor.as_ref()), "seek: partition moved");
+        report.moved.push(m.0);
+    }
+    Ok(report)
+}
+
+/// One row of a group to move: the shard, its new checkpoint, and a paged partition's new progress.
+type Move = (String, Checkpoint, Option<PagedProgress>);
+
+/// Moves one group of rows at once, reading them again when a concurrent seek got in between.
+async fn move_group(store: &dyn LeaseStore, stream: &str, group: &[Move]) -> Result<(), Error> {
     for _ in 0..ATTEMPTS {
         let mut moves = Vec::with_capacity(group.len());
-        for (shard_id, to) in group {
+        for (shard_id, to, progress) in group {
             // A row that vanished meanwhile (cleaned up as aged out) has nothing left to move.
             if let Some(seen) = store.get(stream, shard_id).await? {
                 moves.push(SeekMove {
                     seen,
                     to: to.clone(),
-                    progress: None,
+                    progress: progress.clone(),
                 });
             }
         }
@@ -124,7 +193,7 @@ async fn move_group(
             return Ok(());
         }
     }
-    let shards: Vec<&str> = group.iter().map(|(s, _)| s.as_str()).collect();
+    let shards: Vec<&str> = group.iter().map(|(s, ..)| s.as_str()).collect();
     Err(Error::Corrupt {
         what: "seek",
         detail: format!("shards {shards:?} kept changing seek epoch; another seek is running"),

@@ -152,6 +152,11 @@ impl<P> Tracker<P> {
         self.epoch
     }
 
+    /// The arrival index the next tracked delivery gets: every delivery below it was tracked.
+    pub fn next_index(&self) -> u64 {
+        self.base + self.positions.len() as u64
+    }
+
     /// Deliveries tracked and not yet settled.
     pub fn unsettled(&self) -> usize {
         self.unsettled

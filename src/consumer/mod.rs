@@ -8,6 +8,7 @@ mod hooks;
 mod lanes;
 mod ledger;
 mod outcome;
+mod partition;
 mod pipeline;
 mod shard;
 
@@ -31,16 +32,18 @@ use crate::error::{ConfigError, Error};
 use crate::frontier::Frontier;
 use crate::handler::Handler;
 use crate::lease::{
-    DynamoDbLeaseStore, InitialPosition, LeaseEvent, LeaseHooks, LeaseManager, LeaseSettings,
-    LeaseStore, Ownership, TableOptions,
+    DynamoDbLeaseStore, HeldLease, InitialPosition, LeaseEvent, LeaseHooks, LeaseManager,
+    LeaseSettings, LeaseStore, Ownership, TableOptions,
 };
-use crate::producer::{KinesisSink, Producer, RecordSink};
+use crate::paged::{PagedSource, PartitionLister};
+use crate::producer::{KinesisSink, Producer, RecordSink, Unavailable};
 use crate::receipts::ReceiptStore;
 use crate::retry::RetryPolicy;
 use crate::seek::{SeekReport, SeekTarget};
 use crate::shard::discovery::{KinesisShards, ShardLister};
 use crate::shard::source::{KinesisRecords, RecordSource};
 use copies::StuckWrites;
+use partition::{PartitionContext, run_partition};
 use pipeline::PipelineContext;
 use shard::{ShardContext, ShardExit, run_shard};
 
@@ -58,6 +61,7 @@ pub struct ConsumerBuilder<H> {
     delivery_hooks: Option<Arc<dyn DeliveryHooks>>,
     receipts: Option<Arc<dyn ReceiptStore>>,
     seek: Option<SeekTarget>,
+    paged: Option<Arc<dyn PagedSource>>,
 }
 
 impl<H> fmt::Debug for ConsumerBuilder<H> {
@@ -273,6 +277,15 @@ impl<H: Handler> ConsumerBuilder<H> {
     /// Checks every setting; the error names the field and the value.
     pub fn build(self) -> Result<Consumer<H>, ConfigError> {
         self.settings.validate()?;
+        if self.paged.is_some()
+            && self.settings.lease.initial_position != InitialPosition::TrimHorizon
+        {
+            return Err(ConfigError::new(
+                "initial_position",
+                self.settings.lease.initial_position,
+                "a paged source's partitions start at their first page (seek to move them)",
+            ));
+        }
         Ok(Consumer {
             handler: Arc::new(self.handler),
             settings: Arc::new(self.settings),
@@ -285,6 +298,7 @@ impl<H: Handler> ConsumerBuilder<H> {
             delivery_hooks: self.delivery_hooks.unwrap_or_else(|| Arc::new(())),
             receipts: self.receipts,
             seek: self.seek,
+            paged: self.paged,
         })
     }
 }
@@ -302,6 +316,7 @@ pub struct Consumer<H> {
     delivery_hooks: Arc<dyn DeliveryHooks>,
     receipts: Option<Arc<dyn ReceiptStore>>,
     seek: Option<SeekTarget>,
+    paged: Option<Arc<dyn PagedSource>>,
 }
 
 impl<H> fmt::Debug for Consumer<H> {
@@ -346,7 +361,35 @@ impl Consumer<()> {
             delivery_hooks: None,
             receipts: None,
             seek: None,
+            paged: None,
         }
+    }
+
+    /// Starts building a consumer of a paged source (see [`crate::paged`]) for `application`:
+    /// each partition is leased, read page by page from its durable cursor, and checkpointed by
+    /// the page barrier of `docs/paged.md`. The lease rows carry the source's
+    /// [`name`](PagedSource::name) as their stream. A retry runs the event again on its lane
+    /// (there is no stream to copy it to), up to `max_attempts` (3 by default).
+    ///
+    /// ```no_run
+    /// # async fn run(source: std::sync::Arc<dyn shardwise::paged::PagedSource>) -> Result<(), shardwise::Error> {
+    /// use shardwise::{Consumer, Delivery, Outcome};
+    /// let consumer = Consumer::paged(source, "audit", |d: Delivery| async move {
+    ///     println!("{} {}", d.page_position().unwrap(), String::from_utf8_lossy(d.payload()));
+    ///     Outcome::Ack
+    /// })
+    /// .build()?;
+    /// let running = consumer.run().await?;
+    /// # running.shutdown(std::time::Duration::from_secs(10)).await; Ok(()) }
+    /// ```
+    pub fn paged<H: Handler>(
+        source: Arc<dyn PagedSource>,
+        application: impl Into<String>,
+        handler: H,
+    ) -> ConsumerBuilder<H> {
+        let mut builder = Self::builder(source.name().to_string(), application, handler);
+        builder.paged = Some(source);
+        builder
     }
 }
 
@@ -360,10 +403,20 @@ impl<H: Handler> Consumer<H> {
     /// missing), then takes leases and reads. Returns once started; the work runs in background
     /// tasks until [`Running::shutdown`].
     pub async fn run(self) -> Result<Running, Error> {
-        let needs_sdk = self.store.is_none()
-            || self.source.is_none()
-            || self.lister.is_none()
-            || self.sink.is_none();
+        let paged = self.paged.clone();
+        // A paged consumer reads no Kinesis stream, and writes to one only with a dead-letter
+        // stream.
+        let needs_sdk = match &paged {
+            None => {
+                self.store.is_none()
+                    || self.source.is_none()
+                    || self.lister.is_none()
+                    || self.sink.is_none()
+            }
+            Some(_) => {
+                self.store.is_none() || (self.sink.is_none() && self.settings.dead_letter.is_some())
+            }
+        };
         let sdk = match (self.sdk, needs_sdk) {
             (Some(c), _) => Some(c),
             (None, true) => Some(aws_config::defaults(BehaviorVersion::latest()).load().await),
@@ -371,7 +424,8 @@ impl<H: Handler> Consumer<H> {
         };
         // The store, source and lister are needed at once; a Kinesis sink without a region fails at
         // its first write, as a stuck write naming the cause.
-        let reads_aws = self.store.is_none() || self.source.is_none() || self.lister.is_none();
+        let reads_aws = self.store.is_none()
+            || (paged.is_none() && (self.source.is_none() || self.lister.is_none()));
         if reads_aws
             && let Some(config) = &sdk
             && config.region().is_none()
@@ -394,17 +448,15 @@ impl<H: Handler> Consumer<H> {
                 .table_options(self.settings.lease_table_options.clone()),
             ),
         };
-        let source: Arc<dyn RecordSource> = match self.source {
-            Some(s) => s,
-            None => Arc::new(KinesisRecords::new(kinesis.clone().expect("sdk loaded"))),
+        let sink: Arc<dyn RecordSink> = match (self.sink, &kinesis) {
+            (Some(s), _) => s,
+            (None, Some(kinesis)) => Arc::new(KinesisSink::new(kinesis.clone())),
+            (None, None) => Arc::new(Unavailable),
         };
-        let sink: Arc<dyn RecordSink> = match self.sink {
-            Some(s) => s,
-            None => Arc::new(KinesisSink::new(kinesis.clone().expect("sdk loaded"))),
-        };
-        let lister: Arc<dyn ShardLister> = match self.lister {
-            Some(l) => l,
-            None => Arc::new(KinesisShards::new(kinesis.expect("sdk loaded"))),
+        let lister: Arc<dyn ShardLister> = match (self.lister, &paged) {
+            (Some(l), _) => l,
+            (None, Some(source)) => Arc::new(PartitionLister(source.clone())),
+            (None, None) => Arc::new(KinesisShards::new(kinesis.clone().expect("sdk loaded"))),
         };
 
         let settings = self.settings;
@@ -418,7 +470,15 @@ impl<H: Handler> Consumer<H> {
             receipts.prepare().await?;
         }
         if let Some(target) = &self.seek {
-            crate::seek::seek(store.as_ref(), lister.as_ref(), &settings.stream, target).await?;
+            match &paged {
+                None => {
+                    crate::seek::seek(store.as_ref(), lister.as_ref(), &settings.stream, target)
+                        .await?;
+                }
+                Some(source) => {
+                    crate::seek::seek_paged(store.as_ref(), source.as_ref(), target).await?;
+                }
+            }
         }
         let (manager, events) = LeaseManager::start(
             store.clone(),
@@ -432,29 +492,48 @@ impl<H: Handler> Consumer<H> {
         let stop = CancellationToken::new();
         let abort = CancellationToken::new();
         let stuck = StuckWrites::default();
-        let ctx = ShardContext {
-            pipeline: PipelineContext {
-                handler: self.handler,
-                settings: settings.clone(),
-                producer,
-                retry: Arc::new(RetryPolicy {
-                    max_attempts: settings.max_attempts,
-                    dead_letter: settings.dead_letter.clone(),
-                }),
-                stuck: stuck.clone(),
-                receipts: self.receipts,
-                hooks: self.delivery_hooks,
-            },
-            source,
-            lister: lister.clone(),
-            store: store.clone(),
-            stop: stop.clone(),
-            abort: abort.clone(),
+        let pipeline = PipelineContext {
+            handler: self.handler,
+            settings: settings.clone(),
+            producer,
+            retry: Arc::new(RetryPolicy {
+                // A paged event retried in place needs no stream to copy to: retries are on.
+                max_attempts: match &paged {
+                    Some(_) => settings
+                        .max_attempts
+                        .or(NonZeroU32::new(crate::retry::DEFAULT_MAX_ATTEMPTS)),
+                    None => settings.max_attempts,
+                },
+                dead_letter: settings.dead_letter.clone(),
+            }),
+            stuck: stuck.clone(),
+            receipts: self.receipts,
+            hooks: self.delivery_hooks,
+        };
+        let work = match &paged {
+            None => Work::Shards(ShardContext {
+                pipeline,
+                source: match self.source {
+                    Some(s) => s,
+                    None => Arc::new(KinesisRecords::new(kinesis.expect("sdk loaded"))),
+                },
+                lister: lister.clone(),
+                store: store.clone(),
+                stop: stop.clone(),
+                abort: abort.clone(),
+            }),
+            Some(source) => Work::Partitions(PartitionContext {
+                pipeline,
+                source: source.clone(),
+                store: store.clone(),
+                stop: stop.clone(),
+                abort: abort.clone(),
+            }),
         };
         let (held_tx, held_rx) = tokio::sync::watch::channel(Vec::new());
         let frontier = manager.frontier();
         let progress = Arc::new(Mutex::new(ShutdownReport::default()));
-        let supervisor = tokio::spawn(supervise(manager, events, ctx, held_tx, progress.clone()));
+        let supervisor = tokio::spawn(supervise(manager, events, work, held_tx, progress.clone()));
         info!(stream = %settings.stream, application = %settings.application, worker = %settings.worker_id, "consumer started");
         Ok(Running {
             stop,
@@ -466,8 +545,26 @@ impl<H: Handler> Consumer<H> {
             stuck,
             store,
             lister,
+            paged,
             stream: settings.stream.clone(),
         })
+    }
+}
+
+/// What a consumer's leases are for.
+enum Work<H> {
+    /// Kinesis shards.
+    Shards(ShardContext<H>),
+    /// Partitions of a paged source.
+    Partitions(PartitionContext<H>),
+}
+
+impl<H: Handler> Work<H> {
+    fn spawn(&self, tasks: &mut JoinSet<ShardExit>, lease: HeldLease) -> tokio::task::AbortHandle {
+        match self {
+            Work::Shards(ctx) => tasks.spawn(run_shard(ctx.clone(), lease)),
+            Work::Partitions(ctx) => tasks.spawn(run_partition(ctx.clone(), lease)),
+        }
     }
 }
 
@@ -492,6 +589,7 @@ pub struct Running {
     stuck: StuckWrites,
     store: Arc<dyn LeaseStore>,
     lister: Arc<dyn ShardLister>,
+    paged: Option<Arc<dyn PagedSource>>,
     stream: String,
 }
 
@@ -542,13 +640,20 @@ impl Running {
     /// Cancellation safe: each shard's move is one conditional write (or one transaction with its
     /// descendants); a dropped call leaves some shards moved and others not.
     pub async fn seek(&self, target: &SeekTarget) -> Result<SeekReport, Error> {
-        crate::seek::seek(
-            self.store.as_ref(),
-            self.lister.as_ref(),
-            &self.stream,
-            target,
-        )
-        .await
+        match &self.paged {
+            None => {
+                crate::seek::seek(
+                    self.store.as_ref(),
+                    self.lister.as_ref(),
+                    &self.stream,
+                    target,
+                )
+                .await
+            }
+            Some(source) => {
+                crate::seek::seek_paged(self.store.as_ref(), source.as_ref(), target).await
+            }
+        }
     }
 
     /// Stops at once, as a crash (`kill -9`) would: running handlers are dropped, nothing more is
@@ -625,14 +730,17 @@ impl Running {
 async fn supervise<H: Handler>(
     manager: LeaseManager,
     mut events: mpsc::UnboundedReceiver<LeaseEvent>,
-    ctx: ShardContext<H>,
+    work: Work<H>,
     held: tokio::sync::watch::Sender<Vec<Ownership>>,
     progress: Arc<Mutex<ShutdownReport>>,
 ) -> ShutdownReport {
     let mut shards: JoinSet<ShardExit> = JoinSet::new();
     // Each shard task's lease, to release it if the task panics.
     let mut tasks: HashMap<tokio::task::Id, Ownership> = HashMap::new();
-    let stop = ctx.stop.clone();
+    let stop = match &work {
+        Work::Shards(ctx) => ctx.stop.clone(),
+        Work::Partitions(ctx) => ctx.stop.clone(),
+    };
     loop {
         tokio::select! {
             biased;
@@ -644,7 +752,7 @@ async fn supervise<H: Handler>(
             Some(event) = events.recv() => {
                 if let LeaseEvent::Acquired(lease) = event {
                     let ownership = lease.ownership.clone();
-                    let task = shards.spawn(run_shard(ctx.clone(), *lease));
+                    let task = work.spawn(&mut shards, *lease);
                     tasks.insert(task.id(), ownership);
                 }
                 held.send_replace(manager.held());

@@ -145,14 +145,45 @@ impl<H: Handler, E> Pipeline<H, E> {
         self.lanes.dispatch(delivery);
     }
 
-    /// Settles a tracked delivery that needs no handler (a replay), as `how`.
-    pub(crate) fn settle_now(
-        &mut self,
-        id: DeliveryId,
-        delivery: &Delivery,
-        how: &Settled,
-    ) -> Option<Advance<E>> {
-        self.settle(id, delivery, how)
+    /// Tracks the next delivery without a lane yet (see [`dispatch_unless_done`](Self::dispatch_unless_done)).
+    pub(crate) fn track_only(&mut self, entry: E) -> DeliveryId {
+        self.tracker.track(entry)
+    }
+
+    /// A tracked delivery that may already have its outcome (a backfilled position at or below
+    /// the applied prefix): with receipts, a terminal receipt settles it as a replay and anything
+    /// else hands it to its lane; without receipts it goes to its lane (handled again rather than
+    /// skipped).
+    pub(crate) fn dispatch_unless_done(&mut self, delivery: Delivery) {
+        match (self.ctx.receipts.clone(), delivery.id()) {
+            (Some(store), Some(id)) => {
+                let events = self.write_tx.clone();
+                self.tasks.spawn(async move {
+                    let event = delivery.event_id();
+                    let mut failures = crate::backoff::Backoff::new(Duration::from_secs(5));
+                    loop {
+                        match store.get(&event).await {
+                            Ok(Some(r)) if r.disposition.is_terminal() => {
+                                metrics::counter!("shardwise_replays_total", "stream" => delivery.stream().to_string())
+                                    .increment(1);
+                                let _ = events.send(WriteEvent::Durable(id, delivery, Settled::Replayed));
+                                return;
+                            }
+                            Ok(_) => {
+                                let _ = events.send(WriteEvent::Redeliver(delivery));
+                                return;
+                            }
+                            Err(e) => {
+                                let wait = failures.next();
+                                tracing::warn!(%event, error = &e as &dyn std::error::Error, ?wait, "reading a receipt failed; reading it again");
+                                tokio::time::sleep(wait).await;
+                            }
+                        }
+                    }
+                });
+            }
+            _ => self.lanes.redispatch(delivery),
+        }
     }
 
     /// Whether more deliveries may be read: fewer than `max_in_flight` between the oldest unsettled

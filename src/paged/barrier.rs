@@ -82,7 +82,8 @@ impl Barrier {
     }
 
     /// Pages fetched and not yet promoted.
-    pub(crate) fn pending_pages(&self) -> usize {
+    #[cfg(test)]
+    fn pending_pages(&self) -> usize {
         self.pages.len()
     }
 

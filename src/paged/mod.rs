@@ -14,7 +14,9 @@
 //! incremented. Positions, which the source defines, are what orders events.
 
 mod barrier;
+mod lister;
 mod order;
+pub(crate) mod reader;
 
 use std::fmt;
 use std::time::SystemTime;
@@ -25,6 +27,7 @@ use futures::future::BoxFuture;
 use crate::error::BoxError;
 
 pub(crate) use barrier::{Barrier, BarrierWrite};
+pub(crate) use lister::PartitionLister;
 pub use order::OrderError;
 pub(crate) use order::{Order, Verdict};
 
@@ -102,7 +105,7 @@ impl fmt::Debug for PagePosition {
 impl fmt::Display for PagePosition {
     /// A number as a number, several as `a.b.c`, anything else in hex.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if !self.0.is_empty() && self.0.len() % 8 == 0 {
+        if !self.0.is_empty() && self.0.len().is_multiple_of(8) {
             for (i, chunk) in self.0.chunks(8).enumerate() {
                 let n = u64::from_be_bytes(chunk.try_into().expect("eight bytes"));
                 if i > 0 {

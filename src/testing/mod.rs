@@ -1,7 +1,8 @@
 //! For users' own tests and for deterministic simulations: an in-memory Kinesis stream
 //! ([`MemoryStream`]) to pair with [`MemoryLeaseStore`](crate::lease::MemoryLeaseStore), so handlers
-//! run through the real dispatcher, lanes and tracker; injected faults for both ([`Faults`]); and a
-//! way to make a thread's wall clock and retry jitter deterministic ([`simulate`]).
+//! run through the real dispatcher, lanes and tracker; a scripted paged event API ([`EventApi`])
+//! for paged sources; injected faults ([`Faults`]); and a way to make a thread's wall clock and
+//! retry jitter deterministic ([`simulate`]).
 //!
 //! ```
 //! use std::sync::Arc;
@@ -11,9 +12,11 @@
 //! assert_eq!(stream.records().len(), 1);
 //! ```
 
+mod events;
 pub(crate) mod faults;
 mod stream;
 
+pub use events::{EventApi, Script, ScriptedEvent};
 pub use faults::{Fault, Faults};
 pub use stream::{MemoryStream, MemoryStreams, StoredRecord};
 

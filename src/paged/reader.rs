@@ -1,0 +1,118 @@
+//! Fetches one partition's pages in order, each from the previous page's next cursor, and hands
+//! them over a channel of one (so a partition whose window is full is simply not fetched).
+//!
+//! A cursor that comes back unchanged with nothing new, and an empty page of a source whose empty
+//! pages prove nothing, are not followed: the same cursor is fetched again after the poll interval
+//! (no spinning), and `shardwise_paged_unchanged_cursor_total` counts it. Throttling and transient
+//! failures back off with jitter and fetch the same cursor again. A partition that is gone or a
+//! refused cursor ends the reader with the error.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::{Cursor, EmptyPages, FetchError, PagedEvent, PagedSource};
+use crate::backoff::Backoff;
+
+/// What the reader hands over.
+#[derive(Debug)]
+pub(crate) enum PageMessage {
+    /// A page: its events, and its next cursor (`None`: the partition ended with it).
+    Page {
+        events: Vec<PagedEvent>,
+        next: Option<Cursor>,
+    },
+    /// The partition cannot be read on.
+    Failed(FetchError),
+}
+
+pub(crate) struct PageReader {
+    pub(crate) source: Arc<dyn PagedSource>,
+    pub(crate) partition: String,
+    /// Where the next fetch starts.
+    pub(crate) cursor: Option<Cursor>,
+    /// Wait before fetching an unchanged cursor again.
+    pub(crate) poll_interval: Duration,
+    /// Longest wait after a failure.
+    pub(crate) max_backoff: Duration,
+}
+
+impl PageReader {
+    /// Fetches until the partition ends, fails, or `cancel` fires.
+    pub(crate) async fn run(mut self, pages: mpsc::Sender<PageMessage>, cancel: CancellationToken) {
+        let labels = [("source", self.source.name().to_string())];
+        let contract = self.source.contract();
+        let mut failures = Backoff::new(self.max_backoff);
+        loop {
+            let fetched = tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = self.source.fetch(&self.partition, self.cursor.as_ref()) => r,
+            };
+            let page = match fetched {
+                Ok(page) => page,
+                Err(error @ (FetchError::NotFound | FetchError::InvalidCursor(_))) => {
+                    let _ = pages.send(PageMessage::Failed(error)).await;
+                    return;
+                }
+                Err(error) => {
+                    let wait = failures.next();
+                    warn!(source = self.source.name(), partition = %self.partition, error = &error as &dyn std::error::Error, ?wait, "fetch failed; fetching the same cursor again");
+                    if sleep(wait, &cancel).await {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            failures.reset();
+            metrics::counter!("shardwise_paged_pages_total", &labels).increment(1);
+            let Some(next) = page.next else {
+                let _ = pages
+                    .send(PageMessage::Page {
+                        events: page.events,
+                        next: None,
+                    })
+                    .await;
+                return;
+            };
+            let unchanged = self.cursor.as_ref() == Some(&next);
+            let empty = page.events.is_empty();
+            if empty && (unchanged || contract.empty_pages == EmptyPages::Refetch) {
+                metrics::counter!("shardwise_paged_unchanged_cursor_total", &labels).increment(1);
+                debug!(source = self.source.name(), partition = %self.partition, cursor = %next, "nothing new: fetching the same cursor after the poll interval");
+                if sleep(self.poll_interval, &cancel).await {
+                    return;
+                }
+                continue;
+            }
+            let sent = pages
+                .send(PageMessage::Page {
+                    events: page.events,
+                    next: Some(next.clone()),
+                })
+                .await;
+            if sent.is_err() {
+                return;
+            }
+            if unchanged {
+                // Events, but a cursor that does not move: the same page is fetched again after
+                // the poll interval (its events are then overlaps), never in a tight loop.
+                metrics::counter!("shardwise_paged_unchanged_cursor_total", &labels).increment(1);
+                if sleep(self.poll_interval, &cancel).await {
+                    return;
+                }
+            }
+            self.cursor = Some(next);
+        }
+    }
+}
+
+/// Sleeps `wait`; `true` when cancelled first.
+async fn sleep(wait: Duration, cancel: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = cancel.cancelled() => true,
+        _ = tokio::time::sleep(wait) => false,
+    }
+}
