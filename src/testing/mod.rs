@@ -12,10 +12,12 @@
 //! assert_eq!(stream.records().len(), 1);
 //! ```
 
+mod event_server;
 mod events;
 pub(crate) mod faults;
 mod stream;
 
+pub use event_server::{EventServer, HttpEvents};
 pub use events::{EventApi, Script, ScriptedEvent};
 pub use faults::{Fault, Faults};
 pub use stream::{MemoryStream, MemoryStreams, StoredRecord};
