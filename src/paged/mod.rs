@@ -14,6 +14,8 @@
 //! incremented. Positions, which the source defines, are what orders events.
 
 mod barrier;
+#[cfg(feature = "cloudwatch-logs")]
+mod cloudwatch;
 mod lister;
 mod order;
 pub(crate) mod reader;
@@ -27,6 +29,8 @@ use futures::future::BoxFuture;
 use crate::error::BoxError;
 
 pub(crate) use barrier::{Barrier, BarrierWrite};
+#[cfg(feature = "cloudwatch-logs")]
+pub use cloudwatch::CloudWatchLogs;
 pub(crate) use lister::PartitionLister;
 pub use order::OrderError;
 pub(crate) use order::{Order, Verdict};

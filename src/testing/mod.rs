@@ -12,11 +12,13 @@
 //! assert_eq!(stream.records().len(), 1);
 //! ```
 
+mod crash;
 mod event_server;
 mod events;
 pub(crate) mod faults;
 mod stream;
 
+pub use crash::{Crash, CrashPoint, When};
 pub use event_server::{EventServer, HttpEvents};
 pub use events::{EventApi, Script, ScriptedEvent};
 pub use faults::{Fault, Faults};

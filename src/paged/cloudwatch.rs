@@ -1,0 +1,290 @@
+//! CloudWatch Logs as a paged source: one partition per log stream of a log group, read forward with
+//! `GetLogEvents` and its `nextForwardToken`.
+//!
+//! `GetLogEvents` gives no event identity. An event is named by what the service stores with it:
+//! its timestamp, its ingestion time, and its occurrence `k` among the events of the stream with the
+//! same two (a batch of `PutLogEvents` may hold several). Its position orders by the same three
+//! numbers. Counting `k` across a page boundary needs the last event before the boundary, so this
+//! source's cursor carries it beside the service's token, in bytes of its own:
+//!
+//! ```text
+//! v1|<start time ms, or empty>|<timestamp>|<ingestion time>|<k>|<forward token>
+//! ```
+//!
+//! shardwise never looks inside (cursors are opaque to the consumer); this module alone makes and
+//! reads them. At the end of a stream the service returns the request's token again: the cursor
+//! comes back unchanged and the reader backs off.
+//!
+//! The contract: empty pages with a new token are zero-item pages; positions may be backfilled
+//! (CloudWatch accepts events up to 14 days old), so an event at or below the applied prefix is
+//! handled unless a receipt shows its outcome; positions are not dense.
+//!
+//! A limit of the API, not of shardwise: a forward token marks a place in the stream's order by
+//! timestamp. An event put later with a timestamp before that place is not returned by later pages
+//! (moto's tokens are indexes, so such an event also moves the events after it one place on, and the
+//! next page repeats one). Reading by timestamp with `FilterLogEvents` and a lateness bound is the
+//! discipline for streams that receive late events.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use aws_sdk_cloudwatchlogs::Client;
+use aws_sdk_cloudwatchlogs::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_cloudwatchlogs::operation::get_log_events::GetLogEventsError;
+use bytes::Bytes;
+use futures::future::BoxFuture;
+
+use super::{Contract, Cursor, FetchError, Page, PagePosition, PagedEvent, PagedSource};
+use crate::error::Error;
+
+/// The events of one page at most (the API's own limit is 10,000).
+const DEFAULT_PAGE_LIMIT: i32 = 1_000;
+
+/// The log streams of a log group, each a partition, read with `GetLogEvents`.
+#[derive(Clone)]
+pub struct CloudWatchLogs {
+    client: Client,
+    group: Arc<str>,
+    name: Arc<str>,
+    limit: i32,
+}
+
+impl fmt::Debug for CloudWatchLogs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CloudWatchLogs")
+            .field("group", &self.group)
+            .field("limit", &self.limit)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CloudWatchLogs {
+    /// Reads the log group `group`; the source is named `logs:<group>` in the lease table.
+    pub fn new(client: Client, group: impl Into<String>) -> Self {
+        let group: String = group.into();
+        Self {
+            client,
+            name: format!("logs:{group}").into(),
+            group: group.into(),
+            limit: DEFAULT_PAGE_LIMIT,
+        }
+    }
+
+    /// At most this many events per page (1 to 10,000; default 1,000).
+    pub fn page_limit(mut self, limit: u32) -> Self {
+        self.limit = limit.clamp(1, 10_000) as i32;
+        self
+    }
+
+    /// The log group.
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+}
+
+/// What a cursor of this source holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct LogCursor {
+    /// `startTime` of every request of this traversal (a seek to a time).
+    start: Option<i64>,
+    /// The service's forward token.
+    token: Option<String>,
+    /// The last event before this cursor: (timestamp, ingestion time, k).
+    last: Option<(i64, i64, u64)>,
+}
+
+impl LogCursor {
+    fn encode(&self) -> Cursor {
+        let (ts, ingest, k) = self.last.map_or(
+            (String::new(), String::new(), String::new()),
+            |(t, i, k)| (t.to_string(), i.to_string(), k.to_string()),
+        );
+        Cursor::new(format!(
+            "v1|{}|{ts}|{ingest}|{k}|{}",
+            self.start.map(|s| s.to_string()).unwrap_or_default(),
+            self.token.as_deref().unwrap_or_default(),
+        ))
+    }
+
+    fn decode(cursor: &Cursor) -> Result<Self, String> {
+        let text = std::str::from_utf8(cursor.as_bytes())
+            .map_err(|_| "a cursor of CloudWatch Logs is text".to_string())?;
+        // The token comes last: whatever it holds, it cannot shift the fields before it.
+        let fields: Vec<&str> = text.splitn(6, '|').collect();
+        let [version, start, ts, ingest, k, token] = fields[..] else {
+            return Err(format!("`{text}` is not a cursor of CloudWatch Logs"));
+        };
+        if version != "v1" {
+            return Err(format!("cursor version `{version}` is unknown"));
+        }
+        let number = |s: &str| -> Result<Option<i64>, String> {
+            if s.is_empty() {
+                return Ok(None);
+            }
+            s.parse()
+                .map(Some)
+                .map_err(|_| format!("`{s}` in cursor `{text}` is not a number"))
+        };
+        let last = match (number(ts)?, number(ingest)?, number(k)?) {
+            (Some(t), Some(i), Some(k)) => Some((t, i, k as u64)),
+            (None, None, None) => None,
+            _ => return Err(format!("cursor `{text}` names half an event")),
+        };
+        Ok(Self {
+            start: number(start)?,
+            token: (!token.is_empty()).then(|| token.to_string()),
+            last,
+        })
+    }
+}
+
+fn millis(time: SystemTime) -> i64 {
+    time.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+fn fetch_error(e: SdkError<GetLogEventsError>) -> FetchError {
+    match e.as_service_error() {
+        Some(GetLogEventsError::ResourceNotFoundException(_)) => FetchError::NotFound,
+        Some(GetLogEventsError::InvalidParameterException(_)) => {
+            FetchError::InvalidCursor(Box::new(e))
+        }
+        Some(service) if service.code().is_some_and(|c| c.contains("Throttl")) => {
+            FetchError::Throttled
+        }
+        _ => FetchError::Other(Box::new(e)),
+    }
+}
+
+impl PagedSource for CloudWatchLogs {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn contract(&self) -> Contract {
+        Contract::default().backfill(true)
+    }
+
+    fn partitions(&self) -> BoxFuture<'_, Result<Vec<String>, Error>> {
+        Box::pin(async move {
+            let mut streams = self
+                .client
+                .describe_log_streams()
+                .log_group_name(self.group.as_ref())
+                .into_paginator()
+                .items()
+                .send();
+            let mut names = Vec::new();
+            while let Some(stream) = streams.next().await {
+                let stream = stream.map_err(|e| Error::Paged {
+                    source_name: self.name.to_string(),
+                    partition: String::new(),
+                    what: "listing the log streams failed",
+                    source: Box::new(e),
+                })?;
+                names.extend(stream.log_stream_name);
+            }
+            names.sort();
+            Ok(names)
+        })
+    }
+
+    fn fetch<'a>(
+        &'a self,
+        partition: &'a str,
+        cursor: Option<&'a Cursor>,
+    ) -> BoxFuture<'a, Result<Page, FetchError>> {
+        Box::pin(async move {
+            let at = match cursor {
+                Some(c) => LogCursor::decode(c).map_err(|e| FetchError::InvalidCursor(e.into()))?,
+                None => LogCursor::default(),
+            };
+            let output = self
+                .client
+                .get_log_events()
+                .log_group_name(self.group.as_ref())
+                .log_stream_name(partition)
+                .start_from_head(true)
+                .limit(self.limit)
+                .set_start_time(at.start)
+                .set_next_token(at.token.clone())
+                .send()
+                .await
+                .map_err(fetch_error)?;
+            let mut last = at.last;
+            let mut events = Vec::with_capacity(output.events().len());
+            for event in output.events() {
+                let ts = event.timestamp.unwrap_or_default();
+                let ingest = event.ingestion_time.unwrap_or_default();
+                let k = match last {
+                    Some((t, i, k)) if (t, i) == (ts, ingest) => k + 1,
+                    _ => 0,
+                };
+                last = Some((ts, ingest, k));
+                let number = |n: i64| u64::try_from(n).unwrap_or_default();
+                events.push(PagedEvent {
+                    id: format!("{ts}-{ingest}-{k}"),
+                    position: PagePosition::from_parts(&[number(ts), number(ingest), k]),
+                    payload: Bytes::from(event.message.clone().unwrap_or_default()),
+                    timestamp: Some(UNIX_EPOCH + Duration::from_millis(number(ts))),
+                    key: None,
+                });
+            }
+            // A token missing from the answer keeps the request's: fetched again after a back-off.
+            let token = output
+                .next_forward_token
+                .clone()
+                .or_else(|| at.token.clone());
+            let next = LogCursor {
+                start: at.start,
+                token,
+                last,
+            };
+            Ok(Page {
+                events,
+                next: Some(next.encode()),
+            })
+        })
+    }
+
+    fn cursor_at(&self, _partition: &str, time: SystemTime) -> Option<Cursor> {
+        Some(
+            LogCursor {
+                start: Some(millis(time)),
+                ..LogCursor::default()
+            }
+            .encode(),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cursors_round_trip_and_bad_ones_are_refused() {
+        let cursors = [
+            LogCursor::default(),
+            LogCursor {
+                start: Some(1_764_000_000_000),
+                token: None,
+                last: None,
+            },
+            LogCursor {
+                start: None,
+                token: Some(
+                    "f/00000000000000000000000000000000000000000000000000000009|odd".into(),
+                ),
+                last: Some((1_764_000_000_123, 1_764_000_000_200, 2)),
+            },
+        ];
+        for cursor in cursors {
+            assert_eq!(LogCursor::decode(&cursor.encode()).unwrap(), cursor);
+        }
+        for bad in ["", "v2|||||", "v1|x||||", "v1||5|||f/1", "v1||f/1"] {
+            assert!(LogCursor::decode(&Cursor::new(bad)).is_err(), "{bad}");
+        }
+    }
+}

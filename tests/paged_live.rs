@@ -1,0 +1,685 @@
+//! Paged sources live: the scripted event API behind its real HTTP server, read by the consumer
+//! through `HttpEvents`, with the lease table and the receipt ledger on the DynamoDB emulator.
+//!
+//! Seed 003's validation list, executed: a crash at each point of a page's life (before and after
+//! each effect commit, before and after a durable quarantine receipt, before and after each page
+//! barrier and each progress write), then a restart; overlapping, replayed, empty and stuck pages;
+//! a lost barrier answer; a stale concurrent attempt with the same version; a reversible hold that
+//! blocks the barrier until it is made terminal. After each: no event skipped, `appliedPosition`
+//! never above an event without a durable outcome and never lowered, and every effect applied once.
+
+#[path = "support/recorder.rs"]
+mod recorder;
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use futures::StreamExt;
+use shardwise::lease::{DynamoDbLeaseStore, LeaseSettings, LeaseStore};
+use shardwise::paged::{PagePosition, PagedProgress};
+use shardwise::receipts::{Disposition, DynamoDbReceipts, Effect, EventId, ReceiptStore, key};
+use shardwise::testing::{Crash, CrashPoint, EventApi, HttpEvents, Script, When};
+use shardwise::{Consumer, ConsumerBuilder, Delivery, Outcome};
+use support::Live;
+
+const APP: &str = "paged-live";
+static LOGS: std::sync::OnceLock<recorder::Logs> = std::sync::OnceLock::new();
+
+/// One live test's tables: leases, receipts, effects.
+struct Tables {
+    live: Live,
+    leases: Arc<DynamoDbLeaseStore>,
+    receipts: Arc<DynamoDbReceipts>,
+    counts: String,
+    names: Vec<String>,
+}
+
+impl Tables {
+    async fn new(live: Live) -> Self {
+        let lease_table = support::unique_name("paged-leases");
+        let receipt_table = support::unique_name("paged-receipts");
+        let counts = support::unique_name("paged-counts");
+        live.create_table(&counts, "id").await;
+        let leases = Arc::new(
+            DynamoDbLeaseStore::new(live.dynamodb.clone(), &lease_table).create_if_missing(true),
+        );
+        leases.prepare().await.unwrap();
+        let receipts = Arc::new(
+            DynamoDbReceipts::new(live.dynamodb.clone(), &receipt_table, APP)
+                .create_if_missing(true),
+        );
+        receipts.prepare().await.unwrap();
+        Self {
+            live,
+            leases,
+            receipts,
+            names: vec![lease_table, receipt_table, counts.clone()],
+            counts,
+        }
+    }
+
+    async fn drop_all(self) {
+        for name in &self.names {
+            self.live.delete_table(name).await;
+        }
+    }
+
+    async fn progress(&self, source: &str, partition: &str) -> PagedProgress {
+        self.leases
+            .get(source, partition)
+            .await
+            .unwrap()
+            .and_then(|row| row.progress)
+            .unwrap_or_default()
+    }
+
+    async fn count(&self, id: &str) -> Option<i64> {
+        let item = self
+            .live
+            .dynamodb
+            .get_item()
+            .table_name(&self.counts)
+            .key("id", AttributeValue::S(id.into()))
+            .consistent_read(true)
+            .send()
+            .await
+            .unwrap()
+            .item?;
+        item.get("count")?.as_n().ok()?.parse().ok()
+    }
+
+    /// The positions (1..=n) whose events have a terminal receipt.
+    async fn terminal(&self, source: &str, partition: &str, n: u64) -> Vec<u64> {
+        let mut done = Vec::new();
+        for position in 1..=n {
+            let event = EventId::paged(source, partition, &format!("{partition}-{position}"));
+            if self.receipts.seen(&event).await.unwrap() {
+                done.push(position);
+            }
+        }
+        done
+    }
+}
+
+fn applied(progress: &PagedProgress) -> u64 {
+    progress
+        .applied_position
+        .as_ref()
+        .and_then(PagePosition::as_u64)
+        .unwrap_or(0)
+}
+
+fn id_of(d: &Delivery) -> String {
+    d.event_id()
+        .as_str()
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// Every handler call, by event id.
+#[derive(Debug, Default, Clone)]
+struct Calls(Arc<Mutex<Vec<String>>>);
+
+impl Calls {
+    fn push(&self, d: &Delivery) {
+        self.0.lock().unwrap().push(id_of(d));
+    }
+    fn all(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+    fn count(&self, id: &str) -> usize {
+        self.all().iter().filter(|i| *i == id).count()
+    }
+}
+
+fn settings() -> LeaseSettings {
+    LeaseSettings::default()
+        .lease_duration(Duration::from_millis(2_000))
+        .scan_interval(Duration::from_millis(200))
+}
+
+fn builder<H: shardwise::Handler>(
+    source: &HttpEvents,
+    tables: &Tables,
+    worker: &str,
+    handler: H,
+) -> ConsumerBuilder<H> {
+    Consumer::paged(Arc::new(source.clone()), APP, handler)
+        .worker_id(worker)
+        .lanes(1)
+        .poll_interval(Duration::from_millis(200))
+        .checkpoint_interval(Duration::from_millis(20))
+        .hold_poll_interval(Duration::from_millis(100))
+        .lease_settings(settings())
+        .lease_store(tables.leases.clone())
+        .receipts(tables.receipts.clone())
+}
+
+async fn wait_for<F: Future<Output = bool>>(
+    what: &str,
+    limit: Duration,
+    mut done: impl FnMut() -> F,
+) {
+    let deadline = Instant::now() + limit;
+    while !done().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Watches a partition's row while a case runs: the applied position and the version never go
+/// down, and every event at or below the applied position has a terminal receipt when the row is
+/// read (receipts are durable before the progress that counts them).
+fn watch(
+    tables: Arc<Tables>,
+    source: String,
+) -> (tokio::task::JoinHandle<u32>, tokio_util_stop::Stop) {
+    let stop = tokio_util_stop::Stop::default();
+    let stopped = stop.clone();
+    let handle = tokio::spawn(async move {
+        let (mut last_applied, mut last_version, mut reads) = (0, 0, 0);
+        while !stopped.is_set() {
+            let progress = tables.progress(&source, "p").await;
+            let now = applied(&progress);
+            assert!(
+                now >= last_applied,
+                "{source}: applied went down from {last_applied} to {now}"
+            );
+            assert!(
+                progress.checkpoint_version >= last_version,
+                "{source}: version went down"
+            );
+            // Terminal receipts are never removed: what was checked stays checked.
+            for position in last_applied + 1..=now {
+                let event = EventId::paged(&source, "p", &format!("p-{position}"));
+                assert!(
+                    tables.receipts.seen(&event).await.unwrap(),
+                    "{source}: applied {now} passes {position}, which has no durable outcome"
+                );
+            }
+            (last_applied, last_version) = (now, progress.checkpoint_version);
+            reads += 1;
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        reads
+    });
+    (handle, stop)
+}
+
+/// A flag to stop a watcher.
+mod tokio_util_stop {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    #[derive(Debug, Default, Clone)]
+    pub struct Stop(Arc<AtomicBool>);
+
+    impl Stop {
+        pub fn set(&self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+        pub fn is_set(&self) -> bool {
+            self.0.load(Ordering::SeqCst)
+        }
+    }
+}
+
+/// The handler of the crash cases: each event adds 1 to its counter with its receipt, except the
+/// poison one (position 6), which is quarantined.
+fn counting(counts: String, case: String, calls: Calls) -> impl shardwise::Handler {
+    move |d: Delivery| {
+        let (counts, case, calls) = (counts.clone(), case.clone(), calls.clone());
+        async move {
+            calls.push(&d);
+            let slow = d
+                .page_position()
+                .and_then(|p| p.as_u64())
+                .is_some_and(|p| p % 4 == 3);
+            tokio::time::sleep(Duration::from_millis(if slow { 300 } else { 15 })).await;
+            if d.payload().as_ref() == b"poison" {
+                return Outcome::Quarantine("poison".into());
+            }
+            Outcome::Apply(
+                Effect::update(&counts, key("id", format!("{case}/{}", id_of(&d))))
+                    .add("count", 1)
+                    .into(),
+            )
+        }
+    }
+}
+
+const EVENTS: u64 = 12;
+
+/// One crash case: its own source (12 events on partition `p`, pages of 4, the 6th is poison)
+/// on the shared tables. The first worker dies at `crash`; the row is checked as it left it; a
+/// second worker finishes. Then every event has a terminal receipt, each applied effect counts 1,
+/// the poison one none, and the applied position is 12.
+async fn crash_case(tables: Arc<Tables>, point: CrashPoint, nth: u32, when: When) -> String {
+    let name = format!("crash-{point:?}-{nth}-{when:?}").to_lowercase();
+    // Effect commits and receipts are chosen by event (several may commit together); barriers
+    // and progress writes by their number.
+    let crash = match point {
+        CrashPoint::Commit | CrashPoint::Quarantine => {
+            Crash::on_event(point, EventId::paged(&name, "p", &format!("p-{nth}")), when)
+        }
+        _ => Crash::on_position(point, PagePosition::from_u64(nth.into()), when),
+    };
+    let api = EventApi::new(name.clone()).page_size(4);
+    for n in 1..=EVENTS {
+        api.push("p", if n == 6 { "poison" } else { "fine" });
+    }
+    let server = api.serve("127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let source = HttpEvents::new(name.clone(), server.url());
+    let (watcher, stop) = watch(tables.clone(), name.clone());
+    let calls = Calls::default();
+
+    let first = builder(
+        &source,
+        &tables,
+        "w1",
+        counting(tables.counts.clone(), name.clone(), calls.clone()),
+    )
+    .lease_store(crash.leases(tables.leases.clone()))
+    .receipts(crash.receipts(tables.receipts.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    let started = Instant::now();
+    tokio::time::timeout(Duration::from_secs(30), crash.wait())
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "{name}: the crash point was never reached ({} writes of its kind)\n{}",
+                crash.writes(),
+                LOGS.get().map(|l| l.text()).unwrap_or_default()
+            )
+        });
+    eprintln!("{name}: crashed after {:?}", started.elapsed());
+    first.abort();
+
+    // As the dead worker left it: nothing above the applied position lacks a durable outcome.
+    let left = tables.progress(&name, "p").await;
+    let done = tables.terminal(&name, "p", EVENTS).await;
+    assert!(
+        (1..=applied(&left)).all(|p| done.contains(&p)),
+        "{name}: left applied {} with only {done:?} durable",
+        applied(&left)
+    );
+
+    let second = builder(
+        &source,
+        &tables,
+        "w2",
+        counting(tables.counts.clone(), name.clone(), calls.clone()),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for(&name, Duration::from_secs(40), || {
+        let tables = tables.clone();
+        let name = name.clone();
+        async move { applied(&tables.progress(&name, "p").await) == EVENTS }
+    })
+    .await;
+    second.shutdown(Duration::from_secs(5)).await;
+    stop.set();
+    let reads = watcher.await.expect("the watcher's checks held");
+    assert!(reads >= 1, "{name}: the row was watched");
+
+    assert_eq!(
+        tables.terminal(&name, "p", EVENTS).await.len() as u64,
+        EVENTS,
+        "{name}: an event was skipped"
+    );
+    for n in 1..=EVENTS {
+        let id = format!("p-{n}");
+        let expected = (n != 6).then_some(1);
+        assert_eq!(
+            tables.count(&format!("{name}/{id}")).await,
+            expected,
+            "{name}: {id}'s effect (handled {} times)",
+            calls.count(&id)
+        );
+    }
+    name
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_at_every_point_of_a_page_loses_nothing_and_applies_each_effect_once() {
+    let live = live_or_skip!();
+    let logs = recorder::Logs::default();
+    tracing::subscriber::set_global_default(logs.clone()).unwrap();
+    LOGS.set(logs).unwrap();
+    let tables = Arc::new(Tables::new(live).await);
+    let mut cases = Vec::new();
+    // Before and after the commit of each event's effects (the 6th is quarantined instead).
+    for n in (1..=EVENTS as u32).filter(|n| *n != 6) {
+        cases.push((CrashPoint::Commit, n, When::Before));
+        cases.push((CrashPoint::Commit, n, When::After));
+    }
+    // Before and after the durable quarantine receipt of the poison event.
+    cases.push((CrashPoint::Quarantine, 6, When::Before));
+    cases.push((CrashPoint::Quarantine, 6, When::After));
+    // Before and after the barrier of each page (pages of four: the barrier passing 4, 8, 12).
+    for end in [4, 8, 12] {
+        cases.push((CrashPoint::Barrier, end, When::Before));
+        cases.push((CrashPoint::Barrier, end, When::After));
+    }
+    // Before and after a write of the settled prefix within a page (the third event of each page
+    // is slow, so the first two are written before the page completes).
+    for prefix in [2, 6] {
+        cases.push((CrashPoint::Progress, prefix, When::Before));
+        cases.push((CrashPoint::Progress, prefix, When::After));
+    }
+    let total = cases.len();
+    let done: Vec<String> = futures::stream::iter(cases)
+        .map(|(point, nth, when)| crash_case(tables.clone(), point, nth, when))
+        .buffer_unordered(4)
+        .collect()
+        .await;
+    assert_eq!(done.len(), total);
+    Arc::into_inner(tables).unwrap().drop_all().await;
+}
+
+/// A consumer on one source of `n` events (partition `p`, pages of `page`) over HTTP.
+async fn serve(
+    name: &str,
+    n: u64,
+    page: usize,
+) -> (EventApi, shardwise::testing::EventServer, HttpEvents) {
+    let api = EventApi::new(name.to_string()).page_size(page);
+    for _ in 0..n {
+        api.push("p", "x");
+    }
+    let server = api.serve("127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let source = HttpEvents::new(name.to_string(), server.url());
+    (api, server, source)
+}
+
+fn acking(calls: Calls) -> impl shardwise::Handler {
+    move |d: Delivery| {
+        calls.push(&d);
+        async { Outcome::Ack }
+    }
+}
+
+/// Overlapping pages, a page served twice, empty pages with advancing tokens, a token that does
+/// not advance, lost answers and throttling, over HTTP: every event once; caught up, the stuck
+/// token is fetched once per poll interval, not in a spin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misbehaving_pages_over_http_neither_lose_nor_repeat_events() {
+    let live = live_or_skip!();
+    let tables = Tables::new(live).await;
+    let name = support::unique_name("misbehaving");
+    let (api, _server, source) = serve(&name, 40, 5).await;
+    for script in [
+        Script::Overlap(3),
+        Script::EmptyAdvancing,
+        Script::ReplayPrevious,
+        Script::LoseResponse,
+        Script::Unchanged,
+        Script::Throttle,
+        Script::EmptyAdvancing,
+        Script::EmptyAdvancing,
+        Script::Overlap(7),
+        Script::ReplayPrevious,
+    ] {
+        api.script("p", script);
+    }
+    let calls = Calls::default();
+    let running = builder(&source, &tables, "w1", acking(calls.clone()))
+        .lanes(4)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("every event", Duration::from_secs(30), || {
+        let tables = &tables;
+        let name = &name;
+        async move { applied(&tables.progress(name, "p").await) == 40 }
+    })
+    .await;
+    let before = api.fetches();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let fetches = api.fetches() - before;
+    running.shutdown(Duration::from_secs(5)).await;
+    for n in 1..=40 {
+        assert_eq!(calls.count(&format!("p-{n}")), 1, "p-{n}");
+    }
+    assert_eq!(calls.all().len(), 40);
+    assert!(
+        (5..=15).contains(&fetches),
+        "{fetches} fetches of a stuck token in 2 s at a 200 ms poll interval"
+    );
+    tables.drop_all().await;
+}
+
+/// A barrier is stored but its answer is lost: the worker rereads the row, finds what it meant to
+/// store, and goes on. No event is handled twice and no version is skipped or repeated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_barrier_answer_is_found_stored_and_the_partition_goes_on() {
+    let live = live_or_skip!();
+    let tables = Tables::new(live).await;
+    let name = support::unique_name("lost-answer");
+    let (_api, _server, source) = serve(&name, 8, 4).await;
+    let lose = Crash::on_position(
+        CrashPoint::Barrier,
+        PagePosition::from_u64(4),
+        When::LoseAnswer,
+    );
+    let calls = Calls::default();
+    let running = builder(&source, &tables, "w1", acking(calls.clone()))
+        .lease_store(lose.leases(tables.leases.clone()))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("every event", Duration::from_secs(20), || {
+        let tables = &tables;
+        let name = &name;
+        async move { applied(&tables.progress(name, "p").await) == 8 }
+    })
+    .await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert!(
+        lose.writes() >= 1 && !lose.crashed(),
+        "the answer was lost, the worker lived"
+    );
+    let progress = tables.progress(&name, "p").await;
+    // One barrier write per promotion (pages that settle together are promoted at once), and the
+    // lost one was not written again as a second version.
+    assert!(
+        (1..=2).contains(&progress.checkpoint_version),
+        "{progress:?}"
+    );
+    for n in 1..=8 {
+        assert_eq!(calls.count(&format!("p-{n}")), 1, "p-{n}");
+    }
+    tables.drop_all().await;
+}
+
+/// Two attempts of one partition with the same version: while this worker handles page 1, another
+/// attempt (the test, with the same lease) passes page 1's barrier first. This worker's write then
+/// loses the compare-and-swap, rereads, sees newer progress, and stops its attempt without
+/// overwriting it; the partition goes on from the stored progress. Nothing is lowered or skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_attempt_with_the_same_version_rereads_and_never_overwrites_newer_progress() {
+    let live = live_or_skip!();
+    let tables = Tables::new(live).await;
+    let name = support::unique_name("stale");
+    let (api, _server, source) = serve(&name, 8, 4).await;
+    let (open, opened) = tokio::sync::watch::channel(false);
+    let calls = Calls::default();
+    let handler = {
+        let calls = calls.clone();
+        move |d: Delivery| {
+            calls.push(&d);
+            let mut opened = opened.clone();
+            async move {
+                if id_of(&d) == "p-2" {
+                    let _ = opened.wait_for(|open| *open).await;
+                }
+                Outcome::Ack
+            }
+        }
+    };
+    let running = builder(&source, &tables, "w1", handler)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("p-2 handed out", Duration::from_secs(20), || {
+        let calls = calls.clone();
+        async move { calls.count("p-2") == 1 }
+    })
+    .await;
+    // The other attempt: same lease, same version, it passes page 1's barrier first.
+    let row = tables.leases.get(&name, "p").await.unwrap().unwrap();
+    let ownership = row.ownership().unwrap();
+    let expected = row.progress.clone().unwrap_or_default();
+    assert_eq!(expected.checkpoint_version, 0);
+    let theirs = PagedProgress {
+        resume_cursor: Some(api.cursor("p", 4)),
+        applied_position: Some(PagePosition::from_u64(4)),
+        checkpoint_version: 1,
+    };
+    assert_eq!(
+        tables
+            .leases
+            .paged_checkpoint(&ownership, &expected, &theirs)
+            .await
+            .unwrap(),
+        shardwise::lease::CheckpointWrite::Written
+    );
+    open.send(true).unwrap();
+    // This attempt's writes lose; the progress is never lowered nor replaced by the stale one.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = theirs.clone();
+    loop {
+        let now = tables.progress(&name, "p").await;
+        assert!(
+            now.checkpoint_version >= last.checkpoint_version,
+            "{now:?} after {last:?}"
+        );
+        assert!(applied(&now) >= applied(&last), "{now:?} after {last:?}");
+        if now.checkpoint_version == 1 {
+            assert_eq!(
+                now, theirs,
+                "the stale attempt overwrote the newer progress"
+            );
+        }
+        last = now;
+        if applied(&last) == 8 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the partition never went on: {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(
+        last.checkpoint_version, 2,
+        "the next attempt passed page 2 from theirs"
+    );
+    // Page 1 was read once: the next attempt started from their cursor, not from the stale one.
+    // Page 2 may have been handed out by the stale attempt before its write lost (it recorded
+    // nothing of it), so at least once.
+    for n in 1..=8 {
+        let count = calls.count(&format!("p-{n}"));
+        assert!(
+            if n <= 4 { count == 1 } else { count >= 1 },
+            "p-{n} handled {count} times"
+        );
+    }
+    tables.drop_all().await;
+}
+
+/// A reversible hold blocks the barrier: the applied position stops before the held event and the
+/// page's cursor stays pending, though later events settled; an operator's terminal receipt lets
+/// both pass, and the held event is not handled again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reversible_hold_blocks_the_barrier_until_it_is_made_terminal() {
+    let live = live_or_skip!();
+    let tables = Tables::new(live).await;
+    let name = support::unique_name("hold");
+    let (_api, _server, source) = serve(&name, 8, 4).await;
+    let calls = Calls::default();
+    let handler = {
+        let calls = calls.clone();
+        move |d: Delivery| {
+            calls.push(&d);
+            let held = id_of(&d) == "p-3";
+            async move {
+                if held {
+                    Outcome::Hold("operator review".into())
+                } else {
+                    Outcome::Ack
+                }
+            }
+        }
+    };
+    let running = builder(&source, &tables, "w1", handler)
+        .lanes(4)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    let p3 = EventId::paged(&name, "p", "p-3");
+    wait_for("the hold and p-4", Duration::from_secs(20), || {
+        let (tables, p3, calls) = (&tables, &p3, calls.clone());
+        async move { calls.count("p-4") == 1 && tables.receipts.get(p3).await.unwrap().is_some() }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let blocked = tables.progress(&name, "p").await;
+    assert_eq!(
+        applied(&blocked),
+        2,
+        "p-4 settled, but p-3 holds the prefix"
+    );
+    assert_eq!(
+        blocked.checkpoint_version, 0,
+        "page 1's cursor is still pending"
+    );
+    tables
+        .receipts
+        .record(
+            &p3,
+            &Disposition::Quarantined("bad schema".into()),
+            "operator",
+        )
+        .await
+        .unwrap();
+    wait_for("every event", Duration::from_secs(20), || {
+        let tables = &tables;
+        let name = &name;
+        async move { applied(&tables.progress(name, "p").await) == 8 }
+    })
+    .await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(
+        calls.count("p-3"),
+        1,
+        "settled by its receipt, not handled again"
+    );
+    let version = tables.progress(&name, "p").await.checkpoint_version;
+    assert!(
+        (1..=2).contains(&version),
+        "one or two barriers after the hold: {version}"
+    );
+    tables.drop_all().await;
+}
