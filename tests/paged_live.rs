@@ -12,13 +12,14 @@
 mod recorder;
 mod support;
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use aws_sdk_dynamodb::types::AttributeValue;
 use futures::StreamExt;
 use shardwise::lease::{DynamoDbLeaseStore, LeaseSettings, LeaseStore};
-use shardwise::paged::{PagePosition, PagedProgress};
+use shardwise::paged::{CloudWatchLogs, PagePosition, PagedProgress, PagedSource};
 use shardwise::receipts::{Disposition, DynamoDbReceipts, Effect, EventId, ReceiptStore, key};
 use shardwise::testing::{Crash, CrashPoint, EventApi, HttpEvents, Script, When};
 use shardwise::{Consumer, ConsumerBuilder, Delivery, Outcome};
@@ -26,6 +27,15 @@ use support::Live;
 
 const APP: &str = "paged-live";
 static LOGS: std::sync::OnceLock<recorder::Logs> = std::sync::OnceLock::new();
+
+/// The warnings of this test binary, kept to print when a case fails.
+fn logs() -> &'static recorder::Logs {
+    LOGS.get_or_init(|| {
+        let logs = recorder::Logs::default();
+        let _ = tracing::subscriber::set_global_default(logs.clone());
+        logs
+    })
+}
 
 /// One live test's tables: leases, receipts, effects.
 struct Tables {
@@ -355,9 +365,7 @@ async fn crash_case(tables: Arc<Tables>, point: CrashPoint, nth: u32, when: When
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_at_every_point_of_a_page_loses_nothing_and_applies_each_effect_once() {
     let live = live_or_skip!();
-    let logs = recorder::Logs::default();
-    tracing::subscriber::set_global_default(logs.clone()).unwrap();
-    LOGS.set(logs).unwrap();
+    logs();
     let tables = Arc::new(Tables::new(live).await);
     let mut cases = Vec::new();
     // Before and after the commit of each event's effects (the 6th is quarantined instead).
@@ -477,7 +485,24 @@ async fn a_lost_barrier_answer_is_found_stored_and_the_partition_goes_on() {
         When::LoseAnswer,
     );
     let calls = Calls::default();
-    let running = builder(&source, &tables, "w1", acking(calls.clone()))
+    // Page 2 settles before the write is tried again (300 ms later), so the next write is another
+    // one (page 2's barrier), conditioned on what the worker believed stored: it must recognise
+    // the lost write in the row rather than call its own attempt stale.
+    let slow = {
+        let calls = calls.clone();
+        move |d: Delivery| {
+            calls.push(&d);
+            let late = d.page_position().and_then(PagePosition::as_u64) > Some(4);
+            async move {
+                if late {
+                    tokio::time::sleep(Duration::from_millis(40)).await;
+                }
+                Outcome::Ack
+            }
+        }
+    };
+    let running = builder(&source, &tables, "w1", slow)
+        .checkpoint_interval(Duration::from_millis(300))
         .lease_store(lose.leases(tables.leases.clone()))
         .build()
         .unwrap()
@@ -681,5 +706,249 @@ async fn a_reversible_hold_blocks_the_barrier_until_it_is_made_terminal() {
         (1..=2).contains(&version),
         "one or two barriers after the hold: {version}"
     );
+    tables.drop_all().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CloudWatch Logs on moto
+
+/// A CloudWatch Logs client for the emulator (`AWS_ENDPOINT_URL_CLOUDWATCH_LOGS`, which
+/// `scripts/emulators` exports with moto's address).
+async fn logs_client() -> aws_sdk_cloudwatchlogs::Client {
+    let required = std::env::var("SHARDWISE_LIVE").is_ok_and(|v| v == "require");
+    if std::env::var("AWS_ENDPOINT_URL_CLOUDWATCH_LOGS").is_err() {
+        assert!(
+            !required,
+            "AWS_ENDPOINT_URL_CLOUDWATCH_LOGS is not set: start the emulators with scripts/emulators"
+        );
+    }
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .load()
+        .await;
+    aws_sdk_cloudwatchlogs::Client::new(&config)
+}
+
+/// Puts `n` events in one batch, three per millisecond from `base` (ties share a timestamp and an
+/// ingestion time), with messages `{prefix}{i}`.
+async fn put_logs(
+    logs: &aws_sdk_cloudwatchlogs::Client,
+    group: &str,
+    stream: &str,
+    base: i64,
+    prefix: &str,
+    range: std::ops::Range<i64>,
+) {
+    use aws_sdk_cloudwatchlogs::types::InputLogEvent;
+    let events: Vec<InputLogEvent> = range
+        .map(|i| {
+            InputLogEvent::builder()
+                .timestamp(base + i / 3)
+                .message(format!("{prefix}{i}"))
+                .build()
+                .unwrap()
+        })
+        .collect();
+    let put = logs
+        .put_log_events()
+        .log_group_name(group)
+        .log_stream_name(stream)
+        .set_log_events(Some(events))
+        .send()
+        .await
+        .unwrap();
+    assert!(put.rejected_log_events_info.is_none(), "{put:?}");
+}
+
+/// Every (partition, id, message) a handler saw.
+#[derive(Debug, Default, Clone)]
+struct Seen(Arc<Mutex<Vec<(String, String, String)>>>);
+
+impl Seen {
+    fn handler(&self) -> impl shardwise::Handler {
+        let seen = self.clone();
+        move |d: Delivery| {
+            seen.0.lock().unwrap().push((
+                d.shard().to_string(),
+                id_of(&d),
+                String::from_utf8_lossy(d.payload()).into_owned(),
+            ));
+            async { Outcome::Ack }
+        }
+    }
+    fn messages(&self, partition: &str) -> Vec<String> {
+        let all = self.0.lock().unwrap();
+        all.iter()
+            .filter(|(p, ..)| p == partition)
+            .map(|(.., m)| m.clone())
+            .collect()
+    }
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
+
+/// A log group on moto read as a paged source: every log stream a partition, pages of 4 through
+/// `nextForwardToken`, events sharing a millisecond told apart, the same token at the end of a
+/// stream (caught up) followed again when new events arrive, a crash and a restart that skip
+/// nothing, and a seek to a time that reads again from the first event at or after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cloudwatch_log_group_is_read_stream_by_stream_without_skipping() {
+    let live = live_or_skip!();
+    logs();
+    let logs = logs_client().await;
+    let tables = Tables::new(live).await;
+    let group = support::unique_name("/shardwise/paged");
+    logs.create_log_group()
+        .log_group_name(&group)
+        .send()
+        .await
+        .unwrap();
+    let streams = ["web", "2026/12/01/[$LATEST]worker"];
+    for stream in streams {
+        logs.create_log_stream()
+            .log_group_name(&group)
+            .log_stream_name(stream)
+            .send()
+            .await
+            .unwrap();
+    }
+    // A minute ago: CloudWatch refuses events older than 14 days.
+    let base = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+        - 60_000;
+    for stream in streams {
+        put_logs(&logs, &group, stream, base, "m", 0..25).await;
+    }
+    let source = CloudWatchLogs::new(logs.clone(), &group).page_limit(4);
+    assert_eq!(source.name(), format!("logs:{group}"));
+    assert_eq!(source.partitions().await.unwrap(), {
+        let mut s: Vec<String> = streams.iter().map(|s| s.to_string()).collect();
+        s.sort();
+        s
+    });
+    let seen = Seen::default();
+    let run = |worker: &str| {
+        Consumer::paged(Arc::new(source.clone()), APP, seen.handler())
+            .worker_id(worker)
+            .lanes(2)
+            .poll_interval(Duration::from_millis(200))
+            .checkpoint_interval(Duration::from_millis(20))
+            .lease_settings(settings())
+            .lease_store(tables.leases.clone())
+            .build()
+            .unwrap()
+            .run()
+    };
+    let w1 = run("w1").await.unwrap();
+    let expect =
+        |range: std::ops::Range<i64>| -> Vec<String> { range.map(|i| format!("m{i}")).collect() };
+    let wait_all = |n: usize| {
+        let seen = seen.clone();
+        async move {
+            wait_for(&format!("{n} events"), Duration::from_secs(30), || {
+                let seen = seen.clone();
+                async move { seen.len() >= n }
+            })
+            .await
+        }
+    };
+    wait_all(50).await;
+    for stream in streams {
+        let mut got = seen.messages(stream);
+        got.sort_by_key(|m| m[1..].parse::<u32>().unwrap());
+        assert_eq!(got, expect(0..25), "{stream}: each event once");
+    }
+    // Ties: three events per millisecond, one batch (one ingestion time): k = 0, 1, 2.
+    let ids: Vec<String> = seen
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(_, id, _)| id.clone())
+        .collect();
+    let ks: BTreeSet<String> = ids
+        .iter()
+        .map(|id| id.rsplit('-').next().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        ks,
+        BTreeSet::from(["0".into(), "1".into(), "2".into()]),
+        "{ids:?}"
+    );
+    assert_eq!(
+        ids.iter().collect::<BTreeSet<_>>().len(),
+        50,
+        "identities are distinct"
+    );
+
+    // Caught up, the stream answers with the request's token; new events are read when they come.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    put_logs(&logs, &group, "web", base + 100, "n", 0..5).await;
+    wait_all(55).await;
+
+    // A crash, then another worker: nothing skipped (what came after the last barrier may repeat).
+    w1.abort();
+    let durable = tables.progress(source.name(), "web").await;
+    assert!(
+        durable
+            .resume_cursor
+            .as_ref()
+            .is_some_and(|c| c.to_string().starts_with("v1|"))
+    );
+    put_logs(&logs, &group, "web", base + 200, "o", 0..6).await;
+    let w2 = run("w2").await.unwrap();
+    wait_for("o0..o5 after the crash", Duration::from_secs(30), || {
+        let seen = seen.clone();
+        async move { (0..6).all(|i| seen.messages("web").contains(&format!("o{i}"))) }
+    })
+    .await;
+
+    // A seek to the time of m15 (ms base + 5): every stream is read again from m15.
+    let before = seen.len();
+    let report = shardwise::seek::seek_paged(
+        tables.leases.as_ref(),
+        &source,
+        &shardwise::seek::SeekTarget::Timestamp(
+            std::time::UNIX_EPOCH + Duration::from_millis(base as u64 + 5),
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.moved.len(), 2);
+    wait_for("the reread", Duration::from_secs(30), || {
+        let seen = seen.clone();
+        async move {
+            let again = &seen.0.lock().unwrap()[before..];
+            streams
+                .iter()
+                .all(|s| again.iter().filter(|(p, ..)| p == s).count() >= 10)
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    w2.shutdown(Duration::from_secs(5)).await;
+    let again: Vec<(String, String, String)> = seen.0.lock().unwrap()[before..].to_vec();
+    let reread: BTreeSet<&str> = again
+        .iter()
+        .filter(|(p, ..)| p == "web")
+        .map(|(.., m)| m.as_str())
+        .collect();
+    let expected: BTreeSet<String> = expect(15..25)
+        .into_iter()
+        .chain((0..5).map(|i| format!("n{i}")))
+        .chain((0..6).map(|i| format!("o{i}")))
+        .collect();
+    assert_eq!(
+        reread,
+        expected.iter().map(String::as_str).collect(),
+        "from m15 on, and nothing before it"
+    );
+    logs.delete_log_group()
+        .log_group_name(&group)
+        .send()
+        .await
+        .unwrap();
     tables.drop_all().await;
 }

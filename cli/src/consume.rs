@@ -14,6 +14,7 @@ use base64::Engine;
 use serde::Serialize;
 use shardwise::consumer::Settled;
 use shardwise::lease::{Billing, InitialPosition, LeaseSettings, TableOptions};
+use shardwise::paged::CloudWatchLogs;
 use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, key};
 use shardwise::{
     ConfigError, Consumer, ConsumerBuilder, Delivery, Handler, Ordering, Outcome, ShutdownReport,
@@ -27,8 +28,13 @@ use crate::target::{START_VALUES, parse_start, time_help};
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
     /// The stream to consume.
-    #[arg(long, value_name = "STREAM")]
-    stream: String,
+    #[arg(long, value_name = "STREAM", required_unless_present = "log_group")]
+    stream: Option<String>,
+
+    /// Instead of a stream: a CloudWatch Logs log group, each log stream a partition read with
+    /// `GetLogEvents` (lines then carry `partition`, `position`, `id` and `timestamp`).
+    #[arg(long, value_name = "GROUP", conflicts_with_all = ["stream", "dead_letter"])]
+    log_group: Option<String>,
 
     /// The application, shared by every worker of the application; names the lease table unless
     /// --lease-table does.
@@ -161,6 +167,20 @@ impl Args {
         })
     }
 
+    /// What is consumed, for messages: the stream, or `log group G`.
+    fn what(&self) -> String {
+        match (&self.stream, &self.log_group) {
+            (Some(stream), _) => format!("`{stream}`"),
+            (None, Some(group)) => format!("log group `{group}`"),
+            (None, None) => "nothing".into(),
+        }
+    }
+
+    /// The paged source's name in the lease table, with --log-group.
+    fn source_name(&self) -> Option<String> {
+        self.log_group.as_ref().map(|group| format!("logs:{group}"))
+    }
+
     /// This worker's id: `--worker-id`, or the library's default.
     fn worker(&self) -> String {
         self.worker_id
@@ -172,7 +192,7 @@ impl Args {
     /// not given (see [`source_of`]).
     fn given(&self, err: &ConfigError) -> Option<String> {
         match err.field() {
-            "stream" => Some(self.stream.clone()),
+            "stream" => self.stream.clone().or_else(|| self.source_name()),
             "application" => Some(self.app.clone()),
             "lease_table" => self.lease_table.clone(),
             "billing" => Some(billing_name(self.billing_mode)),
@@ -325,6 +345,24 @@ struct HandledLine<'a> {
     replay: Option<bool>,
 }
 
+/// The line printed for a handled event of a paged source (a log group).
+#[derive(Debug, Serialize)]
+struct EventLine<'a> {
+    partition: &'a str,
+    position: String,
+    id: &'a str,
+    timestamp: Option<u64>,
+    attempt: u32,
+    worker: &'a str,
+    lane: usize,
+    outcome: String,
+    #[serde(flatten)]
+    payload: Payload<'a>,
+    /// With receipts: whether the event settled from an existing receipt.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replay: Option<bool>,
+}
+
 /// A payload: `data` when it is UTF-8, else `data_b64`.
 #[derive(Debug, Serialize)]
 enum Payload<'a> {
@@ -345,12 +383,48 @@ struct ShutdownLine<'a> {
     deadline_passed: bool,
 }
 
-/// One JSON line for a handled delivery.
-fn line<'a>(d: &'a Delivery, worker: &'a str, outcome: &Outcome) -> HandledLine<'a> {
-    let payload = match std::str::from_utf8(d.payload()) {
+fn payload(d: &Delivery) -> Payload<'_> {
+    match std::str::from_utf8(d.payload()) {
         Ok(text) => Payload::Text(text),
         Err(_) => Payload::Base64(base64::engine::general_purpose::STANDARD.encode(d.payload())),
+    }
+}
+
+/// The JSON line of a handled delivery: a record's, or a paged event's.
+fn json_line(d: &Delivery, worker: &str, outcome: String, replay: Option<bool>) -> Option<String> {
+    let Some(position) = d.page_position() else {
+        let mut line = line(d, worker, &Outcome::Ack);
+        line.outcome = outcome;
+        line.replay = replay;
+        return serde_json::to_string(&line).ok();
     };
+    let event = d.event_id();
+    let prefix = format!("paged/{}/{}/", d.stream(), d.shard());
+    let line = EventLine {
+        partition: d.shard(),
+        position: position.to_string(),
+        id: event
+            .as_str()
+            .strip_prefix(&prefix)
+            .unwrap_or(event.as_str()),
+        timestamp: millis(d.arrived_at()),
+        attempt: d.attempt(),
+        worker,
+        lane: d.lane(),
+        outcome,
+        payload: payload(d),
+        replay,
+    };
+    serde_json::to_string(&line).ok()
+}
+
+fn millis(at: Option<SystemTime>) -> Option<u64> {
+    at.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+        .map(|d| d.as_millis() as u64)
+}
+
+/// One JSON line for a handled record.
+fn line<'a>(d: &'a Delivery, worker: &'a str, outcome: &Outcome) -> HandledLine<'a> {
     HandledLine {
         shard: d.shard(),
         sequence: d.sequence_number().to_string(),
@@ -360,11 +434,8 @@ fn line<'a>(d: &'a Delivery, worker: &'a str, outcome: &Outcome) -> HandledLine<
         worker,
         lane: d.lane(),
         outcome: outcome_name(outcome),
-        arrived_ms: d
-            .arrived_at()
-            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
-            .map(|d| d.as_millis() as u64),
-        payload,
+        arrived_ms: millis(d.arrived_at()),
+        payload: payload(d),
         replay: None,
     }
 }
@@ -423,7 +494,22 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
     let lease = LeaseSettings::default()
         .lease_duration(Duration::from_millis(args.lease_duration_ms))
         .scan_interval(Duration::from_millis(args.scan_interval_ms));
-    let mut builder = Consumer::builder(args.stream.clone(), args.app.clone(), handler)
+    let builder = match (&args.log_group, &args.stream) {
+        (Some(group), _) => {
+            let logs = aws_sdk_cloudwatchlogs::Client::new(&config);
+            Consumer::paged(
+                Arc::new(CloudWatchLogs::new(logs, group.clone())),
+                args.app.clone(),
+                handler,
+            )
+        }
+        (None, stream) => Consumer::builder(
+            stream.clone().unwrap_or_default(),
+            args.app.clone(),
+            handler,
+        ),
+    };
+    let mut builder = builder
         .worker_id(args.worker())
         .lanes(args.lanes)
         .ordering(args.ordering)
@@ -490,7 +576,8 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
                 Outcome::Ack
             };
             h.fetch_add(1, AtomicOrdering::Relaxed);
-            if print_in_handler && let Ok(text) = serde_json::to_string(&line(&d, &w, &outcome)) {
+            if print_in_handler && let Some(text) = json_line(&d, &w, outcome_name(&outcome), None)
+            {
                 let _ = writeln!(std::io::stdout().lock(), "{text}");
             }
             outcome
@@ -516,10 +603,8 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
                 if quiet {
                     return;
                 }
-                let mut line = line(d, &w, &Outcome::Ack);
-                line.outcome = settled_name(how).to_string();
-                line.replay = Some(*how == Settled::Replayed);
-                if let Ok(text) = serde_json::to_string(&line) {
+                let replay = Some(*how == Settled::Replayed);
+                if let Some(text) = json_line(d, &w, settled_name(how).to_string(), replay) {
                     let _ = writeln!(std::io::stdout().lock(), "{text}");
                 }
             },
@@ -531,7 +616,7 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
     let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
     let running = consumer.run().await.map_err(|err| match err {
         shardwise::Error::Config(err) => invalid_setting(&err, args.given(&err), source_of),
-        err => anyhow::Error::new(err).context(format!("cannot consume `{}`", args.stream)),
+        err => anyhow::Error::new(err).context(format!("cannot consume {}", args.what())),
     })?;
     tracing::info!(worker = %worker, "consuming; SIGTERM or SIGINT stops gracefully");
     tokio::select! {

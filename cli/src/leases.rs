@@ -141,6 +141,13 @@ struct LeaseJson<'a> {
     children: &'a [String],
     complete_through: Option<i64>,
     seek_epoch: u64,
+    /// A paged partition's progress (`docs/paged.md`): absent on Kinesis rows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    resume_cursor: Option<Option<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    applied_position: Option<Option<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    checkpoint_version: Option<u64>,
 }
 
 impl<'a> LeaseJson<'a> {
@@ -166,6 +173,15 @@ impl<'a> LeaseJson<'a> {
             children: &lease.children,
             complete_through: lease.complete_through,
             seek_epoch: lease.seek_epoch,
+            resume_cursor: lease
+                .progress
+                .as_ref()
+                .map(|p| p.resume_cursor.as_ref().map(ToString::to_string)),
+            applied_position: lease
+                .progress
+                .as_ref()
+                .map(|p| p.applied_position.as_ref().map(ToString::to_string)),
+            checkpoint_version: lease.progress.as_ref().map(|p| p.checkpoint_version),
         }
     }
 }
@@ -251,5 +267,33 @@ mod tests {
         timed.checkpoint =
             Checkpoint::AtTimestamp(UNIX_EPOCH - std::time::Duration::from_millis(5));
         assert!(json(&timed).contains(r#""starting_timestamp_ms":-5,"#));
+    }
+
+    #[test]
+    fn paged_rows_show_their_progress() {
+        use shardwise::paged::{Cursor, PagePosition, PagedProgress};
+        let mut paged = lease(Some("w1"), Checkpoint::TrimHorizon);
+        paged.progress = Some(PagedProgress {
+            resume_cursor: Some(Cursor::new("f/0009")),
+            applied_position: Some(PagePosition::from_parts(&[
+                1_764_000_000_000,
+                1_764_000_000_020,
+                0,
+            ])),
+            checkpoint_version: 4,
+        });
+        let line = serde_json::to_string(&LeaseJson::of(&paged)).unwrap();
+        assert!(
+            line.ends_with(r#""resume_cursor":"f/0009","applied_position":"1764000000000.1764000000020.0","checkpoint_version":4}"#),
+            "{line}"
+        );
+        paged.progress = Some(PagedProgress::default());
+        let line = serde_json::to_string(&LeaseJson::of(&paged)).unwrap();
+        assert!(
+            line.ends_with(
+                r#""resume_cursor":null,"applied_position":null,"checkpoint_version":0}"#
+            ),
+            "{line}"
+        );
     }
 }

@@ -106,6 +106,26 @@ impl Settings {
                 "must be 1 to 128 characters of [a-zA-Z0-9_.-]",
             ));
         }
+        self.validate_rest()
+    }
+
+    /// [`validate`](Self::validate) for a paged source, whose name (`logs:/aws/lambda/orders`) is
+    /// the provider's: 1 to 1,024 characters, none of them control characters.
+    pub(crate) fn validate_paged(&self) -> Result<(), ConfigError> {
+        if self.stream.is_empty()
+            || self.stream.len() > 1024
+            || self.stream.chars().any(char::is_control)
+        {
+            return Err(ConfigError::new(
+                "stream",
+                &self.stream,
+                "a paged source's name must be 1 to 1,024 characters, none of them control characters",
+            ));
+        }
+        self.validate_rest()
+    }
+
+    fn validate_rest(&self) -> Result<(), ConfigError> {
         if self.lease_table.is_none()
             && (!valid_name(&self.application, 255) || self.application.len() < 3)
         {

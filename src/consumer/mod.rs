@@ -276,7 +276,11 @@ impl<H: Handler> ConsumerBuilder<H> {
 
     /// Checks every setting; the error names the field and the value.
     pub fn build(self) -> Result<Consumer<H>, ConfigError> {
-        self.settings.validate()?;
+        if self.paged.is_some() {
+            self.settings.validate_paged()?;
+        } else {
+            self.settings.validate()?;
+        }
         if self.paged.is_some()
             && self.settings.lease.initial_position != InitialPosition::TrimHorizon
         {

@@ -129,6 +129,9 @@ pub(crate) async fn run_partition<H: Handler>(
     };
     let _stop_reader = reader_cancel.clone().drop_guard();
     let mut in_flight: Option<InFlight> = None;
+    // A write whose answer was an error: it may have been stored. The next write that is refused as
+    // not newer checks the row against it before calling this attempt stale.
+    let mut uncertain: Option<BarrierWrite> = None;
     let mut tick = tokio::time::interval(settings.checkpoint_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut aborted = false;
@@ -155,7 +158,7 @@ pub(crate) async fn run_partition<H: Handler>(
             result = async { (&mut in_flight.as_mut().expect("writing").handle).await }, if writing => {
                 let done = in_flight.take().expect("writing");
                 let result = result.unwrap_or_else(|e| Err(Error::Corrupt { what: "progress write task", detail: e.to_string() }));
-                match written(&ctx, &ownership, &mut barrier, &mut order, &done.write, result).await {
+                match written(&ctx, &ownership, &mut barrier, &mut order, &mut uncertain, &done.write, result).await {
                     Written::Done | Written::Retry => {}
                     Written::Lost => break Exit::Lost,
                     Written::Stale(e) => break Exit::Failed(e),
@@ -267,6 +270,7 @@ pub(crate) async fn run_partition<H: Handler>(
             &ownership,
             &mut barrier,
             &mut order,
+            &mut uncertain,
             &write.write,
             result,
         )
@@ -283,11 +287,11 @@ pub(crate) async fn run_partition<H: Handler>(
             ShardExit::Lost(ownership)
         }
         Exit::Failed(e) => {
-            let _ = flush(&ctx, &ownership, &mut barrier, &mut order).await;
+            let _ = flush(&ctx, &ownership, &mut barrier, &mut order, &mut uncertain).await;
             ShardExit::Failed(ownership, e)
         }
         Exit::Stop | Exit::End => {
-            match flush(&ctx, &ownership, &mut barrier, &mut order).await {
+            match flush(&ctx, &ownership, &mut barrier, &mut order, &mut uncertain).await {
                 Written::Lost => return ShardExit::Lost(ownership),
                 Written::Stale(e) => return ShardExit::Failed(ownership, e),
                 Written::Done | Written::Retry => {}
@@ -338,12 +342,17 @@ async fn written<H>(
     ownership: &Ownership,
     barrier: &mut Barrier,
     order: &mut Order,
+    uncertain: &mut Option<BarrierWrite>,
     write: &BarrierWrite,
     result: Result<CheckpointWrite, Error>,
 ) -> Written {
     let to = match write {
         BarrierWrite::Applied(to) | BarrierWrite::Promote { to, .. } => to,
         BarrierWrite::End => return Written::Done,
+    };
+    let target = |w: &BarrierWrite| match w {
+        BarrierWrite::Applied(to) | BarrierWrite::Promote { to, .. } => Some(to.clone()),
+        BarrierWrite::End => None,
     };
     let labels = [
         ("stream", ownership.stream.clone()),
@@ -359,6 +368,23 @@ async fn written<H>(
                 Ok(Some(row))
                     if row.ownership().as_ref() == Some(ownership)
                         && row.progress.as_ref() == Some(to) => {}
+                // An earlier write whose answer was an error went through: take it, and compute
+                // the next write from it.
+                Ok(Some(row))
+                    if row.ownership().as_ref() == Some(ownership)
+                        && uncertain
+                            .as_ref()
+                            .and_then(target)
+                            .is_some_and(|u| row.progress.as_ref() == Some(&u)) =>
+                {
+                    let earlier = uncertain.take().expect("an uncertain write");
+                    debug!(source = %ownership.stream, partition = %ownership.shard_id, "an earlier progress write whose answer was lost is stored");
+                    if let Some(applied) = target(&earlier).and_then(|t| t.applied_position) {
+                        order.applied(&applied);
+                    }
+                    barrier.written(&earlier);
+                    return Written::Retry;
+                }
                 Ok(Some(row)) if row.ownership().as_ref() == Some(ownership) => {
                     warn!(source = %ownership.stream, partition = %ownership.shard_id, stored = ?row.progress, meant = ?to, "the stored progress moved under this attempt: it is stale and stops (the lease is given back; the partition is read again from what is stored)");
                     return Written::Stale(Error::Paged {
@@ -381,9 +407,11 @@ async fn written<H>(
         }
         Err(e) => {
             warn!(source = %ownership.stream, partition = %ownership.shard_id, error = &e as &dyn std::error::Error, "progress write failed; will retry");
+            *uncertain = Some(write.clone());
             return Written::Retry;
         }
     }
+    *uncertain = None;
     metrics::counter!("shardwise_checkpoint_writes_total", &labels).increment(1);
     if let Some(applied) = &to.applied_position {
         order.applied(applied);
@@ -400,6 +428,7 @@ async fn flush<H>(
     ownership: &Ownership,
     barrier: &mut Barrier,
     order: &mut Order,
+    uncertain: &mut Option<BarrierWrite>,
 ) -> Written {
     // An applied write, then a barrier: two writes cover everything settled; more only when a
     // write raced with a settlement.
@@ -414,7 +443,17 @@ async fn flush<H>(
                 detail: e.to_string(),
             })
         });
-        match written(ctx, ownership, barrier, order, &flight.write, result).await {
+        match written(
+            ctx,
+            ownership,
+            barrier,
+            order,
+            uncertain,
+            &flight.write,
+            result,
+        )
+        .await
+        {
             Written::Done => {}
             other => return other,
         }
