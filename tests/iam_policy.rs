@@ -1,7 +1,7 @@
-//! The least-privilege IAM policies in the README name exactly the Kinesis and DynamoDB actions the
-//! code calls: every SDK operation called in `src/` is in the library's policy, every one called in
-//! `cli/src/` is in the library's or the command's, and neither policy names one nobody calls. A
-//! transaction counts as the item actions its parts are authorized as.
+//! The least-privilege IAM policies in the README name exactly the Kinesis, DynamoDB and CloudWatch
+//! Logs actions the code calls: every SDK operation called in `src/` is in the library's policy,
+//! every one called in `cli/src/` is in the library's or the command's, and neither policy names
+//! one nobody calls. A transaction counts as the item actions its parts are authorized as.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -106,6 +106,22 @@ const DYNAMODB: &[&str] = &[
     "update_time_to_live",
 ];
 
+/// Operations of aws-sdk-cloudwatchlogs a paged source or a tool might call, as fluent methods.
+const LOGS: &[&str] = &[
+    "create_log_group",
+    "create_log_stream",
+    "delete_log_group",
+    "delete_log_stream",
+    "describe_log_groups",
+    "describe_log_streams",
+    "filter_log_events",
+    "get_log_events",
+    "put_log_events",
+    "start_live_tail",
+    "start_query",
+    "get_query_results",
+];
+
 /// Actions IAM requires for a call besides the call's own: creating a table with tags needs
 /// `TagResource` too.
 const IMPLIED: &[(&str, &str)] = &[("dynamodb:CreateTable", "dynamodb:TagResource")];
@@ -158,18 +174,16 @@ fn called(dir: &Path) -> BTreeSet<String> {
     let mut actions = BTreeSet::new();
     for file in files {
         let text = std::fs::read_to_string(&file).unwrap();
-        for (service, operations) in [("kinesis", KINESIS), ("dynamodb", DYNAMODB)] {
+        let services = [("kinesis", KINESIS), ("dynamodb", DYNAMODB), ("logs", LOGS)];
+        for (service, operations) in services {
             for op in operations.iter().copied() {
                 if !text.contains(&format!(".{op}()")) {
                     continue;
                 }
-                let other = if service == "kinesis" {
-                    DYNAMODB
-                } else {
-                    KINESIS
-                };
                 assert!(
-                    !other.contains(&op),
+                    !services
+                        .iter()
+                        .any(|(other, ops)| *other != service && ops.contains(&op)),
                     "{}: `.{op}()` is an operation of both SDKs; this test cannot tell which",
                     file.display()
                 );

@@ -15,15 +15,18 @@
 //! reads them. At the end of a stream the service returns the request's token again: the cursor
 //! comes back unchanged and the reader backs off.
 //!
-//! The contract: empty pages with a new token are zero-item pages; positions may be backfilled
-//! (CloudWatch accepts events up to 14 days old), so an event at or below the applied prefix is
-//! handled unless a receipt shows its outcome; positions are not dense.
+//! The contract: empty pages with a new token are zero-item pages; positions are not dense; and a
+//! forward traversal never goes back (no backfill): `GetLogEvents` returns a stream's events in
+//! order from the token's place, so an event at or below the applied prefix is one already read (a
+//! replayed page), settled without the handler. Should the service ever return an event below one
+//! already read, the partition stops with an order violation rather than guess.
 //!
 //! A limit of the API, not of shardwise: a forward token marks a place in the stream's order by
 //! timestamp. An event put later with a timestamp before that place is not returned by later pages
 //! (moto's tokens are indexes, so such an event also moves the events after it one place on, and the
-//! next page repeats one). Reading by timestamp with `FilterLogEvents` and a lateness bound is the
-//! discipline for streams that receive late events.
+//! next page repeats one, which is recognised as read). CloudWatch accepts events up to 14 days
+//! old: for streams that receive late events, read by timestamp with `FilterLogEvents` and a
+//! lateness bound.
 
 use std::fmt;
 use std::sync::Arc;
@@ -163,7 +166,7 @@ impl PagedSource for CloudWatchLogs {
     }
 
     fn contract(&self) -> Contract {
-        Contract::default().backfill(true)
+        Contract::default()
     }
 
     fn partitions(&self) -> BoxFuture<'_, Result<Vec<String>, Error>> {

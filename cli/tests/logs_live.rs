@@ -1,0 +1,335 @@
+//! `shardwise consume --log-group` as a black box against moto's CloudWatch Logs and DynamoDB:
+//! a worker is killed with SIGKILL mid-run while events keep arriving, another takes over, and
+//! every event of every log stream is handled (read from the workers' JSON lines), the paged
+//! checkpoints in the lease table never move back, `shardwise leases --json` shows them, and
+//! SIGTERM stops the last worker gracefully.
+
+#[path = "../../tests/support/mod.rs"]
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use aws_sdk_cloudwatchlogs::types::InputLogEvent;
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_shardwise");
+
+const FAST: &[&str] = &[
+    "--lease-duration-ms",
+    "3000",
+    "--scan-interval-ms",
+    "500",
+    "--checkpoint-interval-ms",
+    "200",
+    "--poll-interval-ms",
+    "200",
+];
+
+/// A `shardwise consume --log-group` child whose stdout lines are collected; killed when dropped.
+struct Worker {
+    child: Child,
+    reader: Option<std::thread::JoinHandle<()>>,
+    stderr: std::path::PathBuf,
+}
+
+impl Worker {
+    fn spawn(group: &str, app: &str, id: &str, lines: &Arc<Mutex<Vec<Value>>>) -> Worker {
+        let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("logs_live");
+        std::fs::create_dir_all(&dir).unwrap();
+        let stderr = dir.join(format!("{app}-{id}.stderr"));
+        let mut child = Command::new(BIN)
+            .args([
+                "consume",
+                "--log-group",
+                group,
+                "--app",
+                app,
+                "--worker-id",
+                id,
+                "--lanes",
+                "4",
+                "--handler-delay-ms",
+                "10",
+            ])
+            .args(FAST)
+            .env("RUST_LOG", "shardwise=info,warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(File::create(&stderr).unwrap())
+            .spawn()
+            .expect("spawn shardwise consume");
+        let stdout = child.stdout.take().unwrap();
+        let lines = lines.clone();
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let value: Value = serde_json::from_str(&line)
+                    .unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+                lines.lock().unwrap().push(value);
+            }
+        });
+        Worker {
+            child,
+            reader: Some(reader),
+            stderr,
+        }
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    async fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                if let Some(reader) = self.reader.take() {
+                    reader.join().expect("the stdout reader");
+                }
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no exit; stderr: {}",
+                self.stderr()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+async fn put(
+    logs: &aws_sdk_cloudwatchlogs::Client,
+    group: &str,
+    stream: &str,
+    range: std::ops::Range<u32>,
+) {
+    let at = now_ms() - 30_000;
+    let events = range
+        .map(|i| {
+            InputLogEvent::builder()
+                .timestamp(at + i64::from(i / 4))
+                .message(format!("{stream}:{i}"))
+                .build()
+                .unwrap()
+        })
+        .collect();
+    let out = logs
+        .put_log_events()
+        .log_group_name(group)
+        .log_stream_name(stream)
+        .set_log_events(Some(events))
+        .send()
+        .await
+        .unwrap();
+    assert!(out.rejected_log_events_info.is_none(), "{out:?}");
+}
+
+/// The paged progress of every row: partition -> (applied position bytes, version).
+async fn progress(live: &support::Live, table: &str) -> BTreeMap<String, (Option<Vec<u8>>, u64)> {
+    let Ok(out) = live
+        .dynamodb
+        .scan()
+        .table_name(table)
+        .consistent_read(true)
+        .send()
+        .await
+    else {
+        return BTreeMap::new();
+    };
+    out.items()
+        .iter()
+        .map(|item| {
+            let shard = item["shardId"].as_s().unwrap().clone();
+            let applied = item
+                .get("appliedPosition")
+                .and_then(|v| v.as_b().ok())
+                .map(|b| b.as_ref().to_vec());
+            let version = item
+                .get("checkpointVersion")
+                .and_then(|v| v.as_n().ok())
+                .map_or(0, |n| n.parse().unwrap());
+            (shard, (applied, version))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consume_log_group_survives_kill_9_and_skips_nothing() {
+    let live = live_or_skip!();
+    assert!(
+        std::env::var("AWS_ENDPOINT_URL_CLOUDWATCH_LOGS").is_ok(),
+        "AWS_ENDPOINT_URL_CLOUDWATCH_LOGS is not set: start the emulators with scripts/emulators"
+    );
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .load()
+        .await;
+    let logs = aws_sdk_cloudwatchlogs::Client::new(&config);
+    let group = support::unique_name("/shardwise/cli");
+    let app = support::unique_name("logs-app");
+    logs.create_log_group()
+        .log_group_name(&group)
+        .send()
+        .await
+        .unwrap();
+    let streams = ["api", "worker/1"];
+    for stream in streams {
+        logs.create_log_stream()
+            .log_group_name(&group)
+            .log_stream_name(stream)
+            .send()
+            .await
+            .unwrap();
+        put(&logs, &group, stream, 0..400).await;
+    }
+
+    let lines = Arc::new(Mutex::new(Vec::<Value>::new()));
+    let mut w1 = Worker::spawn(&group, &app, "w1", &lines);
+    // Watch the lease table: applied positions and versions never move back.
+    let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watcher = {
+        let (live, app, watching) = (live.clone(), app.clone(), watching.clone());
+        tokio::spawn(async move {
+            let mut last: BTreeMap<String, (Option<Vec<u8>>, u64)> = BTreeMap::new();
+            let mut samples = 0;
+            while watching.load(std::sync::atomic::Ordering::SeqCst) {
+                for (shard, (applied, version)) in progress(&live, &app).await {
+                    if let Some((was_applied, was_version)) = last.get(&shard) {
+                        assert!(
+                            applied >= *was_applied,
+                            "{shard}: applied position went back"
+                        );
+                        assert!(version >= *was_version, "{shard}: version went back");
+                    }
+                    last.insert(shard, (applied, version));
+                }
+                samples += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            samples
+        })
+    };
+    let count = |lines: &Arc<Mutex<Vec<Value>>>| lines.lock().unwrap().len();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while count(&lines) < 250 {
+        assert!(
+            Instant::now() < deadline,
+            "w1 handled {}; stderr: {}",
+            count(&lines),
+            w1.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Mid-run, with events still arriving: SIGKILL.
+    put(&logs, &group, "api", 400..500).await;
+    w1.child.kill().unwrap();
+    w1.wait_exit(Duration::from_secs(5)).await;
+    let by_w1 = count(&lines);
+    put(&logs, &group, "worker/1", 400..500).await;
+
+    let mut w2 = Worker::spawn(&group, &app, "w2", &lines);
+    let expected: BTreeSet<String> = streams
+        .iter()
+        .flat_map(|s| (0..500).map(move |i| format!("{s}:{i}")))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let seen: BTreeSet<String> = lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v["data"].as_str().map(str::to_string))
+            .collect();
+        if expected.is_subset(&seen) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {} events; stderr of w2: {}",
+            expected.intersection(&seen).count(),
+            expected.len(),
+            w2.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The lease table as `shardwise leases --json` prints it.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let out = Command::new(BIN)
+        .args(["leases", "--app", &app, "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for row in &rows {
+        assert_eq!(row["stream"], format!("logs:{group}"));
+        assert_eq!(row["owner"], "w2");
+        assert!(
+            row["resume_cursor"].as_str().unwrap().starts_with("v1|"),
+            "{row}"
+        );
+        assert!(row["applied_position"].as_str().is_some(), "{row}");
+        assert!(row["checkpoint_version"].as_u64().unwrap() >= 1, "{row}");
+    }
+
+    // SIGTERM: a graceful stop, with its report.
+    let status = Command::new("kill")
+        .args(["-TERM", &w2.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(w2.wait_exit(Duration::from_secs(15)).await.success());
+    assert!(
+        w2.stderr().contains(r#""event":"shutdown""#),
+        "{}",
+        w2.stderr()
+    );
+    watching.store(false, std::sync::atomic::Ordering::SeqCst);
+    assert!(watcher.await.unwrap() > 3, "the lease table was watched");
+
+    let lines = lines.lock().unwrap().clone();
+    let mut per_event: BTreeMap<String, usize> = BTreeMap::new();
+    for line in &lines {
+        for field in ["partition", "position", "id", "timestamp", "worker", "data"] {
+            assert!(!line[field].is_null(), "`{field}` missing: {line}");
+        }
+        let data = line["data"].as_str().unwrap();
+        let (stream, _) = data.rsplit_once(':').unwrap();
+        assert_eq!(line["partition"], stream, "{line}");
+        *per_event.entry(data.to_string()).or_default() += 1;
+    }
+    let duplicates: usize = per_event.values().map(|n| n - 1).sum();
+    eprintln!(
+        "log group: {} events, {} lines ({by_w1} by w1 before SIGKILL), {duplicates} handled twice, 0 missing",
+        expected.len(),
+        lines.len()
+    );
+    let _ = logs.delete_log_group().log_group_name(&group).send().await;
+    let _ = live.dynamodb.delete_table().table_name(&app).send().await;
+}
