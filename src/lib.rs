@@ -54,6 +54,8 @@ pub mod track;
 struct ReadmeExamples;
 
 pub use aws_config;
+#[cfg(feature = "cloudwatch-logs")]
+pub use aws_sdk_cloudwatchlogs;
 pub use aws_sdk_dynamodb;
 pub use aws_sdk_kinesis;
 pub use consumer::{Consumer, ConsumerBuilder, Ordering, Running, ShutdownReport};

@@ -5,10 +5,14 @@
 //! 3. live: the consumer against a raw GetRecords loop on the same emulator, same stream, same run;
 //! 4. live: time from `shardwise consume` process start to its first record;
 //! 5. receipts: records/s settled with transactional effects (a counter per record, committed with
-//!    its receipt) against plain acks, in process (memory ledger) and live (DynamoDB ledger).
+//!    its receipt) against plain acks, in process (memory ledger) and live (DynamoDB ledger);
+//! 6. paged: events/s read from the scripted event API over HTTP (4 partitions, pages of 200): a raw
+//!    page loop (fetch, follow the token, nothing else) against the consumer (lanes, tracker, page
+//!    barrier, progress writes to the memory lease store), same server, same run.
 //!
 //! Parts 3 to 5 need the emulators (`envs=$(scripts/emulators start) && eval "$envs"`) and are
-//! skipped without `AWS_ENDPOINT_URL_KINESIS`. Under `cargo test` (no `--bench` argument) every
+//! skipped without `AWS_ENDPOINT_URL_KINESIS`. Name parts to run only those:
+//! `cargo bench -p shardwise-bench --bench consumer -- paged` (pipeline, lanes, receipts, paged, live). Under `cargo test` (no `--bench` argument) every
 //! part runs once at a tiny size, so the bench cannot rot.
 
 use std::io::{BufRead, BufReader};
@@ -22,8 +26,9 @@ use aws_sdk_kinesis::primitives::Blob;
 use aws_sdk_kinesis::types::{PutRecordsRequestEntry, ShardIteratorType, StreamStatus};
 use shardwise::consumer::Settled;
 use shardwise::lease::{LeaseSettings, MemoryLeaseStore};
+use shardwise::paged::PagedSource;
 use shardwise::receipts::{DynamoDbReceipts, Effect, MemoryReceipts, ReceiptStore, key};
-use shardwise::testing::MemoryStream;
+use shardwise::testing::{EventApi, HttpEvents, MemoryStream};
 use shardwise::{Consumer, ConsumerBuilder, Delivery, Outcome};
 
 struct Scale {
@@ -32,6 +37,7 @@ struct Scale {
     live_records: u64,
     receipt_records: u64,
     live_receipt_records: u64,
+    paged_events: u64,
 }
 
 fn lease() -> LeaseSettings {
@@ -414,6 +420,80 @@ async fn live(scale: &Scale) {
     receipts_live(scale, &config).await;
 }
 
+/// The scripted event API over HTTP: a raw page loop against the consumer, same server.
+async fn paged(scale: &Scale) {
+    const PARTITIONS: [&str; 4] = ["p0", "p1", "p2", "p3"];
+    let n = scale.paged_events;
+    let api = EventApi::new("bench-events").page_size(200);
+    for i in 0..n {
+        api.push(PARTITIONS[(i % 4) as usize], format!("{{\"id\":{i}}}"));
+    }
+    let server = api
+        .serve("127.0.0.1:0".parse().unwrap())
+        .await
+        .expect("an HTTP port");
+    let source = HttpEvents::new("bench-events", server.url());
+
+    // The raw loop: each partition read to its end, one page after another, concurrently.
+    let started = Instant::now();
+    let read: u64 = futures::future::join_all(PARTITIONS.iter().map(|partition| {
+        let source = source.clone();
+        async move {
+            let (mut cursor, mut events) = (None, 0u64);
+            loop {
+                let page = source
+                    .fetch(partition, cursor.as_ref())
+                    .await
+                    .expect("a page");
+                events += page.events.len() as u64;
+                if page.events.is_empty() {
+                    return events;
+                }
+                cursor = page.next;
+            }
+        }
+    }))
+    .await
+    .into_iter()
+    .sum();
+    assert_eq!(read, n);
+    let raw = n as f64 / started.elapsed().as_secs_f64();
+
+    // The consumer, timed from its first delivery (the raw loop has no lease to take) to its last
+    // settlement, and from `run()`.
+    let first: Arc<std::sync::OnceLock<Instant>> = Arc::default();
+    let settled = Arc::new(AtomicU64::new(0));
+    let (f, done) = (first.clone(), settled.clone());
+    let started = Instant::now();
+    let running = Consumer::paged(Arc::new(source), "bench-app", move |_d: Delivery| {
+        f.get_or_init(Instant::now);
+        std::future::ready(Outcome::Ack)
+    })
+    .worker_id("bench")
+    .lanes(4)
+    .poll_interval(Duration::from_millis(200))
+    .lease_settings(lease())
+    .lease_store(Arc::new(MemoryLeaseStore::new()))
+    .delivery_hooks(move |_: &Delivery, _: &Settled| {
+        done.fetch_add(1, Ordering::Relaxed);
+    })
+    .build()
+    .expect("settings")
+    .run()
+    .await
+    .expect("start");
+    while settled.load(Ordering::Relaxed) < n {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let with_start = n as f64 / started.elapsed().as_secs_f64();
+    let from_first = n as f64 / first.get().expect("a delivery").elapsed().as_secs_f64();
+    running.shutdown(Duration::from_secs(5)).await;
+    println!(
+        "paged, scripted event API over HTTP, {n} events over 4 partitions, pages of 200: raw page loop {raw:.0} events/s, consumer {from_first:.0} events/s from its first delivery ({:.0}% of raw), {with_start:.0} events/s with its start",
+        100.0 * from_first / raw
+    );
+}
+
 fn main() {
     let benching = std::env::args().any(|a| a == "--bench");
     let scale = if benching {
@@ -423,6 +503,7 @@ fn main() {
             live_records: 20_000,
             receipt_records: 100_000,
             live_receipt_records: 5_000,
+            paged_events: 1_000_000,
         }
     } else {
         Scale {
@@ -431,17 +512,33 @@ fn main() {
             live_records: 0,
             receipt_records: 200,
             live_receipt_records: 0,
+            paged_events: 800,
         }
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
+    // `cargo bench --bench consumer -- paged lanes` runs only the parts named.
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let part = |name: &str| only.is_empty() || only.iter().any(|o| o == name);
     rt.block_on(async {
-        pipeline(&scale).await;
-        lanes(&scale).await;
-        receipts_memory(&scale).await;
-        if benching {
+        if part("pipeline") {
+            pipeline(&scale).await;
+        }
+        if part("lanes") {
+            lanes(&scale).await;
+        }
+        if part("receipts") {
+            receipts_memory(&scale).await;
+        }
+        if part("paged") {
+            paged(&scale).await;
+        }
+        if benching && part("live") {
             live(&scale).await;
         }
     });
