@@ -26,7 +26,8 @@ use crate::paged::{Contract, Cursor, FetchError, Page, PagePosition, PagedEvent,
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Script {
-    /// The page served before is served again: its events and the token it returned then.
+    /// The page served before is served again: its events and the token it returned then (when it
+    /// starts at or before the requested place; otherwise the page is served as asked).
     ReplayPrevious,
     /// The page starts this many events before the requested place (an overlap).
     Overlap(usize),
@@ -268,7 +269,14 @@ impl EventApi {
                     next: Some(Cursor::new(token)),
                 });
             }
-            Some(Script::ReplayPrevious) if state.last.contains_key(partition) => {
+            // A replay is stale: it never serves a page from beyond the requested place (that
+            // would be a source skipping events, which no contract allows).
+            Some(Script::ReplayPrevious)
+                if state
+                    .last
+                    .get(partition)
+                    .is_some_and(|(start, ..)| *start <= index) =>
+            {
                 state.last[partition].clone()
             }
             other => {

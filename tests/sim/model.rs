@@ -18,7 +18,7 @@ pub const COUNTS: &str = "counts";
 pub const KEYS: &str = "keys";
 
 /// How many of the last events a failing seed prints (`SHARDWISE_SIM_TRACE` overrides).
-fn trace_tail() -> usize {
+pub fn trace_tail() -> usize {
     std::env::var("SHARDWISE_SIM_TRACE")
         .ok()
         .and_then(|v| v.parse().ok())

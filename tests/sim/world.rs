@@ -55,6 +55,11 @@ pub fn panicked(what: String) {
     PANICS.with_borrow_mut(|p| p.push(what));
 }
 
+/// The panics of shardwise recorded on this thread, taken.
+pub fn take_panics() -> Vec<String> {
+    PANICS.take()
+}
+
 /// Milliseconds of simulated time since the run started.
 pub fn now_ms() -> u64 {
     START

@@ -1,0 +1,464 @@
+//! One seed's paged world: the real consumer on the scripted event API (`testing::EventApi`) and
+//! the memory lease store, under paused time. The seed decides the partitions, page size, lanes,
+//! workers that start, stop gracefully and crash, seeks, misbehaving pages (replays, overlaps,
+//! empty pages with new tokens, unchanged tokens, lost answers, throttling), events arriving while
+//! the partitions are read, faults in the lease store and the ledger, handler outcomes (acks,
+//! drops, retries in place, and with receipts effects, quarantines and holds an operator settles).
+//!
+//! Checked at every write of the lease store (seed 003's invariants):
+//! - a partition's `appliedPosition` and `checkpointVersion` never go down, except by a seek;
+//! - every event at or below `appliedPosition` has a durable outcome (it settled) when the write
+//!   is made: the barrier never passes an unsettled event;
+//! - no effect is applied twice (every counter is at most 1).
+//!
+//! At the end, after a quiet phase without faults, every event of every partition has settled
+//! and each partition's applied position is its last event's.
+
+use std::collections::BTreeSet;
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use md5::{Digest, Md5};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use shardwise::consumer::Settled;
+use shardwise::lease::{Change, LeaseSettings, MemoryLeaseStore};
+use shardwise::paged::PagedSource;
+use shardwise::receipts::{Disposition, Effect, MemoryReceipts, ReceiptStore, key};
+use shardwise::seek::SeekTarget;
+use shardwise::testing::{EventApi, Faults, Script};
+use shardwise::{Consumer, Delivery, Outcome, Running};
+use tokio::time::Instant;
+
+use crate::world::SeedResult;
+
+const SOURCE: &str = "sim-events";
+const COUNTS: &str = "counts";
+const CHAOS: Duration = Duration::from_secs(15);
+const QUIET: Duration = Duration::from_secs(120);
+const STEP: Duration = Duration::from_millis(50);
+
+/// What the checks see: the events that settled, the violations, and the trace.
+#[derive(Default)]
+struct Model {
+    /// Event ids (`partition-position`) with a durable outcome.
+    settled: BTreeSet<String>,
+    violations: Vec<String>,
+    hasher: Md5,
+    tail: Vec<String>,
+    events: u64,
+    invocations: u64,
+}
+
+impl Model {
+    fn event(&mut self, at: Instant, start: Instant, what: String) {
+        let line = format!("{:>6} {what}", (at - start).as_millis());
+        self.hasher.update(line.as_bytes());
+        self.events += 1;
+        self.tail.push(line);
+        if self.tail.len() > crate::model::trace_tail() {
+            self.tail.remove(0);
+        }
+    }
+
+    /// A write of the lease store, checked.
+    fn change(&mut self, change: &Change) -> Option<String> {
+        let after = change.after.as_ref()?;
+        let progress = after.progress.clone().unwrap_or_default();
+        let applied = progress.applied_position.as_ref().and_then(|p| p.as_u64());
+        if change.operation != "seek"
+            && let Some(before) = change.before.as_ref().and_then(|b| b.progress.clone())
+        {
+            let was = before.applied_position.as_ref().and_then(|p| p.as_u64());
+            if applied < was {
+                return Some(format!(
+                    "{}: applied position went down from {was:?} to {applied:?} ({})",
+                    after.shard_id, change.operation
+                ));
+            }
+            if progress.checkpoint_version < before.checkpoint_version {
+                return Some(format!("{}: checkpoint version went down", after.shard_id));
+            }
+        }
+        for position in 1..=applied.unwrap_or(0) {
+            let id = format!("{}-{position}", after.shard_id);
+            if !self.settled.contains(&id) {
+                return Some(format!(
+                    "{}: applied position {} passes {id}, which has no durable outcome ({})",
+                    after.shard_id,
+                    applied.unwrap_or(0),
+                    change.operation
+                ));
+            }
+        }
+        None
+    }
+}
+
+/// What the handler answers for attempt `attempt` of event `id`, and how long it takes.
+fn decide(seed: u64, id: &str, attempt: u32, receipts: bool) -> (Outcome, Duration) {
+    let mut h = Md5::new();
+    h.update(seed.to_le_bytes());
+    h.update(id.as_bytes());
+    h.update(attempt.to_le_bytes());
+    let bytes = h.finalize();
+    let roll = bytes[0] % 100;
+    let took = Duration::from_millis(u64::from(bytes[1] % 40));
+    let outcome = match roll {
+        0..=7 if attempt < 3 => Outcome::Retry,
+        8..=11 if attempt < 3 => Outcome::RetryAfter(Duration::from_millis(300)),
+        12..=14 => Outcome::Drop,
+        15..=18 if receipts => Outcome::Quarantine("bad".into()),
+        19..=21 if receipts && attempt == 1 => Outcome::Hold("review".into()),
+        _ if receipts => {
+            Outcome::Apply(Effect::update(COUNTS, key("id", id)).add("count", 1).into())
+        }
+        _ => Outcome::Ack,
+    };
+    (outcome, took)
+}
+
+struct World {
+    seed: u64,
+    rng: StdRng,
+    api: EventApi,
+    store: MemoryLeaseStore,
+    ledger: Option<MemoryReceipts>,
+    model: Arc<Mutex<Model>>,
+    start: Instant,
+    partitions: Vec<String>,
+    lanes: usize,
+    workers: Vec<Option<Running>>,
+}
+
+impl World {
+    fn new(seed: u64) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x9a9e_d003);
+        let partitions: Vec<String> = (0..rng.random_range(1..=3))
+            .map(|p| format!("p{p}"))
+            .collect();
+        let api = EventApi::new(SOURCE).page_size(rng.random_range(1..=8));
+        for partition in &partitions {
+            for _ in 0..rng.random_range(0..30) {
+                api.push(partition, "e");
+            }
+            api.partition(partition);
+        }
+        let receipts = rng.random_bool(0.5);
+        let store = MemoryLeaseStore::new();
+        let model = Arc::new(Mutex::new(Model::default()));
+        let start = Instant::now();
+        let observer = model.clone();
+        store.observe(Arc::new(move |change: &Change| {
+            let mut model = observer.lock().unwrap();
+            if let Some(violation) = model.change(change) {
+                model.event(Instant::now(), start, format!("VIOLATION {violation}"));
+                model.violations.push(violation);
+            }
+            if let Some(after) = &change.after {
+                let p = after.progress.clone().unwrap_or_default();
+                let line = format!(
+                    "store {} {} owner={:?} applied={:?} version={}",
+                    change.operation,
+                    after.shard_id,
+                    after.owner,
+                    p.applied_position.and_then(|a| a.as_u64()),
+                    p.checkpoint_version
+                );
+                model.event(Instant::now(), start, line);
+            }
+        }));
+        let workers = rng.random_range(1..=3);
+        Self {
+            seed,
+            lanes: rng.random_range(1..=4),
+            ledger: receipts.then(|| MemoryReceipts::new().table(COUNTS, &["id"])),
+            rng,
+            api,
+            store,
+            model,
+            start,
+            partitions,
+            workers: (0..workers).map(|_| None).collect(),
+        }
+    }
+
+    fn event(&self, what: String) {
+        self.model
+            .lock()
+            .unwrap()
+            .event(Instant::now(), self.start, what);
+    }
+
+    async fn start_worker(&mut self, n: usize) {
+        let worker = format!("w{n}");
+        let (model, seed, receipts) = (self.model.clone(), self.seed, self.ledger.is_some());
+        let start = self.start;
+        let w = worker.clone();
+        let handler = move |d: Delivery| {
+            let id = event_name(&d);
+            let (outcome, took) = decide(seed, &id, d.attempt(), receipts);
+            {
+                let mut model = model.lock().unwrap();
+                model.invocations += 1;
+                let line = format!(
+                    "call {w} {id} attempt={} -> {}",
+                    d.attempt(),
+                    outcome.label()
+                );
+                model.event(Instant::now(), start, line);
+            }
+            async move {
+                tokio::time::sleep(took).await;
+                outcome
+            }
+        };
+        let settled = self.model.clone();
+        let mut builder = Consumer::paged(Arc::new(self.api.clone()), "sim", handler)
+            .worker_id(&worker)
+            .lanes(self.lanes)
+            .max_attempts(NonZeroU32::new(3).unwrap())
+            .poll_interval(Duration::from_millis(200))
+            .checkpoint_interval(Duration::from_millis(100))
+            .hold_poll_interval(Duration::from_millis(300))
+            .lease_settings(
+                LeaseSettings::default()
+                    .lease_duration(Duration::from_secs(2))
+                    .scan_interval(Duration::from_millis(200)),
+            )
+            .lease_store(Arc::new(self.store.clone()))
+            .delivery_hooks(move |d: &Delivery, how: &Settled| {
+                let id = event_name(d);
+                let mut model = settled.lock().unwrap();
+                model.settled.insert(id.clone());
+                model.event(Instant::now(), start, format!("settled {id} {how:?}"));
+            });
+        if let Some(ledger) = &self.ledger {
+            builder = builder.receipts(Arc::new(ledger.clone()));
+        }
+        match builder.build().expect("settings").run().await {
+            Ok(running) => {
+                self.event(format!("start {worker}"));
+                self.workers[n] = Some(running);
+            }
+            Err(e) => self.event(format!("start {worker} failed: {e}")),
+        }
+    }
+
+    /// The operator settles held receipts: in the chaos phase it quarantines or releases one at
+    /// random; in the quiet phase (`all`) it quarantines every one.
+    async fn operator(&mut self, all: bool) {
+        let Some(ledger) = self.ledger.clone() else {
+            return;
+        };
+        for receipt in ledger.receipts() {
+            if !matches!(receipt.disposition, Disposition::Held(_)) {
+                continue;
+            }
+            if all || self.rng.random_bool(0.5) {
+                let answer = ledger
+                    .record(
+                        &receipt.event,
+                        &Disposition::Quarantined("operator".into()),
+                        "operator",
+                    )
+                    .await;
+                self.event(format!(
+                    "operator quarantines {} -> {}",
+                    receipt.event,
+                    answer.is_ok()
+                ));
+            } else {
+                let answer = ledger.release(&receipt.event).await;
+                self.event(format!("operator releases {} -> {answer:?}", receipt.event));
+            }
+            if !all {
+                return;
+            }
+        }
+    }
+
+    fn script(&mut self) -> Script {
+        match self.rng.random_range(0..6) {
+            0 => Script::ReplayPrevious,
+            1 => Script::Overlap(self.rng.random_range(1..=3)),
+            2 => Script::EmptyAdvancing,
+            3 => Script::Unchanged,
+            4 => Script::LoseResponse,
+            _ => Script::Throttle,
+        }
+    }
+
+    /// Whether every event has settled and every partition's applied position is its last.
+    fn done(&self) -> bool {
+        let rows = self.store.snapshot();
+        let model = self.model.lock().unwrap();
+        self.partitions.iter().all(|partition| {
+            let events = self.api.events(partition);
+            let last = events.last().map(|e| e.position);
+            let applied = rows
+                .iter()
+                .find(|r| r.stream == SOURCE && &r.shard_id == partition)
+                .and_then(|r| r.progress.clone())
+                .and_then(|p| p.applied_position)
+                .and_then(|a| a.as_u64());
+            applied == last && events.iter().all(|e| model.settled.contains(&e.id))
+        })
+    }
+
+    async fn run(mut self) -> SeedResult {
+        if self.rng.random_bool(0.5) {
+            let faults = Faults::default()
+                .error(0.03)
+                .lost_answer(0.02)
+                .timeout(0.01, Duration::from_millis(500));
+            self.store.inject(self.seed, faults);
+            if let Some(ledger) = &self.ledger {
+                ledger.inject(self.seed ^ 1, faults);
+            }
+            self.event("faults on".into());
+        }
+        let chaos_end = Instant::now() + CHAOS;
+        while Instant::now() < chaos_end {
+            let n = self.rng.random_range(0..self.workers.len());
+            let partition =
+                self.partitions[self.rng.random_range(0..self.partitions.len())].clone();
+            match self.rng.random_range(0..1000) {
+                0..=39 if self.workers[n].is_none() => self.start_worker(n).await,
+                40..=49 => {
+                    if let Some(running) = self.workers[n].take() {
+                        self.event(format!("crash w{n}"));
+                        running.abort();
+                    }
+                }
+                50..=57 => {
+                    if let Some(running) = self.workers[n].take() {
+                        self.event(format!("stop w{n}"));
+                        running.shutdown(Duration::from_secs(1)).await;
+                    }
+                }
+                58..=60 => {
+                    let source: &dyn PagedSource = &self.api;
+                    let moved =
+                        shardwise::seek::seek_paged(&self.store, source, &SeekTarget::TrimHorizon)
+                            .await;
+                    self.event(format!("seek -> {:?}", moved.map(|r| r.moved)));
+                }
+                61..=160 => {
+                    let position = self.api.push(&partition, "e");
+                    self.event(format!("put {partition}-{position}"));
+                }
+                161..=220 => {
+                    let script = self.script();
+                    self.event(format!("script {partition} {script:?}"));
+                    self.api.script(&partition, script);
+                }
+                221..=240 => self.operator(false).await,
+                _ => {}
+            }
+            tokio::time::sleep(STEP).await;
+        }
+
+        // Quiet: no faults, holds quarantined, a worker up, until everything is settled.
+        self.store.inject(self.seed, Faults::none());
+        if let Some(ledger) = &self.ledger {
+            ledger.inject(self.seed ^ 1, Faults::none());
+        }
+        if self.workers.iter().all(Option::is_none) {
+            self.start_worker(0).await;
+        }
+        let quiet_end = Instant::now() + QUIET;
+        while !self.done() {
+            if Instant::now() >= quiet_end {
+                let unsettled: Vec<String> = {
+                    let model = self.model.lock().unwrap();
+                    self.partitions
+                        .iter()
+                        .flat_map(|p| self.api.events(p))
+                        .filter(|e| !model.settled.contains(&e.id))
+                        .map(|e| e.id)
+                        .collect()
+                };
+                let rows: Vec<String> = self
+                    .store
+                    .snapshot()
+                    .iter()
+                    .map(|r| format!("{} owner={:?} {:?}", r.shard_id, r.owner, r.progress))
+                    .collect();
+                let what = format!(
+                    "not done after the quiet phase: unsettled {:?}, rows {rows:?}",
+                    &unsettled[..unsettled.len().min(5)]
+                );
+                self.event(format!("VIOLATION {what}"));
+                self.model.lock().unwrap().violations.push(what);
+                break;
+            }
+            self.operator(true).await;
+            tokio::time::sleep(STEP).await;
+        }
+        for running in self.workers.iter_mut().filter_map(Option::take) {
+            running.shutdown(Duration::from_secs(2)).await;
+        }
+        // No effect twice: every counter at most 1, and exactly 1 for an applied receipt.
+        if let Some(ledger) = &self.ledger {
+            let applied: BTreeSet<String> = ledger
+                .receipts()
+                .into_iter()
+                .filter(|r| r.disposition == Disposition::Applied)
+                .map(|r| r.event.as_str().rsplit('/').next().unwrap().to_string())
+                .collect();
+            for partition in &self.partitions {
+                for event in self.api.events(partition) {
+                    let count = ledger.number(COUNTS, &key("id", event.id.as_str()), "count");
+                    let expected = applied.contains(&event.id).then_some(1);
+                    if count != expected {
+                        let what =
+                            format!("{}: counter {count:?}, expected {expected:?}", event.id);
+                        self.model.lock().unwrap().violations.push(what);
+                    }
+                }
+            }
+        }
+        let model = std::mem::take(&mut *self.model.lock().unwrap());
+        let mut hash = [0u8; 16];
+        hash.copy_from_slice(&model.hasher.finalize());
+        SeedResult {
+            seed: self.seed,
+            hash,
+            violations: model.violations,
+            trace: model.tail,
+            events: model.events,
+            invocations: model.invocations,
+        }
+    }
+}
+
+/// The event's identity in the source (`p0-7`).
+fn event_name(d: &Delivery) -> String {
+    d.event_id()
+        .as_str()
+        .rsplit('/')
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Runs one paged seed on a fresh current-thread runtime with paused time.
+pub fn run_seed(seed: u64) -> SeedResult {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async move {
+        let _deterministic = shardwise::testing::simulate(crate::world::base(), seed);
+        let mut result = World::new(seed).run().await;
+        for panic in crate::world::take_panics() {
+            result
+                .violations
+                .push(format!("shardwise panicked: {panic}"));
+        }
+        result
+    })
+}
