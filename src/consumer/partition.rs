@@ -75,6 +75,9 @@ enum Written {
     Done,
     /// Not stored; try again later.
     Retry,
+    /// Not stored, but an earlier write whose answer was lost was found stored and taken: the
+    /// next write is computed from it.
+    Recovered,
     /// The lease is lost: stop writing.
     Lost,
     /// The lease is ours but the stored progress moved under this attempt: stop, and give the
@@ -159,7 +162,7 @@ pub(crate) async fn run_partition<H: Handler>(
                 let done = in_flight.take().expect("writing");
                 let result = result.unwrap_or_else(|e| Err(Error::Corrupt { what: "progress write task", detail: e.to_string() }));
                 match written(&ctx, &ownership, &mut barrier, &mut order, &mut uncertain, &done.write, result).await {
-                    Written::Done | Written::Retry => {}
+                    Written::Done | Written::Retry | Written::Recovered => {}
                     Written::Lost => break Exit::Lost,
                     Written::Stale(e) => break Exit::Failed(e),
                 }
@@ -278,7 +281,7 @@ pub(crate) async fn run_partition<H: Handler>(
         {
             Written::Lost => return ShardExit::Lost(ownership),
             Written::Stale(e) => return ShardExit::Failed(ownership, e),
-            Written::Done | Written::Retry => {}
+            Written::Done | Written::Retry | Written::Recovered => {}
         }
     }
     match exit {
@@ -294,7 +297,7 @@ pub(crate) async fn run_partition<H: Handler>(
             match flush(&ctx, &ownership, &mut barrier, &mut order, &mut uncertain).await {
                 Written::Lost => return ShardExit::Lost(ownership),
                 Written::Stale(e) => return ShardExit::Failed(ownership, e),
-                Written::Done | Written::Retry => {}
+                Written::Done | Written::Retry | Written::Recovered => {}
             }
             if matches!(exit, Exit::End) && barrier.next_write() == Some(BarrierWrite::End) {
                 match ctx
@@ -383,7 +386,7 @@ async fn written<H>(
                         order.applied(&applied);
                     }
                     barrier.written(&earlier);
-                    return Written::Retry;
+                    return Written::Recovered;
                 }
                 Ok(Some(row)) if row.ownership().as_ref() == Some(ownership) => {
                     warn!(source = %ownership.stream, partition = %ownership.shard_id, stored = ?row.progress, meant = ?to, "the stored progress moved under this attempt: it is stale and stops (the lease is given back; the partition is read again from what is stored)");
@@ -454,7 +457,7 @@ async fn flush<H>(
         )
         .await
         {
-            Written::Done => {}
+            Written::Done | Written::Recovered => {}
             other => return other,
         }
     }
