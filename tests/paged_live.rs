@@ -13,6 +13,7 @@ mod recorder;
 mod support;
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -184,15 +185,12 @@ async fn wait_for<F: Future<Output = bool>>(
 /// Watches a partition's row while a case runs: the applied position and the version never go
 /// down, and every event at or below the applied position has a terminal receipt when the row is
 /// read (receipts are durable before the progress that counts them).
-fn watch(
-    tables: Arc<Tables>,
-    source: String,
-) -> (tokio::task::JoinHandle<u32>, tokio_util_stop::Stop) {
-    let stop = tokio_util_stop::Stop::default();
+fn watch(tables: Arc<Tables>, source: String) -> (tokio::task::JoinHandle<u32>, Arc<AtomicBool>) {
+    let stop = Arc::new(AtomicBool::new(false));
     let stopped = stop.clone();
     let handle = tokio::spawn(async move {
         let (mut last_applied, mut last_version, mut reads) = (0, 0, 0);
-        while !stopped.is_set() {
+        while !stopped.load(Ordering::SeqCst) {
             let progress = tables.progress(&source, "p").await;
             let now = applied(&progress);
             assert!(
@@ -218,24 +216,6 @@ fn watch(
         reads
     });
     (handle, stop)
-}
-
-/// A flag to stop a watcher.
-mod tokio_util_stop {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, Ordering};
-
-    #[derive(Debug, Default, Clone)]
-    pub struct Stop(Arc<AtomicBool>);
-
-    impl Stop {
-        pub fn set(&self) {
-            self.0.store(true, Ordering::SeqCst);
-        }
-        pub fn is_set(&self) -> bool {
-            self.0.load(Ordering::SeqCst)
-        }
-    }
 }
 
 /// The handler of the crash cases: each event adds 1 to its counter with its receipt, except the
@@ -340,7 +320,7 @@ async fn crash_case(tables: Arc<Tables>, point: CrashPoint, nth: u32, when: When
     })
     .await;
     second.shutdown(Duration::from_secs(5)).await;
-    stop.set();
+    stop.store(true, Ordering::SeqCst);
     let reads = watcher.await.expect("the watcher's checks held");
     assert!(reads >= 1, "{name}: the row was watched");
 
