@@ -247,6 +247,7 @@ fn source_of(setting: &str) -> Option<Source> {
         "dead_letter" => "--dead-letter",
         "max_attempts" => "--max-attempts",
         "hold_poll_interval" => "--hold-poll-interval-ms",
+        "initial_position" => "--start",
         "region" => return Some(Source::Environment),
         _ => return None,
     };

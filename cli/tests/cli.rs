@@ -519,6 +519,22 @@ async fn a_rejected_setting_names_the_flag_as_typed() {
         command.env("AWS_REGION", "us-east-1");
         assert_eq!(run(command).await.failed(), expected, "{extra:?}");
     }
+    // A log group's partitions start at their first page; a seek moves them.
+    let mut command = command(&[
+        "consume",
+        "--log-group",
+        "/aws/lambda/orders",
+        "--app",
+        "billing",
+        "--start",
+        "latest",
+    ]);
+    command.env("AWS_REGION", "us-east-1");
+    assert_eq!(
+        run(command).await.failed(),
+        "error: invalid --start: a paged source's partitions start at their first page (seek to \
+         move them)\n"
+    );
 }
 
 /// Waits until `done` answers, failing after `limit` or when `consumer` exits first.
