@@ -16,6 +16,7 @@
 mod barrier;
 #[cfg(feature = "cloudwatch-logs")]
 mod cloudwatch;
+mod groups;
 mod lister;
 mod order;
 pub(crate) mod reader;

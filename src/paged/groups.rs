@@ -1,0 +1,377 @@
+//! Timestamp groups (pure): the cursor discipline of seed 000, for sources that can resume only by
+//! timestamp (CloudWatch Logs' `FilterLogEvents`, an API with `since=`).
+//!
+//! The durable cursor is `closed_through`, the latest timestamp whose whole group has durable
+//! terminal outcomes, with a generation for compare-and-swap. Queries run strictly after it. The
+//! events of every later timestamp form open groups, kept out of the durable cursor while any of
+//! their events is pending, failed or known only in memory. A group closes only when two things
+//! hold:
+//! - **completeness evidence**, which means only what the source's contracts say:
+//!   - [`Traversal`]: can a poll enumerate every event of a timestamp, even across pages?
+//!   - [`Finality`]: what proves that no earlier event can still arrive?
+//! - **every one of its events has settled**.
+//!
+//! A page boundary is never evidence. Without a proven traversal nothing ever closes: the open
+//! groups are read again on every poll (receipts make that harmless).
+//!
+//! This module decides; the partition loop (not built yet) does the I/O and the
+//! compare-and-swap.
+
+// The discipline is built and tested ahead of the loop that will use it (issue 13).
+#![cfg_attr(not(test), allow(dead_code))]
+
+use std::collections::BTreeMap;
+
+/// Whether one poll can enumerate every event of a timestamp.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub(crate) enum Traversal {
+    /// Each poll reads a stable snapshot, or a continuation the provider documents as complete:
+    /// a poll's pages hold every event of every timestamp they reach.
+    Complete,
+    /// Nothing guarantees it: offset pages over a set that may reorder ties (seed 000's A, B, C,
+    /// D at 10:01/10:02 skips C). No group is ever claimed complete.
+    Unproven,
+}
+
+/// What proves that no event can still arrive at or before a timestamp.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub(crate) enum Finality {
+    /// A strictly later timestamp, seen in a complete traversal, proves every earlier group
+    /// final (the source never backfills).
+    LaterTimestamp,
+    /// The provider reports a watermark: nothing at or before it can still arrive.
+    Watermark,
+    /// Events arrive at most this many milliseconds late: a timestamp is final once a complete
+    /// traversal ran that long after it.
+    LatenessMs(i64),
+    /// No proof: groups never close.
+    Unproven,
+}
+
+/// What an event seen by a poll is to the groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Seen {
+    /// In an open group, for the first time in this attempt.
+    New,
+    /// In an open group, seen before in this attempt (a replayed page, or a later poll).
+    Again,
+    /// At or before `closed_through`: late, against the contract that closed its group. Counted
+    /// and handled (a receipt tells whether it was done), never dropped.
+    Late,
+}
+
+/// The open groups of one attempt of one partition.
+#[derive(Debug)]
+pub(crate) struct Groups {
+    traversal: Traversal,
+    finality: Finality,
+    closed_through: Option<i64>,
+    generation: u64,
+    /// Open groups: timestamp -> identity -> settled.
+    open: BTreeMap<i64, BTreeMap<String, bool>>,
+    /// Every group strictly before this timestamp is complete and final (this attempt's
+    /// evidence).
+    complete_before: Option<i64>,
+    late: u64,
+}
+
+impl Groups {
+    /// An attempt from the durable `closed_through` and its generation.
+    pub(crate) fn new(
+        traversal: Traversal,
+        finality: Finality,
+        closed_through: Option<i64>,
+        generation: u64,
+    ) -> Self {
+        Self {
+            traversal,
+            finality,
+            closed_through,
+            generation,
+            open: BTreeMap::new(),
+            complete_before: None,
+            late: 0,
+        }
+    }
+
+    /// Whether the contracts can ever close a group; when not, the consumer says so at start and
+    /// replays the open groups on every poll (or refuses to run, as configured).
+    pub(crate) fn can_close(&self) -> bool {
+        self.traversal == Traversal::Complete && self.finality != Finality::Unproven
+    }
+
+    /// Where every poll starts: strictly after this timestamp (`None`: from the beginning).
+    pub(crate) fn query_after(&self) -> Option<i64> {
+        self.closed_through
+    }
+
+    /// The generation the next compare-and-swap is conditioned on.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Late events seen by this attempt.
+    pub(crate) fn late(&self) -> u64 {
+        self.late
+    }
+
+    /// An event a poll returned.
+    pub(crate) fn saw(&mut self, timestamp: i64, id: &str) -> Seen {
+        if self
+            .closed_through
+            .is_some_and(|closed| timestamp <= closed)
+        {
+            self.late += 1;
+            return Seen::Late;
+        }
+        let group = self.open.entry(timestamp).or_default();
+        if group.contains_key(id) {
+            return Seen::Again;
+        }
+        group.insert(id.to_string(), false);
+        Seen::New
+    }
+
+    /// The event has a durable terminal outcome (its receipt, an ack).
+    pub(crate) fn settled(&mut self, timestamp: i64, id: &str) {
+        if let Some(settled) = self
+            .open
+            .get_mut(&timestamp)
+            .and_then(|group| group.get_mut(id))
+        {
+            *settled = true;
+        }
+    }
+
+    /// A poll traversed its pages to the end at wall time `now_ms`; `watermark` is the
+    /// provider's, when it reports one. Evidence is taken only as the contracts give it meaning.
+    pub(crate) fn traversed(&mut self, now_ms: i64, watermark: Option<i64>) {
+        if self.traversal != Traversal::Complete {
+            return;
+        }
+        let evidence = match self.finality {
+            // Groups strictly before the latest timestamp this complete traversal reached.
+            Finality::LaterTimestamp => self.open.keys().next_back().copied(),
+            Finality::Watermark => watermark.map(|w| w.saturating_add(1)),
+            Finality::LatenessMs(bound) => Some(now_ms.saturating_sub(bound).saturating_add(1)),
+            Finality::Unproven => None,
+        };
+        if let Some(evidence) = evidence {
+            self.complete_before = Some(self.complete_before.map_or(evidence, |c| c.max(evidence)));
+        }
+    }
+
+    /// The timestamp to close through now, if any: the greatest open timestamp strictly before
+    /// the evidence whose group, and every group before it, has settled. With a watermark or a
+    /// lateness bound, timestamps without events close too (up to the evidence).
+    pub(crate) fn proposal(&self) -> Option<i64> {
+        if !self.can_close() {
+            return None;
+        }
+        let complete_before = self.complete_before?;
+        let mut through = None;
+        for (&timestamp, group) in self.open.range(..complete_before) {
+            if !group.values().all(|settled| *settled) {
+                return through;
+            }
+            through = Some(timestamp);
+        }
+        // Every open group before the evidence has settled. A watermark or a lateness bound also
+        // covers the quiet time after them; a later timestamp covers only the groups it follows.
+        let quiet = match self.finality {
+            Finality::Watermark | Finality::LatenessMs(_) => Some(complete_before - 1),
+            _ => through,
+        };
+        quiet.filter(|t| self.closed_through.is_none_or(|closed| *t > closed))
+    }
+
+    /// The compare-and-swap of `through` (from [`proposal`](Self::proposal)) succeeded with
+    /// `generation`: the closed groups leave memory.
+    pub(crate) fn closed(&mut self, through: i64, generation: u64) {
+        self.closed_through = Some(through);
+        self.generation = generation;
+        self.open = self.open.split_off(&(through + 1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T10_00: i64 = 36_000_000;
+    const T10_01: i64 = 36_060_000;
+    const T10_02: i64 = 36_120_000;
+
+    fn groups(finality: Finality) -> Groups {
+        Groups::new(Traversal::Complete, finality, Some(T10_00), 4)
+    }
+
+    /// Seed 000's retry example, executed: closed through 10:00; A and B at 10:01 on one page, C
+    /// at 10:01 and D at 10:02 on the next. A first attempt handles A and B, then crashes: nothing
+    /// closed. The retry queries after 10:00, finds A and B done (receipts), handles C; seeing D
+    /// proves 10:01 complete, and once C is durable the worker closes through 10:01. The next
+    /// query, after 10:01, still includes D.
+    #[test]
+    fn the_retry_example_closes_10_01_only_after_c() {
+        let mut first = groups(Finality::LaterTimestamp);
+        assert_eq!(first.query_after(), Some(T10_00));
+        for id in ["A", "B"] {
+            assert_eq!(first.saw(T10_01, id), Seen::New);
+            first.settled(T10_01, id);
+        }
+        // A page boundary is no evidence: nothing to close before the crash.
+        assert_eq!(first.proposal(), None);
+
+        let mut retry = groups(Finality::LaterTimestamp);
+        for (t, id) in [(T10_01, "A"), (T10_01, "B"), (T10_01, "C"), (T10_02, "D")] {
+            assert_eq!(retry.saw(t, id), Seen::New);
+        }
+        retry.settled(T10_01, "A"); // receipts: done before the crash
+        retry.settled(T10_01, "B");
+        retry.traversed(T10_02 + 1_000, None);
+        assert_eq!(retry.proposal(), None, "C is not durable yet");
+        retry.settled(T10_01, "C");
+        assert_eq!(retry.proposal(), Some(T10_01));
+        retry.closed(T10_01, 5);
+        assert_eq!(
+            retry.query_after(),
+            Some(T10_01),
+            "D comes in the next query"
+        );
+        assert_eq!(retry.generation(), 5);
+        assert_eq!(
+            retry.proposal(),
+            None,
+            "10:02 is open: nothing later was seen"
+        );
+    }
+
+    /// A tie group larger than a page: every page boundary inside it is no evidence.
+    #[test]
+    fn a_tie_group_across_pages_closes_only_when_a_later_timestamp_follows_it() {
+        let mut g = groups(Finality::LaterTimestamp);
+        for page in [["a", "b"], ["c", "d"], ["e", "f"]] {
+            for id in page {
+                g.saw(T10_01, id);
+                g.settled(T10_01, id);
+            }
+            g.traversed(T10_01 + 60_000, None);
+            assert_eq!(g.proposal(), None, "only 10:01 seen so far");
+        }
+        g.saw(T10_02, "g");
+        g.traversed(T10_02, None);
+        assert_eq!(g.proposal(), Some(T10_01));
+    }
+
+    /// Seed 000's counterexample: offset pages over a set whose tie order changes (A, B, C at
+    /// 10:01, D at 10:02; the second request sees C, A, B, D and offset two returns B and D). C
+    /// never comes; D comes. A source without a complete traversal contract never closes 10:01,
+    /// however much it sees: the group is read again on every poll.
+    #[test]
+    fn without_a_complete_traversal_nothing_closes_even_after_a_later_timestamp() {
+        let mut g = Groups::new(
+            Traversal::Unproven,
+            Finality::LaterTimestamp,
+            Some(T10_00),
+            0,
+        );
+        assert!(!g.can_close());
+        for (t, id) in [(T10_01, "A"), (T10_01, "B"), (T10_01, "B"), (T10_02, "D")] {
+            g.saw(t, id);
+            g.settled(t, id);
+        }
+        g.traversed(T10_02 + 1, None);
+        assert_eq!(
+            g.proposal(),
+            None,
+            "C was skipped by the source: 10:01 stays open"
+        );
+        assert_eq!(g.query_after(), Some(T10_00));
+    }
+
+    /// A late event at the proposed closed timestamp keeps the group open until it settles; one
+    /// that arrives after the group closed is counted as late.
+    #[test]
+    fn a_late_event_at_the_proposed_timestamp_keeps_it_open() {
+        let mut g = groups(Finality::LaterTimestamp);
+        for (t, id) in [(T10_01, "A"), (T10_02, "D")] {
+            g.saw(t, id);
+            g.settled(t, id);
+        }
+        g.traversed(T10_02, None);
+        assert_eq!(g.proposal(), Some(T10_01));
+        // Before the close is written, the next poll returns E at 10:01.
+        assert_eq!(g.saw(T10_01, "E"), Seen::New);
+        assert_eq!(g.saw(T10_01, "A"), Seen::Again);
+        assert_eq!(g.proposal(), None, "E is pending");
+        g.settled(T10_01, "E");
+        assert_eq!(g.proposal(), Some(T10_01));
+        g.closed(T10_01, 5);
+        // After the close, an event at 10:01 breaks the source's finality contract: counted.
+        assert_eq!(g.saw(T10_01, "F"), Seen::Late);
+        assert_eq!(g.late(), 1);
+    }
+
+    /// A quiet stream: the newest group has no later timestamp, so it stays open (and is read
+    /// again by every poll) unless the provider's watermark passes it.
+    #[test]
+    fn a_quiet_newest_group_stays_open_until_a_watermark_passes_it() {
+        let mut later = groups(Finality::LaterTimestamp);
+        later.saw(T10_01, "A");
+        later.settled(T10_01, "A");
+        later.traversed(T10_02 * 10, None);
+        assert_eq!(later.proposal(), None);
+
+        let mut watermark = groups(Finality::Watermark);
+        watermark.saw(T10_01, "A");
+        watermark.settled(T10_01, "A");
+        watermark.traversed(T10_02, None);
+        assert_eq!(watermark.proposal(), None, "no watermark reported");
+        watermark.traversed(T10_02, Some(T10_01 + 30_000));
+        assert_eq!(
+            watermark.proposal(),
+            Some(T10_01 + 30_000),
+            "the watermark covers the quiet time too"
+        );
+    }
+
+    /// Within a lateness bound ("up to 10 minutes late"), a group closes only once a complete
+    /// traversal ran 10 minutes after it.
+    #[test]
+    fn a_lateness_bound_holds_a_group_open_until_it_has_passed() {
+        let ten_minutes = 600_000;
+        let mut g = groups(Finality::LatenessMs(ten_minutes));
+        g.saw(T10_01, "A");
+        g.settled(T10_01, "A");
+        g.traversed(T10_01 + ten_minutes - 1, None);
+        // The quiet time before 10:01 is final; 10:01 itself may still receive events.
+        assert_eq!(g.proposal(), Some(T10_01 - 1));
+        g.traversed(T10_01 + ten_minutes, None);
+        assert_eq!(g.proposal(), Some(T10_01));
+        // A pending event holds every later group.
+        let mut held = groups(Finality::LatenessMs(ten_minutes));
+        held.saw(T10_01, "A");
+        held.saw(T10_02, "B");
+        held.settled(T10_02, "B");
+        held.traversed(T10_02 + ten_minutes * 2, None);
+        assert_eq!(
+            held.proposal(),
+            None,
+            "A holds 10:01 and everything after it"
+        );
+    }
+
+    /// No finality at all: nothing ever closes.
+    #[test]
+    fn without_a_finality_contract_nothing_closes() {
+        let mut g = groups(Finality::Unproven);
+        assert!(!g.can_close());
+        g.saw(T10_01, "A");
+        g.settled(T10_01, "A");
+        g.saw(T10_02, "B");
+        g.traversed(i64::MAX / 2, Some(T10_02));
+        assert_eq!(g.proposal(), None);
+    }
+}
