@@ -297,14 +297,70 @@ mod tests {
         assert_eq!(complete_through(&ShardProgress::default(), None), None);
     }
 
-    #[test]
-    fn a_stale_write_that_lost_leaves_the_frontier_unchanged() {
-        // The store refused the stale write, so the rows (and the frontier) are what they were.
-        let rows = [
-            row("a", Some(100), false, &[]),
-            row("b", Some(80), false, &[]),
-        ];
-        assert_eq!(frontier(&rows), frontier(&rows.clone()));
-        assert_eq!(frontier(&rows).scalar, Some(80));
+    /// Two writers of shard a's coordinate: the owner that lost the lease (a zombie, whose
+    /// coordinate 150 was computed from deliveries it no longer owns) and the new owner, which
+    /// stored 120. The store refuses the zombie's write, and a stale lower write of the current
+    /// owner too, so the frontier over the stored rows never combines them: it stays at
+    /// min(120, b's 80) and moves only with b.
+    #[tokio::test]
+    async fn a_stale_write_that_lost_leaves_the_frontier_unchanged() {
+        use crate::lease::{Checkpoint, CheckpointWrite, LeaseStore, MemoryLeaseStore, NewLease};
+        let store = MemoryLeaseStore::new();
+        let mut owners = Vec::new();
+        for (shard, owner) in [("a", "w1"), ("b", "w1")] {
+            let new = NewLease {
+                stream: "orders".into(),
+                shard_id: shard.into(),
+                checkpoint: Checkpoint::TrimHorizon,
+                parents: vec![],
+            };
+            assert!(store.create(&new).await.unwrap());
+            let seen = store.get("orders", shard).await.unwrap().unwrap();
+            let taken = store.take(&seen, owner).await.unwrap().unwrap();
+            owners.push(taken.ownership().unwrap());
+        }
+        let (zombie, b) = (owners[0].clone(), owners[1].clone());
+        assert_eq!(
+            store.advance_frontier(&zombie, 100).await.unwrap(),
+            CheckpointWrite::Written
+        );
+        assert_eq!(
+            store.advance_frontier(&b, 80).await.unwrap(),
+            CheckpointWrite::Written
+        );
+        // w2 steals a and stores 120.
+        let seen = store.get("orders", "a").await.unwrap().unwrap();
+        let stolen = store.take(&seen, "w2").await.unwrap().unwrap();
+        let owner = stolen.ownership().unwrap();
+        assert_eq!(
+            store.advance_frontier(&owner, 120).await.unwrap(),
+            CheckpointWrite::Written
+        );
+        let stored = || async {
+            let rows = store.list("orders").await.unwrap();
+            let coordinates: Vec<_> = rows.iter().map(|r| r.coordinate()).collect();
+            compute(&coordinates)
+        };
+        let before = stored().await;
+        assert_eq!(before.scalar, Some(80));
+        // The zombie's write loses, and so does the new owner's own stale retry of 110.
+        assert_eq!(
+            store.advance_frontier(&zombie, 150).await.unwrap(),
+            CheckpointWrite::Lost
+        );
+        assert_eq!(
+            store.advance_frontier(&owner, 110).await.unwrap(),
+            CheckpointWrite::NotNewer
+        );
+        let after = stored().await;
+        assert_eq!(after, before, "the lost writes changed nothing");
+        let a = after.members.iter().find(|m| m.shard_id == "a").unwrap();
+        assert_eq!(a.complete_through, Some(120), "neither 150 nor 110");
+        // b moving past a: the frontier follows the slower member, a at 120.
+        assert_eq!(
+            store.advance_frontier(&b, 130).await.unwrap(),
+            CheckpointWrite::Written
+        );
+        assert_eq!(stored().await.scalar, Some(120));
     }
 }
