@@ -744,6 +744,7 @@ fn progress(cursor: Option<&str>, applied: Option<u64>, version: u64) -> PagedPr
         resume_cursor: cursor.map(|c| Cursor::new(c.to_string())),
         applied_position: applied.map(PagePosition::from_u64),
         checkpoint_version: version,
+        closed_through: None,
     }
 }
 
@@ -874,6 +875,84 @@ async fn a_seek_resets_paged_progress_and_bumps_the_version(store: &dyn LeaseSto
     );
 }
 
+/// A source read by timestamp (seed 000): `closedThrough` moves with the version, by
+/// compare-and-swap on the generation and the closed timestamp seen, never back. Two retries of one
+/// generation: one wins, the other is refused and changes nothing. A seek clears it.
+async fn closed_through_moves_forward_by_compare_and_swap(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (_, me) = held(store, &stream, "w1").await;
+    let closed = |t: Option<i64>, version: u64| PagedProgress {
+        checkpoint_version: version,
+        closed_through: t,
+        ..PagedProgress::default()
+    };
+    let (t10_00, t10_01, t10_02) = (36_000_000, 36_060_000, 36_120_000);
+    let start = PagedProgress::default();
+    assert_eq!(
+        store
+            .paged_checkpoint(&me, &start, &closed(Some(t10_00), 1))
+            .await
+            .unwrap(),
+        CheckpointWrite::Written
+    );
+    assert_eq!(
+        row(store, &stream).await.progress,
+        Some(closed(Some(t10_00), 1))
+    );
+    // Two retries of generation 1 close 10:01: the first wins, the loser changes nothing.
+    let winner = closed(Some(t10_01), 2);
+    assert_eq!(
+        store
+            .paged_checkpoint(&me, &closed(Some(t10_00), 1), &winner)
+            .await
+            .unwrap(),
+        CheckpointWrite::Written
+    );
+    for stale in [winner.clone(), closed(Some(t10_02), 2)] {
+        assert_eq!(
+            store
+                .paged_checkpoint(&me, &closed(Some(t10_00), 1), &stale)
+                .await
+                .unwrap(),
+            CheckpointWrite::NotNewer,
+            "{stale:?}"
+        );
+    }
+    assert_eq!(row(store, &stream).await.progress, Some(winner.clone()));
+    // Never back, and never moved without a new generation.
+    for bad in [
+        closed(Some(t10_00), 3),
+        closed(None, 3),
+        closed(Some(t10_02), 2),
+    ] {
+        assert_eq!(
+            store.paged_checkpoint(&me, &winner, &bad).await.unwrap(),
+            CheckpointWrite::NotNewer,
+            "{bad:?}"
+        );
+    }
+    assert_eq!(
+        store
+            .paged_checkpoint(&me, &winner, &closed(Some(t10_02), 3))
+            .await
+            .unwrap(),
+        CheckpointWrite::Written
+    );
+    // A seek to the start clears it and bumps the version.
+    let seen = row(store, &stream).await;
+    assert!(
+        store
+            .seek(&[SeekMove {
+                seen,
+                to: Checkpoint::TrimHorizon,
+                progress: Some(PagedProgress::default()),
+            }])
+            .await
+            .unwrap()
+    );
+    assert_eq!(row(store, &stream).await.progress, Some(closed(None, 4)));
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -927,6 +1006,7 @@ conformance!(
     paged_progress_moves_by_compare_and_swap_on_the_attempt,
     a_zombie_cannot_write_paged_progress,
     a_seek_resets_paged_progress_and_bumps_the_version,
+    closed_through_moves_forward_by_compare_and_swap,
 );
 
 // ---------------------------------------------------------------------------------------------

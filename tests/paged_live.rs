@@ -558,6 +558,7 @@ async fn a_stale_attempt_with_the_same_version_rereads_and_never_overwrites_newe
         resume_cursor: Some(api.cursor("p", 4)),
         applied_position: Some(PagePosition::from_u64(4)),
         checkpoint_version: 1,
+        closed_through: None,
     };
     assert_eq!(
         tables

@@ -226,6 +226,7 @@ async fn the_c7_walkthrough_crash_before_107_then_retry() {
             resume_cursor: Some(c7.clone()),
             applied_position: Some(p(105)),
             checkpoint_version: 4,
+            closed_through: None,
         },
     )
     .await;
@@ -309,6 +310,7 @@ async fn the_quarantine_boundary_210_211_212() {
             resume_cursor: Some(api.cursor("p", 0)),
             applied_position: Some(p(209)),
             checkpoint_version: 1,
+            closed_through: None,
         },
     )
     .await;

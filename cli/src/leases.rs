@@ -148,6 +148,9 @@ struct LeaseJson<'a> {
     applied_position: Option<Option<String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     checkpoint_version: Option<u64>,
+    /// A source read by timestamp: the latest timestamp (ms) whose group is closed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    closed_through: Option<Option<i64>>,
 }
 
 impl<'a> LeaseJson<'a> {
@@ -182,6 +185,7 @@ impl<'a> LeaseJson<'a> {
                 .as_ref()
                 .map(|p| p.applied_position.as_ref().map(ToString::to_string)),
             checkpoint_version: lease.progress.as_ref().map(|p| p.checkpoint_version),
+            closed_through: lease.progress.as_ref().map(|p| p.closed_through),
         }
     }
 }
@@ -281,17 +285,18 @@ mod tests {
                 0,
             ])),
             checkpoint_version: 4,
+            closed_through: None,
         });
         let line = serde_json::to_string(&LeaseJson::of(&paged)).unwrap();
         assert!(
-            line.ends_with(r#""resume_cursor":"f/0009","applied_position":"1764000000000.1764000000020.0","checkpoint_version":4}"#),
+            line.ends_with(r#""resume_cursor":"f/0009","applied_position":"1764000000000.1764000000020.0","checkpoint_version":4,"closed_through":null}"#),
             "{line}"
         );
         paged.progress = Some(PagedProgress::default());
         let line = serde_json::to_string(&LeaseJson::of(&paged)).unwrap();
         assert!(
             line.ends_with(
-                r#""resume_cursor":null,"applied_position":null,"checkpoint_version":0}"#
+                r#""resume_cursor":null,"applied_position":null,"checkpoint_version":0,"closed_through":null}"#
             ),
             "{line}"
         );

@@ -18,7 +18,9 @@ use aws_sdk_dynamodb::types::{
 use futures::future::BoxFuture;
 
 use super::row::{Lease, NewLease, Ownership, lease_key};
-use super::store::{CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, SeekMove};
+use super::store::{
+    CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, SeekMove, paged_write_is_of_the_attempt,
+};
 use crate::checkpoint::{AT_TIMESTAMP, Checkpoint};
 use crate::dynamo::{Table, TableOptions, is_condition_failed, n, s};
 use crate::error::Error;
@@ -44,6 +46,7 @@ mod attr {
     pub(super) const RESUME_CURSOR: &str = "resumeCursor";
     pub(super) const APPLIED_POSITION: &str = "appliedPosition";
     pub(super) const CHECKPOINT_VERSION: &str = "checkpointVersion";
+    pub(super) const CLOSED_THROUGH: &str = "closedThrough";
 }
 use attr::*;
 
@@ -347,9 +350,7 @@ impl DynamoDbLeaseStore {
         to: &PagedProgress,
     ) -> Result<CheckpointWrite, Error> {
         let same_attempt = to.checkpoint_version == expected.checkpoint_version;
-        if !(same_attempt && to.resume_cursor == expected.resume_cursor
-            || to.checkpoint_version == expected.checkpoint_version + 1)
-        {
+        if !paged_write_is_of_the_attempt(expected, to) {
             // Not a write of this attempt, as the memory store refuses it too.
             return Ok(CheckpointWrite::NotNewer);
         }
@@ -366,6 +367,7 @@ impl DynamoDbLeaseStore {
             .expression_attribute_names("#version", CHECKPOINT_VERSION)
             .expression_attribute_names("#cursor", RESUME_CURSOR)
             .expression_attribute_names("#applied", APPLIED_POSITION)
+            .expression_attribute_names("#closed", CLOSED_THROUGH)
             .expression_attribute_values(":owner", s(&held.owner))
             .expression_attribute_values(":epoch", n(held.epoch))
             .expression_attribute_values(":seenVersion", n(expected.checkpoint_version))
@@ -384,6 +386,20 @@ impl DynamoDbLeaseStore {
                     request.expression_attribute_values(":seenCursor", blob(cursor.as_bytes()));
             }
             None => condition.push_str(" AND attribute_not_exists(#cursor)"),
+        }
+        match expected.closed_through {
+            Some(closed) => {
+                condition.push_str(" AND #closed = :seenClosed");
+                request = request.expression_attribute_values(":seenClosed", n(closed));
+            }
+            None => condition.push_str(" AND attribute_not_exists(#closed)"),
+        }
+        match to.closed_through {
+            Some(closed) => {
+                set.push("#closed = :closed");
+                request = request.expression_attribute_values(":closed", n(closed));
+            }
+            None => remove.push("#closed"),
         }
         match &to.resume_cursor {
             Some(cursor) => {
@@ -494,8 +510,16 @@ impl DynamoDbLeaseStore {
                 }
                 None => remove.push("#applied"),
             }
+            match progress.closed_through {
+                Some(closed) => {
+                    set.push_str(", #closed = :closed");
+                    values.insert(":closed".into(), n(closed));
+                }
+                None => remove.push("#closed"),
+            }
             names.insert("#cursor".into(), RESUME_CURSOR.into());
             names.insert("#applied".into(), APPLIED_POSITION.into());
+            names.insert("#closed".into(), CLOSED_THROUGH.into());
             if !remove.is_empty() {
                 // `REMOVE #owner` opens the expression: the paged attributes join that clause.
                 set = set.replacen(
@@ -879,13 +903,15 @@ impl Row<'_> {
         let cursor = self.binary(RESUME_CURSOR)?;
         let applied = self.binary(APPLIED_POSITION)?;
         let version = self.number::<u64>(CHECKPOINT_VERSION)?;
-        if cursor.is_none() && applied.is_none() && version.is_none() {
+        let closed = self.number::<i64>(CLOSED_THROUGH)?;
+        if cursor.is_none() && applied.is_none() && version.is_none() && closed.is_none() {
             return Ok(None);
         }
         Ok(Some(PagedProgress {
             resume_cursor: cursor.map(Cursor::new),
             applied_position: applied.map(PagePosition::from_bytes),
             checkpoint_version: version.unwrap_or(0),
+            closed_through: closed,
         }))
     }
 

@@ -46,17 +46,27 @@ pub(crate) fn paged_write_holds(
     let default = PagedProgress::default();
     let stored = stored.unwrap_or(&default);
     let attempt = stored.checkpoint_version == expected.checkpoint_version
-        && stored.resume_cursor == expected.resume_cursor;
+        && stored.resume_cursor == expected.resume_cursor
+        && stored.closed_through == expected.closed_through;
     let applied = match (&stored.applied_position, &to.applied_position) {
         (None, _) => true,
         (Some(_), None) => false,
         (Some(old), Some(new)) if to.checkpoint_version == expected.checkpoint_version => new > old,
         (Some(old), Some(new)) => new >= old,
     };
-    let version = to.checkpoint_version == expected.checkpoint_version
-        && to.resume_cursor == expected.resume_cursor
-        || to.checkpoint_version == expected.checkpoint_version + 1;
-    attempt && applied && version
+    attempt && applied && paged_write_is_of_the_attempt(expected, to)
+}
+
+/// Whether `to` is a write of the attempt `expected` at all: the same cursor and closed timestamp
+/// with a higher applied position, or a barrier (version + 1) whose closed timestamp does not go
+/// back. Both stores refuse anything else as not newer without asking the row.
+pub(crate) fn paged_write_is_of_the_attempt(expected: &PagedProgress, to: &PagedProgress) -> bool {
+    if to.checkpoint_version == expected.checkpoint_version {
+        to.resume_cursor == expected.resume_cursor && to.closed_through == expected.closed_through
+    } else {
+        to.checkpoint_version == expected.checkpoint_version + 1
+            && to.closed_through >= expected.closed_through
+    }
 }
 
 /// The most rows one seek moves at once (DynamoDB's limit on items in one transaction): a shard

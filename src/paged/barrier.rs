@@ -128,6 +128,7 @@ impl Barrier {
                         resume_cursor: Some(next.clone()),
                         applied_position: applied,
                         checkpoint_version: self.durable.checkpoint_version + 1,
+                        closed_through: self.durable.closed_through,
                     },
                     pages: passed,
                 },
@@ -172,6 +173,7 @@ mod tests {
             resume_cursor: Some(c(cursor)),
             applied_position: Some(p(applied)),
             checkpoint_version: version,
+            closed_through: None,
         }
     }
 

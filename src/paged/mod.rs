@@ -270,6 +270,10 @@ pub struct PagedProgress {
     pub applied_position: Option<PagePosition>,
     /// The compare-and-swap generation: +1 on every page barrier and every seek.
     pub checkpoint_version: u64,
+    /// For a source read by timestamp (seed 000): the latest timestamp (ms) whose whole group of
+    /// events has durable terminal outcomes; polls query strictly after it. It moves only forward,
+    /// with the version.
+    pub closed_through: Option<i64>,
 }
 
 #[cfg(test)]
