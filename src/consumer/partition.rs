@@ -22,7 +22,7 @@ use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::ending::{self, Reading, ShardState, Step};
+use super::ending::{Reading, Step};
 use super::pipeline::{Pipeline, PipelineContext, Retries};
 use super::shard::ShardExit;
 use crate::checkpoint::Checkpoint;
@@ -244,14 +244,7 @@ pub(crate) async fn run_partition<H: Handler>(
                 }
             }
         }
-        let state = ShardState {
-            reading,
-            stopping: ctx.stop.is_cancelled(),
-            aborted,
-            unsettled: pipeline.unsettled(),
-            held: pipeline.held(),
-        };
-        match ending::step(&state) {
+        match pipeline.step(reading, ctx.stop.is_cancelled(), aborted) {
             Step::Continue => {}
             Step::Stop => break Exit::Stop,
             Step::End => break Exit::End,
@@ -327,10 +320,10 @@ fn start<H>(
 ) -> InFlight {
     let store = ctx.store.clone();
     let ownership = ownership.clone();
-    let to = match &write {
-        BarrierWrite::Applied(to) | BarrierWrite::Promote { to, .. } => to.clone(),
-        BarrierWrite::End => unreachable!("the end is a checkpoint write"),
-    };
+    let to = write
+        .progress()
+        .expect("the end is a checkpoint write")
+        .clone();
     InFlight {
         write,
         handle: tokio::spawn(
@@ -349,13 +342,8 @@ async fn written<H>(
     write: &BarrierWrite,
     result: Result<CheckpointWrite, Error>,
 ) -> Written {
-    let to = match write {
-        BarrierWrite::Applied(to) | BarrierWrite::Promote { to, .. } => to,
-        BarrierWrite::End => return Written::Done,
-    };
-    let target = |w: &BarrierWrite| match w {
-        BarrierWrite::Applied(to) | BarrierWrite::Promote { to, .. } => Some(to.clone()),
-        BarrierWrite::End => None,
+    let Some(to) = write.progress() else {
+        return Written::Done;
     };
     let labels = [
         ("stream", ownership.stream.clone()),
@@ -377,13 +365,15 @@ async fn written<H>(
                     if row.ownership().as_ref() == Some(ownership)
                         && uncertain
                             .as_ref()
-                            .and_then(target)
-                            .is_some_and(|u| row.progress.as_ref() == Some(&u)) =>
+                            .and_then(BarrierWrite::progress)
+                            .is_some_and(|u| row.progress.as_ref() == Some(u)) =>
                 {
                     let earlier = uncertain.take().expect("an uncertain write");
                     debug!(source = %ownership.stream, partition = %ownership.shard_id, "an earlier progress write whose answer was lost is stored");
-                    if let Some(applied) = target(&earlier).and_then(|t| t.applied_position) {
-                        order.applied(&applied);
+                    if let Some(applied) =
+                        earlier.progress().and_then(|t| t.applied_position.as_ref())
+                    {
+                        order.applied(applied);
                     }
                     barrier.written(&earlier);
                     return Written::Recovered;

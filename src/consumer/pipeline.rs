@@ -24,6 +24,7 @@ use tracing::info;
 
 use super::config::Settings;
 use super::copies::{PendingWrite, StuckWrites, WriteEvent};
+use super::ending::{self, Reading, ShardState, Step};
 use super::hooks::{DeliveryHooks, Settled};
 use super::lanes::{Finished, Lanes};
 use super::ledger::{self, Ledger, LedgerEvent};
@@ -200,6 +201,18 @@ impl<H: Handler, E> Pipeline<H, E> {
     /// Deliveries that will not settle by themselves: refused retries, stuck writes, held receipts.
     pub(crate) fn held(&self) -> usize {
         self.refused.len() + self.stuck_writes + self.ledger.as_ref().map_or(0, Ledger::held)
+    }
+
+    /// What the owning loop does next ([`ending::step`](super::ending::step)), given how reading
+    /// stands and whether it was asked to stop or its deadline passed.
+    pub(crate) fn step(&self, reading: Reading, stopping: bool, aborted: bool) -> Step {
+        ending::step(&ShardState {
+            reading,
+            stopping,
+            aborted,
+            unsettled: self.unsettled(),
+            held: self.held(),
+        })
     }
 
     /// The tracker, for what the partition's checkpoint needs to know (the oldest unsettled

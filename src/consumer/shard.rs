@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::checkpointer::{Checkpointer, Entry};
-use super::ending::{self, Reading, ShardState, Step};
+use super::ending::{Reading, Step};
 use super::pipeline::{Advance, Pipeline, PipelineContext, Retries};
 use crate::backoff::Backoff;
 use crate::checkpoint::Checkpoint;
@@ -249,14 +249,7 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                 }
             }
         }
-        let state = ShardState {
-            reading,
-            stopping: ctx.stop.is_cancelled(),
-            aborted,
-            unsettled: pipeline.unsettled(),
-            held: pipeline.held(),
-        };
-        match ending::step(&state) {
+        match pipeline.step(reading, ctx.stop.is_cancelled(), aborted) {
             Step::Continue => {}
             Step::Stop => break Exit::Stop,
             Step::End => break Exit::End,

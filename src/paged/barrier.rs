@@ -46,6 +46,16 @@ pub(crate) enum BarrierWrite {
     End,
 }
 
+impl BarrierWrite {
+    /// The progress the write stores; `None` for the end (a checkpoint write).
+    pub(crate) fn progress(&self) -> Option<&PagedProgress> {
+        match self {
+            BarrierWrite::Applied(to) | BarrierWrite::Promote { to, .. } => Some(to),
+            BarrierWrite::End => None,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Barrier {
     durable: PagedProgress,
