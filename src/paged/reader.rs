@@ -48,6 +48,7 @@ impl PageReader {
         let mut failures = Backoff::new(self.max_backoff);
         loop {
             let fetched = tokio::select! {
+                biased;
                 _ = cancel.cancelled() => return,
                 r = self.source.fetch(&self.partition, self.cursor.as_ref()) => r,
             };
@@ -112,6 +113,7 @@ impl PageReader {
 /// Sleeps `wait`; `true` when cancelled first.
 async fn sleep(wait: Duration, cancel: &CancellationToken) -> bool {
     tokio::select! {
+        biased;
         _ = cancel.cancelled() => true,
         _ = tokio::time::sleep(wait) => false,
     }
