@@ -101,6 +101,14 @@ impl Tables {
         item.get("count")?.as_n().ok()?.parse().ok()
     }
 
+    /// Waits until partition `p` of `source` has applied through position `n`.
+    async fn wait_applied(&self, source: &str, n: u64, limit: Duration) {
+        wait_for(&format!("{source}: applied {n}"), limit, || async move {
+            applied(&self.progress(source, "p").await) == n
+        })
+        .await;
+    }
+
     /// The positions (1..=n) whose events have a terminal receipt.
     async fn terminal(&self, source: &str, partition: &str, n: u64) -> Vec<u64> {
         let mut done = Vec::new();
@@ -313,12 +321,9 @@ async fn crash_case(tables: Arc<Tables>, point: CrashPoint, nth: u32, when: When
     .run()
     .await
     .unwrap();
-    wait_for(&name, Duration::from_secs(40), || {
-        let tables = tables.clone();
-        let name = name.clone();
-        async move { applied(&tables.progress(&name, "p").await) == EVENTS }
-    })
-    .await;
+    tables
+        .wait_applied(&name, EVENTS, Duration::from_secs(40))
+        .await;
     second.shutdown(Duration::from_secs(5)).await;
     stop.store(true, Ordering::SeqCst);
     let reads = watcher.await.expect("the watcher's checks held");
@@ -430,12 +435,9 @@ async fn misbehaving_pages_over_http_neither_lose_nor_repeat_events() {
         .run()
         .await
         .unwrap();
-    wait_for("every event", Duration::from_secs(30), || {
-        let tables = &tables;
-        let name = &name;
-        async move { applied(&tables.progress(name, "p").await) == 40 }
-    })
-    .await;
+    tables
+        .wait_applied(&name, 40, Duration::from_secs(30))
+        .await;
     let before = api.fetches();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let fetches = api.fetches() - before;
@@ -489,12 +491,7 @@ async fn a_lost_barrier_answer_is_found_stored_and_the_partition_goes_on() {
         .run()
         .await
         .unwrap();
-    wait_for("every event", Duration::from_secs(20), || {
-        let tables = &tables;
-        let name = &name;
-        async move { applied(&tables.progress(name, "p").await) == 8 }
-    })
-    .await;
+    tables.wait_applied(&name, 8, Duration::from_secs(20)).await;
     running.shutdown(Duration::from_secs(5)).await;
     assert!(
         lose.writes() >= 1 && !lose.crashed(),
@@ -670,12 +667,7 @@ async fn a_reversible_hold_blocks_the_barrier_until_it_is_made_terminal() {
         )
         .await
         .unwrap();
-    wait_for("every event", Duration::from_secs(20), || {
-        let tables = &tables;
-        let name = &name;
-        async move { applied(&tables.progress(name, "p").await) == 8 }
-    })
-    .await;
+    tables.wait_applied(&name, 8, Duration::from_secs(20)).await;
     running.shutdown(Duration::from_secs(5)).await;
     assert_eq!(
         calls.count("p-3"),
