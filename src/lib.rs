@@ -58,7 +58,7 @@ pub use aws_config;
 pub use aws_sdk_cloudwatchlogs;
 pub use aws_sdk_dynamodb;
 pub use aws_sdk_kinesis;
-pub use consumer::{Consumer, ConsumerBuilder, Ordering, Running, ShutdownReport};
+pub use consumer::{Consumer, ConsumerBuilder, Ordering, Running, ShutdownReport, Unproven};
 pub use error::{AckError, BoxError, ConfigError, Error};
 pub use handler::{Delivery, DeliveryBuilder, Handler, Outcome};
 pub use lease::{

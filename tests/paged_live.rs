@@ -11,20 +11,21 @@
 #[path = "support/recorder.rs"]
 mod recorder;
 mod support;
+#[path = "support/tables.rs"]
+mod tables;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use aws_sdk_dynamodb::types::AttributeValue;
 use futures::StreamExt;
-use shardwise::lease::{DynamoDbLeaseStore, LeaseSettings, LeaseStore};
+use shardwise::lease::{LeaseSettings, LeaseStore};
 use shardwise::paged::{CloudWatchLogs, PagePosition, PagedProgress, PagedSource};
-use shardwise::receipts::{Disposition, DynamoDbReceipts, Effect, EventId, ReceiptStore, key};
+use shardwise::receipts::{Disposition, Effect, EventId, ReceiptStore, key};
 use shardwise::testing::{Crash, CrashPoint, EventApi, HttpEvents, Script, When};
 use shardwise::{Consumer, ConsumerBuilder, Delivery, Outcome};
-use support::Live;
+use tables::Tables;
 
 const APP: &str = "paged-live";
 static LOGS: std::sync::OnceLock<recorder::Logs> = std::sync::OnceLock::new();
@@ -38,69 +39,7 @@ fn logs() -> &'static recorder::Logs {
     })
 }
 
-/// One live test's tables: leases, receipts, effects.
-struct Tables {
-    live: Live,
-    leases: Arc<DynamoDbLeaseStore>,
-    receipts: Arc<DynamoDbReceipts>,
-    counts: String,
-    names: Vec<String>,
-}
-
 impl Tables {
-    async fn new(live: Live) -> Self {
-        let lease_table = support::unique_name("paged-leases");
-        let receipt_table = support::unique_name("paged-receipts");
-        let counts = support::unique_name("paged-counts");
-        live.create_table(&counts, "id").await;
-        let leases = Arc::new(
-            DynamoDbLeaseStore::new(live.dynamodb.clone(), &lease_table).create_if_missing(true),
-        );
-        leases.prepare().await.unwrap();
-        let receipts = Arc::new(
-            DynamoDbReceipts::new(live.dynamodb.clone(), &receipt_table, APP)
-                .create_if_missing(true),
-        );
-        receipts.prepare().await.unwrap();
-        Self {
-            live,
-            leases,
-            receipts,
-            names: vec![lease_table, receipt_table, counts.clone()],
-            counts,
-        }
-    }
-
-    async fn drop_all(self) {
-        for name in &self.names {
-            self.live.delete_table(name).await;
-        }
-    }
-
-    async fn progress(&self, source: &str, partition: &str) -> PagedProgress {
-        self.leases
-            .get(source, partition)
-            .await
-            .unwrap()
-            .and_then(|row| row.progress)
-            .unwrap_or_default()
-    }
-
-    async fn count(&self, id: &str) -> Option<i64> {
-        let item = self
-            .live
-            .dynamodb
-            .get_item()
-            .table_name(&self.counts)
-            .key("id", AttributeValue::S(id.into()))
-            .consistent_read(true)
-            .send()
-            .await
-            .unwrap()
-            .item?;
-        item.get("count")?.as_n().ok()?.parse().ok()
-    }
-
     /// Waits until partition `p` of `source` has applied through position `n`.
     async fn wait_applied(&self, source: &str, n: u64, limit: Duration) {
         wait_for(&format!("{source}: applied {n}"), limit, || async move {
@@ -351,7 +290,7 @@ async fn crash_case(tables: Arc<Tables>, point: CrashPoint, nth: u32, when: When
 async fn a_crash_at_every_point_of_a_page_loses_nothing_and_applies_each_effect_once() {
     let live = live_or_skip!();
     logs();
-    let tables = Arc::new(Tables::new(live).await);
+    let tables = Arc::new(Tables::new(live, APP).await);
     let mut cases = Vec::new();
     // Before and after the commit of each event's effects (the 6th is quarantined instead).
     for n in (1..=EVENTS as u32).filter(|n| *n != 6) {
@@ -410,7 +349,7 @@ fn acking(calls: Calls) -> impl shardwise::Handler {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misbehaving_pages_over_http_neither_lose_nor_repeat_events() {
     let live = live_or_skip!();
-    let tables = Tables::new(live).await;
+    let tables = Tables::new(live, APP).await;
     let name = support::unique_name("misbehaving");
     let (api, _server, source) = serve(&name, 40, 5).await;
     for script in [
@@ -458,7 +397,7 @@ async fn misbehaving_pages_over_http_neither_lose_nor_repeat_events() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_barrier_answer_is_found_stored_and_the_partition_goes_on() {
     let live = live_or_skip!();
-    let tables = Tables::new(live).await;
+    let tables = Tables::new(live, APP).await;
     let name = support::unique_name("lost-answer");
     let (_api, _server, source) = serve(&name, 8, 4).await;
     let lose = Crash::on_position(
@@ -517,7 +456,7 @@ async fn a_lost_barrier_answer_is_found_stored_and_the_partition_goes_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_attempt_with_the_same_version_rereads_and_never_overwrites_newer_progress() {
     let live = live_or_skip!();
-    let tables = Tables::new(live).await;
+    let tables = Tables::new(live, APP).await;
     let name = support::unique_name("stale");
     let (api, _server, source) = serve(&name, 8, 4).await;
     let (open, opened) = tokio::sync::watch::channel(false);
@@ -616,7 +555,7 @@ async fn a_stale_attempt_with_the_same_version_rereads_and_never_overwrites_newe
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reversible_hold_blocks_the_barrier_until_it_is_made_terminal() {
     let live = live_or_skip!();
-    let tables = Tables::new(live).await;
+    let tables = Tables::new(live, APP).await;
     let name = support::unique_name("hold");
     let (_api, _server, source) = serve(&name, 8, 4).await;
     let calls = Calls::default();
@@ -769,7 +708,7 @@ async fn a_cloudwatch_log_group_is_read_stream_by_stream_without_skipping() {
     let live = live_or_skip!();
     logs();
     let logs = logs_client().await;
-    let tables = Tables::new(live).await;
+    let tables = Tables::new(live, APP).await;
     let group = support::unique_name("/shardwise/paged");
     logs.create_log_group()
         .log_group_name(&group)

@@ -61,6 +61,22 @@ pub struct Settings {
     /// How far back from the local clock a LATEST start is pinned (see
     /// [`ConsumerBuilder::latest_margin`](super::ConsumerBuilder::latest_margin)).
     pub latest_margin: Duration,
+    /// What to do with a source read by timestamp whose contracts cannot prove a group complete.
+    pub unproven: Unproven,
+}
+
+/// What a consumer does with a source read by timestamp whose contracts cannot prove a timestamp
+/// group complete (no complete traversal, or no finality): such a source can never be
+/// checkpointed past a timestamp without risking a skip (seed 000).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Unproven {
+    /// Refuse to start, saying why (the default).
+    #[default]
+    Refuse,
+    /// Read it anyway: nothing is ever closed, and every poll reads every open group again from
+    /// the last closed timestamp (receipts make the replays harmless; a metric counts them).
+    Replay,
 }
 
 /// The default [`Settings::latest_margin`]: records that arrived up to this long before a LATEST
@@ -93,6 +109,7 @@ impl Settings {
             caught_up_skew: None,
             frontier_interval: Duration::from_secs(5),
             latest_margin: DEFAULT_LATEST_MARGIN,
+            unproven: Unproven::Refuse,
             hold_poll_interval: Duration::from_secs(5),
         }
     }

@@ -11,6 +11,7 @@ mod outcome;
 mod partition;
 mod pipeline;
 mod shard;
+mod timestamps;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -24,7 +25,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-pub use config::{DEFAULT_LATEST_MARGIN, Ordering, Settings, default_worker_id};
+pub use config::{DEFAULT_LATEST_MARGIN, Ordering, Settings, Unproven, default_worker_id};
 pub use copies::StuckWrite;
 pub use hooks::{DeliveryHooks, Settled};
 
@@ -46,6 +47,7 @@ use copies::StuckWrites;
 use partition::{PartitionContext, run_partition};
 use pipeline::PipelineContext;
 use shard::{ShardContext, ShardExit, run_shard};
+use timestamps::run_timestamp_partition;
 
 /// Builds a [`Consumer`]; every setting is checked by [`build`](Self::build).
 #[must_use]
@@ -117,6 +119,13 @@ impl<H: Handler> ConsumerBuilder<H> {
     /// worker dies before its first checkpoint.
     pub fn initial_position(mut self, p: InitialPosition) -> Self {
         self.settings.lease.initial_position = p;
+        self
+    }
+
+    /// What to do with a source read by timestamp whose contracts cannot prove a timestamp group
+    /// complete (default [`Unproven::Refuse`]: `build` fails and says why).
+    pub fn unproven(mut self, unproven: Unproven) -> Self {
+        self.settings.unproven = unproven;
         self
     }
 
@@ -289,6 +298,31 @@ impl<H: Handler> ConsumerBuilder<H> {
                 self.settings.lease.initial_position,
                 "a paged source's partitions start at their first page (seek to move them)",
             ));
+        }
+        if let Some(source) = &self.paged
+            && let Some(contracts) = source.contract().timestamps
+            && !contracts.can_close()
+        {
+            match self.settings.unproven {
+                Unproven::Refuse => {
+                    return Err(ConfigError::new(
+                        "unproven",
+                        "Refuse",
+                        format!(
+                            "source `{}` is read by timestamp with traversal {:?} and finality {:?}: no timestamp group can be proven complete, so shardwise cannot checkpoint it without risking a skip; choose Unproven::Replay to read it anyway (nothing is closed, every poll reads the open groups again, receipts make the replays harmless)",
+                            source.name(),
+                            contracts.traversal,
+                            contracts.finality
+                        ),
+                    ));
+                }
+                Unproven::Replay => tracing::warn!(
+                    source = source.name(),
+                    traversal = ?contracts.traversal,
+                    finality = ?contracts.finality,
+                    "the source cannot prove a timestamp group complete: nothing will be closed, and every poll reads every open group again"
+                ),
+            }
         }
         Ok(Consumer {
             handler: Arc::new(self.handler),
@@ -567,7 +601,12 @@ impl<H: Handler> Work<H> {
     fn spawn(&self, tasks: &mut JoinSet<ShardExit>, lease: HeldLease) -> tokio::task::AbortHandle {
         match self {
             Work::Shards(ctx) => tasks.spawn(run_shard(ctx.clone(), lease)),
-            Work::Partitions(ctx) => tasks.spawn(run_partition(ctx.clone(), lease)),
+            Work::Partitions(ctx) => match ctx.source.contract().timestamps {
+                Some(contracts) => {
+                    tasks.spawn(run_timestamp_partition(ctx.clone(), lease, contracts))
+                }
+                None => tasks.spawn(run_partition(ctx.clone(), lease)),
+            },
         }
     }
 }

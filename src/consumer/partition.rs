@@ -205,7 +205,7 @@ pub(crate) async fn run_partition<H: Handler>(
                                 let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
                                     .id(id)
                                     .build();
-                                pipeline.dispatch_unless_done(delivery);
+                                pipeline.dispatch_unless_done(delivery, None);
                             }
                             Verdict::Replay => {
                                 metrics::counter!("shardwise_paged_replays_total", &labels).increment(1);

@@ -154,8 +154,19 @@ impl<H: Handler, E> Pipeline<H, E> {
     /// A tracked delivery that may already have its outcome (a backfilled position at or below
     /// the applied prefix): with receipts, a terminal receipt settles it as a replay and anything
     /// else hands it to its lane; without receipts it goes to its lane (handled again rather than
-    /// skipped).
-    pub(crate) fn dispatch_unless_done(&mut self, delivery: Delivery) {
+    /// skipped). `counted` names a counter (labelled by stream and shard) that goes up by one for
+    /// each delivery handed to its lane this way.
+    pub(crate) fn dispatch_unless_done(
+        &mut self,
+        delivery: Delivery,
+        counted: Option<&'static str>,
+    ) {
+        let count = move |d: &Delivery| {
+            if let Some(name) = counted {
+                metrics::counter!(name, "stream" => d.stream().to_string(), "shard" => d.shard().to_string())
+                    .increment(1);
+            }
+        };
         match (self.ctx.receipts.clone(), delivery.id()) {
             (Some(store), Some(id)) => {
                 let events = self.write_tx.clone();
@@ -171,6 +182,7 @@ impl<H: Handler, E> Pipeline<H, E> {
                                 return;
                             }
                             Ok(_) => {
+                                count(&delivery);
                                 let _ = events.send(WriteEvent::Redeliver(delivery));
                                 return;
                             }
@@ -183,7 +195,10 @@ impl<H: Handler, E> Pipeline<H, E> {
                     }
                 });
             }
-            _ => self.lanes.redispatch(delivery),
+            _ => {
+                count(&delivery);
+                self.lanes.redispatch(delivery)
+            }
         }
     }
 

@@ -247,6 +247,7 @@ impl PagedSource for CloudWatchLogs {
             Ok(Page {
                 events,
                 next: Some(next.encode()),
+                watermark: None,
             })
         })
     }

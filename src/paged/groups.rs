@@ -14,18 +14,16 @@
 //! A page boundary is never evidence. Without a proven traversal nothing ever closes: the open
 //! groups are read again on every poll (receipts make that harmless).
 //!
-//! This module decides; the partition loop (not built yet) does the I/O and the
-//! compare-and-swap.
-
-// The discipline is built and tested ahead of the loop that will use it (issue 13).
-#![cfg_attr(not(test), allow(dead_code))]
+//! This module decides; the timestamp partition loop (`consumer/timestamps.rs`) does the I/O and
+//! the compare-and-swap.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// Whether one poll can enumerate every event of a timestamp.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub(crate) enum Traversal {
+pub enum Traversal {
     /// Each poll reads a stable snapshot, or a continuation the provider documents as complete:
     /// a poll's pages hold every event of every timestamp they reach.
     Complete,
@@ -37,15 +35,15 @@ pub(crate) enum Traversal {
 /// What proves that no event can still arrive at or before a timestamp.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub(crate) enum Finality {
+pub enum Finality {
     /// A strictly later timestamp, seen in a complete traversal, proves every earlier group
     /// final (the source never backfills).
     LaterTimestamp,
     /// The provider reports a watermark: nothing at or before it can still arrive.
     Watermark,
-    /// Events arrive at most this many milliseconds late: a timestamp is final once a complete
-    /// traversal ran that long after it.
-    LatenessMs(i64),
+    /// Events arrive at most this late (CloudWatch Logs: 14 days): a timestamp is final once a
+    /// complete traversal ran that long after it.
+    Lateness(Duration),
     /// No proof: groups never close.
     Unproven,
 }
@@ -57,8 +55,9 @@ pub(crate) enum Seen {
     New,
     /// In an open group, seen before in this attempt (a replayed page, or a later poll).
     Again,
-    /// At or before `closed_through`: late, against the contract that closed its group. Counted
-    /// and handled (a receipt tells whether it was done), never dropped.
+    /// At or before `closed_through`, and not an event of a group this attempt closed: late
+    /// against the contract that closed its group, or done by an earlier attempt. A receipt
+    /// tells which: handled unless it shows the event done, never dropped.
     Late,
 }
 
@@ -74,7 +73,10 @@ pub(crate) struct Groups {
     /// Every group strictly before this timestamp is complete and final (this attempt's
     /// evidence).
     complete_before: Option<i64>,
-    late: u64,
+    /// Identities of the groups this attempt closed, kept for `remember_ms` behind
+    /// `closed_through`: an audit that reads them again sees them as known, not late.
+    closed_ids: BTreeMap<i64, std::collections::HashSet<String>>,
+    remember_ms: i64,
 }
 
 impl Groups {
@@ -92,8 +94,16 @@ impl Groups {
             generation,
             open: BTreeMap::new(),
             complete_before: None,
-            late: 0,
+            closed_ids: BTreeMap::new(),
+            remember_ms: 0,
         }
+    }
+
+    /// Keeps the identities of closed groups this far behind `closed_through` (the reach of the
+    /// late-event audit).
+    pub(crate) fn remember(mut self, ms: i64) -> Self {
+        self.remember_ms = ms;
+        self
     }
 
     /// Whether the contracts can ever close a group; when not, the consumer says so at start and
@@ -108,13 +118,9 @@ impl Groups {
     }
 
     /// The generation the next compare-and-swap is conditioned on.
+    #[cfg(test)]
     pub(crate) fn generation(&self) -> u64 {
         self.generation
-    }
-
-    /// Late events seen by this attempt.
-    pub(crate) fn late(&self) -> u64 {
-        self.late
     }
 
     /// An event a poll returned.
@@ -123,8 +129,11 @@ impl Groups {
             .closed_through
             .is_some_and(|closed| timestamp <= closed)
         {
-            self.late += 1;
-            return Seen::Late;
+            let known = self
+                .closed_ids
+                .get(&timestamp)
+                .is_some_and(|ids| ids.contains(id));
+            return if known { Seen::Again } else { Seen::Late };
         }
         let group = self.open.entry(timestamp).or_default();
         if group.contains_key(id) {
@@ -155,7 +164,10 @@ impl Groups {
             // Groups strictly before the latest timestamp this complete traversal reached.
             Finality::LaterTimestamp => self.open.keys().next_back().copied(),
             Finality::Watermark => watermark.map(|w| w.saturating_add(1)),
-            Finality::LatenessMs(bound) => Some(now_ms.saturating_sub(bound).saturating_add(1)),
+            Finality::Lateness(bound) => {
+                let bound = i64::try_from(bound.as_millis()).unwrap_or(i64::MAX);
+                Some(now_ms.saturating_sub(bound).saturating_add(1))
+            }
             Finality::Unproven => None,
         };
         if let Some(evidence) = evidence {
@@ -181,7 +193,7 @@ impl Groups {
         // Every open group before the evidence has settled. A watermark or a lateness bound also
         // covers the quiet time after them; a later timestamp covers only the groups it follows.
         let quiet = match self.finality {
-            Finality::Watermark | Finality::LatenessMs(_) => Some(complete_before - 1),
+            Finality::Watermark | Finality::Lateness(_) => Some(complete_before - 1),
             _ => through,
         };
         quiet.filter(|t| self.closed_through.is_none_or(|closed| *t > closed))
@@ -192,7 +204,16 @@ impl Groups {
     pub(crate) fn closed(&mut self, through: i64, generation: u64) {
         self.closed_through = Some(through);
         self.generation = generation;
-        self.open = self.open.split_off(&(through + 1));
+        let open = self.open.split_off(&(through + 1));
+        for (timestamp, group) in std::mem::replace(&mut self.open, open) {
+            self.closed_ids
+                .entry(timestamp)
+                .or_default()
+                .extend(group.into_keys());
+        }
+        self.closed_ids = self
+            .closed_ids
+            .split_off(&through.saturating_sub(self.remember_ms));
     }
 }
 
@@ -309,9 +330,10 @@ mod tests {
         g.settled(T10_01, "E");
         assert_eq!(g.proposal(), Some(T10_01));
         g.closed(T10_01, 5);
-        // After the close, an event at 10:01 breaks the source's finality contract: counted.
+        // After the close, an event at 10:01 breaks the source's finality contract; one this
+        // attempt closed is known.
         assert_eq!(g.saw(T10_01, "F"), Seen::Late);
-        assert_eq!(g.late(), 1);
+        assert_eq!(g.saw(T10_01, "E"), Seen::Again);
     }
 
     /// A quiet stream: the newest group has no later timestamp, so it stays open (and is read
@@ -342,7 +364,8 @@ mod tests {
     #[test]
     fn a_lateness_bound_holds_a_group_open_until_it_has_passed() {
         let ten_minutes = 600_000;
-        let mut g = groups(Finality::LatenessMs(ten_minutes));
+        let bound = Finality::Lateness(Duration::from_secs(600));
+        let mut g = groups(bound);
         g.saw(T10_01, "A");
         g.settled(T10_01, "A");
         g.traversed(T10_01 + ten_minutes - 1, None);
@@ -351,7 +374,7 @@ mod tests {
         g.traversed(T10_01 + ten_minutes, None);
         assert_eq!(g.proposal(), Some(T10_01));
         // A pending event holds every later group.
-        let mut held = groups(Finality::LatenessMs(ten_minutes));
+        let mut held = groups(bound);
         held.saw(T10_01, "A");
         held.saw(T10_02, "B");
         held.settled(T10_02, "B");

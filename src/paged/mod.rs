@@ -32,6 +32,8 @@ use crate::error::BoxError;
 pub(crate) use barrier::{Barrier, BarrierWrite};
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch::CloudWatchLogs;
+pub use groups::{Finality, Traversal};
+pub(crate) use groups::{Groups, Seen};
 pub(crate) use lister::PartitionLister;
 pub use order::OrderError;
 pub(crate) use order::{Order, Verdict};
@@ -147,8 +149,14 @@ pub struct Page {
     /// The events, in the partition's order.
     pub events: Vec<PagedEvent>,
     /// Where the next fetch continues; `None` once the partition has ended and will have no more
-    /// events (most sources never end a partition).
+    /// events (most sources never end a partition). For a source read by timestamp
+    /// ([`Contract::timestamps`]), `None` ends one poll's traversal instead: the next poll starts
+    /// again from [`PagedSource::poll_after`].
     pub next: Option<Cursor>,
+    /// The provider's finality watermark (ms since the Unix epoch), when it reports one: no event
+    /// at or before it can still arrive in this partition. Only a source whose contract says so
+    /// ([`Finality::Watermark`]) is believed.
+    pub watermark: Option<i64>,
 }
 
 /// What an empty page with a new cursor means.
@@ -177,6 +185,38 @@ pub struct Contract {
     /// Positions are consecutive numbers ([`PagePosition::from_u64`]): a jump over a number is a gap
     /// the source forbids, and stops the partition.
     pub dense: bool,
+    /// The source can resume only by timestamp (seed 000): each poll reads, from
+    /// [`PagedSource::poll_after`], every event strictly after the partition's `closed_through`,
+    /// and a timestamp's group closes only as these contracts allow. `None`: a source of
+    /// continuation cursors, read by the page barrier.
+    pub timestamps: Option<Timestamps>,
+}
+
+/// What a source read by timestamp promises: whether a poll enumerates every event of a
+/// timestamp, and what proves a timestamp final. The consumer closes a group only when both give
+/// the observation its meaning (`docs/paged.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Timestamps {
+    /// Whether one poll can enumerate every event of a timestamp.
+    pub traversal: Traversal,
+    /// What proves that no earlier event can still arrive.
+    pub finality: Finality,
+}
+
+impl Timestamps {
+    /// These contracts.
+    pub fn new(traversal: Traversal, finality: Finality) -> Self {
+        Self {
+            traversal,
+            finality,
+        }
+    }
+
+    /// Whether a group can ever be closed under them: a complete traversal and some finality.
+    pub fn can_close(&self) -> bool {
+        self.traversal == Traversal::Complete && self.finality != Finality::Unproven
+    }
 }
 
 impl Default for Contract {
@@ -186,6 +226,7 @@ impl Default for Contract {
             empty_pages: EmptyPages::ZeroItems,
             backfill: false,
             dense: false,
+            timestamps: None,
         }
     }
 }
@@ -206,6 +247,12 @@ impl Contract {
     /// Sets whether positions are consecutive numbers.
     pub fn dense(mut self, dense: bool) -> Self {
         self.dense = dense;
+        self
+    }
+
+    /// Declares the source read by timestamp, under these contracts.
+    pub fn timestamps(mut self, timestamps: Timestamps) -> Self {
+        self.timestamps = Some(timestamps);
         self
     }
 }
@@ -254,6 +301,14 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
     /// when the source cannot start at a time.
     fn cursor_at(&self, partition: &str, time: SystemTime) -> Option<Cursor> {
         let _ = (partition, time);
+        None
+    }
+
+    /// For a source read by timestamp ([`Contract::timestamps`]): the cursor of a poll's first
+    /// page, whose pages hold every event of `partition` strictly after `after` (ms since the Unix
+    /// epoch; `None`: from the first event). `None` when the source cannot (the partition fails).
+    fn poll_after(&self, partition: &str, after: Option<i64>) -> Option<Cursor> {
+        let _ = (partition, after);
         None
     }
 }

@@ -118,3 +118,125 @@ async fn sleep(wait: Duration, cancel: &CancellationToken) -> bool {
         _ = tokio::time::sleep(wait) => false,
     }
 }
+
+/// What the poll reader of a source read by timestamp hands over.
+#[derive(Debug)]
+pub(crate) enum PollMessage {
+    /// A page's events.
+    Events(Vec<PagedEvent>),
+    /// A poll's pages were traversed to their end. `started_ms` is the wall time before its first
+    /// fetch (a lateness bound counts from it); `watermark` the lowest the provider reported in it.
+    Traversed {
+        started_ms: i64,
+        watermark: Option<i64>,
+    },
+    /// The partition cannot be read on.
+    Failed(FetchError),
+}
+
+/// Polls a source read by timestamp: each poll starts from [`PagedSource::poll_after`] the
+/// partition's current `closed_through` and follows the continuation to its end; then the poll
+/// interval, and the next poll. A continuation that comes back unchanged and empty ends the poll
+/// without evidence (it was not traversed to its end).
+pub(crate) struct PollReader {
+    pub(crate) source: Arc<dyn PagedSource>,
+    pub(crate) partition: String,
+    /// The partition's `closed_through`, as the loop last wrote it.
+    pub(crate) after: tokio::sync::watch::Receiver<Option<i64>>,
+    pub(crate) poll_interval: Duration,
+    pub(crate) max_backoff: Duration,
+    /// Every `n`th poll is an audit that starts this many ms before `closed_through`, to find
+    /// late events behind it. An audit's traversal is evidence like any other (it reads a
+    /// superset).
+    pub(crate) audit: Option<(u32, i64)>,
+}
+
+impl PollReader {
+    /// Polls until the partition fails or `cancel` fires.
+    pub(crate) async fn run(self, polls: mpsc::Sender<PollMessage>, cancel: CancellationToken) {
+        let labels = [("source", self.source.name().to_string())];
+        let mut failures = Backoff::new(self.max_backoff);
+        let mut polls_done: u32 = 0;
+        loop {
+            let mut after = *self.after.borrow();
+            polls_done = polls_done.wrapping_add(1);
+            if let Some((every, lookback)) = self.audit
+                && polls_done.is_multiple_of(every.max(1))
+            {
+                after = after.map(|a| a.saturating_sub(lookback));
+                metrics::counter!("shardwise_paged_audits_total", &labels).increment(1);
+            }
+            let Some(mut cursor) = self.source.poll_after(&self.partition, after) else {
+                let refused = FetchError::InvalidCursor(
+                    "the source declares timestamps but cannot start a poll after one".into(),
+                );
+                let _ = polls.send(PollMessage::Failed(refused)).await;
+                return;
+            };
+            let started_ms = crate::time::millis(crate::time::now());
+            let mut watermark: Option<i64> = None;
+            let mut first = true;
+            let complete = loop {
+                let fetched = tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => return,
+                    r = self.source.fetch(&self.partition, Some(&cursor)) => r,
+                };
+                let page = match fetched {
+                    Ok(page) => page,
+                    Err(error @ (FetchError::NotFound | FetchError::InvalidCursor(_))) => {
+                        let _ = polls.send(PollMessage::Failed(error)).await;
+                        return;
+                    }
+                    Err(error) => {
+                        let wait = failures.next();
+                        warn!(source = self.source.name(), partition = %self.partition, error = &error as &dyn std::error::Error, ?wait, "fetch failed; fetching the same page again");
+                        if sleep(wait, &cancel).await {
+                            return;
+                        }
+                        continue;
+                    }
+                };
+                failures.reset();
+                metrics::counter!("shardwise_paged_pages_total", &labels).increment(1);
+                // The lowest watermark of the poll: one reported late in a traversal may cover
+                // events that arrived behind pages already read.
+                watermark = match (first, watermark, page.watermark) {
+                    (true, _, w) => w,
+                    (false, Some(a), Some(b)) => Some(a.min(b)),
+                    (false, _, _) => None,
+                };
+                first = false;
+                let empty = page.events.is_empty();
+                if !empty && polls.send(PollMessage::Events(page.events)).await.is_err() {
+                    return;
+                }
+                match page.next {
+                    None => break true,
+                    Some(next) if empty && next == cursor => {
+                        metrics::counter!("shardwise_paged_unchanged_cursor_total", &labels)
+                            .increment(1);
+                        debug!(source = self.source.name(), partition = %self.partition, "the continuation did not move: the poll ends without evidence");
+                        break false;
+                    }
+                    Some(next) => cursor = next,
+                }
+            };
+            if complete
+                && polls
+                    .send(PollMessage::Traversed {
+                        started_ms,
+                        watermark,
+                    })
+                    .await
+                    .is_err()
+            {
+                return;
+            }
+            metrics::counter!("shardwise_paged_polls_total", &labels).increment(1);
+            if sleep(self.poll_interval, &cancel).await {
+                return;
+            }
+        }
+    }
+}

@@ -6,6 +6,7 @@
 //! |---|---|
 //! | `GET /partitions` | `200 {"partitions": ["a", ...]}` |
 //! | `GET /partitions/{p}/events` (`?cursor=TOKEN`) | `200 {"events": [{"id", "position", "payload", "timestamp_ms", "key"}], "next": "TOKEN" or null}` |
+//! | `GET /partitions/{p}/events?offset=N` (`&after_ms=T&snapshot=S`) | by timestamp: `200 {"events": [...], "next_offset": N or null, "snapshot": S or null, "watermark_ms": W or null}`, the events strictly after `T` from offset `N` |
 //! | an unknown partition | `404` |
 //! | a token the partition did not give | `400` |
 //! | a [`Script::Throttle`](super::Script::Throttle) | `429` |
@@ -27,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use super::EventApi;
+use super::events::{AfterPage, AfterQuery};
 use crate::error::Error;
 use crate::paged::{Contract, Cursor, FetchError, Page, PagePosition, PagedEvent, PagedSource};
 
@@ -52,9 +54,55 @@ struct PageBody {
     next: Option<String>,
 }
 
+#[derive(Debug, Serialize, Deserialize)]
+struct AfterBody {
+    events: Vec<EventBody>,
+    next_offset: Option<usize>,
+    snapshot: Option<u64>,
+    watermark_ms: Option<i64>,
+}
+
 #[derive(Debug, Deserialize)]
 struct PageQuery {
     cursor: Option<String>,
+    offset: Option<usize>,
+    after_ms: Option<i64>,
+    snapshot: Option<u64>,
+}
+
+fn event_body(e: &PagedEvent) -> EventBody {
+    EventBody {
+        id: e.id.clone(),
+        position: e.position.as_u64().unwrap_or_default(),
+        payload: String::from_utf8_lossy(&e.payload).into_owned(),
+        timestamp_ms: e.timestamp.and_then(|t| {
+            t.duration_since(UNIX_EPOCH)
+                .ok()
+                .map(|d| d.as_millis() as u64)
+        }),
+        key: e.key.clone(),
+    }
+}
+
+fn paged_event(e: EventBody) -> PagedEvent {
+    PagedEvent {
+        id: e.id,
+        position: PagePosition::from_u64(e.position),
+        payload: Bytes::from(e.payload),
+        timestamp: e
+            .timestamp_ms
+            .map(|ms| UNIX_EPOCH + Duration::from_millis(ms)),
+        key: e.key,
+    }
+}
+
+fn refused(error: FetchError) -> Response {
+    match error {
+        FetchError::NotFound => StatusCode::NOT_FOUND.into_response(),
+        FetchError::InvalidCursor(e) => (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+        FetchError::Throttled => StatusCode::TOO_MANY_REQUESTS.into_response(),
+        e => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    }
 }
 
 /// A running HTTP server of an [`EventApi`]; it stops when dropped.
@@ -108,34 +156,32 @@ async fn events(
     Path(partition): Path<String>,
     Query(query): Query<PageQuery>,
 ) -> Response {
+    if let Some(offset) = query.offset {
+        let after = AfterQuery {
+            after: query.after_ms,
+            offset,
+            snapshot: query.snapshot,
+        };
+        return match api.serve_after(&partition, &after) {
+            Ok(page) => Json(AfterBody {
+                events: page.events.iter().map(event_body).collect(),
+                next_offset: page.next_offset,
+                snapshot: page.snapshot,
+                watermark_ms: page.watermark,
+            })
+            .into_response(),
+            Err(e) => refused(e),
+        };
+    }
     match api.serve_fetch(&partition, query.cursor.as_deref()) {
         Ok(page) => Json(PageBody {
-            events: page
-                .events
-                .iter()
-                .map(|e| EventBody {
-                    id: e.id.clone(),
-                    position: e.position.as_u64().unwrap_or_default(),
-                    payload: String::from_utf8_lossy(&e.payload).into_owned(),
-                    timestamp_ms: e.timestamp.and_then(|t| {
-                        t.duration_since(UNIX_EPOCH)
-                            .ok()
-                            .map(|d| d.as_millis() as u64)
-                    }),
-                    key: e.key.clone(),
-                })
-                .collect(),
+            events: page.events.iter().map(event_body).collect(),
             next: page
                 .next
                 .map(|c| String::from_utf8_lossy(c.as_bytes()).into_owned()),
         })
         .into_response(),
-        Err(FetchError::NotFound) => StatusCode::NOT_FOUND.into_response(),
-        Err(FetchError::InvalidCursor(e)) => {
-            (StatusCode::BAD_REQUEST, e.to_string()).into_response()
-        }
-        Err(FetchError::Throttled) => StatusCode::TOO_MANY_REQUESTS.into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+        Err(e) => refused(e),
     }
 }
 
@@ -220,7 +266,16 @@ impl PagedSource for HttpEvents {
             let mut request = self
                 .client
                 .get(format!("{}/partitions/{partition}/events", self.base));
-            if let Some(cursor) = cursor {
+            let after = cursor.and_then(AfterQuery::parse);
+            if let Some(after) = &after {
+                request = request.query(&[("offset", after.offset.to_string())]);
+                if let Some(t) = after.after {
+                    request = request.query(&[("after_ms", t.to_string())]);
+                }
+                if let Some(snapshot) = after.snapshot {
+                    request = request.query(&[("snapshot", snapshot.to_string())]);
+                }
+            } else if let Some(cursor) = cursor {
                 request = request.query(&[("cursor", String::from_utf8_lossy(cursor.as_bytes()))]);
             }
             let response = request
@@ -239,26 +294,39 @@ impl PagedSource for HttpEvents {
                 }
                 _ => {}
             }
+            if let Some(after) = after {
+                let body: AfterBody = response
+                    .json()
+                    .await
+                    .map_err(|e| FetchError::Other(Box::new(e)))?;
+                return Ok(AfterPage {
+                    events: body.events.into_iter().map(paged_event).collect(),
+                    next_offset: body.next_offset,
+                    snapshot: body.snapshot,
+                    watermark: body.watermark_ms,
+                }
+                .page(&after));
+            }
             let body: PageBody = response
                 .json()
                 .await
                 .map_err(|e| FetchError::Other(Box::new(e)))?;
             Ok(Page {
-                events: body
-                    .events
-                    .into_iter()
-                    .map(|e| PagedEvent {
-                        id: e.id,
-                        position: PagePosition::from_u64(e.position),
-                        payload: Bytes::from(e.payload),
-                        timestamp: e
-                            .timestamp_ms
-                            .map(|ms| UNIX_EPOCH + Duration::from_millis(ms)),
-                        key: e.key,
-                    })
-                    .collect(),
+                events: body.events.into_iter().map(paged_event).collect(),
                 next: body.next.map(Cursor::new),
+                watermark: None,
             })
         })
+    }
+
+    fn poll_after(&self, _partition: &str, after: Option<i64>) -> Option<Cursor> {
+        Some(
+            AfterQuery {
+                after,
+                offset: 0,
+                snapshot: None,
+            }
+            .cursor(),
+        )
     }
 }

@@ -8,6 +8,10 @@
 //! - throttling;
 //! - events added while a traversal runs.
 //!
+//! It also serves partitions by timestamp (seed 000), with offset pages over the events strictly
+//! after a timestamp: [`Ties`] says whether tied events keep their order between requests, and
+//! [`EventApi::snapshots`] makes each poll's pages read one snapshot.
+//!
 //! In memory it is a [`PagedSource`] itself. [`EventApi::serve`] puts it behind a real HTTP server,
 //! and [`HttpEvents`](super::HttpEvents) reads that server.
 
@@ -39,6 +43,100 @@ pub enum Script {
     LoseResponse,
     /// The fetch is throttled.
     Throttle,
+}
+
+/// How events that share a timestamp are ordered in offset pages by timestamp.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Ties {
+    /// By identity, the same on every request.
+    #[default]
+    Stable,
+    /// Each request rotates every tie group by one more place (seed 000: A, B, C, then C, A, B):
+    /// an unchanged set whose offset pages can skip an event.
+    Rotate,
+}
+
+/// One request of an offset page by timestamp, as the source's cursor carries it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AfterQuery {
+    /// Events strictly after this timestamp (ms); `None`: all.
+    pub(crate) after: Option<i64>,
+    /// The page starts at this offset into them.
+    pub(crate) offset: usize,
+    /// The snapshot a poll reads, once its first page made one.
+    pub(crate) snapshot: Option<u64>,
+}
+
+impl AfterQuery {
+    /// The cursor: `after=T;offset=N;snapshot=S` (`-` for none).
+    pub(crate) fn cursor(&self) -> Cursor {
+        let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        Cursor::new(format!(
+            "after={};offset={};snapshot={}",
+            opt(self.after.map(|a| a.to_string())),
+            self.offset,
+            opt(self.snapshot.map(|s| s.to_string()))
+        ))
+    }
+
+    /// The query of a cursor made by [`cursor`](Self::cursor).
+    pub(crate) fn parse(cursor: &Cursor) -> Option<Self> {
+        let text = std::str::from_utf8(cursor.as_bytes()).ok()?;
+        let mut parts = text.split(';');
+        let mut field = |name: &str| {
+            parts
+                .next()?
+                .strip_prefix(name)?
+                .strip_prefix('=')
+                .map(str::to_string)
+        };
+        let after = field("after")?;
+        let offset = field("offset")?.parse().ok()?;
+        let snapshot = field("snapshot")?;
+        let opt =
+            |v: String| -> Option<Option<String>> { Some(if v == "-" { None } else { Some(v) }) };
+        Some(Self {
+            after: match opt(after)? {
+                None => None,
+                Some(a) => Some(a.parse().ok()?),
+            },
+            offset,
+            snapshot: match opt(snapshot)? {
+                None => None,
+                Some(s) => Some(s.parse().ok()?),
+            },
+        })
+    }
+}
+
+/// One offset page by timestamp.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct AfterPage {
+    pub(crate) events: Vec<PagedEvent>,
+    /// Where the next page starts; `None`: the poll's last page.
+    pub(crate) next_offset: Option<usize>,
+    /// The snapshot the next pages read.
+    pub(crate) snapshot: Option<u64>,
+    /// The partition's finality watermark, when one is set.
+    pub(crate) watermark: Option<i64>,
+}
+
+impl AfterPage {
+    pub(crate) fn page(self, query: &AfterQuery) -> Page {
+        Page {
+            events: self.events,
+            next: self.next_offset.map(|offset| {
+                AfterQuery {
+                    after: query.after,
+                    offset,
+                    snapshot: self.snapshot,
+                }
+                .cursor()
+            }),
+            watermark: self.watermark,
+        }
+    }
 }
 
 /// One event as the API stores it.
@@ -80,6 +178,13 @@ struct State {
     /// The last page served per partition: (first index, end index, the token it returned).
     last: BTreeMap<String, (usize, usize, String)>,
     fetches: u64,
+    ties: Ties,
+    snapshots_enabled: bool,
+    /// Snapshot id -> the events strictly after a poll's timestamp, in the order served.
+    snapshots: HashMap<u64, Vec<ScriptedEvent>>,
+    watermarks: BTreeMap<String, i64>,
+    /// The timestamp each poll by timestamp started after, per partition.
+    polls: BTreeMap<String, Vec<Option<i64>>>,
 }
 
 impl State {
@@ -214,6 +319,50 @@ impl EventApi {
         Cursor::new(self.state().mint(partition, index))
     }
 
+    /// How tied events are ordered in offset pages by timestamp (default [`Ties::Stable`]).
+    pub fn ties(self, ties: Ties) -> Self {
+        self.state().ties = ties;
+        self
+    }
+
+    /// Each poll by timestamp reads one snapshot, taken by its first page, whatever is added or
+    /// reordered while it pages (a stable-snapshot traversal).
+    pub fn snapshots(self, on: bool) -> Self {
+        self.state().snapshots_enabled = on;
+        self
+    }
+
+    /// Sets the finality watermark (ms) every page by timestamp of `partition` reports.
+    pub fn watermark(&self, partition: &str, watermark_ms: i64) {
+        self.state()
+            .watermarks
+            .insert(partition.to_string(), watermark_ms);
+    }
+
+    /// Appends an event of `partition` at the next position with this timestamp (ms) and identity.
+    pub fn push_at(&self, partition: &str, id: &str, timestamp_ms: i64, payload: impl Into<Bytes>) {
+        let mut state = self.state();
+        let events = state.partitions.entry(partition.to_string()).or_default();
+        let position = events.last().map_or(1, |e| e.position + 1);
+        events.push(ScriptedEvent {
+            id: id.to_string(),
+            position,
+            payload: payload.into(),
+            timestamp: Some(crate::time::from_millis(timestamp_ms)),
+            key: None,
+        });
+    }
+
+    /// Where each poll by timestamp of `partition` started: the `after` of every first page
+    /// requested, in order.
+    pub fn polls(&self, partition: &str) -> Vec<Option<i64>> {
+        self.state()
+            .polls
+            .get(partition)
+            .cloned()
+            .unwrap_or_default()
+    }
+
     /// Fetches served so far (lost answers and throttled ones included).
     pub fn fetches(&self) -> u64 {
         self.state().fetches
@@ -221,6 +370,88 @@ impl EventApi {
 
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// One offset page by timestamp, as the HTTP server serves it too.
+    pub(crate) fn serve_after(
+        &self,
+        partition: &str,
+        query: &AfterQuery,
+    ) -> Result<AfterPage, FetchError> {
+        let mut state = self.state();
+        state.fetches += 1;
+        let request = state.fetches;
+        if !state.partitions.contains_key(partition) {
+            return Err(FetchError::NotFound);
+        }
+        let script = state
+            .scripts
+            .get_mut(partition)
+            .and_then(VecDeque::pop_front);
+        match script {
+            Some(Script::Throttle) => return Err(FetchError::Throttled),
+            Some(Script::LoseResponse) => {
+                return Err(FetchError::Other(
+                    "the answer was lost after it was served".into(),
+                ));
+            }
+            _ => {}
+        }
+        if query.offset == 0 && query.snapshot.is_none() {
+            state
+                .polls
+                .entry(partition.to_string())
+                .or_default()
+                .push(query.after);
+        }
+        let ms = |e: &ScriptedEvent| e.timestamp.map_or(i64::MIN, crate::time::millis);
+        let snapshot = match query.snapshot {
+            Some(id) => match state.snapshots.get(&id) {
+                Some(events) => Some((id, events.clone())),
+                None => {
+                    return Err(FetchError::InvalidCursor(
+                        format!("no snapshot {id}").into(),
+                    ));
+                }
+            },
+            None => None,
+        };
+        let (snapshot, events) = match snapshot {
+            Some((id, events)) => (Some(id), events),
+            None => {
+                let mut events: Vec<ScriptedEvent> = state.partitions[partition]
+                    .iter()
+                    .filter(|e| query.after.is_none_or(|after| ms(e) > after))
+                    .cloned()
+                    .collect();
+                events.sort_by(|a, b| (ms(a), &a.id).cmp(&(ms(b), &b.id)));
+                if state.ties == Ties::Rotate {
+                    let shift = (request - 1) as usize;
+                    for group in events.chunk_by_mut(|a, b| ms(a) == ms(b)) {
+                        let len = group.len();
+                        group.rotate_right(shift % len);
+                    }
+                }
+                if state.snapshots_enabled {
+                    let id = request;
+                    state.snapshots.insert(id, events.clone());
+                    (Some(id), events)
+                } else {
+                    (None, events)
+                }
+            }
+        };
+        let start = query.offset.min(events.len());
+        let end = (start + state.page_size).min(events.len());
+        Ok(AfterPage {
+            events: events[start..end]
+                .iter()
+                .map(ScriptedEvent::paged)
+                .collect(),
+            next_offset: (end < events.len()).then_some(end),
+            snapshot,
+            watermark: state.watermarks.get(partition).copied(),
+        })
     }
 
     /// One fetch, as the HTTP server serves it too.
@@ -257,6 +488,7 @@ impl EventApi {
                 return Ok(Page {
                     events: Vec::new(),
                     next: Some(Cursor::new(token)),
+                    watermark: None,
                 });
             }
             Some(Script::Unchanged) => {
@@ -267,6 +499,7 @@ impl EventApi {
                 return Ok(Page {
                     events: Vec::new(),
                     next: Some(Cursor::new(token)),
+                    watermark: None,
                 });
             }
             // A replay is stale: it never serves a page from beyond the requested place (that
@@ -296,6 +529,7 @@ impl EventApi {
                     return Ok(Page {
                         events: Vec::new(),
                         next: cursor.map(|t| Cursor::new(t.to_string())),
+                        watermark: None,
                     });
                 }
                 let token = state.mint(partition, end);
@@ -317,6 +551,7 @@ impl EventApi {
         Ok(Page {
             events,
             next: Some(Cursor::new(token)),
+            watermark: None,
         })
     }
 }
@@ -340,15 +575,85 @@ impl PagedSource for EventApi {
         cursor: Option<&'a Cursor>,
     ) -> BoxFuture<'a, Result<Page, FetchError>> {
         Box::pin(async move {
+            if let Some(query) = cursor.and_then(AfterQuery::parse) {
+                return Ok(self.serve_after(partition, &query)?.page(&query));
+            }
             let token = cursor.map(|c| String::from_utf8_lossy(c.as_bytes()).into_owned());
             self.serve_fetch(partition, token.as_deref())
         })
+    }
+
+    fn poll_after(&self, _partition: &str, after: Option<i64>) -> Option<Cursor> {
+        Some(
+            AfterQuery {
+                after,
+                offset: 0,
+                snapshot: None,
+            }
+            .cursor(),
+        )
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn names(page: &Page) -> Vec<&str> {
+        page.events.iter().map(|e| e.id.as_str()).collect()
+    }
+
+    /// Seed 000's counterexample, served: A, B, C at 10:01 and D at 10:02, pages of two. With
+    /// rotating ties, the second request sees C, A, B, D and offset two returns B and D: C is never
+    /// served. A snapshot per poll serves every event.
+    #[tokio::test]
+    async fn rotating_ties_skip_an_event_unless_the_poll_reads_a_snapshot() {
+        let (t1, t2) = (36_060_000, 36_120_000);
+        let fill = |api: &EventApi| {
+            for (id, t) in [("A", t1), ("B", t1), ("C", t1), ("D", t2)] {
+                api.push_at("p", id, t, id);
+            }
+        };
+        let poll = |api: &EventApi| {
+            let api = api.clone();
+            async move {
+                let mut cursor = api.poll_after("p", Some(36_000_000)).unwrap();
+                let mut seen = Vec::new();
+                loop {
+                    let page = api.fetch("p", Some(&cursor)).await.unwrap();
+                    seen.extend(names(&page).into_iter().map(str::to_string));
+                    match page.next {
+                        Some(next) => cursor = next,
+                        None => return seen,
+                    }
+                }
+            }
+        };
+        let rotating = EventApi::new("e").page_size(2).ties(Ties::Rotate);
+        fill(&rotating);
+        assert_eq!(poll(&rotating).await, ["A", "B", "B", "D"], "C is skipped");
+        let snapshot = EventApi::new("e")
+            .page_size(2)
+            .ties(Ties::Rotate)
+            .snapshots(true);
+        fill(&snapshot);
+        assert_eq!(poll(&snapshot).await, ["A", "B", "C", "D"]);
+        let stable = EventApi::new("e").page_size(2);
+        fill(&stable);
+        assert_eq!(poll(&stable).await, ["A", "B", "C", "D"]);
+        let after_10_01 = stable.poll_after("p", Some(t1)).unwrap();
+        let page = stable.fetch("p", Some(&after_10_01)).await.unwrap();
+        assert_eq!(
+            (names(&page), &page.next),
+            (vec!["D"], &None),
+            "strictly after"
+        );
+        assert_eq!(
+            AfterQuery::parse(&after_10_01).unwrap().after,
+            Some(t1),
+            "the cursor carries its query"
+        );
+    }
 
     fn ids(page: &Page) -> Vec<u64> {
         page.events

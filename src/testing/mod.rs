@@ -20,7 +20,7 @@ mod stream;
 
 pub use crash::{Crash, CrashPoint, When};
 pub use event_server::{EventServer, HttpEvents};
-pub use events::{EventApi, Script, ScriptedEvent};
+pub use events::{EventApi, Script, ScriptedEvent, Ties};
 pub use faults::{Fault, Faults};
 pub use stream::{MemoryStream, MemoryStreams, StoredRecord};
 

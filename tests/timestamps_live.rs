@@ -1,0 +1,890 @@
+//! Sources read by timestamp, live: the scripted event API's offset pages by timestamp behind its
+//! real HTTP server, read by the consumer through `HttpEvents`, with the lease table and the
+//! receipt ledger on the DynamoDB emulator.
+//!
+//! Seed 000's validation list, executed: the retry example (closed through 10:00; A and B at
+//! 10:01, crash; C at 10:01 and D at 10:02); a tie group larger than a page; tie order changing
+//! between offset requests over an unchanged set (refused, replayed, or read through a snapshot);
+//! a crash before and after each receipt and before and after the close; concurrent stale
+//! retries; a lost close answer; a late event at the closed timestamp, and one within a lateness
+//! bound. A watcher checks the row throughout: `closedThrough` and the version never go down, and
+//! every event at or before `closedThrough` has a terminal receipt whenever the row is read.
+
+#[path = "support/recorder.rs"]
+mod recorder;
+mod support;
+#[path = "support/tables.rs"]
+mod tables;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use shardwise::lease::{Checkpoint, LeaseSettings, LeaseStore, NewLease};
+use shardwise::paged::{Contract, Finality, PagedProgress, Timestamps, Traversal};
+use shardwise::receipts::{Disposition, Effect, EventId, ReceiptStore, key};
+use shardwise::testing::{Crash, CrashPoint, EventApi, EventServer, HttpEvents, Ties, When};
+use shardwise::{Consumer, ConsumerBuilder, Delivery, Outcome, Unproven};
+use tables::Tables;
+
+const APP: &str = "timestamps-live";
+const T10_00: i64 = 1_796_119_200_000;
+const T10_01: i64 = T10_00 + 60_000;
+const T10_02: i64 = T10_00 + 120_000;
+const T10_03: i64 = T10_00 + 180_000;
+
+/// The metrics of this test binary (sources have unique names, so each test reads its own).
+fn metrics() -> &'static recorder::Metrics {
+    static METRICS: OnceLock<&'static recorder::Metrics> = OnceLock::new();
+    METRICS.get_or_init(|| {
+        let metrics: &'static recorder::Metrics = Box::leak(Box::default());
+        let _ = metrics::set_global_recorder(metrics);
+        metrics
+    })
+}
+
+fn counter(name: &str, source: &str) -> u64 {
+    metrics().counter(name, source).unwrap_or(0)
+}
+
+fn contracts(traversal: Traversal, finality: Finality) -> Contract {
+    Contract::default().timestamps(Timestamps::new(traversal, finality))
+}
+
+/// A source of `events` (id, timestamp) on partition `p`, pages of `page`, served over HTTP.
+async fn serve(
+    name: &str,
+    page: usize,
+    api: impl FnOnce(EventApi) -> EventApi,
+    contract: Contract,
+    events: &[(&str, i64)],
+) -> (EventApi, EventServer, HttpEvents) {
+    let api = api(EventApi::new(name.to_string())
+        .page_size(page)
+        .contract(contract));
+    for (id, t) in events {
+        api.push_at("p", id, *t, id.to_string());
+    }
+    let server = api.serve("127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let source = HttpEvents::new(name.to_string(), server.url()).contract(contract);
+    (api, server, source)
+}
+
+fn id_of(d: &Delivery) -> String {
+    d.event_id()
+        .as_str()
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// Every handler call, by event id.
+#[derive(Debug, Default, Clone)]
+struct Calls(Arc<Mutex<Vec<String>>>);
+
+impl Calls {
+    fn count(&self, id: &str) -> usize {
+        self.0.lock().unwrap().iter().filter(|i| *i == id).count()
+    }
+}
+
+/// Each event adds 1 to its counter, with its receipt; `slow` events take 300 ms, `gate` holds
+/// the events it names until it opens.
+fn counting(
+    tables: &Tables,
+    case: &str,
+    calls: &Calls,
+    slow: &'static [&'static str],
+    gate: Option<(&'static str, tokio::sync::watch::Receiver<bool>)>,
+) -> impl shardwise::Handler {
+    let (counts, case, calls) = (tables.counts.clone(), case.to_string(), calls.clone());
+    move |d: Delivery| {
+        let (counts, case, calls, gate) =
+            (counts.clone(), case.clone(), calls.clone(), gate.clone());
+        async move {
+            let id = id_of(&d);
+            calls.0.lock().unwrap().push(id.clone());
+            if let Some((gated, mut open)) = gate
+                && gated == id
+            {
+                let _ = open.wait_for(|o| *o).await;
+            }
+            let pause = if slow.contains(&id.as_str()) { 300 } else { 10 };
+            tokio::time::sleep(Duration::from_millis(pause)).await;
+            Outcome::Apply(
+                Effect::update(&counts, key("id", format!("{case}/{id}")))
+                    .add("count", 1)
+                    .into(),
+            )
+        }
+    }
+}
+
+fn builder<H: shardwise::Handler>(
+    source: &HttpEvents,
+    tables: &Tables,
+    worker: &str,
+    handler: H,
+) -> ConsumerBuilder<H> {
+    metrics();
+    Consumer::paged(Arc::new(source.clone()), APP, handler)
+        .worker_id(worker)
+        .lanes(1)
+        .poll_interval(Duration::from_millis(200))
+        .checkpoint_interval(Duration::from_millis(20))
+        .lease_settings(
+            LeaseSettings::default()
+                .lease_duration(Duration::from_millis(2_000))
+                .scan_interval(Duration::from_millis(200)),
+        )
+        .lease_store(tables.leases.clone())
+        .receipts(tables.receipts.clone())
+}
+
+async fn wait_for<F: Future<Output = bool>>(
+    what: &str,
+    limit: Duration,
+    mut done: impl FnMut() -> F,
+) {
+    let deadline = Instant::now() + limit;
+    while !done().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+async fn closed(tables: &Tables, source: &str) -> Option<i64> {
+    tables.progress(source, "p").await.closed_through
+}
+
+async fn wait_closed(tables: &Tables, source: &str, through: i64) {
+    wait_for(
+        &format!("{source}: closed through {through}"),
+        Duration::from_secs(30),
+        || async move { closed(tables, source).await == Some(through) },
+    )
+    .await;
+}
+
+/// The partition's row starts closed through `through` (a setup owner writes it and lets go).
+async fn start_closed(tables: &Tables, source: &str, through: i64) {
+    let new = NewLease {
+        stream: source.into(),
+        shard_id: "p".into(),
+        checkpoint: Checkpoint::TrimHorizon,
+        parents: vec![],
+    };
+    assert!(tables.leases.create(&new).await.unwrap());
+    let seen = tables.leases.get(source, "p").await.unwrap().unwrap();
+    let mine = tables.leases.take(&seen, "setup").await.unwrap().unwrap();
+    let held = mine.ownership().unwrap();
+    let to = PagedProgress {
+        closed_through: Some(through),
+        checkpoint_version: 1,
+        ..PagedProgress::default()
+    };
+    let written = tables
+        .leases
+        .paged_checkpoint(&held, &PagedProgress::default(), &to)
+        .await
+        .unwrap();
+    assert_eq!(written, shardwise::lease::CheckpointWrite::Written);
+    assert!(tables.leases.release(&held).await.unwrap());
+}
+
+/// Watches the row while a case runs: `closedThrough` and the version never go down, and every
+/// event of `api` at or before `closedThrough` (and after `from`) has a terminal receipt when the
+/// row is read. Returns the reads made.
+fn watch(
+    tables: Arc<Tables>,
+    api: EventApi,
+    source: String,
+    from: Option<i64>,
+) -> (tokio::task::JoinHandle<u32>, Arc<AtomicBool>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let stopped = stop.clone();
+    let handle = tokio::spawn(async move {
+        let (mut last, mut reads) = (PagedProgress::default(), 0);
+        let mut checked = BTreeSet::new();
+        while !stopped.load(Ordering::SeqCst) {
+            let now = tables.progress(&source, "p").await;
+            assert!(
+                now.closed_through >= last.closed_through,
+                "{source}: closed_through went down: {last:?} then {now:?}"
+            );
+            assert!(
+                now.checkpoint_version >= last.checkpoint_version,
+                "{source}: the version went down: {last:?} then {now:?}"
+            );
+            if let Some(through) = now.closed_through {
+                for event in api.events("p") {
+                    let t = event.timestamp.map(shardwise_ms).unwrap();
+                    if t > through || from.is_some_and(|f| t <= f) || checked.contains(&event.id) {
+                        continue;
+                    }
+                    let id = EventId::paged(&source, "p", &event.id);
+                    assert!(
+                        tables.receipts.seen(&id).await.unwrap(),
+                        "{source}: closed through {through} passes {} at {t}, which has no durable outcome",
+                        event.id
+                    );
+                    checked.insert(event.id);
+                }
+            }
+            last = now;
+            reads += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        reads
+    });
+    (handle, stop)
+}
+
+fn shardwise_ms(t: std::time::SystemTime) -> i64 {
+    t.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64
+}
+
+async fn assert_counted_once(tables: &Tables, case: &str, ids: &[&str], calls: &Calls) {
+    for id in ids {
+        assert_eq!(
+            tables.count(&format!("{case}/{id}")).await,
+            Some(1),
+            "{case}: {id}'s effect (handled {} times)",
+            calls.count(id)
+        );
+    }
+}
+
+/// Seed 000's retry example, executed with its names: closed through 10:00; one page holds A and B
+/// at 10:01, the next C at 10:01 and D at 10:02. A worker durably handles A and B, then crashes
+/// (after B's receipt, with C in its handler). The retry queries after 10:00, finds A and B by
+/// their receipts (their effects are not applied again), handles C, and closes through 10:01 only
+/// once C is durable. The next query, after 10:01, still includes D, which stays open: nothing
+/// later proves 10:02 complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retry_example_closed_through_10_00_a_b_crash_c_d() {
+    let live = live_or_skip!();
+    let tables = Arc::new(Tables::new(live, APP).await);
+    let name = support::unique_name("retry-example");
+    let (api, _server, source) = serve(
+        &name,
+        2,
+        |api| api,
+        contracts(Traversal::Complete, Finality::LaterTimestamp),
+        &[
+            ("Z", T10_00),
+            ("A", T10_01),
+            ("B", T10_01),
+            ("C", T10_01),
+            ("D", T10_02),
+        ],
+    )
+    .await;
+    start_closed(&tables, &name, T10_00).await;
+    let (watcher, stop) = watch(tables.clone(), api.clone(), name.clone(), Some(T10_00));
+    let calls = Calls::default();
+    let crash = Crash::on_event(
+        CrashPoint::Commit,
+        EventId::paged(&name, "p", "B"),
+        When::After,
+    );
+    let first = builder(
+        &source,
+        &tables,
+        "w1",
+        counting(&tables, &name, &calls, &["C"], None),
+    )
+    .lease_store(crash.leases(tables.leases.clone()))
+    .receipts(crash.receipts(tables.receipts.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(30), crash.wait())
+        .await
+        .expect("the worker reached B's receipt");
+    first.abort();
+    assert_eq!(
+        closed(&tables, &name).await,
+        Some(T10_00),
+        "nothing closed before the crash"
+    );
+    assert_eq!(
+        api.polls("p").first(),
+        Some(&Some(T10_00)),
+        "queries strictly after 10:00"
+    );
+
+    let second = builder(
+        &source,
+        &tables,
+        "w2",
+        counting(&tables, &name, &calls, &[], None),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_closed(&tables, &name, T10_01).await;
+    let polls_at_close = api.polls("p").len();
+    wait_for("two more polls", Duration::from_secs(10), || {
+        let api = api.clone();
+        async move { api.polls("p").len() >= polls_at_close + 2 }
+    })
+    .await;
+    second.shutdown(Duration::from_secs(5)).await;
+    stop.store(true, Ordering::SeqCst);
+    assert!(watcher.await.expect("the watcher's checks held") >= 1);
+
+    assert_eq!(
+        closed(&tables, &name).await,
+        Some(T10_01),
+        "10:02 stays open: nothing later was seen"
+    );
+    // The next queries are strictly after 10:01, so they still include D (every tenth poll is
+    // an audit a minute further back, for late events).
+    let after_close = &api.polls("p")[polls_at_close..];
+    assert!(after_close.contains(&Some(T10_01)), "{after_close:?}");
+    assert!(
+        after_close
+            .iter()
+            .all(|a| *a == Some(T10_01) || *a == Some(T10_01 - 60_000)),
+        "{after_close:?}"
+    );
+    assert_eq!(calls.count("Z"), 0, "10:00 was closed: Z is never read");
+    assert_counted_once(&tables, &name, &["A", "B", "C", "D"], &calls).await;
+    assert!(
+        counter("shardwise_paged_replays_total", &name) >= 2,
+        "D's replays are counted"
+    );
+    Arc::into_inner(tables).unwrap().drop_all().await;
+}
+
+/// A tie group larger than a page (seven events at 10:01, pages of two): every page boundary
+/// inside it proves nothing, and a quiet newest group stays open however many polls read it
+/// again; an event at 10:02 closes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tie_group_larger_than_a_page_closes_only_after_a_later_timestamp() {
+    let live = live_or_skip!();
+    let tables = Tables::new(live, APP).await;
+    let name = support::unique_name("big-tie");
+    let ids = ["a", "b", "c", "d", "e", "f", "g"];
+    let events: Vec<(&str, i64)> = ids.iter().map(|id| (*id, T10_01)).collect();
+    let (api, _server, source) = serve(
+        &name,
+        2,
+        |api| api,
+        contracts(Traversal::Complete, Finality::LaterTimestamp),
+        &events,
+    )
+    .await;
+    let calls = Calls::default();
+    let running = builder(
+        &source,
+        &tables,
+        "w1",
+        counting(&tables, &name, &calls, &[], None),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("every tied event handled", Duration::from_secs(20), || {
+        let calls = calls.clone();
+        async move { ids.iter().all(|id| calls.count(id) == 1) }
+    })
+    .await;
+    let polls = api.polls("p").len();
+    wait_for("three more polls", Duration::from_secs(10), || {
+        let api = api.clone();
+        async move { api.polls("p").len() >= polls + 3 }
+    })
+    .await;
+    assert_eq!(
+        closed(&tables, &name).await,
+        None,
+        "the group is still open"
+    );
+    assert!(counter("shardwise_paged_replays_total", &name) >= 7 * 3);
+    api.push_at("p", "h", T10_02, "h");
+    wait_closed(&tables, &name, T10_01).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_counted_once(&tables, &name, &ids, &calls).await;
+    assert_eq!(calls.count("h"), 1);
+    tables.drop_all().await;
+}
+
+/// Seed 000's counterexample: A, B, C at 10:01 and D at 10:02, pages of two, and a tie order
+/// that changes between offset requests over the unchanged set (the second request sees C, A,
+/// B, D: offset two returns B and D). Declared without a complete traversal, the source is
+/// refused by default; read anyway (`Unproven::Replay`), nothing is ever closed and C is found by
+/// a later poll; read through one snapshot per poll, C is read by the first poll and 10:01
+/// closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tie_order_that_changes_between_offset_requests_never_skips_c() {
+    let events = [("A", T10_01), ("B", T10_01), ("C", T10_01), ("D", T10_02)];
+    let unproven = contracts(Traversal::Unproven, Finality::LaterTimestamp);
+    let refused = Consumer::paged(
+        Arc::new(EventApi::new("rotating").contract(unproven)),
+        APP,
+        |_: Delivery| async { Outcome::Ack },
+    )
+    .build()
+    .map(|_| ())
+    .expect_err("a source without a complete traversal is refused by default");
+    let said = refused.to_string();
+    assert!(
+        said.contains("traversal Unproven") && said.contains("Unproven::Replay"),
+        "{said}"
+    );
+
+    let live = live_or_skip!();
+    let tables = Tables::new(live, APP).await;
+    // Read anyway: every poll starts after nothing, and C comes in a later poll.
+    let name = support::unique_name("rotating-replay");
+    let (api, _server, source) =
+        serve(&name, 2, |api| api.ties(Ties::Rotate), unproven, &events).await;
+    let calls = Calls::default();
+    let running = builder(
+        &source,
+        &tables,
+        "w1",
+        counting(&tables, &name, &calls, &[], None),
+    )
+    .unproven(Unproven::Replay)
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("C handled", Duration::from_secs(20), || {
+        let calls = calls.clone();
+        async move { calls.count("C") == 1 }
+    })
+    .await;
+    let polls = api.polls("p").len();
+    wait_for("two more polls", Duration::from_secs(10), || {
+        let api = api.clone();
+        async move { api.polls("p").len() >= polls + 2 }
+    })
+    .await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert!(polls >= 2, "the first poll skipped C: {polls} polls");
+    assert_eq!(closed(&tables, &name).await, None, "nothing is ever closed");
+    assert!(api.polls("p").iter().all(Option::is_none));
+    assert_counted_once(&tables, &name, &["A", "B", "C", "D"], &calls).await;
+
+    // A snapshot per poll: the same rotating ties, a complete traversal.
+    let name = support::unique_name("rotating-snapshot");
+    let (api, _server, source) = serve(
+        &name,
+        2,
+        |api| api.ties(Ties::Rotate).snapshots(true),
+        contracts(Traversal::Complete, Finality::LaterTimestamp),
+        &events,
+    )
+    .await;
+    let calls = Calls::default();
+    let running = builder(
+        &source,
+        &tables,
+        "w1",
+        counting(&tables, &name, &calls, &[], None),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_closed(&tables, &name, T10_01).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_counted_once(&tables, &name, &["A", "B", "C", "D"], &calls).await;
+    assert_eq!(api.polls("p")[0], None);
+    tables.drop_all().await;
+}
+
+/// The events of the crash cases: three at 10:01 (a page and a half), two at 10:02, one at
+/// 10:03; pages of two.
+const CRASH_EVENTS: [(&str, i64); 6] = [
+    ("A", T10_01),
+    ("B", T10_01),
+    ("C", T10_01),
+    ("D", T10_02),
+    ("E", T10_02),
+    ("F", T10_03),
+];
+
+/// Where a crash case dies.
+#[derive(Debug, Clone, Copy)]
+enum CrashAt {
+    /// At the commit of this event's effect with its receipt.
+    Receipt(&'static str, When),
+    /// At the nth close (a write that raises the version).
+    Close(u32, When),
+}
+
+/// One crash case on its own source: the first worker dies at `crash`, the row is checked as it
+/// left it, a second worker closes through 10:02. Every effect counts once.
+async fn crash_case(tables: Arc<Tables>, label: String, at: CrashAt) -> String {
+    let name = support::unique_name(&label);
+    let crash = match at {
+        CrashAt::Receipt(id, when) => {
+            Crash::on_event(CrashPoint::Commit, EventId::paged(&name, "p", id), when)
+        }
+        CrashAt::Close(nth, when) => Crash::at(CrashPoint::Barrier, nth, when),
+    };
+    let (api, _server, source) = serve(
+        &name,
+        2,
+        |api| api,
+        contracts(Traversal::Complete, Finality::LaterTimestamp),
+        &CRASH_EVENTS,
+    )
+    .await;
+    let (watcher, stop) = watch(tables.clone(), api.clone(), name.clone(), None);
+    let calls = Calls::default();
+    let first = builder(
+        &source,
+        &tables,
+        "w1",
+        counting(&tables, &name, &calls, &["B", "E"], None),
+    )
+    .lease_store(crash.leases(tables.leases.clone()))
+    .receipts(crash.receipts(tables.receipts.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(30), crash.wait())
+        .await
+        .unwrap_or_else(|_| panic!("{name}: the crash point was never reached"));
+    first.abort();
+    let second = builder(
+        &source,
+        &tables,
+        "w2",
+        counting(&tables, &name, &calls, &[], None),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_closed(&tables, &name, T10_02).await;
+    second.shutdown(Duration::from_secs(5)).await;
+    stop.store(true, Ordering::SeqCst);
+    assert!(watcher.await.expect("the watcher's checks held") >= 1);
+    assert_counted_once(&tables, &name, &["A", "B", "C", "D", "E", "F"], &calls).await;
+    name
+}
+
+/// A crash before and after each receipt (the commit of each event's effect), and before and
+/// after each close: nothing is skipped, nothing applied twice, `closedThrough` never passes an
+/// event without a durable outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_and_after_each_receipt_and_each_close_loses_nothing() {
+    let live = live_or_skip!();
+    let tables = Arc::new(Tables::new(live, APP).await);
+    let mut cases = Vec::new();
+    for (id, _) in CRASH_EVENTS {
+        for when in [When::Before, When::After] {
+            cases.push((
+                format!("receipt-{id}-{when:?}").to_lowercase(),
+                CrashAt::Receipt(id, when),
+            ));
+        }
+    }
+    // The closes through 10:01 and 10:02 (a close is a write that raises the version).
+    for nth in [1, 2] {
+        for when in [When::Before, When::After] {
+            cases.push((
+                format!("close-{nth}-{when:?}").to_lowercase(),
+                CrashAt::Close(nth, when),
+            ));
+        }
+    }
+    let total = cases.len();
+    let done: Vec<String> = futures::stream::iter(cases)
+        .map(|(label, at)| crash_case(tables.clone(), label, at))
+        .buffer_unordered(4)
+        .collect()
+        .await;
+    assert_eq!(done.len(), total);
+    Arc::into_inner(tables).unwrap().drop_all().await;
+}
+
+/// A close whose answer is lost (it was stored): the worker rereads the row, finds its close, and
+/// goes on to the next one from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_close_answer_is_found_stored_and_the_partition_goes_on() {
+    let live = live_or_skip!();
+    let tables = Tables::new(live, APP).await;
+    let name = support::unique_name("lost-close");
+    let (_api, _server, source) = serve(
+        &name,
+        2,
+        |api| api,
+        contracts(Traversal::Complete, Finality::LaterTimestamp),
+        &CRASH_EVENTS,
+    )
+    .await;
+    let crash = Crash::at(CrashPoint::Barrier, 1, When::LoseAnswer);
+    let calls = Calls::default();
+    let running = builder(
+        &source,
+        &tables,
+        "w1",
+        counting(&tables, &name, &calls, &[], None),
+    )
+    .lease_store(crash.leases(tables.leases.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_closed(&tables, &name, T10_02).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert!(!crash.crashed());
+    let row = tables.leases.get(&name, "p").await.unwrap().unwrap();
+    assert_eq!(
+        row.owner, None,
+        "the worker kept its lease and released it at shutdown"
+    );
+    for (id, _) in CRASH_EVENTS {
+        assert_eq!(calls.count(id), 1, "{id} handled once");
+    }
+    tables.drop_all().await;
+}
+
+/// Concurrent stale retries: while a worker's attempt is busy with 10:01, another attempt under
+/// the same lease closes through 10:01 first. The worker's close (through 10:02, from the old
+/// version) loses its compare-and-swap, rereads the row, and stops without writing; the next
+/// attempt goes on from 10:01. A retry from an even older version loses too. `closedThrough`
+/// never goes down and is never replaced by a stale value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_stale_retries_never_lower_or_replace_closed_through() {
+    let live = live_or_skip!();
+    let tables = Arc::new(Tables::new(live, APP).await);
+    let name = support::unique_name("stale-close");
+    let (api, _server, source) = serve(
+        &name,
+        10,
+        |api| api,
+        contracts(Traversal::Complete, Finality::LaterTimestamp),
+        &[("A", T10_01), ("B", T10_02), ("C", T10_03)],
+    )
+    .await;
+    let (watcher, stop) = watch(tables.clone(), api.clone(), name.clone(), None);
+    let (open, opened) = tokio::sync::watch::channel(false);
+    let calls = Calls::default();
+    let running = builder(
+        &source,
+        &tables,
+        "w1",
+        counting(&tables, &name, &calls, &[], Some(("A", opened))),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("A handed out", Duration::from_secs(20), || {
+        let calls = calls.clone();
+        async move { calls.count("A") == 1 }
+    })
+    .await;
+    // The other attempt: same lease, same version; A's receipt is written as it would have
+    // written it, then it closes through 10:01.
+    let row = tables.leases.get(&name, "p").await.unwrap().unwrap();
+    let ownership = row.ownership().unwrap();
+    let stale = row.progress.clone().unwrap_or_default();
+    let receipt = EventId::paged(&name, "p", "A");
+    tables
+        .receipts
+        .record(&receipt, &Disposition::Applied, "other")
+        .await
+        .unwrap();
+    let theirs = PagedProgress {
+        closed_through: Some(T10_01),
+        checkpoint_version: stale.checkpoint_version + 1,
+        ..stale.clone()
+    };
+    assert_eq!(
+        tables
+            .leases
+            .paged_checkpoint(&ownership, &stale, &theirs)
+            .await
+            .unwrap(),
+        shardwise::lease::CheckpointWrite::Written
+    );
+    open.send(true).unwrap();
+    wait_closed(&tables, &name, T10_02).await;
+    // A retry from the oldest version loses and changes nothing.
+    let now = tables.progress(&name, "p").await;
+    let holder = tables
+        .leases
+        .get(&name, "p")
+        .await
+        .unwrap()
+        .unwrap()
+        .ownership()
+        .unwrap();
+    let older = PagedProgress {
+        closed_through: Some(T10_03),
+        checkpoint_version: stale.checkpoint_version + 1,
+        ..stale.clone()
+    };
+    assert_eq!(
+        tables
+            .leases
+            .paged_checkpoint(&holder, &stale, &older)
+            .await
+            .unwrap(),
+        shardwise::lease::CheckpointWrite::NotNewer
+    );
+    assert_eq!(tables.progress(&name, "p").await, now);
+    running.shutdown(Duration::from_secs(5)).await;
+    stop.store(true, Ordering::SeqCst);
+    assert!(watcher.await.expect("the watcher's checks held") >= 1);
+    assert!(now.checkpoint_version > theirs.checkpoint_version);
+    // A's receipt was the other attempt's; B and C were applied once, whichever attempt ran them.
+    assert_counted_once(&tables, &name, &["B", "C"], &calls).await;
+    Arc::into_inner(tables).unwrap().drop_all().await;
+}
+
+/// A late event at the closed timestamp: under a contract that promised none (a later timestamp
+/// proves earlier ones final), it is detected, counted and handled (no receipt has its identity),
+/// and `closedThrough` stays. Within a declared lateness bound, the group is not closed until the
+/// bound has passed, so an event that arrives late within it is an ordinary new event. With a
+/// finality watermark, a group closes once the watermark reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_event_at_the_closed_timestamp_is_counted_or_kept_open_by_the_bound() {
+    let live = live_or_skip!();
+    let tables = Tables::new(live, APP).await;
+
+    let name = support::unique_name("late-broken");
+    let (api, _server, source) = serve(
+        &name,
+        10,
+        |api| api,
+        contracts(Traversal::Complete, Finality::LaterTimestamp),
+        &[("A", T10_01), ("D", T10_02)],
+    )
+    .await;
+    let calls = Calls::default();
+    let running = builder(
+        &source,
+        &tables,
+        "w1",
+        counting(&tables, &name, &calls, &[], None),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_closed(&tables, &name, T10_01).await;
+    api.push_at("p", "E", T10_01, "late");
+    wait_for("the late E handled", Duration::from_secs(20), || {
+        let calls = calls.clone();
+        async move { calls.count("E") == 1 }
+    })
+    .await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(counter("shardwise_paged_late_events_total", &name), 1);
+    assert_eq!(closed(&tables, &name).await, Some(T10_01));
+    assert_counted_once(&tables, &name, &["A", "D", "E"], &calls).await;
+
+    // A lateness bound of 3 s on the wall clock.
+    let name = support::unique_name("late-bound");
+    let t0 = shardwise_ms(std::time::SystemTime::now());
+    let (api, _server, source) = serve(
+        &name,
+        10,
+        |api| api,
+        contracts(
+            Traversal::Complete,
+            Finality::Lateness(Duration::from_secs(3)),
+        ),
+        &[("A", t0)],
+    )
+    .await;
+    let calls = Calls::default();
+    let running = builder(
+        &source,
+        &tables,
+        "w1",
+        counting(&tables, &name, &calls, &[], None),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("A handled", Duration::from_secs(20), || {
+        let calls = calls.clone();
+        async move { calls.count("A") == 1 }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let early = closed(&tables, &name).await;
+    assert!(
+        early.is_none_or(|c| c < t0),
+        "closed through {early:?} within the bound of {t0}"
+    );
+    api.push_at("p", "E", t0, "late within the bound");
+    wait_closed_at_least(&tables, &name, t0).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert!(
+        shardwise_ms(std::time::SystemTime::now()) >= t0 + 3_000,
+        "closed only after the bound"
+    );
+    assert_eq!(counter("shardwise_paged_late_events_total", &name), 0);
+    assert_counted_once(&tables, &name, &["A", "E"], &calls).await;
+
+    // A finality watermark.
+    let name = support::unique_name("watermark");
+    let (api, _server, source) = serve(
+        &name,
+        10,
+        |api| api,
+        contracts(Traversal::Complete, Finality::Watermark),
+        &[("A", T10_01), ("B", T10_02)],
+    )
+    .await;
+    api.watermark("p", T10_01 - 1);
+    let calls = Calls::default();
+    let running = builder(
+        &source,
+        &tables,
+        "w1",
+        counting(&tables, &name, &calls, &[], None),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_closed(&tables, &name, T10_01 - 1).await;
+    api.watermark("p", T10_01 + 30_000);
+    wait_closed(&tables, &name, T10_01 + 30_000).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_counted_once(&tables, &name, &["A", "B"], &calls).await;
+    tables.drop_all().await;
+}
+
+async fn wait_closed_at_least(tables: &Tables, source: &str, through: i64) {
+    wait_for(
+        &format!("{source}: closed through {through} or later"),
+        Duration::from_secs(30),
+        || async move { closed(tables, source).await.is_some_and(|c| c >= through) },
+    )
+    .await;
+}
