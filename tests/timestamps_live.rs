@@ -10,6 +10,8 @@
 //! bound. A watcher checks the row throughout: `closedThrough` and the version never go down, and
 //! every event at or before `closedThrough` has a terminal receipt whenever the row is read.
 
+#[path = "support/logs.rs"]
+mod logs;
 #[path = "support/recorder.rs"]
 mod recorder;
 mod support;
@@ -22,8 +24,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use logs::{logs_client, put_logs};
 use shardwise::lease::{Checkpoint, LeaseSettings, LeaseStore, NewLease};
-use shardwise::paged::{Contract, Finality, PagedProgress, Timestamps, Traversal};
+use shardwise::paged::{Contract, Finality, PagedProgress, PagedSource, Timestamps, Traversal};
 use shardwise::receipts::{Disposition, Effect, EventId, ReceiptStore, key};
 use shardwise::testing::{Crash, CrashPoint, EventApi, EventServer, HttpEvents, Ties, When};
 use shardwise::{Consumer, ConsumerBuilder, Delivery, Outcome, Unproven};
@@ -887,4 +890,125 @@ async fn wait_closed_at_least(tables: &Tables, source: &str, through: i64) {
         || async move { closed(tables, source).await.is_some_and(|c| c >= through) },
     )
     .await;
+}
+
+/// A log group on moto read by timestamp with `FilterLogEvents`: two streams whose events share
+/// milliseconds (three per millisecond in each, and the same milliseconds in both), pages of 4,
+/// so ties cross page boundaries and streams. Every event is handled once, by its `eventId`;
+/// with a 2 s lateness bound the groups close once it has passed; events put
+/// after the close are read by the next polls; and an event put late, behind `closedThrough`, is
+/// found by the audit, handled and counted as late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_group_read_by_timestamp_with_filter_log_events_skips_nothing() {
+    let live = live_or_skip!();
+    let logs = logs_client().await;
+    let tables = Tables::new(live, APP).await;
+    let group = support::unique_name("/shardwise/by-time");
+    logs.create_log_group()
+        .log_group_name(&group)
+        .send()
+        .await
+        .unwrap();
+    for stream in ["web", "worker", "batch"] {
+        logs.create_log_stream()
+            .log_group_name(&group)
+            .log_stream_name(stream)
+            .send()
+            .await
+            .unwrap();
+    }
+    let base = shardwise_ms(std::time::SystemTime::now()) - 20_000;
+    put_logs(&logs, &group, "web", base, "w", 0..25).await;
+    put_logs(&logs, &group, "worker", base, "k", 0..25).await;
+    let source = shardwise::paged::CloudWatchLogsFilter::new(logs.clone(), &group)
+        .page_limit(4)
+        .lateness(Duration::from_secs(2));
+    let name = source.name().to_string();
+    let seen: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+    let handler = {
+        let seen = seen.clone();
+        move |d: Delivery| {
+            seen.lock()
+                .unwrap()
+                .push((id_of(&d), String::from_utf8_lossy(d.payload()).into_owned()));
+            async { Outcome::Ack }
+        }
+    };
+    metrics();
+    let running = Consumer::paged(Arc::new(source), APP, handler)
+        .worker_id("w1")
+        .lanes(2)
+        .poll_interval(Duration::from_millis(200))
+        .checkpoint_interval(Duration::from_millis(20))
+        .lease_store(tables.leases.clone())
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    let messages = |seen: &Arc<Mutex<Vec<(String, String)>>>| -> Vec<String> {
+        let mut m: Vec<String> = seen
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, m)| m.clone())
+            .collect();
+        m.sort();
+        m
+    };
+    let mut expected: Vec<String> = (0..25)
+        .flat_map(|i| [format!("w{i}"), format!("k{i}")])
+        .collect();
+    expected.sort();
+    wait_for("the 50 events", Duration::from_secs(20), || {
+        let seen = seen.clone();
+        let n = expected.len();
+        async move { seen.lock().unwrap().len() >= n }
+    })
+    .await;
+    let last = base + 24 / 3;
+    let closed_through = || async { tables.progress(&name, &group).await.closed_through };
+    wait_for(
+        "closed through the last put",
+        Duration::from_secs(30),
+        || async { closed_through().await.is_some_and(|c| c >= last) },
+    )
+    .await;
+    assert_eq!(messages(&seen), expected, "each event once");
+    let ids: BTreeSet<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(id, _)| id.clone())
+        .collect();
+    assert_eq!(ids.len(), 50, "50 distinct eventIds");
+
+    // New events after the close, and a late one behind it (in a third stream).
+    let now = shardwise_ms(std::time::SystemTime::now());
+    put_logs(&logs, &group, "web", now, "n", 0..4).await;
+    put_logs(&logs, &group, "batch", base + 1, "late", 0..1).await;
+    for m in ["n0", "n1", "n2", "n3", "late0"] {
+        expected.push(m.to_string());
+    }
+    expected.sort();
+    wait_for(
+        "the new events and the late one",
+        Duration::from_secs(20),
+        || {
+            let seen = seen.clone();
+            let n = expected.len();
+            async move { seen.lock().unwrap().len() >= n }
+        },
+    )
+    .await;
+    wait_for(
+        "closed through the new events",
+        Duration::from_secs(30),
+        || async { closed_through().await.is_some_and(|c| c >= now + 1) },
+    )
+    .await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(messages(&seen), expected, "each event once");
+    assert_eq!(counter("shardwise_paged_late_events_total", &name), 1);
+    tables.drop_all().await;
 }

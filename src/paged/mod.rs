@@ -16,6 +16,8 @@
 mod barrier;
 #[cfg(feature = "cloudwatch-logs")]
 mod cloudwatch;
+#[cfg(feature = "cloudwatch-logs")]
+mod cloudwatch_filter;
 mod groups;
 mod lister;
 mod order;
@@ -32,6 +34,8 @@ use crate::error::BoxError;
 pub(crate) use barrier::{Barrier, BarrierWrite};
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch::CloudWatchLogs;
+#[cfg(feature = "cloudwatch-logs")]
+pub use cloudwatch_filter::{CLOUDWATCH_LATENESS, CloudWatchLogsFilter};
 pub use groups::{Finality, Traversal};
 pub(crate) use groups::{Groups, Seen};
 pub(crate) use lister::PartitionLister;
