@@ -14,7 +14,7 @@ use base64::Engine;
 use serde::Serialize;
 use shardwise::consumer::Settled;
 use shardwise::lease::{Billing, InitialPosition, LeaseSettings, TableOptions};
-use shardwise::paged::CloudWatchLogs;
+use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
 use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, key};
 use shardwise::{
     ConfigError, Consumer, ConsumerBuilder, Delivery, Handler, Ordering, Outcome, ShutdownReport,
@@ -35,6 +35,18 @@ pub(crate) struct Args {
     /// `GetLogEvents` (lines then carry `partition`, `position`, `id` and `timestamp`).
     #[arg(long, value_name = "GROUP", conflicts_with_all = ["stream", "dead_letter"])]
     log_group: Option<String>,
+
+    /// With --log-group: read the whole group by timestamp through `FilterLogEvents` instead,
+    /// checkpointed by closing timestamp groups (`closed_through` in `leases --json`); `id` is the
+    /// event's `eventId`, `partition` the log group.
+    #[arg(long, requires = "log_group")]
+    by_timestamp: bool,
+
+    /// With --by-timestamp: how late an event may arrive, e.g. `10m`, `90s` or `2h` (default
+    /// 14d, CloudWatch's own bound). A group closes once a poll began this long after it; until
+    /// then every poll reads it again.
+    #[arg(long, value_name = "DURATION", requires = "by_timestamp", value_parser = humantime::parse_duration)]
+    lateness: Option<Duration>,
 
     /// The application, shared by every worker of the application; names the lease table unless
     /// --lease-table does.
@@ -178,7 +190,13 @@ impl Args {
 
     /// The paged source's name in the lease table, with --log-group.
     fn source_name(&self) -> Option<String> {
-        self.log_group.as_ref().map(|group| format!("logs:{group}"))
+        self.log_group.as_ref().map(|group| {
+            if self.by_timestamp {
+                format!("logs-by-time:{group}")
+            } else {
+                format!("logs:{group}")
+            }
+        })
     }
 
     /// This worker's id: `--worker-id`, or the library's default.
@@ -498,11 +516,16 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
     let builder = match (&args.log_group, &args.stream) {
         (Some(group), _) => {
             let logs = aws_sdk_cloudwatchlogs::Client::new(&config);
-            Consumer::paged(
-                Arc::new(CloudWatchLogs::new(logs, group.clone())),
-                args.app.clone(),
-                handler,
-            )
+            let source: Arc<dyn PagedSource> = if args.by_timestamp {
+                let filter = CloudWatchLogsFilter::new(logs, group.clone());
+                Arc::new(match args.lateness {
+                    Some(lateness) => filter.lateness(lateness),
+                    None => filter,
+                })
+            } else {
+                Arc::new(CloudWatchLogs::new(logs, group.clone()))
+            };
+            Consumer::paged(source, args.app.clone(), handler)
         }
         (None, stream) => Consumer::builder(
             stream.clone().unwrap_or_default(),

@@ -2,7 +2,8 @@
 //! a worker is killed with SIGKILL mid-run while events keep arriving, another takes over, and
 //! every event of every log stream is handled (read from the workers' JSON lines), the paged
 //! checkpoints in the lease table never move back, `shardwise leases --json` shows them, and
-//! SIGTERM stops the last worker gracefully.
+//! SIGTERM stops the last worker gracefully. The same with `--by-timestamp --lateness 2s`, which
+//! reads the whole group through `FilterLogEvents` and checkpoints `closed_through`.
 
 #[path = "../../tests/support/mod.rs"]
 mod support;
@@ -38,7 +39,13 @@ struct Worker {
 }
 
 impl Worker {
-    fn spawn(group: &str, app: &str, id: &str, lines: &Arc<Mutex<Vec<Value>>>) -> Worker {
+    fn spawn(
+        group: &str,
+        app: &str,
+        id: &str,
+        extra: &[&str],
+        lines: &Arc<Mutex<Vec<Value>>>,
+    ) -> Worker {
         let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("logs_live");
         std::fs::create_dir_all(&dir).unwrap();
         let stderr = dir.join(format!("{app}-{id}.stderr"));
@@ -57,6 +64,7 @@ impl Worker {
                 "10",
             ])
             .args(FAST)
+            .args(extra)
             .env("RUST_LOG", "shardwise=info,warn")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -202,7 +210,7 @@ async fn consume_log_group_survives_kill_9_and_skips_nothing() {
     }
 
     let lines = Arc::new(Mutex::new(Vec::<Value>::new()));
-    let mut w1 = Worker::spawn(&group, &app, "w1", &lines);
+    let mut w1 = Worker::spawn(&group, &app, "w1", &[], &lines);
     // Watch the lease table: applied positions and versions never move back.
     let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let watcher = {
@@ -245,7 +253,7 @@ async fn consume_log_group_survives_kill_9_and_skips_nothing() {
     let by_w1 = count(&lines);
     put(&logs, &group, "worker/1", 400..500).await;
 
-    let mut w2 = Worker::spawn(&group, &app, "w2", &lines);
+    let mut w2 = Worker::spawn(&group, &app, "w2", &[], &lines);
     let expected: BTreeSet<String> = streams
         .iter()
         .flat_map(|s| (0..500).map(move |i| format!("{s}:{i}")))
@@ -327,6 +335,184 @@ async fn consume_log_group_survives_kill_9_and_skips_nothing() {
     let duplicates: usize = per_event.values().map(|n| n - 1).sum();
     eprintln!(
         "log group: {} events, {} lines ({by_w1} by w1 before SIGKILL), {duplicates} handled twice, 0 missing",
+        expected.len(),
+        lines.len()
+    );
+    let _ = logs.delete_log_group().log_group_name(&group).send().await;
+    let _ = live.dynamodb.delete_table().table_name(&app).send().await;
+}
+
+/// `consume --log-group G --by-timestamp --lateness 2s`: the group read by timestamp through
+/// `FilterLogEvents`, SIGKILL mid-run while events keep arriving, a second worker finishes: every
+/// event handled (by its `eventId`), `closed_through` never moves back and `leases --json` shows
+/// it, and SIGTERM stops gracefully.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consume_log_group_by_timestamp_survives_kill_9_and_skips_nothing() {
+    let live = live_or_skip!();
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .load()
+        .await;
+    let logs = aws_sdk_cloudwatchlogs::Client::new(&config);
+    let group = support::unique_name("/shardwise/cli-by-time");
+    let app = support::unique_name("logs-time-app");
+    logs.create_log_group()
+        .log_group_name(&group)
+        .send()
+        .await
+        .unwrap();
+    let streams = ["api", "worker/1"];
+    for stream in streams {
+        logs.create_log_stream()
+            .log_group_name(&group)
+            .log_stream_name(stream)
+            .send()
+            .await
+            .unwrap();
+        put(&logs, &group, stream, 0..400).await;
+    }
+    let extra = ["--by-timestamp", "--lateness", "2s"];
+    let lines = Arc::new(Mutex::new(Vec::<Value>::new()));
+    let mut w1 = Worker::spawn(&group, &app, "w1", &extra, &lines);
+    let closed = |live: support::Live, app: String| async move {
+        let out = live
+            .dynamodb
+            .scan()
+            .table_name(&app)
+            .consistent_read(true)
+            .send()
+            .await
+            .ok()?;
+        out.items()
+            .first()?
+            .get("closedThrough")?
+            .as_n()
+            .ok()?
+            .parse::<i64>()
+            .ok()
+    };
+    let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watcher = {
+        let (live, app, watching) = (live.clone(), app.clone(), watching.clone());
+        tokio::spawn(async move {
+            let (mut last, mut samples) = (None, 0);
+            while watching.load(std::sync::atomic::Ordering::SeqCst) {
+                let now = closed(live.clone(), app.clone()).await;
+                assert!(
+                    now >= last,
+                    "closed_through went back: {last:?} then {now:?}"
+                );
+                last = now;
+                samples += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            samples
+        })
+    };
+    let count = |lines: &Arc<Mutex<Vec<Value>>>| lines.lock().unwrap().len();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while count(&lines) < 250 {
+        assert!(
+            Instant::now() < deadline,
+            "w1 handled {}; stderr: {}",
+            count(&lines),
+            w1.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    put(&logs, &group, "api", 400..500).await;
+    w1.child.kill().unwrap();
+    w1.wait_exit(Duration::from_secs(5)).await;
+    let by_w1 = count(&lines);
+    let closed_at_kill = closed(live.clone(), app.clone()).await;
+    put(&logs, &group, "worker/1", 400..500).await;
+
+    let mut w2 = Worker::spawn(&group, &app, "w2", &extra, &lines);
+    let expected: BTreeSet<String> = streams
+        .iter()
+        .flat_map(|s| (0..500).map(move |i| format!("{s}:{i}")))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let seen: BTreeSet<String> = lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v["data"].as_str().map(str::to_string))
+            .collect();
+        if expected.is_subset(&seen) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {} events; stderr of w2: {}",
+            expected.intersection(&seen).count(),
+            expected.len(),
+            w2.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Every event is 30 s old: with a 2 s bound, the last one's group closes.
+    let last = lines
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["timestamp"].as_i64())
+        .max()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while closed(live.clone(), app.clone()).await < Some(last) {
+        assert!(Instant::now() < deadline, "never closed through {last}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let out = Command::new(BIN)
+        .args(["leases", "--app", &app, "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 1, "one partition, the group: {rows:?}");
+    assert_eq!(rows[0]["stream"], format!("logs-by-time:{group}"));
+    assert_eq!(rows[0]["shard"], group.as_str());
+    assert!(
+        rows[0]["closed_through"].as_i64().unwrap() >= last,
+        "{}",
+        rows[0]
+    );
+
+    let status = Command::new("kill")
+        .args(["-TERM", &w2.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(w2.wait_exit(Duration::from_secs(15)).await.success());
+    watching.store(false, std::sync::atomic::Ordering::SeqCst);
+    assert!(watcher.await.unwrap() > 3, "the lease table was watched");
+
+    let lines = lines.lock().unwrap().clone();
+    let mut per_event: BTreeMap<String, usize> = BTreeMap::new();
+    let mut ids: BTreeMap<String, String> = BTreeMap::new();
+    for line in &lines {
+        for field in ["partition", "position", "id", "timestamp", "worker", "data"] {
+            assert!(!line[field].is_null(), "`{field}` missing: {line}");
+        }
+        assert_eq!(line["partition"], group.as_str(), "{line}");
+        let data = line["data"].as_str().unwrap().to_string();
+        let id = line["id"].as_str().unwrap().to_string();
+        // The same event always carries the same eventId.
+        assert_eq!(ids.entry(data.clone()).or_insert(id.clone()), &id, "{line}");
+        *per_event.entry(data).or_default() += 1;
+    }
+    let duplicates: usize = per_event.values().map(|n| n - 1).sum();
+    eprintln!(
+        "log group by timestamp: {} events, {} lines ({by_w1} by w1 before SIGKILL, closed through {closed_at_kill:?}), {duplicates} handled twice, 0 missing",
         expected.len(),
         lines.len()
     );
