@@ -2,17 +2,27 @@
 //!
 //! Each shard's lease row carries `completeThrough`: an arrival-time coordinate T (ms since the
 //! Unix epoch) such that every record of the shard that arrived at or before T has a durable
-//! terminal outcome. The stream frontier is the minimum over the membership: every shard that is
-//! not at SHARD_END, and an ended shard until each of its children carries a coordinate. A fast
-//! shard never carries the frontier past a slow one. If any member lacks a coordinate there is no
-//! scalar, only the per-shard vector. The membership epoch changes whenever the membership does.
+//! terminal outcome. A paged partition's coordinate is its `closedThrough`: the source-certified
+//! complete-through watermark (a closed timestamp group, or a watermark its pages reported),
+//! promoted only by the partition's own compare-and-swap once everything before it is durable.
 //!
-//! All of this is pure: [`complete_through`] for one shard, [`compute`] over the lease rows.
+//! The frontier is the minimum over the membership: every shard or partition that is not at
+//! SHARD_END, and an ended shard until each of its children carries a coordinate. A fast member
+//! never carries the frontier past a slow one. If any member lacks a coordinate there is no
+//! scalar, only the vector.
+//!
+//! The membership is published in the lease table with an epoch that counts up by one on every
+//! change ([`Membership`]), so readers can order two frontiers and see a topology change. A
+//! change is published only with proof (seed 001): every added member was read from its own
+//! start (so it covers everything before the previous frontier), and every removed member is
+//! sealed (at SHARD_END, or its row deleted, which happens only to ended rows). Without the proof
+//! the scalar is withheld and the epoch stays.
+//!
+//! All of this is pure: [`complete_through`] for one shard, [`compute`] over the lease rows and
+//! the published membership.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, SystemTime};
-
-use md5::Digest;
 
 /// What one shard knows about its own progress, for [`complete_through`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -67,10 +77,21 @@ pub struct Member {
     pub ended: bool,
 }
 
+/// A published membership: the members of the frontier and its epoch, stored in the lease table
+/// and changed only by compare-and-swap on the epoch.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Membership {
+    /// 1 for the first membership, +1 on every change.
+    pub epoch: u64,
+    /// The member ids, sorted.
+    pub members: Vec<String>,
+}
+
 /// The stream frontier at one moment.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Frontier {
-    /// Changes whenever the membership changes (a hash of the member shard ids).
+    /// The membership epoch: an ordered counter, +1 on every published membership change (0: no
+    /// membership published yet).
     pub epoch: u64,
     /// The members, by shard id.
     pub members: Vec<Member>,
@@ -79,6 +100,12 @@ pub struct Frontier {
     pub scalar: Option<i64>,
     /// Members without a coordinate: why there is no scalar.
     pub missing: Vec<String>,
+    /// A membership change that cannot be proven safe (an added member not read from its start, a
+    /// removed one not sealed): why there is no scalar.
+    pub unproven: Vec<String>,
+    /// The membership to publish (a first one, or a proven change): the scalar and epoch above
+    /// hold only once it is stored.
+    pub publish: Option<Membership>,
 }
 
 impl Frontier {
@@ -99,10 +126,16 @@ pub struct ShardCoordinate<'a> {
     pub ended: bool,
     /// Its children, once known.
     pub children: &'a [String],
+    /// A paged partition (it has no children: at SHARD_END it is sealed and leaves).
+    pub paged: bool,
+    /// It was read from its own start (never moved by a seek), or it is a child shard (read from
+    /// its start after its parents): it covers every time before any earlier frontier.
+    pub from_start: bool,
 }
 
-/// The frontier of the stream whose shards are `rows` (one per lease row).
-pub fn compute(rows: &[ShardCoordinate<'_>]) -> Frontier {
+/// The frontier of the stream whose shards are `rows` (one per lease row), under the membership
+/// `published` in the lease table (`None`: none yet).
+pub fn compute(rows: &[ShardCoordinate<'_>], published: Option<&Membership>) -> Frontier {
     let by_shard: HashMap<&str, &ShardCoordinate<'_>> =
         rows.iter().map(|r| (r.shard_id, r)).collect();
     let covered = |child: &String| {
@@ -112,7 +145,9 @@ pub fn compute(rows: &[ShardCoordinate<'_>]) -> Frontier {
     };
     let members: BTreeMap<&str, Member> = rows
         .iter()
-        .filter(|r| !r.ended || r.children.is_empty() || !r.children.iter().all(covered))
+        .filter(|r| {
+            !r.ended || (!r.paged && (r.children.is_empty() || !r.children.iter().all(covered)))
+        })
         .map(|r| {
             (
                 r.shard_id,
@@ -125,19 +160,51 @@ pub fn compute(rows: &[ShardCoordinate<'_>]) -> Frontier {
         })
         .collect();
     let members: Vec<Member> = members.into_values().collect();
-    let mut hasher = md5::Md5::new();
-    for m in &members {
-        hasher.update(m.shard_id.as_bytes());
-        hasher.update(b"\n");
-    }
-    let digest = hasher.finalize();
-    let epoch = u64::from_be_bytes(digest[..8].try_into().expect("8 bytes"));
+    let ids: Vec<String> = members.iter().map(|m| m.shard_id.clone()).collect();
     let missing: Vec<String> = members
         .iter()
         .filter(|m| m.complete_through.is_none())
         .map(|m| m.shard_id.clone())
         .collect();
-    let scalar = if missing.is_empty() {
+    let (epoch, unproven, publish) = match published {
+        None => (
+            1,
+            Vec::new(),
+            Some(Membership {
+                epoch: 1,
+                members: ids,
+            }),
+        ),
+        Some(p) if p.members == ids => (p.epoch, Vec::new(), None),
+        Some(p) => {
+            let before: BTreeSet<&String> = p.members.iter().collect();
+            let now: BTreeSet<&String> = ids.iter().collect();
+            let mut unproven = Vec::new();
+            for added in now.difference(&before) {
+                if !by_shard.get(added.as_str()).is_some_and(|r| r.from_start) {
+                    unproven.push(format!(
+                        "{added} joined without coverage from its start (moved by a seek)"
+                    ));
+                }
+            }
+            for removed in before.difference(&now) {
+                // A row is deleted only at SHARD_END: absent is sealed.
+                if by_shard.get(removed.as_str()).is_some_and(|r| !r.ended) {
+                    unproven.push(format!("{removed} left without being sealed"));
+                }
+            }
+            if unproven.is_empty() {
+                let next = Membership {
+                    epoch: p.epoch + 1,
+                    members: ids,
+                };
+                (next.epoch, unproven, Some(next))
+            } else {
+                (p.epoch, unproven, None)
+            }
+        }
+    };
+    let scalar = if missing.is_empty() && unproven.is_empty() {
         members.iter().filter_map(|m| m.complete_through).min()
     } else {
         None
@@ -147,6 +214,8 @@ pub fn compute(rows: &[ShardCoordinate<'_>]) -> Frontier {
         members,
         scalar,
         missing,
+        unproven,
+        publish,
     }
 }
 
@@ -154,7 +223,7 @@ pub fn compute(rows: &[ShardCoordinate<'_>]) -> Frontier {
 mod tests {
     use super::*;
 
-    #[derive(Clone)]
+    #[derive(Clone, Debug)]
     struct Row {
         shard: String,
         ct: Option<i64>,
@@ -171,17 +240,31 @@ mod tests {
         }
     }
 
-    fn frontier(rows: &[Row]) -> Frontier {
-        let coordinates: Vec<ShardCoordinate<'_>> = rows
-            .iter()
+    fn coordinates(rows: &[Row]) -> Vec<ShardCoordinate<'_>> {
+        rows.iter()
             .map(|r| ShardCoordinate {
                 shard_id: &r.shard,
                 complete_through: r.ct,
                 ended: r.ended,
                 children: &r.children,
+                paged: false,
+                from_start: true,
             })
-            .collect();
-        compute(&coordinates)
+            .collect()
+    }
+
+    /// The frontier of `rows` under the membership published by the frontier before it (the
+    /// lease table's, as a worker would have stored it).
+    fn frontier(rows: &[Row]) -> Frontier {
+        compute(&coordinates(rows), None)
+    }
+
+    fn after(before: &Frontier, rows: &[Row]) -> Frontier {
+        let published = before.publish.clone().unwrap_or(Membership {
+            epoch: before.epoch,
+            members: before.members.iter().map(|m| m.shard_id.clone()).collect(),
+        });
+        compute(&coordinates(rows), Some(&published))
     }
 
     #[test]
@@ -226,12 +309,13 @@ mod tests {
             row("c1", Some(70), false, &[]),
             row("c2", Some(65), false, &[]),
         ];
-        let after = frontier(&rows);
+        let after = after(&before, &rows);
         assert!(!after.members.iter().any(|m| m.shard_id == "p"));
         assert_eq!(after.scalar, Some(65));
-        assert_ne!(
-            before.epoch, after.epoch,
-            "a membership change is a new epoch"
+        assert_eq!(
+            (before.epoch, after.epoch),
+            (1, 2),
+            "a membership change is the next epoch"
         );
     }
 
@@ -241,18 +325,137 @@ mod tests {
             row("a", Some(10), false, &[]),
             row("b", Some(20), false, &[]),
         ]);
-        let after = frontier(&[
-            row("a", Some(30), true, &["m"]),
-            row("b", Some(25), true, &["m"]),
-            row("m", Some(40), false, &[]),
-        ]);
-        assert_eq!(after.scalar, Some(40));
-        assert_ne!(before.epoch, after.epoch);
-        let same = frontier(&[
-            row("a", Some(11), false, &[]),
-            row("b", Some(21), false, &[]),
-        ]);
+        let merged = after(
+            &before,
+            &[
+                row("a", Some(30), true, &["m"]),
+                row("b", Some(25), true, &["m"]),
+                row("m", Some(40), false, &[]),
+            ],
+        );
+        assert_eq!(merged.scalar, Some(40));
+        assert!(merged.epoch > before.epoch, "epochs order");
+        let same = after(
+            &before,
+            &[
+                row("a", Some(11), false, &[]),
+                row("b", Some(21), false, &[]),
+            ],
+        );
         assert_eq!(before.epoch, same.epoch, "same membership, same epoch");
+        assert_eq!(same.publish, None, "nothing to publish");
+    }
+
+    /// Seed 001's reasoned example over paged partitions: A complete through 120, B through 90:
+    /// the frontier is 90 (the maximum, 120, would claim B's unproven interval). A stale retry of
+    /// an older A page loses its compare-and-swap and changes nothing; B proving 110 moves it to
+    /// 110. The membership is unchanged throughout: one epoch.
+    #[test]
+    fn the_reasoned_example_a_120_b_90_then_110() {
+        let paged = |rows: &[Row]| -> Vec<Row> { rows.to_vec() };
+        let rows = paged(&[
+            row("A", Some(120), false, &[]),
+            row("B", Some(90), false, &[]),
+        ]);
+        let first = compute(&partitions(&rows), None);
+        assert_eq!(first.scalar, Some(90));
+        let published = first
+            .publish
+            .clone()
+            .expect("the first membership is published");
+        assert_eq!(published.epoch, 1);
+        // The stale A retry lost: A's row still says 120.
+        let same = compute(&partitions(&rows), Some(&published));
+        assert_eq!((same.scalar, same.epoch), (Some(90), 1));
+        let rows = paged(&[
+            row("A", Some(120), false, &[]),
+            row("B", Some(110), false, &[]),
+        ]);
+        let later = compute(&partitions(&rows), Some(&published));
+        assert_eq!((later.scalar, later.epoch), (Some(110), 1));
+    }
+
+    fn partitions(rows: &[Row]) -> Vec<ShardCoordinate<'_>> {
+        coordinates(rows)
+            .into_iter()
+            .map(|c| ShardCoordinate { paged: true, ..c })
+            .collect()
+    }
+
+    /// A stalled partition (no coordinate moves) holds the frontier however far the others go; an
+    /// empty page advances nothing by itself (the coordinate moves only by a certified close).
+    #[test]
+    fn a_stalled_partition_holds_the_frontier() {
+        let rows = [
+            row("fast", Some(10_000), false, &[]),
+            row("stalled", Some(42), false, &[]),
+        ];
+        assert_eq!(compute(&partitions(&rows), None).scalar, Some(42));
+    }
+
+    /// Membership changes of paged partitions: a partition discovered later joins (read from its
+    /// first page) and withholds the scalar until it carries a coordinate; one moved by a seek
+    /// cannot prove coverage, so the change is not published and the scalar is withheld; a sealed
+    /// partition (at SHARD_END) leaves with the next epoch; one that vanished unsealed withholds
+    /// the scalar.
+    #[test]
+    fn membership_changes_need_coverage_and_sealing_proofs() {
+        let two = [
+            row("a", Some(100), false, &[]),
+            row("b", Some(90), false, &[]),
+        ];
+        let base = compute(&partitions(&two), None).publish.unwrap();
+
+        let joined = [
+            row("a", Some(100), false, &[]),
+            row("b", Some(90), false, &[]),
+            row("c", None, false, &[]),
+        ];
+        let f = compute(&partitions(&joined), Some(&base));
+        assert_eq!((f.epoch, f.scalar), (2, None), "c has no coordinate yet");
+        assert_eq!(f.missing, ["c"]);
+        let grown = f.publish.unwrap();
+        let covered = [
+            row("a", Some(100), false, &[]),
+            row("b", Some(90), false, &[]),
+            row("c", Some(95), false, &[]),
+        ];
+        let f = compute(&partitions(&covered), Some(&grown));
+        assert_eq!((f.epoch, f.scalar), (2, Some(90)));
+
+        let mut seeked = partitions(&joined);
+        seeked[2].from_start = false;
+        seeked[2].complete_through = Some(95);
+        let f = compute(&seeked, Some(&base));
+        assert_eq!((f.epoch, f.scalar, f.publish.as_ref()), (1, None, None));
+        assert_eq!(f.unproven.len(), 1, "{:?}", f.unproven);
+        assert_eq!(f.members.len(), 3, "the vector is still there");
+
+        let sealed = [
+            row("a", Some(100), false, &[]),
+            row("b", Some(90), true, &[]),
+        ];
+        let f = compute(&partitions(&sealed), Some(&base));
+        assert_eq!((f.epoch, f.scalar), (2, Some(100)), "b sealed and left");
+
+        let f = compute(&partitions(&[row("a", Some(100), false, &[])]), Some(&base));
+        assert_eq!(
+            (f.epoch, f.scalar),
+            (2, Some(100)),
+            "a deleted row was ended"
+        );
+
+        // A published member whose row is there and not ended cannot leave: here it never does
+        // (every unended row is a member), and a Kinesis parent leaves only once its children
+        // carry coordinates.
+        let split = [
+            row("a", Some(100), true, &["a1"]),
+            row("a1", None, false, &[]),
+            row("b", Some(90), false, &[]),
+        ];
+        let f = compute(&coordinates(&split), Some(&base));
+        assert!(f.members.iter().any(|m| m.shard_id == "a"), "a stays");
+        assert_eq!(f.scalar, None);
     }
 
     #[test]
@@ -339,7 +542,7 @@ mod tests {
         let stored = || async {
             let rows = store.list("orders").await.unwrap();
             let coordinates: Vec<_> = rows.iter().map(|r| r.coordinate()).collect();
-            compute(&coordinates)
+            compute(&coordinates, None)
         };
         let before = stored().await;
         assert_eq!(before.scalar, Some(80));

@@ -368,6 +368,28 @@ impl LeaseStore for Counting {
         self.tick();
         self.inner.set_children(stream, shard_id, children)
     }
+
+    fn membership<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<Option<shardwise::frontier::Membership>, Error>> {
+        {
+            self.tick();
+            self.inner.membership(stream)
+        }
+    }
+
+    fn publish_membership<'a>(
+        &'a self,
+        stream: &'a str,
+        expected: Option<u64>,
+        next: &'a shardwise::frontier::Membership,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        {
+            self.tick();
+            self.inner.publish_membership(stream, expected, next)
+        }
+    }
 }
 
 #[tokio::test(start_paused = true)]

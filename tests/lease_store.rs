@@ -953,6 +953,66 @@ async fn closed_through_moves_forward_by_compare_and_swap(store: &dyn LeaseStore
     assert_eq!(row(store, &stream).await.progress, Some(closed(None, 4)));
 }
 
+/// The frontier membership (seed 001): the first publication only where none is stored, each
+/// change only from the epoch seen, the loser of a race refused and changing nothing; it is kept
+/// apart from the lease rows (a listing of the stream does not see it).
+async fn membership_is_published_by_compare_and_swap_on_its_epoch(store: &dyn LeaseStore) {
+    use shardwise::frontier::Membership;
+    let stream = stream_name();
+    assert_eq!(store.membership(&stream).await.unwrap(), None);
+    let first = Membership {
+        epoch: 1,
+        members: vec!["a".into(), "b".into()],
+    };
+    assert!(
+        store
+            .publish_membership(&stream, None, &first)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .publish_membership(&stream, None, &first)
+            .await
+            .unwrap(),
+        "a first publication only where none is stored"
+    );
+    assert_eq!(
+        store.membership(&stream).await.unwrap(),
+        Some(first.clone())
+    );
+    let grown = Membership {
+        epoch: 2,
+        members: vec!["a".into(), "b".into(), "c".into()],
+    };
+    let other = Membership {
+        epoch: 2,
+        members: vec!["a".into()],
+    };
+    assert!(
+        store
+            .publish_membership(&stream, Some(1), &grown)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .publish_membership(&stream, Some(1), &other)
+            .await
+            .unwrap(),
+        "the loser of the race from epoch 1"
+    );
+    assert_eq!(store.membership(&stream).await.unwrap(), Some(grown));
+    assert!(
+        store.list(&stream).await.unwrap().is_empty(),
+        "not a lease row"
+    );
+    assert_eq!(
+        store.membership(&format!("{stream}-other")).await.unwrap(),
+        None
+    );
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -1007,6 +1067,7 @@ conformance!(
     a_zombie_cannot_write_paged_progress,
     a_seek_resets_paged_progress_and_bumps_the_version,
     closed_through_moves_forward_by_compare_and_swap,
+    membership_is_published_by_compare_and_swap_on_its_epoch,
 );
 
 // ---------------------------------------------------------------------------------------------

@@ -418,6 +418,22 @@ impl LeaseStore for SlowSeeks {
     ) -> BoxFuture<'a, Result<(), Error>> {
         self.0.set_children(stream, shard_id, children)
     }
+
+    fn membership<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<Option<shardwise::frontier::Membership>, Error>> {
+        self.0.membership(stream)
+    }
+
+    fn publish_membership<'a>(
+        &'a self,
+        stream: &'a str,
+        expected: Option<u64>,
+        next: &'a shardwise::frontier::Membership,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.0.publish_membership(stream, expected, next)
+    }
 }
 
 /// A child's delivery handled under the child's current lease while a parent is not at

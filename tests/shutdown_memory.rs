@@ -105,6 +105,22 @@ impl LeaseStore for Hanging {
     ) -> BoxFuture<'a, Result<(), Error>> {
         self.gate(self.inner.set_children(stream, shard_id, children))
     }
+
+    fn membership<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<Option<shardwise::frontier::Membership>, Error>> {
+        self.gate(self.inner.membership(stream))
+    }
+
+    fn publish_membership<'a>(
+        &'a self,
+        stream: &'a str,
+        expected: Option<u64>,
+        next: &'a shardwise::frontier::Membership,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.gate(self.inner.publish_membership(stream, expected, next))
+    }
 }
 
 /// A consumer whose handler acks every record but `stuck`, which never finishes.

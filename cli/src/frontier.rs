@@ -1,11 +1,16 @@
-//! `shardwise frontier`: how far the whole stream is complete, read from the lease table by any
-//! process: the scalar (or why there is none), the membership epoch, and the per-shard vector.
+//! `shardwise frontier`: how far the whole stream (or paged source) is complete, read from the
+//! lease table by any process: the scalar (or why there is none), the membership epoch (an
+//! ordered counter, printed as 16 hex digits so that text order is number order), and the vector
+//! of members (a paged partition's with its checkpoint version and applied position).
 
 use anyhow::Context;
 use aws_sdk_kinesis::primitives::{DateTime, DateTimeFormat};
 use serde::Serialize;
+use std::collections::BTreeMap;
+
 use shardwise::frontier::{Frontier, Member, compute};
 use shardwise::lease::{DynamoDbLeaseStore, Lease, LeaseStore};
+use shardwise::paged::PagedProgress;
 
 use crate::common::{Ctx, Result, print_json_lines, print_lines};
 
@@ -19,9 +24,18 @@ pub(crate) struct Args {
     #[arg(long, value_name = "NAME")]
     lease_table: Option<String>,
 
-    /// The stream.
-    #[arg(long, value_name = "STREAM")]
-    stream: String,
+    /// The stream, or a paged source's name in the lease table (e.g. `logs:GROUP`).
+    #[arg(long, value_name = "STREAM", required_unless_present = "log_group")]
+    stream: Option<String>,
+
+    /// Instead of --stream: the CloudWatch Logs log group a `consume --log-group` application
+    /// reads (its source `logs:GROUP`, or `logs-by-time:GROUP` with --by-timestamp).
+    #[arg(long, value_name = "GROUP", conflicts_with = "stream")]
+    log_group: Option<String>,
+
+    /// With --log-group: the application reads it by timestamp.
+    #[arg(long, requires = "log_group")]
+    by_timestamp: bool,
 
     /// One JSON object.
     #[arg(long)]
@@ -39,34 +53,73 @@ struct FrontierJson<'a> {
     members: Vec<MemberJson<'a>>,
 }
 
-/// One shard of the `--json` object; its fields in the (alphabetical) order they always had.
+/// One shard of the `--json` object; its fields in the (alphabetical) order they always had. A
+/// paged partition adds its checkpoint: `applied_position` and `checkpoint_version`.
 #[derive(Debug, Serialize)]
 struct MemberJson<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    applied_position: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    checkpoint_version: Option<u64>,
     complete_through_ms: Option<i64>,
     ended: bool,
     shard: &'a str,
 }
 
 impl<'a> FrontierJson<'a> {
-    fn of(stream: &'a str, f: &'a Frontier, why_none: Option<&'a str>) -> Self {
+    fn of(
+        stream: &'a str,
+        f: &'a Frontier,
+        why_none: Option<&'a str>,
+        progress: &BTreeMap<String, PagedProgress>,
+    ) -> Self {
         Self {
             stream,
             epoch: format!("{:016x}", f.epoch),
             frontier_ms: f.scalar,
             frontier: f.scalar.map(rfc3339),
             why_none,
-            members: f.members.iter().map(MemberJson::of).collect(),
+            members: f
+                .members
+                .iter()
+                .map(|m| MemberJson::of(m, progress.get(&m.shard_id)))
+                .collect(),
         }
     }
 }
 
 impl<'a> MemberJson<'a> {
-    fn of(m: &'a Member) -> Self {
+    fn of(m: &'a Member, progress: Option<&PagedProgress>) -> Self {
         Self {
+            applied_position: progress
+                .and_then(|p| p.applied_position.as_ref())
+                .map(ToString::to_string),
+            checkpoint_version: progress.map(|p| p.checkpoint_version),
             complete_through_ms: m.complete_through,
             ended: m.ended,
             shard: &m.shard_id,
         }
+    }
+}
+
+/// Why there is no scalar, if there is none.
+fn why_none(rows: &[Lease], f: &Frontier) -> Option<String> {
+    if rows.is_empty() {
+        Some("no lease rows for this stream".to_string())
+    } else if !f.unproven.is_empty() {
+        Some(format!(
+            "membership change not proven: {}",
+            f.unproven.join("; ")
+        ))
+    } else if !f.missing.is_empty() {
+        Some(format!("no coordinate yet for {}", f.missing.join(", ")))
+    } else if let Some(next) = &f.publish {
+        Some(format!(
+            "membership epoch {:016x} is not published yet (no worker has scanned since it changed)",
+            next.epoch
+        ))
+    } else {
+        None
     }
 }
 
@@ -79,24 +132,31 @@ fn rfc3339(ms: i64) -> String {
 pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
     let table = args.lease_table.as_deref().unwrap_or(&args.app);
     let store = DynamoDbLeaseStore::new(ctx.dynamodb(), table).create_if_missing(false);
-    let context = || {
-        format!(
-            "cannot read the frontier of `{}` for `{}`",
-            args.stream, args.app
-        )
+    let stream = match (&args.stream, &args.log_group) {
+        (Some(stream), _) => stream.clone(),
+        (None, Some(group)) if args.by_timestamp => format!("logs-by-time:{group}"),
+        (None, Some(group)) => format!("logs:{group}"),
+        (None, None) => unreachable!("clap requires --stream or --log-group"),
     };
+    let context = || format!("cannot read the frontier of `{stream}` for `{}`", args.app);
     store.prepare().await.with_context(context)?;
-    let rows = store.list(&args.stream).await.with_context(context)?;
-    let f = compute(&rows.iter().map(Lease::coordinate).collect::<Vec<_>>());
-    let why = if rows.is_empty() {
-        Some("no lease rows for this stream".to_string())
-    } else if !f.missing.is_empty() {
-        Some(format!("no coordinate yet for {}", f.missing.join(", ")))
-    } else {
-        None
-    };
+    let rows = store.list(&stream).await.with_context(context)?;
+    let published = store.membership(&stream).await.with_context(context)?;
+    let mut f = compute(
+        &rows.iter().map(Lease::coordinate).collect::<Vec<_>>(),
+        published.as_ref(),
+    );
+    let why = why_none(&rows, &f);
+    if f.publish.is_some() {
+        // The scalar holds only once a worker has published the membership it stands on.
+        f.scalar = None;
+    }
+    let progress: BTreeMap<String, PagedProgress> = rows
+        .iter()
+        .filter_map(|r| Some((r.shard_id.clone(), r.progress.clone()?)))
+        .collect();
     if args.json {
-        return print_json_lines([FrontierJson::of(&args.stream, &f, why.as_deref())]);
+        return print_json_lines([FrontierJson::of(&stream, &f, why.as_deref(), &progress)]);
     }
     let mut lines = vec![match (f.scalar, &why) {
         (Some(ms), _) => format!("frontier: {} ({ms} ms)", rfc3339(ms)),
@@ -136,10 +196,10 @@ mod tests {
                 member("shardId-000000000001", None, true),
             ],
             scalar: Some(1_764_452_220_123),
-            missing: vec![],
+            ..Frontier::default()
         };
         assert_eq!(
-            serde_json::to_string(&FrontierJson::of("s", &f, None)).unwrap(),
+            serde_json::to_string(&FrontierJson::of("s", &f, None, &BTreeMap::new())).unwrap(),
             r#"{"stream":"s","epoch":"000000000000abcd","frontier_ms":1764452220123,"frontier":"2025-11-29T21:37:00.123Z","why_none":null,"members":[{"complete_through_ms":1764452220123,"ended":false,"shard":"shardId-000000000000"},{"complete_through_ms":null,"ended":true,"shard":"shardId-000000000001"}]}"#
         );
         let none = Frontier::default();
@@ -147,7 +207,8 @@ mod tests {
             serde_json::to_string(&FrontierJson::of(
                 "s",
                 &none,
-                Some("no lease rows for this stream")
+                Some("no lease rows for this stream"),
+                &BTreeMap::new()
             ))
             .unwrap(),
             r#"{"stream":"s","epoch":"0000000000000000","frontier_ms":null,"frontier":null,"why_none":"no lease rows for this stream","members":[]}"#

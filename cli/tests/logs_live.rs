@@ -3,7 +3,8 @@
 //! every event of every log stream is handled (read from the workers' JSON lines), the paged
 //! checkpoints in the lease table never move back, `shardwise leases --json` shows them, and
 //! SIGTERM stops the last worker gracefully. The same with `--by-timestamp --lateness 2s`, which
-//! reads the whole group through `FilterLogEvents` and checkpoints `closed_through`.
+//! reads the whole group through `FilterLogEvents` and checkpoints `closed_through`, which
+//! `shardwise frontier --log-group G --by-timestamp` reports as the application's frontier.
 
 #[path = "../../tests/support/mod.rs"]
 mod support;
@@ -485,6 +486,34 @@ async fn consume_log_group_by_timestamp_survives_kill_9_and_skips_nothing() {
         rows[0]["closed_through"].as_i64().unwrap() >= last,
         "{}",
         rows[0]
+    );
+    // `shardwise frontier` for the paged application: one member, the group, complete through its
+    // closed timestamp, under membership epoch 1.
+    let out = Command::new(BIN)
+        .args([
+            "frontier",
+            "--app",
+            &app,
+            "--log-group",
+            &group,
+            "--by-timestamp",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let f: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(f["stream"], format!("logs-by-time:{group}"), "{f}");
+    assert_eq!(f["epoch"], "0000000000000001", "{f}");
+    assert!(f["frontier_ms"].as_i64().unwrap() >= last, "{f}");
+    assert_eq!(f["members"][0]["shard"], group.as_str(), "{f}");
+    assert!(
+        f["members"][0]["checkpoint_version"].as_u64().unwrap() >= 1,
+        "{f}"
     );
 
     let status = Command::new("kill")

@@ -174,7 +174,7 @@ pub(crate) async fn run_partition<H: Handler>(
                 in_flight_gauge().set(pipeline.unsettled() as f64);
             }
             msg = pages_rx.recv(), if reading == Reading::Open && room => match msg {
-                Some(PageMessage::Page { events, next }) => {
+                Some(PageMessage::Page { events, next, watermark }) => {
                     let verdicts = match order.classify(&events) {
                         Ok(verdicts) => verdicts,
                         Err(violation) => {
@@ -220,8 +220,9 @@ pub(crate) async fn run_partition<H: Handler>(
                     let ended = next.is_none();
                     // A page that brings nothing new and leaves the cursor where it is changes
                     // nothing (a cursor that did not move, read again).
-                    if tracked || ended || barrier.fetch_cursor() != Some(next.as_ref()) {
-                        barrier.fetched(next, pipeline.tracker().next_index());
+                    let raised = watermark > barrier.fetched_watermark();
+                    if tracked || ended || raised || barrier.fetch_cursor() != Some(next.as_ref()) {
+                        barrier.fetched(next, pipeline.tracker().next_index(), watermark);
                     }
                     if ended {
                         info!(source = %source_name, partition = %partition, "the partition ended: SHARD_END once every delivery settled");

@@ -24,6 +24,7 @@ use super::store::{
 use crate::checkpoint::{AT_TIMESTAMP, Checkpoint};
 use crate::dynamo::{Table, TableOptions, is_condition_failed, n, s};
 use crate::error::Error;
+use crate::frontier::Membership;
 use crate::paged::{Cursor, PagePosition, PagedProgress};
 use crate::time::millis;
 
@@ -47,6 +48,8 @@ mod attr {
     pub(super) const APPLIED_POSITION: &str = "appliedPosition";
     pub(super) const CHECKPOINT_VERSION: &str = "checkpointVersion";
     pub(super) const CLOSED_THROUGH: &str = "closedThrough";
+    pub(super) const MEMBERSHIP_EPOCH: &str = "membershipEpoch";
+    pub(super) const MEMBERS: &str = "members";
 }
 use attr::*;
 
@@ -115,6 +118,80 @@ impl DynamoDbLeaseStore {
         E: std::error::Error + Send + Sync + 'static,
     {
         crate::dynamo::failed(&self.table, operation, err)
+    }
+
+    /// The key of a stream's membership item: it has no `streamName`, so no scan of the stream's
+    /// lease rows sees it.
+    fn membership_key(stream: &str) -> String {
+        format!("~membership#{stream}")
+    }
+
+    async fn get_membership(&self, stream: &str) -> Result<Option<Membership>, Error> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key(KEY, s(Self::membership_key(stream)))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(|e| self.failed("GetItem", e))?;
+        let Some(item) = out.item else {
+            return Ok(None);
+        };
+        let corrupt = |detail: String| Error::Corrupt {
+            what: "membership item",
+            detail,
+        };
+        let epoch = item
+            .get(MEMBERSHIP_EPOCH)
+            .and_then(|v| v.as_n().ok())
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| corrupt(format!("no number `{MEMBERSHIP_EPOCH}` in {item:?}")))?;
+        let members = match item.get(MEMBERS) {
+            Some(AttributeValue::L(list)) => list
+                .iter()
+                .map(|v| {
+                    v.as_s()
+                        .cloned()
+                        .map_err(|_| corrupt(format!("{v:?} in `{MEMBERS}`")))
+                })
+                .collect::<Result<Vec<String>, Error>>()?,
+            other => return Err(corrupt(format!("`{MEMBERS}` is {other:?}"))),
+        };
+        Ok(Some(Membership { epoch, members }))
+    }
+
+    async fn put_membership(
+        &self,
+        stream: &str,
+        expected: Option<u64>,
+        next: &Membership,
+    ) -> Result<bool, Error> {
+        let request = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .item(KEY, s(Self::membership_key(stream)))
+            .item(MEMBERSHIP_EPOCH, n(next.epoch))
+            .item(
+                MEMBERS,
+                AttributeValue::L(next.members.iter().map(|m| s(m.clone())).collect()),
+            );
+        let request = match expected {
+            None => request
+                .condition_expression("attribute_not_exists(#key)")
+                .expression_attribute_names("#key", KEY),
+            Some(epoch) => request
+                .condition_expression("#epoch = :epoch")
+                .expression_attribute_names("#epoch", MEMBERSHIP_EPOCH)
+                .expression_attribute_values(":epoch", n(epoch)),
+        };
+        match request.send().await {
+            Ok(_) => Ok(true),
+            Err(err) if is_condition_failed(&err) => Ok(false),
+            Err(err) => Err(self.failed("PutItem", err)),
+        }
     }
 
     async fn get_row(&self, key: String) -> Result<Option<Lease>, Error> {
@@ -769,6 +846,22 @@ impl LeaseStore for DynamoDbLeaseStore {
         children: &'a [String],
     ) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(self.set_children_row(stream, shard_id, children))
+    }
+
+    fn membership<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Membership>, Error>> {
+        Box::pin(self.get_membership(stream))
+    }
+
+    fn publish_membership<'a>(
+        &'a self,
+        stream: &'a str,
+        expected: Option<u64>,
+        next: &'a Membership,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.put_membership(stream, expected, next))
     }
 }
 

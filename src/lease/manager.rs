@@ -197,6 +197,9 @@ struct Inner {
     sync_now: Notify,
     taking: CancellationToken,
     frontier: watch::Sender<Frontier>,
+    /// The frontier membership as last read or published (see `publish_frontier`).
+    membership: Mutex<Option<frontier::Membership>>,
+    membership_scans: std::sync::atomic::AtomicU64,
 }
 
 /// Runs the lease protocol for one worker on one stream. Background tasks stop on
@@ -251,6 +254,8 @@ impl LeaseManager {
             sync_now: Notify::new(),
             taking: CancellationToken::new(),
             frontier: watch::Sender::new(Frontier::default()),
+            membership: Mutex::new(None),
+            membership_scans: std::sync::atomic::AtomicU64::new(0),
         });
         // The stream first: a missing stream must not leave a new lease table behind.
         inner.shards.list_shards(&inner.stream).await?;
@@ -442,16 +447,73 @@ impl Inner {
         }
     }
 
+    /// The frontier over `rows` under the published membership, publishing a first membership or
+    /// a proven change (compare-and-swap on its epoch). When another worker publishes first, the
+    /// membership is read again; if it still differs, the scalar is withheld until a later scan.
+    ///
+    /// The membership read is cached: the store is read again only when the computed members
+    /// differ from the cached ones, and every 30th scan (another worker may have published
+    /// changes that came back to the same members), so a steady table costs no extra request.
+    async fn publish_frontier(&self, rows: &[Lease]) -> Result<Frontier, Error> {
+        let coordinates: Vec<_> = rows.iter().map(Lease::coordinate).collect();
+        let scans = self
+            .membership_scans
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let cached = self
+            .membership
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some(cached) = cached.filter(|_| scans % 30 != 0) {
+            let latest = frontier::compute(&coordinates, Some(&cached));
+            if latest.publish.is_none() && latest.unproven.is_empty() {
+                return Ok(latest);
+            }
+        }
+        for _ in 0..2 {
+            let published = self.store.membership(&self.stream).await?;
+            *self.membership.lock().unwrap_or_else(|e| e.into_inner()) = published.clone();
+            let mut latest = frontier::compute(&coordinates, published.as_ref());
+            let Some(next) = latest.publish.take() else {
+                return Ok(latest);
+            };
+            let expected = published.as_ref().map(|m| m.epoch);
+            if self
+                .store
+                .publish_membership(&self.stream, expected, &next)
+                .await?
+            {
+                info!(stream = %self.stream, epoch = next.epoch, members = next.members.len(), "frontier membership published");
+                *self.membership.lock().unwrap_or_else(|e| e.into_inner()) = Some(next);
+                return Ok(latest);
+            }
+        }
+        let published = self.store.membership(&self.stream).await?;
+        let mut latest = frontier::compute(&coordinates, published.as_ref());
+        latest.publish = None;
+        latest.scalar = None;
+        latest
+            .unproven
+            .push("a membership change is being published by another worker".into());
+        Ok(latest)
+    }
+
     /// One scan: observe counters, notice leases taken from us, plan, and take.
     async fn scan_table(&self) -> Result<(), Error> {
         let rows = self.store.list(&self.stream).await?;
         let now = Instant::now();
-        let latest = frontier::compute(&rows.iter().map(Lease::coordinate).collect::<Vec<_>>());
-        self.frontier.send_if_modified(|f| {
-            let changed = *f != latest;
-            *f = latest;
-            changed
-        });
+        match self.publish_frontier(&rows).await {
+            Ok(latest) => {
+                self.frontier.send_if_modified(|f| {
+                    let changed = *f != latest;
+                    *f = latest;
+                    changed
+                });
+            }
+            Err(e) => {
+                warn!(stream = %self.stream, error = &e as &dyn std::error::Error, "reading or publishing the frontier membership failed; the frontier is not updated this scan");
+            }
+        }
         let expired: Vec<bool> = {
             let mut observed = self.observed.lock().unwrap_or_else(|e| e.into_inner());
             rows.iter()

@@ -11,6 +11,7 @@ use futures::future::BoxFuture;
 use super::row::{Checkpoint, Lease, NewLease, Ownership, lease_key};
 use super::store::{CheckpointWrite, LeaseStore, SeekMove, paged_write_holds};
 use crate::error::Error;
+use crate::frontier::Membership;
 use crate::paged::PagedProgress;
 
 /// Leases held in memory. Clones share the same rows, so several simulated workers can race on
@@ -37,6 +38,8 @@ use crate::paged::PagedProgress;
 #[derive(Clone, Default)]
 pub struct MemoryLeaseStore {
     rows: Arc<Mutex<BTreeMap<String, Lease>>>,
+    /// Published frontier memberships, by stream.
+    memberships: Arc<Mutex<BTreeMap<String, Membership>>>,
     #[cfg(any(test, feature = "testing"))]
     faults: crate::testing::faults::Injector,
     #[cfg(any(test, feature = "testing"))]
@@ -432,6 +435,37 @@ impl LeaseStore for MemoryLeaseStore {
                 row.children = children.to_vec();
                 true
             });
+        })
+    }
+
+    fn membership<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Membership>, Error>> {
+        let memberships = self.memberships.clone();
+        self.call("membership", false, move |_| {
+            memberships
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(stream)
+                .cloned()
+        })
+    }
+
+    fn publish_membership<'a>(
+        &'a self,
+        stream: &'a str,
+        expected: Option<u64>,
+        next: &'a Membership,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        let memberships = self.memberships.clone();
+        self.call("publish_membership", true, move |_| {
+            let mut memberships = memberships.lock().unwrap_or_else(PoisonError::into_inner);
+            if memberships.get(stream).map(|m| m.epoch) != expected {
+                return false;
+            }
+            memberships.insert(stream.to_string(), next.clone());
+            true
         })
     }
 }

@@ -41,9 +41,14 @@ impl Lease {
     pub fn coordinate(&self) -> crate::frontier::ShardCoordinate<'_> {
         crate::frontier::ShardCoordinate {
             shard_id: &self.shard_id,
-            complete_through: self.complete_through,
+            complete_through: match &self.progress {
+                Some(progress) => progress.closed_through,
+                None => self.complete_through,
+            },
             ended: self.checkpoint.is_shard_end(),
             children: &self.children,
+            paged: self.progress.is_some(),
+            from_start: self.seek_epoch == 0 || !self.parents.is_empty(),
         }
     }
 

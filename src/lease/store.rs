@@ -6,6 +6,7 @@ use futures::future::BoxFuture;
 
 use super::row::{Checkpoint, Lease, NewLease, Ownership};
 use crate::error::Error;
+use crate::frontier::Membership;
 use crate::paged::PagedProgress;
 
 /// What a fenced checkpoint write did.
@@ -161,6 +162,21 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         shard_id: &'a str,
         children: &'a [String],
     ) -> BoxFuture<'a, Result<(), Error>>;
+
+    /// The frontier membership published for `stream`, if any (read consistently).
+    fn membership<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Membership>, Error>>;
+
+    /// Publishes `next` as the frontier membership of `stream` if the stored one still has the
+    /// epoch `expected` (`None`: none is stored). `false` when another writer published first.
+    fn publish_membership<'a>(
+        &'a self,
+        stream: &'a str,
+        expected: Option<u64>,
+        next: &'a Membership,
+    ) -> BoxFuture<'a, Result<bool, Error>>;
 }
 
 #[allow(dead_code)]

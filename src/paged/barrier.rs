@@ -27,6 +27,8 @@ struct Mark {
     /// The arrival index after its last tracked delivery (deliveries before it are this page's or
     /// earlier pages').
     end: u64,
+    /// The complete-through watermark the source certified with the page: promoted with it.
+    watermark: Option<i64>,
 }
 
 /// The write to make.
@@ -97,9 +99,23 @@ impl Barrier {
         self.pages.len()
     }
 
-    /// A page was fetched: its deliveries end before arrival index `end`.
-    pub(crate) fn fetched(&mut self, next: Option<Cursor>, end: u64) {
-        self.pages.push_back(Mark { next, end });
+    /// A page was fetched: its deliveries end before arrival index `end`; the source certified
+    /// it complete through `watermark`, if it did.
+    pub(crate) fn fetched(&mut self, next: Option<Cursor>, end: u64, watermark: Option<i64>) {
+        self.pages.push_back(Mark {
+            next,
+            end,
+            watermark,
+        });
+    }
+
+    /// The highest watermark fetched (promoted or not), for telling a page that only raises it.
+    pub(crate) fn fetched_watermark(&self) -> Option<i64> {
+        self.pages
+            .iter()
+            .filter_map(|m| m.watermark)
+            .chain(self.durable.closed_through)
+            .max()
     }
 
     /// The settled prefix reached arrival index `below` (every delivery before it settled), the
@@ -131,6 +147,14 @@ impl Barrier {
         let applied = self.applied();
         if passed > 0 {
             let mark = &self.pages[passed - 1];
+            // The watermark never goes down: the highest of the durable one and the pages passed.
+            let closed_through = self
+                .pages
+                .iter()
+                .take(passed)
+                .filter_map(|m| m.watermark)
+                .chain(self.durable.closed_through)
+                .max();
             return Some(match &mark.next {
                 None => BarrierWrite::End,
                 Some(next) => BarrierWrite::Promote {
@@ -138,7 +162,7 @@ impl Barrier {
                         resume_cursor: Some(next.clone()),
                         applied_position: applied,
                         checkpoint_version: self.durable.checkpoint_version + 1,
-                        closed_through: self.durable.closed_through,
+                        closed_through,
                     },
                     pages: passed,
                 },
@@ -193,7 +217,7 @@ mod tests {
     #[test]
     fn the_cursor_is_promoted_only_when_the_whole_page_settled() {
         let mut barrier = Barrier::new(progress("C7", 105, 4), 0);
-        barrier.fetched(Some(c("C8")), 2);
+        barrier.fetched(Some(c("C8")), 2, None);
         assert_eq!(barrier.next_write(), None, "nothing settled");
         barrier.settled(1, Some(&p(106)));
         let write = barrier.next_write().unwrap();
@@ -215,7 +239,7 @@ mod tests {
     #[test]
     fn a_later_settled_event_does_not_pass_an_unsettled_one() {
         let mut barrier = Barrier::new(progress("C20", 209, 1), 0);
-        barrier.fetched(Some(c("C21")), 3); // 210, 211, 212 are deliveries 0, 1, 2
+        barrier.fetched(Some(c("C21")), 3, None); // 210, 211, 212 are deliveries 0, 1, 2
         // 210 and 212 settled; the tracker's prefix stops at 211.
         barrier.settled(1, Some(&p(210)));
         assert_eq!(
@@ -236,9 +260,9 @@ mod tests {
     #[test]
     fn empty_pages_pass_with_the_pages_before_them_and_promotions_coalesce() {
         let mut barrier = Barrier::new(progress("C1", 10, 0), 0);
-        barrier.fetched(Some(c("C2")), 2);
-        barrier.fetched(Some(c("C3")), 2); // an empty page: no deliveries
-        barrier.fetched(Some(c("C4")), 4);
+        barrier.fetched(Some(c("C2")), 2, None);
+        barrier.fetched(Some(c("C3")), 2, None); // an empty page: no deliveries
+        barrier.fetched(Some(c("C4")), 4, None);
         assert_eq!(barrier.fetch_cursor(), Some(Some(&c("C4"))));
         barrier.settled(2, Some(&p(12)));
         let write = barrier.next_write().unwrap();
@@ -265,7 +289,7 @@ mod tests {
     fn a_page_of_replays_only_passes_at_once_and_never_lowers_the_applied_position() {
         // Durable applied 50; a page whose events were all at or below it tracks nothing.
         let mut barrier = Barrier::new(progress("C5", 50, 3), 7);
-        barrier.fetched(Some(c("C6")), 7);
+        barrier.fetched(Some(c("C6")), 7, None);
         assert_eq!(
             barrier.next_write(),
             Some(BarrierWrite::Promote {
@@ -281,7 +305,7 @@ mod tests {
     fn an_ended_partition_ends_once_its_last_page_passed() {
         let mut barrier = Barrier::new(PagedProgress::default(), 0);
         assert_eq!(barrier.fetch_cursor(), Some(None), "the first page");
-        barrier.fetched(None, 1);
+        barrier.fetched(None, 1, None);
         assert_eq!(barrier.fetch_cursor(), None, "nothing more to fetch");
         assert_eq!(barrier.next_write(), None);
         barrier.settled(1, Some(&p(1)));

@@ -24,6 +24,8 @@ pub(crate) enum PageMessage {
     Page {
         events: Vec<PagedEvent>,
         next: Option<Cursor>,
+        /// The complete-through watermark the source certified with it.
+        watermark: Option<i64>,
     },
     /// The partition cannot be read on.
     Failed(FetchError),
@@ -46,6 +48,7 @@ impl PageReader {
         let labels = [("source", self.source.name().to_string())];
         let contract = self.source.contract();
         let mut failures = Backoff::new(self.max_backoff);
+        let mut watermark_sent: Option<i64> = None;
         loop {
             let fetched = tokio::select! {
                 biased;
@@ -74,12 +77,34 @@ impl PageReader {
                     .send(PageMessage::Page {
                         events: page.events,
                         next: None,
+                        watermark: page.watermark,
                     })
                     .await;
                 return;
             };
             let unchanged = self.cursor.as_ref() == Some(&next);
             let empty = page.events.is_empty();
+            // A quiet page that only raises the certified watermark is handed over (so a quiet
+            // partition's watermark can move), with the cursor it was fetched with.
+            let raised = page.watermark > watermark_sent;
+            if empty && unchanged && raised {
+                watermark_sent = page.watermark;
+                if pages
+                    .send(PageMessage::Page {
+                        events: Vec::new(),
+                        next: Some(next),
+                        watermark: page.watermark,
+                    })
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                if sleep(self.poll_interval, &cancel).await {
+                    return;
+                }
+                continue;
+            }
             if empty && (unchanged || contract.empty_pages == EmptyPages::Refetch) {
                 metrics::counter!("shardwise_paged_unchanged_cursor_total", &labels).increment(1);
                 debug!(source = self.source.name(), partition = %self.partition, cursor = %next, "nothing new: fetching the same cursor after the poll interval");
@@ -88,10 +113,12 @@ impl PageReader {
                 }
                 continue;
             }
+            watermark_sent = watermark_sent.max(page.watermark);
             let sent = pages
                 .send(PageMessage::Page {
                     events: page.events,
                     next: Some(next.clone()),
+                    watermark: page.watermark,
                 })
                 .await;
             if sent.is_err() {

@@ -350,6 +350,25 @@ impl LeaseStore for CrashingLeases {
                 .gate(None, self.store.set_children(stream, shard_id, children)),
         )
     }
+
+    fn membership<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<Option<crate::frontier::Membership>, Error>> {
+        Box::pin(self.crash.gate(None, self.store.membership(stream)))
+    }
+
+    fn publish_membership<'a>(
+        &'a self,
+        stream: &'a str,
+        expected: Option<u64>,
+        next: &'a crate::frontier::Membership,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(
+            self.crash
+                .gate(None, self.store.publish_membership(stream, expected, next)),
+        )
+    }
 }
 
 #[derive(Debug)]

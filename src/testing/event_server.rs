@@ -52,6 +52,8 @@ struct EventBody {
 struct PageBody {
     events: Vec<EventBody>,
     next: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    watermark_ms: Option<i64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -179,6 +181,7 @@ async fn events(
             next: page
                 .next
                 .map(|c| String::from_utf8_lossy(c.as_bytes()).into_owned()),
+            watermark_ms: page.watermark,
         })
         .into_response(),
         Err(e) => refused(e),
@@ -314,7 +317,7 @@ impl PagedSource for HttpEvents {
             Ok(Page {
                 events: body.events.into_iter().map(paged_event).collect(),
                 next: body.next.map(Cursor::new),
-                watermark: None,
+                watermark: body.watermark_ms,
             })
         })
     }

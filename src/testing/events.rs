@@ -332,7 +332,9 @@ impl EventApi {
         self
     }
 
-    /// Sets the finality watermark (ms) every page by timestamp of `partition` reports.
+    /// Sets the watermark (ms) every page of `partition` reports from now on: by timestamp, a
+    /// finality watermark; by token, a certified complete-through watermark (every event at or
+    /// before it is in that page or an earlier one).
     pub fn watermark(&self, partition: &str, watermark_ms: i64) {
         self.state()
             .watermarks
@@ -488,7 +490,7 @@ impl EventApi {
                 return Ok(Page {
                     events: Vec::new(),
                     next: Some(Cursor::new(token)),
-                    watermark: None,
+                    watermark: state.watermarks.get(partition).copied(),
                 });
             }
             Some(Script::Unchanged) => {
@@ -499,7 +501,7 @@ impl EventApi {
                 return Ok(Page {
                     events: Vec::new(),
                     next: Some(Cursor::new(token)),
-                    watermark: None,
+                    watermark: state.watermarks.get(partition).copied(),
                 });
             }
             // A replay is stale: it never serves a page from beyond the requested place (that
@@ -529,7 +531,7 @@ impl EventApi {
                     return Ok(Page {
                         events: Vec::new(),
                         next: cursor.map(|t| Cursor::new(t.to_string())),
-                        watermark: None,
+                        watermark: state.watermarks.get(partition).copied(),
                     });
                 }
                 let token = state.mint(partition, end);
@@ -551,7 +553,7 @@ impl EventApi {
         Ok(Page {
             events,
             next: Some(Cursor::new(token)),
-            watermark: None,
+            watermark: state.watermarks.get(partition).copied(),
         })
     }
 }

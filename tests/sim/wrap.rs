@@ -201,6 +201,30 @@ impl LeaseStore for Store {
             self.inner.set_children(stream, shard_id, children).await
         })
     }
+
+    fn membership<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<Option<shardwise::frontier::Membership>, Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            self.calls("membership");
+            self.inner.membership(stream).await
+        })
+    }
+
+    fn publish_membership<'a>(
+        &'a self,
+        stream: &'a str,
+        expected: Option<u64>,
+        next: &'a shardwise::frontier::Membership,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            self.calls("publish_membership");
+            self.inner.publish_membership(stream, expected, next).await
+        })
+    }
 }
 
 /// The stream as one worker reaches it: reads, listings, and writes of copies and dead letters.
