@@ -464,7 +464,7 @@ impl Inner {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        if let Some(cached) = cached.filter(|_| scans % 30 != 0) {
+        if let Some(cached) = cached.filter(|_| !scans.is_multiple_of(30)) {
             let latest = frontier::compute(&coordinates, Some(&cached));
             if latest.publish.is_none() && latest.unproven.is_empty() {
                 return Ok(latest);
