@@ -113,13 +113,13 @@ fn why_none(rows: &[Lease], f: &Frontier) -> Option<String> {
         ))
     } else if !f.missing.is_empty() {
         Some(format!("no coordinate yet for {}", f.missing.join(", ")))
-    } else if let Some(next) = &f.publish {
-        Some(format!(
-            "membership epoch {:016x} is not published yet (no worker has scanned since it changed)",
-            next.epoch
-        ))
     } else {
-        None
+        f.publish.as_ref().map(|next| {
+            format!(
+                "membership epoch {:016x} is not published yet (no worker has scanned since it changed)",
+                next.epoch
+            )
+        })
     }
 }
 
