@@ -85,6 +85,9 @@ pub struct Membership {
     pub epoch: u64,
     /// The member ids, sorted.
     pub members: Vec<String>,
+    /// The seeks the rows had seen when it was published (the sum of their seek epochs): a seek
+    /// rewinds the claims of what it moved, so it starts a new epoch too.
+    pub seeks: u64,
 }
 
 /// The stream frontier at one moment.
@@ -131,6 +134,8 @@ pub struct ShardCoordinate<'a> {
     /// It was read from its own start (never moved by a seek), or it is a child shard (read from
     /// its start after its parents): it covers every time before any earlier frontier.
     pub from_start: bool,
+    /// Its seek epoch (+1 on every seek).
+    pub seek_epoch: u64,
 }
 
 /// The frontier of the stream whose shards are `rows` (one per lease row), under the membership
@@ -166,6 +171,7 @@ pub fn compute(rows: &[ShardCoordinate<'_>], published: Option<&Membership>) -> 
         .filter(|m| m.complete_through.is_none())
         .map(|m| m.shard_id.clone())
         .collect();
+    let seeks: u64 = rows.iter().map(|r| r.seek_epoch).sum();
     let (epoch, unproven, publish) = match published {
         None => (
             1,
@@ -173,9 +179,20 @@ pub fn compute(rows: &[ShardCoordinate<'_>], published: Option<&Membership>) -> 
             Some(Membership {
                 epoch: 1,
                 members: ids,
+                seeks,
             }),
         ),
-        Some(p) if p.members == ids => (p.epoch, Vec::new(), None),
+        Some(p) if p.members == ids && p.seeks == seeks => (p.epoch, Vec::new(), None),
+        // A seek rewound members: their claims start again, under the next epoch (they were
+        // moved to the seek target, and are read from there).
+        Some(p) if p.seeks != seeks => {
+            let next = Membership {
+                epoch: p.epoch + 1,
+                members: ids,
+                seeks,
+            };
+            (next.epoch, Vec::new(), Some(next))
+        }
         Some(p) => {
             let before: BTreeSet<&String> = p.members.iter().collect();
             let now: BTreeSet<&String> = ids.iter().collect();
@@ -197,6 +214,7 @@ pub fn compute(rows: &[ShardCoordinate<'_>], published: Option<&Membership>) -> 
                 let next = Membership {
                     epoch: p.epoch + 1,
                     members: ids,
+                    seeks,
                 };
                 (next.epoch, unproven, Some(next))
             } else {
@@ -249,6 +267,7 @@ mod tests {
                 children: &r.children,
                 paged: false,
                 from_start: true,
+                seek_epoch: 0,
             })
             .collect()
     }
@@ -263,6 +282,7 @@ mod tests {
         let published = before.publish.clone().unwrap_or(Membership {
             epoch: before.epoch,
             members: before.members.iter().map(|m| m.shard_id.clone()).collect(),
+            seeks: 0,
         });
         compute(&coordinates(rows), Some(&published))
     }
@@ -430,6 +450,15 @@ mod tests {
         assert_eq!((f.epoch, f.scalar, f.publish.as_ref()), (1, None, None));
         assert_eq!(f.unproven.len(), 1, "{:?}", f.unproven);
         assert_eq!(f.members.len(), 3, "the vector is still there");
+
+        // A seek rewinds the claims of what it moved: the next epoch, whatever joined.
+        for row in &mut seeked {
+            row.seek_epoch = 1;
+            row.from_start = false;
+        }
+        let f = compute(&seeked, Some(&base));
+        assert_eq!((f.epoch, f.scalar), (2, Some(90)), "{f:?}");
+        assert_eq!(f.publish.map(|m| m.seeks), Some(3));
 
         let sealed = [
             row("a", Some(100), false, &[]),

@@ -963,6 +963,7 @@ async fn membership_is_published_by_compare_and_swap_on_its_epoch(store: &dyn Le
     let first = Membership {
         epoch: 1,
         members: vec!["a".into(), "b".into()],
+        seeks: 0,
     };
     assert!(
         store
@@ -984,10 +985,12 @@ async fn membership_is_published_by_compare_and_swap_on_its_epoch(store: &dyn Le
     let grown = Membership {
         epoch: 2,
         members: vec!["a".into(), "b".into(), "c".into()],
+        seeks: 1,
     };
     let other = Membership {
         epoch: 2,
         members: vec!["a".into()],
+        seeks: 0,
     };
     assert!(
         store

@@ -50,6 +50,7 @@ mod attr {
     pub(super) const CLOSED_THROUGH: &str = "closedThrough";
     pub(super) const MEMBERSHIP_EPOCH: &str = "membershipEpoch";
     pub(super) const MEMBERS: &str = "members";
+    pub(super) const MEMBERSHIP_SEEKS: &str = "membershipSeeks";
 }
 use attr::*;
 
@@ -159,7 +160,16 @@ impl DynamoDbLeaseStore {
                 .collect::<Result<Vec<String>, Error>>()?,
             other => return Err(corrupt(format!("`{MEMBERS}` is {other:?}"))),
         };
-        Ok(Some(Membership { epoch, members }))
+        let seeks = item
+            .get(MEMBERSHIP_SEEKS)
+            .and_then(|v| v.as_n().ok())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        Ok(Some(Membership {
+            epoch,
+            members,
+            seeks,
+        }))
     }
 
     async fn put_membership(
@@ -174,6 +184,7 @@ impl DynamoDbLeaseStore {
             .table_name(&self.table)
             .item(KEY, s(Self::membership_key(stream)))
             .item(MEMBERSHIP_EPOCH, n(next.epoch))
+            .item(MEMBERSHIP_SEEKS, n(next.seeks))
             .item(
                 MEMBERS,
                 AttributeValue::L(next.members.iter().map(|m| s(m.clone())).collect()),

@@ -49,6 +49,7 @@ impl Lease {
             children: &self.children,
             paged: self.progress.is_some(),
             from_start: self.seek_epoch == 0 || !self.parents.is_empty(),
+            seek_epoch: self.seek_epoch,
         }
     }
 

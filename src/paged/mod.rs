@@ -12,6 +12,11 @@
 //! A cursor is opaque to shardwise: it is stored and handed back, and compared for equality only
 //! (a cursor that comes back unchanged means nothing new: back off), never parsed, ordered or
 //! incremented. Positions, which the source defines, are what orders events.
+//!
+//! A source that can resume only by timestamp declares [`Contract::timestamps`]: its partitions
+//! are polled strictly after the durable `closed_through` ([`PagedSource::poll_after`]) and
+//! checkpointed by closing timestamp groups when the declared [`Traversal`] and [`Finality`]
+//! contracts prove them complete (seed 000).
 
 mod barrier;
 #[cfg(feature = "cloudwatch-logs")]

@@ -13,6 +13,13 @@
 //!
 //! At the end, after a quiet phase without faults, every event of every partition has settled
 //! and each partition's applied position is its last event's.
+//!
+//! A third of the seeds read the source by timestamp instead (seed 000): events share
+//! milliseconds, ties rotate between requests (read through a snapshot per poll) or stay stable,
+//! and the finality is a later timestamp, a watermark, or a 2 s lateness bound, chosen by the
+//! seed. Checked at every write: `closedThrough` and the version never go down except by a seek,
+//! and every event at or before `closedThrough` has settled. At the end every event has settled
+//! and every group the contract can prove complete is closed.
 
 use std::collections::BTreeSet;
 use std::num::NonZeroU32;
@@ -24,10 +31,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shardwise::consumer::Settled;
 use shardwise::lease::{Change, LeaseSettings, MemoryLeaseStore};
-use shardwise::paged::PagedSource;
+use shardwise::paged::{Contract, Finality, PagedSource, Timestamps, Traversal};
 use shardwise::receipts::{Disposition, Effect, MemoryReceipts, ReceiptStore, key};
 use shardwise::seek::SeekTarget;
-use shardwise::testing::{EventApi, Faults, Script};
+use shardwise::testing::{EventApi, Faults, Script, Ties};
 use shardwise::{Consumer, Delivery, Outcome, Running};
 use tokio::time::Instant;
 
@@ -44,6 +51,9 @@ const STEP: Duration = Duration::from_millis(50);
 struct Model {
     /// Event ids (`partition-position`) with a durable outcome.
     settled: BTreeSet<String>,
+    /// The source, when it is read by timestamp (its events' timestamps are checked against
+    /// `closedThrough`).
+    by_time: Option<EventApi>,
     violations: Vec<String>,
     hasher: Md5,
     tail: Vec<String>,
@@ -64,6 +74,9 @@ impl Model {
 
     /// A write of the lease store, checked.
     fn change(&mut self, change: &Change) -> Option<String> {
+        if self.by_time.is_some() {
+            return self.closed_change(change);
+        }
         let after = change.after.as_ref()?;
         let progress = after.progress.clone().unwrap_or_default();
         let applied = progress.applied_position.as_ref().and_then(|p| p.as_u64());
@@ -96,6 +109,48 @@ impl Model {
     }
 }
 
+impl Model {
+    /// A write of a partition read by timestamp, checked: `closedThrough` and the version never go
+    /// down except by a seek, and no event at or before `closedThrough` lacks a durable outcome.
+    fn closed_change(&mut self, change: &Change) -> Option<String> {
+        let after = change.after.as_ref()?;
+        let progress = after.progress.clone().unwrap_or_default();
+        if change.operation != "seek"
+            && let Some(before) = change.before.as_ref().and_then(|b| b.progress.clone())
+        {
+            if progress.closed_through < before.closed_through {
+                return Some(format!(
+                    "{}: closedThrough went down from {:?} to {:?} ({})",
+                    after.shard_id,
+                    before.closed_through,
+                    progress.closed_through,
+                    change.operation
+                ));
+            }
+            if progress.checkpoint_version < before.checkpoint_version {
+                return Some(format!("{}: checkpoint version went down", after.shard_id));
+            }
+        }
+        let closed = progress.closed_through?;
+        let api = self.by_time.as_ref()?;
+        for event in api.events(&after.shard_id) {
+            let at = event.timestamp.map(millis).unwrap_or(i64::MIN);
+            if at <= closed && !self.settled.contains(&event.id) {
+                return Some(format!(
+                    "{}: closedThrough {closed} passes {} at {at}, which has no durable outcome ({})",
+                    after.shard_id, event.id, change.operation
+                ));
+            }
+        }
+        None
+    }
+}
+
+fn millis(t: std::time::SystemTime) -> i64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
 /// What the handler answers for attempt `attempt` of event `id`, and how long it takes.
 fn decide(seed: u64, id: &str, attempt: u32, receipts: bool) -> (Outcome, Duration) {
     let mut h = Md5::new();
@@ -123,6 +178,10 @@ struct World {
     seed: u64,
     rng: StdRng,
     api: EventApi,
+    /// The finality of a source read by timestamp; `None`: read by cursor.
+    by_time: Option<Finality>,
+    /// The latest timestamp put per partition, and how many events.
+    last: std::collections::BTreeMap<String, (i64, u64)>,
     store: MemoryLeaseStore,
     ledger: Option<MemoryReceipts>,
     model: Arc<Mutex<Model>>,
@@ -138,16 +197,42 @@ impl World {
         let partitions: Vec<String> = (0..rng.random_range(1..=3))
             .map(|p| format!("p{p}"))
             .collect();
-        let api = EventApi::new(SOURCE).page_size(rng.random_range(1..=8));
+        let mut api = EventApi::new(SOURCE).page_size(rng.random_range(1..=8));
+        // A separate generator, so the cursor seeds run as before.
+        let mut kind = StdRng::seed_from_u64(seed ^ 0x7153_0000);
+        let by_time = (seed % 3 == 2).then(|| match kind.random_range(0..3) {
+            0 => Finality::LaterTimestamp,
+            1 => Finality::Watermark,
+            _ => Finality::Lateness(Duration::from_secs(2)),
+        });
+        if let Some(finality) = by_time {
+            let contract =
+                Contract::default().timestamps(Timestamps::new(Traversal::Complete, finality));
+            api = api.contract(contract);
+            if kind.random_bool(0.5) {
+                api = api.ties(Ties::Rotate).snapshots(true);
+            }
+        }
+        let mut last = std::collections::BTreeMap::new();
         for partition in &partitions {
             for _ in 0..rng.random_range(0..30) {
-                api.push(partition, "e");
+                match by_time {
+                    None => {
+                        api.push(partition, "e");
+                    }
+                    Some(finality) => {
+                        push_at(&api, &mut last, &mut kind, finality, partition, 0);
+                    }
+                }
             }
             api.partition(partition);
         }
         let receipts = rng.random_bool(0.5);
         let store = MemoryLeaseStore::new();
-        let model = Arc::new(Mutex::new(Model::default()));
+        let model = Arc::new(Mutex::new(Model {
+            by_time: by_time.map(|_| api.clone()),
+            ..Model::default()
+        }));
         let start = Instant::now();
         let observer = model.clone();
         store.observe(Arc::new(move |change: &Change| {
@@ -159,11 +244,12 @@ impl World {
             if let Some(after) = &change.after {
                 let p = after.progress.clone().unwrap_or_default();
                 let line = format!(
-                    "store {} {} owner={:?} applied={:?} version={}",
+                    "store {} {} owner={:?} applied={:?} closed={:?} version={}",
                     change.operation,
                     after.shard_id,
                     after.owner,
                     p.applied_position.and_then(|a| a.as_u64()),
+                    p.closed_through,
                     p.checkpoint_version
                 );
                 model.event(Instant::now(), start, line);
@@ -176,11 +262,42 @@ impl World {
             ledger: receipts.then(|| MemoryReceipts::new().table(COUNTS, &["id"])),
             rng,
             api,
+            by_time,
+            last,
             store,
             model,
             start,
             partitions,
             workers: (0..workers).map(|_| None).collect(),
+        }
+    }
+
+    /// Puts an event on `partition` (by timestamp: at a time the contract allows); its id.
+    fn put(&mut self, partition: &str) -> String {
+        match self.by_time {
+            None => format!("{partition}-{}", self.api.push(partition, "e")),
+            Some(finality) => {
+                let elapsed = (Instant::now() - self.start).as_millis() as i64;
+                push_at(
+                    &self.api,
+                    &mut self.last,
+                    &mut self.rng,
+                    finality,
+                    partition,
+                    elapsed,
+                )
+            }
+        }
+    }
+
+    /// A source with a finality watermark reports one two seconds behind now: every event put
+    /// from now on is later.
+    fn watermarks(&self) {
+        if self.by_time == Some(Finality::Watermark) {
+            let now = base_ms() + (Instant::now() - self.start).as_millis() as i64;
+            for partition in &self.partitions {
+                self.api.watermark(partition, now - 2_000);
+            }
         }
     }
 
@@ -290,10 +407,33 @@ impl World {
         }
     }
 
-    /// Whether every event has settled and every partition's applied position is its last.
+    /// Whether every event has settled and every partition's applied position is its last (by
+    /// timestamp: every group the contract can prove complete is closed).
     fn done(&self) -> bool {
         let rows = self.store.snapshot();
         let model = self.model.lock().unwrap();
+        if let Some(finality) = self.by_time {
+            return self.partitions.iter().all(|partition| {
+                let events = self.api.events(partition);
+                let mut times: Vec<i64> = events
+                    .iter()
+                    .filter_map(|e| e.timestamp.map(millis))
+                    .collect();
+                times.sort_unstable();
+                times.dedup();
+                // A later timestamp proves only the groups before the newest.
+                let provable = match finality {
+                    Finality::LaterTimestamp => times.iter().rev().nth(1).copied(),
+                    _ => times.last().copied(),
+                };
+                let closed = rows
+                    .iter()
+                    .find(|r| r.stream == SOURCE && &r.shard_id == partition)
+                    .and_then(|r| r.progress.clone())
+                    .and_then(|p| p.closed_through);
+                closed >= provable && events.iter().all(|e| model.settled.contains(&e.id))
+            });
+        }
         self.partitions.iter().all(|partition| {
             let events = self.api.events(partition);
             let last = events.last().map(|e| e.position);
@@ -346,8 +486,8 @@ impl World {
                     self.event(format!("seek -> {:?}", moved.map(|r| r.moved)));
                 }
                 61..=160 => {
-                    let position = self.api.push(&partition, "e");
-                    self.event(format!("put {partition}-{position}"));
+                    let id = self.put(&partition);
+                    self.event(format!("put {id}"));
                 }
                 161..=220 => {
                     let script = self.script();
@@ -357,6 +497,7 @@ impl World {
                 221..=240 => self.operator(false).await,
                 _ => {}
             }
+            self.watermarks();
             tokio::time::sleep(STEP).await;
         }
 
@@ -395,6 +536,7 @@ impl World {
                 break;
             }
             self.operator(true).await;
+            self.watermarks();
             tokio::time::sleep(STEP).await;
         }
         for running in self.workers.iter_mut().filter_map(Option::take) {
@@ -432,6 +574,33 @@ impl World {
             invocations: model.invocations,
         }
     }
+}
+
+fn base_ms() -> i64 {
+    millis(crate::world::base())
+}
+
+/// Puts the next event of `partition` at a time the finality contract allows, `elapsed` ms into
+/// the run; returns its id (`p0-7`). A later-timestamp source never goes back (ties are common);
+/// the others take events up to a second late.
+fn push_at(
+    api: &EventApi,
+    last: &mut std::collections::BTreeMap<String, (i64, u64)>,
+    rng: &mut StdRng,
+    finality: Finality,
+    partition: &str,
+    elapsed: i64,
+) -> String {
+    let now = base_ms() + elapsed;
+    let (latest, count) = last.get(partition).copied().unwrap_or((now - 1_000, 0));
+    let at = match finality {
+        Finality::LaterTimestamp => latest.max(now - rng.random_range(0..500)),
+        _ => now - rng.random_range(0..1_000),
+    };
+    let id = format!("{partition}-{}", count + 1);
+    api.push_at(partition, &id, at, "e");
+    last.insert(partition.to_string(), (latest.max(at), count + 1));
+    id
 }
 
 /// The event's identity in the source (`p0-7`).
