@@ -143,10 +143,13 @@ pub struct ShardCoordinate<'a> {
 pub fn compute(rows: &[ShardCoordinate<'_>], published: Option<&Membership>) -> Frontier {
     let by_shard: HashMap<&str, &ShardCoordinate<'_>> =
         rows.iter().map(|r| (r.shard_id, r)).collect();
+    // A child covers its part of the parent once it carries a coordinate. A child without a row
+    // was deleted: rows go only at SHARD_END, once their own children started (and a child's row
+    // is created before it is recorded on its parent), so it is covered too.
     let covered = |child: &String| {
         by_shard
             .get(child.as_str())
-            .is_some_and(|c| c.complete_through.is_some())
+            .is_none_or(|c| c.complete_through.is_some())
     };
     let members: BTreeMap<&str, Member> = rows
         .iter()
@@ -473,6 +476,15 @@ mod tests {
             (2, Some(100)),
             "a deleted row was ended"
         );
+
+        // An ended parent whose child's row was deleted (the child ended and aged out) does not
+        // come back.
+        let gone = [
+            row("p", Some(100), true, &["c"]),
+            row("a", Some(120), false, &[]),
+        ];
+        let f = compute(&coordinates(&gone), None);
+        assert_eq!(f.members.len(), 1, "{f:?}");
 
         // A published member whose row is there and not ended cannot leave: here it never does
         // (every unended row is a member), and a Kinesis parent leaves only once its children

@@ -110,8 +110,10 @@ pub async fn seek(
 /// Moves every partition of a paged source to `target`, each partition alone (partitions have no
 /// lineage). [`SeekTarget::TrimHorizon`]: from the first page, nothing applied.
 /// [`SeekTarget::Timestamp`]: from the cursor the source gives for that time
-/// ([`PagedSource::cursor_at`]); a source that cannot start at a time refuses. The version of each
-/// row is bumped, so no page fetched before the seek passes its barrier after it. Rows are created
+/// ([`PagedSource::cursor_at`]); a source that cannot start at a time refuses. A source read by
+/// timestamp is closed through the millisecond before the time (nothing closed, at the trim
+/// horizon), so its next poll reads every event at or after it. The version of each row is bumped,
+/// so no page fetched (or close proposed) before the seek is written after it. Rows are created
 /// for partitions without one.
 pub async fn seek_paged(
     store: &dyn LeaseStore,
@@ -121,7 +123,30 @@ pub async fn seek_paged(
     let stream = source.name();
     let partitions = source.partitions().await?;
     let mut moves: Vec<Move> = Vec::with_capacity(partitions.len());
+    let by_time = source.contract().timestamps.is_some();
     for partition in &partitions {
+        // A source read by timestamp resumes strictly after `closedThrough`: a seek to a time
+        // closes through the millisecond before it.
+        if by_time {
+            let closed_through = match target {
+                SeekTarget::TrimHorizon => None,
+                SeekTarget::Timestamp(t) => Some(crate::time::millis(*t) - 1),
+                _ => {
+                    return Err(ConfigError::new(
+                        "seek",
+                        target,
+                        "a paged source seeks to trim-horizon or to a time",
+                    )
+                    .into());
+                }
+            };
+            let progress = PagedProgress {
+                closed_through,
+                ..PagedProgress::default()
+            };
+            moves.push((partition.clone(), Checkpoint::TrimHorizon, Some(progress)));
+            continue;
+        }
         let resume_cursor = match target {
             SeekTarget::TrimHorizon => None,
             SeekTarget::Timestamp(t) => Some(source.cursor_at(partition, *t).ok_or_else(|| {
@@ -166,7 +191,7 @@ pub async fn seek_paged(
     let mut report = SeekReport::default();
     for m in moves {
         move_group(store, stream, std::slice::from_ref(&m)).await?;
-        tracing::info!(source = stream, partition = %m.0, cursor = ?m.2.as_ref().and_then(|p| p.resume_cursor.as_ref()), "seek: partition moved");
+        tracing::info!(source = stream, partition = %m.0, cursor = ?m.2.as_ref().and_then(|p| p.resume_cursor.as_ref()), closed_through = ?m.2.as_ref().and_then(|p| p.closed_through), "seek: partition moved");
         report.moved.push(m.0);
     }
     Ok(report)

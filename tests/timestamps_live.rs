@@ -1223,3 +1223,78 @@ async fn page_watermarks_are_promoted_by_the_barrier_and_never_made_up() {
     }
     Arc::into_inner(tables).unwrap().drop_all().await;
 }
+
+/// A seek of a source read by timestamp to a time closes each partition through the millisecond
+/// before it: the next poll reads every event at or after that time again (nothing before it),
+/// and the groups close again as they are proven. A seek to the trim horizon removes
+/// `closedThrough`: everything is read again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seek_to_a_time_reads_again_from_that_timestamp() {
+    let live = live_or_skip!();
+    let tables = Tables::new(live, APP).await;
+    let name = support::unique_name("seek-by-time");
+    let (api, _server, source) = serve(
+        &name,
+        2,
+        |api| api,
+        contracts(Traversal::Complete, Finality::LaterTimestamp),
+        &[("A", T10_01), ("B", T10_02), ("C", T10_03)],
+    )
+    .await;
+    let calls = Calls::default();
+    let run = || async {
+        builder(
+            &source,
+            &tables,
+            "w1",
+            counting(&tables, &name, &calls, &[], None),
+        )
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap()
+    };
+    let running = run().await;
+    wait_closed(&tables, &name, T10_02).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let before = tables.progress(&name, "p").await;
+
+    let moved = shardwise::seek::seek_paged(
+        tables.leases.as_ref(),
+        &source,
+        &shardwise::seek::SeekTarget::Timestamp(
+            std::time::UNIX_EPOCH + Duration::from_millis(T10_02 as u64),
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(moved.moved, ["p"]);
+    let sought = tables.progress(&name, "p").await;
+    assert_eq!(sought.closed_through, Some(T10_02 - 1));
+    assert!(sought.checkpoint_version > before.checkpoint_version);
+
+    let running = run().await;
+    wait_closed(&tables, &name, T10_02).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(
+        (calls.count("A"), calls.count("B"), calls.count("C")),
+        (1, 2, 2),
+        "B and C read again, A not"
+    );
+    assert!(
+        api.polls("p").contains(&Some(T10_02 - 1)),
+        "a poll strictly after the millisecond before the seek's time"
+    );
+    assert_counted_once(&tables, &name, &["A", "B", "C"], &calls).await;
+
+    shardwise::seek::seek_paged(
+        tables.leases.as_ref(),
+        &source,
+        &shardwise::seek::SeekTarget::TrimHorizon,
+    )
+    .await
+    .unwrap();
+    assert_eq!(tables.progress(&name, "p").await.closed_through, None);
+    tables.drop_all().await;
+}
