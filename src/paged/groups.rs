@@ -73,8 +73,8 @@ pub(crate) struct Groups {
     /// Every group strictly before this timestamp is complete and final (this attempt's
     /// evidence).
     complete_before: Option<i64>,
-    /// Identities of the groups this attempt closed, kept for `remember_ms` behind
-    /// `closed_through`: an audit that reads them again sees them as known, not late.
+    /// Identities of the groups this attempt closed, and of late events it handed out, kept for
+    /// `remember_ms` behind `closed_through`: an audit that reads them again sees them as known.
     closed_ids: BTreeMap<i64, std::collections::HashSet<String>>,
     remember_ms: i64,
 }
@@ -129,11 +129,13 @@ impl Groups {
             .closed_through
             .is_some_and(|closed| timestamp <= closed)
         {
-            let known = self
+            // Known from now on: handed out once by this attempt.
+            let fresh = self
                 .closed_ids
-                .get(&timestamp)
-                .is_some_and(|ids| ids.contains(id));
-            return if known { Seen::Again } else { Seen::Late };
+                .entry(timestamp)
+                .or_default()
+                .insert(id.to_string());
+            return if fresh { Seen::Late } else { Seen::Again };
         }
         let group = self.open.entry(timestamp).or_default();
         if group.contains_key(id) {
@@ -334,6 +336,11 @@ mod tests {
         // attempt closed is known.
         assert_eq!(g.saw(T10_01, "F"), Seen::Late);
         assert_eq!(g.saw(T10_01, "E"), Seen::Again);
+        assert_eq!(
+            g.saw(T10_01, "F"),
+            Seen::Again,
+            "a late event is handed out once"
+        );
     }
 
     /// A quiet stream: the newest group has no later timestamp, so it stays open (and is read

@@ -437,6 +437,13 @@ impl EventApi {
                 if state.snapshots_enabled {
                     let id = request;
                     state.snapshots.insert(id, events.clone());
+                    // Polls in progress read the newest snapshots; older ones go.
+                    if state.snapshots.len() > 64 {
+                        let oldest = state.snapshots.keys().min().copied();
+                        if let Some(oldest) = oldest {
+                            state.snapshots.remove(&oldest);
+                        }
+                    }
                     (Some(id), events)
                 } else {
                     (None, events)
