@@ -354,6 +354,7 @@ mod tests {
             complete_through: None,
             seek_epoch: 0,
             progress: None,
+            wanted_by: None,
         }
     }
 

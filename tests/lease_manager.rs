@@ -369,6 +369,24 @@ impl LeaseStore for Counting {
         self.inner.set_children(stream, shard_id, children)
     }
 
+    fn request<'a>(
+        &'a self,
+        seen: &'a shardwise::lease::Lease,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.tick();
+        self.inner.request(seen, taker)
+    }
+
+    fn pass<'a>(
+        &'a self,
+        held: &'a shardwise::lease::Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.tick();
+        self.inner.pass(held, taker)
+    }
+
     fn membership<'a>(
         &'a self,
         stream: &'a str,

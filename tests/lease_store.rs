@@ -1016,6 +1016,69 @@ async fn membership_is_published_by_compare_and_swap_on_its_epoch(store: &dyn Le
     );
 }
 
+/// Cooperative handoff: a taker asks (`wantedBy`), the owner keeps renewing and checkpointing,
+/// then passes the lease to that taker alone (owner, epoch + 1, request cleared). A second request
+/// while one is pending, a request from a stale view, and a pass to anyone else are refused; the
+/// old owner is fenced after the pass. A take or a release clears a request.
+async fn a_handoff_is_requested_once_and_passed_only_to_the_taker(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (seen, w1) = held(store, &stream, "w1").await;
+    assert!(store.request(&seen, "w2").await.unwrap());
+    assert!(
+        !store.request(&seen, "w3").await.unwrap(),
+        "one request at a time"
+    );
+    let wanted = row(store, &stream).await;
+    assert_eq!(wanted.wanted_by.as_deref(), Some("w2"));
+    assert_eq!(
+        (wanted.owner.as_deref(), wanted.owner_epoch),
+        (Some("w1"), w1.epoch)
+    );
+    assert!(store.renew(&w1).await.unwrap(), "the owner keeps renewing");
+    assert_eq!(
+        store
+            .checkpoint(
+                &w1,
+                &at(
+                    "49590338271490256608559692538361571095921575989136588898",
+                    0
+                ),
+                None
+            )
+            .await
+            .unwrap(),
+        CheckpointWrite::Written,
+        "and checkpointing"
+    );
+    assert!(
+        !store.pass(&w1, "w3").await.unwrap(),
+        "only to the taker that asked"
+    );
+    assert!(store.pass(&w1, "w2").await.unwrap());
+    let passed = row(store, &stream).await;
+    assert_eq!(passed.owner.as_deref(), Some("w2"));
+    assert_eq!(passed.owner_epoch, w1.epoch + 1);
+    assert_eq!(passed.wanted_by, None);
+    assert!(!store.renew(&w1).await.unwrap(), "the old owner is fenced");
+    assert!(!store.pass(&w1, "w2").await.unwrap());
+    assert!(
+        !store.request(&seen, "w3").await.unwrap(),
+        "a stale view cannot ask"
+    );
+
+    // A take (here by the new owner's rival, after expiry) and a release clear a request.
+    let w2 = passed.ownership().unwrap();
+    assert!(store.request(&passed, "w3").await.unwrap());
+    assert!(store.release(&w2).await.unwrap());
+    let released = row(store, &stream).await;
+    assert_eq!((&released.owner, &released.wanted_by), (&None, &None));
+    let taken = store.take(&released, "w3").await.unwrap().unwrap();
+    assert!(store.request(&taken, "w4").await.unwrap());
+    let again = row(store, &stream).await;
+    let stolen = store.take(&again, "w5").await.unwrap().unwrap();
+    assert_eq!(stolen.wanted_by, None, "a steal clears the request");
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -1071,6 +1134,7 @@ conformance!(
     a_seek_resets_paged_progress_and_bumps_the_version,
     closed_through_moves_forward_by_compare_and_swap,
     membership_is_published_by_compare_and_swap_on_its_epoch,
+    a_handoff_is_requested_once_and_passed_only_to_the_taker,
 );
 
 // ---------------------------------------------------------------------------------------------

@@ -419,6 +419,22 @@ impl LeaseStore for SlowSeeks {
         self.0.set_children(stream, shard_id, children)
     }
 
+    fn request<'a>(
+        &'a self,
+        seen: &'a shardwise::lease::Lease,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.0.request(seen, taker)
+    }
+
+    fn pass<'a>(
+        &'a self,
+        held: &'a shardwise::lease::Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.0.pass(held, taker)
+    }
+
     fn membership<'a>(
         &'a self,
         stream: &'a str,

@@ -106,6 +106,22 @@ impl LeaseStore for Hanging {
         self.gate(self.inner.set_children(stream, shard_id, children))
     }
 
+    fn request<'a>(
+        &'a self,
+        seen: &'a shardwise::lease::Lease,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.gate(self.inner.request(seen, taker))
+    }
+
+    fn pass<'a>(
+        &'a self,
+        held: &'a shardwise::lease::Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.gate(self.inner.pass(held, taker))
+    }
+
     fn membership<'a>(
         &'a self,
         stream: &'a str,

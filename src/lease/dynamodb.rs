@@ -48,6 +48,7 @@ mod attr {
     pub(super) const APPLIED_POSITION: &str = "appliedPosition";
     pub(super) const CHECKPOINT_VERSION: &str = "checkpointVersion";
     pub(super) const CLOSED_THROUGH: &str = "closedThrough";
+    pub(super) const WANTED_BY: &str = "wantedBy";
     pub(super) const MEMBERSHIP_EPOCH: &str = "membershipEpoch";
     pub(super) const MEMBERS: &str = "members";
     pub(super) const MEMBERSHIP_SEEKS: &str = "membershipSeeks";
@@ -288,8 +289,10 @@ impl DynamoDbLeaseStore {
             .update_expression(
                 "SET #owner = :owner, \
                  #counter = if_not_exists(#counter, :zero) + :one, \
-                 #epoch = if_not_exists(#epoch, :zero) + :one",
+                 #epoch = if_not_exists(#epoch, :zero) + :one \
+                 REMOVE #wanted",
             )
+            .expression_attribute_names("#wanted", WANTED_BY)
             .expression_attribute_names("#key", KEY)
             .expression_attribute_names("#owner", OWNER)
             .expression_attribute_names("#counter", COUNTER)
@@ -339,6 +342,87 @@ impl DynamoDbLeaseStore {
             .expression_attribute_names("#counter", COUNTER)
             .expression_attribute_values(":owner", s(&held.owner))
             .expression_attribute_values(":epoch", n(held.epoch))
+            .expression_attribute_values(":one", n(1u64))
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(true),
+            Err(err) if is_condition_failed(&err) => Ok(false),
+            Err(err) => Err(self.failed("UpdateItem", err)),
+        }
+    }
+
+    /// `release`: owner removed, counter + 1, any handoff request removed.
+    async fn release_row(&self, held: &Ownership) -> Result<bool, Error> {
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(held.key()))
+            .update_expression("REMOVE #owner, #wanted SET #counter = #counter + :one")
+            .condition_expression("#owner = :owner AND #epoch = :epoch")
+            .expression_attribute_names("#owner", OWNER)
+            .expression_attribute_names("#epoch", EPOCH)
+            .expression_attribute_names("#counter", COUNTER)
+            .expression_attribute_names("#wanted", WANTED_BY)
+            .expression_attribute_values(":owner", s(&held.owner))
+            .expression_attribute_values(":epoch", n(held.epoch))
+            .expression_attribute_values(":one", n(1u64))
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(true),
+            Err(err) if is_condition_failed(&err) => Ok(false),
+            Err(err) => Err(self.failed("UpdateItem", err)),
+        }
+    }
+
+    async fn request_row(&self, seen: &Lease, taker: &str) -> Result<bool, Error> {
+        let Some(owner) = &seen.owner else {
+            return Ok(false);
+        };
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(seen.key()))
+            .update_expression("SET #wanted = :taker")
+            .condition_expression(
+                "#owner = :owner AND #epoch = :epoch AND attribute_not_exists(#wanted)",
+            )
+            .expression_attribute_names("#owner", OWNER)
+            .expression_attribute_names("#epoch", EPOCH)
+            .expression_attribute_names("#wanted", WANTED_BY)
+            .expression_attribute_values(":owner", s(owner))
+            .expression_attribute_values(":epoch", n(seen.owner_epoch))
+            .expression_attribute_values(":taker", s(taker))
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(true),
+            Err(err) if is_condition_failed(&err) => Ok(false),
+            Err(err) => Err(self.failed("UpdateItem", err)),
+        }
+    }
+
+    async fn pass_row(&self, held: &Ownership, taker: &str) -> Result<bool, Error> {
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(held.key()))
+            .update_expression(
+                "SET #owner = :taker, #epoch = #epoch + :one, #counter = #counter + :one \
+                 REMOVE #wanted",
+            )
+            .condition_expression("#owner = :owner AND #epoch = :epoch AND #wanted = :taker")
+            .expression_attribute_names("#owner", OWNER)
+            .expression_attribute_names("#epoch", EPOCH)
+            .expression_attribute_names("#counter", COUNTER)
+            .expression_attribute_names("#wanted", WANTED_BY)
+            .expression_attribute_values(":owner", s(&held.owner))
+            .expression_attribute_values(":epoch", n(held.epoch))
+            .expression_attribute_values(":taker", s(taker))
             .expression_attribute_values(":one", n(1u64))
             .send()
             .await;
@@ -831,7 +915,7 @@ impl LeaseStore for DynamoDbLeaseStore {
     }
 
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(self.fenced(held, "REMOVE #owner SET #counter = #counter + :one"))
+        Box::pin(self.release_row(held))
     }
 
     fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
@@ -857,6 +941,22 @@ impl LeaseStore for DynamoDbLeaseStore {
         children: &'a [String],
     ) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(self.set_children_row(stream, shard_id, children))
+    }
+
+    fn request<'a>(
+        &'a self,
+        seen: &'a Lease,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.request_row(seen, taker))
+    }
+
+    fn pass<'a>(
+        &'a self,
+        held: &'a Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.pass_row(held, taker))
     }
 
     fn membership<'a>(
@@ -953,6 +1053,7 @@ fn parse_row(item: &Item) -> Result<Lease, Error> {
         complete_through: row.number(COMPLETE_THROUGH)?,
         seek_epoch: row.number(SEEK_EPOCH)?.unwrap_or(0),
         progress: row.progress()?,
+        wanted_by: row.optional_string(WANTED_BY)?,
         stream,
         shard_id,
     })

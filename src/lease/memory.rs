@@ -251,6 +251,7 @@ impl LeaseStore for MemoryLeaseStore {
                 complete_through: None,
                 seek_epoch: 0,
                 progress: None,
+                wanted_by: None,
             };
             rows.changes.push(("create", None, Some(row.clone())));
             rows.rows.insert(key, row);
@@ -272,6 +273,7 @@ impl LeaseStore for MemoryLeaseStore {
                 row.owner = Some(owner.to_owned());
                 row.counter += 1;
                 row.owner_epoch += 1;
+                row.wanted_by = None;
                 taken = Some(row.clone());
                 true
             });
@@ -419,6 +421,7 @@ impl LeaseStore for MemoryLeaseStore {
                 && rows.change("release", &held.key(), |row| {
                     row.owner = None;
                     row.counter += 1;
+                    row.wanted_by = None;
                     true
                 })
         })
@@ -435,6 +438,46 @@ impl LeaseStore for MemoryLeaseStore {
                 row.children = children.to_vec();
                 true
             });
+        })
+    }
+
+    fn request<'a>(
+        &'a self,
+        seen: &'a Lease,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.call("request", true, move |rows| {
+            rows.change("request", &seen.key(), |row| {
+                if row.owner.is_none()
+                    || row.owner != seen.owner
+                    || row.owner_epoch != seen.owner_epoch
+                    || row.wanted_by.is_some()
+                {
+                    return false;
+                }
+                row.wanted_by = Some(taker.to_string());
+                true
+            })
+        })
+    }
+
+    fn pass<'a>(
+        &'a self,
+        held: &'a Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.call("pass", true, move |rows| {
+            rows.held(held)
+                && rows.change("pass", &held.key(), |row| {
+                    if row.wanted_by.as_deref() != Some(taker) {
+                        return false;
+                    }
+                    row.owner = Some(taker.to_string());
+                    row.owner_epoch += 1;
+                    row.counter += 1;
+                    row.wanted_by = None;
+                    true
+                })
         })
     }
 

@@ -187,6 +187,7 @@ mod tests {
             complete_through: None,
             seek_epoch: 0,
             progress: None,
+            wanted_by: None,
         }
     }
 

@@ -29,6 +29,9 @@ pub struct Lease {
     /// A paged partition's progress (`None` for a Kinesis shard, and for a partition that has
     /// written none yet: it reads from its first page).
     pub progress: Option<PagedProgress>,
+    /// A worker that asked the owner to hand the lease over (cooperative handoff); cleared by
+    /// every take, release and pass.
+    pub wanted_by: Option<String>,
 }
 
 impl Lease {

@@ -163,6 +163,23 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         children: &'a [String],
     ) -> BoxFuture<'a, Result<(), Error>>;
 
+    /// Asks the owner of `seen` to hand the lease to `taker` (cooperative handoff): sets
+    /// `wantedBy`, conditioned on the owner and epoch seen and on no request being pending. The
+    /// owner keeps the lease (its renewals and checkpoints are unaffected). `false` when the
+    /// condition failed.
+    fn request<'a>(&'a self, seen: &'a Lease, taker: &'a str)
+    -> BoxFuture<'a, Result<bool, Error>>;
+
+    /// Hands a held lease to the worker that asked for it: owner = `taker`, epoch + 1, counter + 1,
+    /// `wantedBy` removed; conditioned on the owner, the epoch and `wantedBy = taker`. Call it
+    /// after the final checkpoint. `false` when the condition failed (the lease was lost, or the
+    /// request is gone).
+    fn pass<'a>(
+        &'a self,
+        held: &'a Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>>;
+
     /// The frontier membership published for `stream`, if any (read consistently).
     fn membership<'a>(
         &'a self,

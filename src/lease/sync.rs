@@ -246,6 +246,7 @@ mod tests {
             complete_through: Some(1),
             seek_epoch: 0,
             progress: None,
+            wanted_by: None,
         }
     }
 

@@ -351,6 +351,22 @@ impl LeaseStore for CrashingLeases {
         )
     }
 
+    fn request<'a>(
+        &'a self,
+        seen: &'a Lease,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.crash.gate(None, self.store.request(seen, taker)))
+    }
+
+    fn pass<'a>(
+        &'a self,
+        held: &'a Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.crash.gate(None, self.store.pass(held, taker)))
+    }
+
     fn membership<'a>(
         &'a self,
         stream: &'a str,

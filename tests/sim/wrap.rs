@@ -202,6 +202,30 @@ impl LeaseStore for Store {
         })
     }
 
+    fn request<'a>(
+        &'a self,
+        seen: &'a shardwise::lease::Lease,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            self.calls("request");
+            self.inner.request(seen, taker).await
+        })
+    }
+
+    fn pass<'a>(
+        &'a self,
+        held: &'a shardwise::lease::Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            self.calls("pass");
+            self.inner.pass(held, taker).await
+        })
+    }
+
     fn membership<'a>(
         &'a self,
         stream: &'a str,
