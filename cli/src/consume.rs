@@ -119,6 +119,11 @@ pub(crate) struct Args {
     #[arg(long, value_name = "MS", default_value_t = 2_000)]
     scan_interval_ms: u64,
 
+    /// Cooperative handoff: how long a worker asked for one of its leases lets in-flight
+    /// deliveries settle before it aborts them, checkpoints and hands the lease over.
+    #[arg(long, value_name = "MS", default_value_t = 5_000)]
+    handoff_timeout_ms: u64,
+
     /// Least time between two checkpoint writes of a shard.
     #[arg(long, value_name = "MS", default_value_t = 1_000)]
     checkpoint_interval_ms: u64,
@@ -221,6 +226,7 @@ impl Args {
             "checkpoint_interval" => Some(self.checkpoint_interval_ms.to_string()),
             "lease_duration" | "renew_interval" => Some(self.lease_duration_ms.to_string()),
             "scan_interval" => Some(self.scan_interval_ms.to_string()),
+            "handoff_timeout" => Some(self.handoff_timeout_ms.to_string()),
             "dead_letter" => self.dead_letter.clone(),
             "max_attempts" => self.max_attempts.map(|n| n.to_string()),
             "hold_poll_interval" => Some(self.hold_poll_interval_ms.to_string()),
@@ -262,6 +268,7 @@ fn source_of(setting: &str) -> Option<Source> {
         // The lease is renewed every third of its duration.
         "lease_duration" | "renew_interval" => "--lease-duration-ms",
         "scan_interval" => "--scan-interval-ms",
+        "handoff_timeout" => "--handoff-timeout-ms",
         "dead_letter" => "--dead-letter",
         "max_attempts" => "--max-attempts",
         "hold_poll_interval" => "--hold-poll-interval-ms",
@@ -512,7 +519,8 @@ fn build<H: Handler>(builder: ConsumerBuilder<H>, args: &Args) -> Result<Consume
 fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBuilder<H> {
     let lease = LeaseSettings::default()
         .lease_duration(Duration::from_millis(args.lease_duration_ms))
-        .scan_interval(Duration::from_millis(args.scan_interval_ms));
+        .scan_interval(Duration::from_millis(args.scan_interval_ms))
+        .handoff_timeout(Duration::from_millis(args.handoff_timeout_ms));
     let builder = match (&args.log_group, &args.stream) {
         (Some(group), _) => {
             let logs = aws_sdk_cloudwatchlogs::Client::new(&config);

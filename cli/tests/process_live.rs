@@ -2063,3 +2063,262 @@ async fn a_held_record_waits_for_the_operator_and_settles_when_quarantined() {
     cleanup(&live, &stream, &app).await;
     live.delete_table(&receipts).await;
 }
+
+/// Cooperative handoff, the scenario of issue 15: two workers start together on a 4-shard stream
+/// (4,000 records, 1 ms handler) and balance; half way, one gets SIGTERM. Balancing moves leases
+/// by request and handoff (the owner stops reading, settles, checkpoints and passes the lease),
+/// and the stopped worker's leases go back at its final checkpoints: nothing is handled twice,
+/// nothing is skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_and_a_sigterm_handle_every_record_exactly_once() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-handoff");
+    let app = support::unique_name("pl-handoff-app");
+    live.create_stream(&stream, 4).await;
+    let (n, keys) = (4000u64, 16u64);
+    let log = Log::default();
+    let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(200));
+    let args: Vec<&str> = FAST
+        .iter()
+        .copied()
+        .chain(["--lanes", "2", "--handler-delay-ms", "1"])
+        .collect();
+    let writer = tokio::spawn({
+        let stream = stream.clone();
+        async move { put(&stream, n, keys, 0).await }
+    });
+    let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
+    let mut b = Worker::spawn(&stream, &app, "B", &args, &log);
+    eventually("half handled", Duration::from_secs(60), || {
+        log.len() as u64 >= n / 2
+    })
+    .await;
+    b.stop_gracefully(Duration::from_secs(30)).await;
+    writer.await.expect("put");
+    eventually("every id handled", Duration::from_secs(60), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    a.stop_gracefully(Duration::from_secs(30)).await;
+    watcher.finish().await;
+    let handed = |w: &Worker| {
+        std::fs::read_to_string(&w.stderr)
+            .unwrap_or_default()
+            .matches("lease handed over")
+            .count()
+    };
+    let handoffs = handed(&a) + handed(&b);
+
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    let dups = duplicates(&lines);
+    eprintln!(
+        "two workers, SIGTERM half way: {} lines, {} handled twice, {handoffs} handoffs",
+        lines.len(),
+        dups.len()
+    );
+    assert!(
+        dups.is_empty(),
+        "{} ids handled twice: {:?}",
+        dups.len(),
+        dups.iter().take(20).collect::<Vec<_>>()
+    );
+    assert_order_per_worker(&lines, keys);
+    cleanup(&live, &stream, &app).await;
+}
+
+/// A third worker joins two busy ones on a 4-shard stream: it asks for a lease, the owner hands
+/// it over at its final checkpoint, and the joiner starts exactly there. Nothing is handled twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_joining_busy_ones_takes_leases_over_without_duplicates() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-join");
+    let app = support::unique_name("pl-join-app");
+    live.create_stream(&stream, 4).await;
+    let (n, keys) = (4000u64, 16u64);
+    let log = Log::default();
+    let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(200));
+    let args: Vec<&str> = FAST
+        .iter()
+        .copied()
+        .chain(["--lanes", "2", "--handler-delay-ms", "2"])
+        .collect();
+    let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "A holds all 4 shards",
+        Duration::from_secs(30),
+        |r| load(r).get("A") == Some(&4),
+    )
+    .await;
+    let writer = tokio::spawn({
+        let stream = stream.clone();
+        async move { put(&stream, n, keys, 0).await }
+    });
+    eventually("A busy", Duration::from_secs(60), || {
+        log.len() as u64 >= n / 8
+    })
+    .await;
+    let mut b = Worker::spawn(&stream, &app, "B", &args, &log);
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "A and B balanced",
+        Duration::from_secs(30),
+        |r| load(r).get("A") == Some(&2) && load(r).get("B") == Some(&2),
+    )
+    .await;
+    eventually("a quarter more handled", Duration::from_secs(60), || {
+        log.len() as u64 >= n / 2
+    })
+    .await;
+    let mut c = Worker::spawn(&stream, &app, "C", &args, &log);
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "C holds one",
+        Duration::from_secs(30),
+        |r| load(r).get("C") == Some(&1),
+    )
+    .await;
+    writer.await.expect("put");
+    eventually("every id handled", Duration::from_secs(90), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for w in [&mut c, &mut b, &mut a] {
+        w.stop_gracefully(Duration::from_secs(30)).await;
+    }
+    watcher.finish().await;
+
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    let dups = duplicates(&lines);
+    let by_c = lines.iter().filter(|h| h.worker == "C").count();
+    eprintln!(
+        "join: {} lines, {} by C, {} handled twice",
+        lines.len(),
+        by_c,
+        dups.len()
+    );
+    assert!(by_c > 0, "C handled nothing: the handoff was not exercised");
+    assert!(
+        dups.is_empty(),
+        "{} ids handled twice: {:?}",
+        dups.len(),
+        dups.iter().take(20).collect::<Vec<_>>()
+    );
+    assert_order_per_worker(&lines, keys);
+    cleanup(&live, &stream, &app).await;
+}
+
+/// The handoff timeout expiring: A holds every lease and is paused with SIGSTOP, so it never
+/// answers B's request; the lease duration (20 s) is far longer than B's patience (the handoff
+/// timeout of 1 s, one scan and one renewal), so B steals the lease it asked for rather than
+/// waiting for expiry. Woken with SIGCONT, A's renewals and checkpoints of the stolen leases are
+/// refused (it loses them), no checkpoint goes backwards, and nothing is skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_paused_past_the_handoff_timeout_is_stolen_from_and_fenced() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-stop");
+    let app = support::unique_name("pl-stop-app");
+    live.create_stream(&stream, 4).await;
+    let (n, keys) = (2000u64, 16u64);
+    let log = Log::default();
+    let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(200));
+    let args = [
+        "--lease-duration-ms",
+        "20000",
+        "--scan-interval-ms",
+        "500",
+        "--checkpoint-interval-ms",
+        "200",
+        "--poll-interval-ms",
+        "200",
+        "--handoff-timeout-ms",
+        "1000",
+        "--lanes",
+        "2",
+        "--handler-delay-ms",
+        "1",
+    ];
+    let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "A holds all 4 shards",
+        Duration::from_secs(30),
+        |r| load(r).get("A") == Some(&4),
+    )
+    .await;
+    put(&stream, n / 2, keys, 0).await;
+    eventually("A handled the first half", Duration::from_secs(60), || {
+        log.distinct_ids() as u64 >= n / 2
+    })
+    .await;
+    let signal = |sig: &str, pid: u32| {
+        let status = Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+    };
+    signal("-STOP", a.child.id());
+    let paused = Instant::now();
+    put(&stream, n / 2, keys, n / 2).await;
+    let mut b = Worker::spawn(&stream, &app, "B", &args, &log);
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "B stole one",
+        Duration::from_secs(30),
+        |r| load(r).get("B").is_some_and(|n| *n >= 1),
+    )
+    .await;
+    let stolen_after = paused.elapsed();
+    assert!(
+        stolen_after < Duration::from_secs(20),
+        "B proceeded after {stolen_after:?}: before A's lease could expire"
+    );
+    signal("-CONT", a.child.id());
+    eventually("every id handled", Duration::from_secs(90), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    b.stop_gracefully(Duration::from_secs(30)).await;
+    a.stop_gracefully(Duration::from_secs(30)).await;
+    watcher.finish().await;
+    let a_said = std::fs::read_to_string(&a.stderr).unwrap_or_default();
+    let b_said = std::fs::read_to_string(&b.stderr).unwrap_or_default();
+    assert!(
+        b_said.contains("did not hand the lease over in time"),
+        "B stole after its request went unanswered"
+    );
+    assert!(
+        a_said.contains("lease lost"),
+        "A, woken, lost the stolen lease"
+    );
+
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    eprintln!(
+        "paused owner: B stole after {stolen_after:?}; {} handled twice",
+        duplicates(&lines).len()
+    );
+    cleanup(&live, &stream, &app).await;
+}

@@ -598,16 +598,64 @@ enum Work<H> {
 }
 
 impl<H: Handler> Work<H> {
+    /// Starts a shard's work. Its graceful stop and abort are its own, below the worker's: a
+    /// handoff request stops this shard alone, and aborts its handlers once the handoff timeout
+    /// has passed, so it writes its final checkpoint and is handed over.
     fn spawn(&self, tasks: &mut JoinSet<ShardExit>, lease: HeldLease) -> tokio::task::AbortHandle {
+        let (stop, abort, settings) = match self {
+            Work::Shards(ctx) => (&ctx.stop, &ctx.abort, &ctx.pipeline.settings),
+            Work::Partitions(ctx) => (&ctx.stop, &ctx.abort, &ctx.pipeline.settings),
+        };
+        let (stop, abort) = (stop.child_token(), abort.child_token());
+        tokio::spawn(handoff(
+            lease.handoff.clone(),
+            lease.cancel.clone(),
+            stop.clone(),
+            abort.clone(),
+            settings.lease.handoff_timeout,
+        ));
         match self {
-            Work::Shards(ctx) => tasks.spawn(run_shard(ctx.clone(), lease)),
-            Work::Partitions(ctx) => match ctx.source.contract().timestamps {
-                Some(contracts) => {
-                    tasks.spawn(run_timestamp_partition(ctx.clone(), lease, contracts))
+            Work::Shards(ctx) => {
+                let ctx = ShardContext {
+                    stop,
+                    abort,
+                    ..ctx.clone()
+                };
+                tasks.spawn(run_shard(ctx, lease))
+            }
+            Work::Partitions(ctx) => {
+                let ctx = PartitionContext {
+                    stop,
+                    abort,
+                    ..ctx.clone()
+                };
+                match ctx.source.contract().timestamps {
+                    Some(contracts) => tasks.spawn(run_timestamp_partition(ctx, lease, contracts)),
+                    None => tasks.spawn(run_partition(ctx, lease)),
                 }
-                None => tasks.spawn(run_partition(ctx.clone(), lease)),
-            },
+            }
         }
+    }
+}
+
+/// A shard's handoff: when asked (`handoff`), stop it gracefully, and abort its handlers once
+/// `timeout` has passed; nothing once the lease is gone (`done`).
+async fn handoff(
+    handoff: CancellationToken,
+    done: CancellationToken,
+    stop: CancellationToken,
+    abort: CancellationToken,
+    timeout: Duration,
+) {
+    tokio::select! {
+        biased;
+        _ = done.cancelled() => return,
+        _ = handoff.cancelled() => stop.cancel(),
+    }
+    tokio::select! {
+        biased;
+        _ = done.cancelled() => {}
+        _ = tokio::time::sleep(timeout) => abort.cancel(),
     }
 }
 
@@ -789,7 +837,7 @@ async fn supervise<H: Handler>(
             biased;
             _ = stop.cancelled() => break,
             Some(exit) = shards.join_next_with_id() => {
-                on_exit(exit, &mut tasks, &manager, &progress).await;
+                on_exit(exit, &mut tasks, &manager, &progress, stop.is_cancelled()).await;
                 held.send_replace(manager.held());
             }
             Some(event) = events.recv() => {
@@ -804,7 +852,7 @@ async fn supervise<H: Handler>(
     }
     manager.stop_taking();
     while let Some(exit) = shards.join_next_with_id().await {
-        on_exit(exit, &mut tasks, &manager, &progress).await;
+        on_exit(exit, &mut tasks, &manager, &progress, true).await;
         held.send_replace(manager.held());
     }
     let released = manager.shutdown().await;
@@ -819,6 +867,7 @@ async fn on_exit(
     tasks: &mut HashMap<tokio::task::Id, Ownership>,
     manager: &LeaseManager,
     progress: &Mutex<ShutdownReport>,
+    stopping: bool,
 ) {
     let task = match &exit {
         Ok((id, _)) => *id,
@@ -829,6 +878,12 @@ async fn on_exit(
         Ok(ShardExit::Ended(o)) => {
             if let Err(e) = manager.shard_ended(&o).await {
                 warn!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "releasing an ended shard failed; it will expire");
+            }
+        }
+        Ok(ShardExit::Stopped(o)) if !stopping => {
+            // Stopped alone: a handoff. The final checkpoint is written: pass the lease.
+            if let Err(e) = manager.release(&o).await {
+                warn!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "handing a lease over failed; it will expire");
             }
         }
         Ok(ShardExit::Stopped(o)) => {

@@ -39,6 +39,11 @@ pub struct LeaseSettings {
     pub limits: PlanLimits,
     /// Where shards new to the application start.
     pub initial_position: InitialPosition,
+    /// Cooperative handoff: how long an owner asked to hand a lease over lets its in-flight
+    /// deliveries settle before it aborts them, writes its final checkpoint and passes the lease.
+    /// A taker that asked steals the lease once this, one scan and one renewal have passed without
+    /// the handoff. Default 5 s.
+    pub handoff_timeout: Duration,
 }
 
 impl Default for LeaseSettings {
@@ -51,6 +56,7 @@ impl Default for LeaseSettings {
             shard_sync_interval: Duration::from_secs(60),
             limits: PlanLimits::default(),
             initial_position: InitialPosition::TrimHorizon,
+            handoff_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -91,6 +97,17 @@ impl LeaseSettings {
     pub fn initial_position(mut self, p: InitialPosition) -> Self {
         self.initial_position = p;
         self
+    }
+
+    /// Sets the handoff timeout.
+    pub fn handoff_timeout(mut self, d: Duration) -> Self {
+        self.handoff_timeout = d;
+        self
+    }
+
+    /// How long a taker waits for a handoff it asked for before it steals the lease.
+    fn handoff_patience(&self) -> Duration {
+        self.handoff_timeout + self.scan_interval + self.renew_interval
     }
 
     /// Checks the settings, naming the first bad field.
@@ -161,6 +178,10 @@ pub struct HeldLease {
     pub lease: Lease,
     /// Cancelled the moment the lease is lost or given up: the shard's work must stop.
     pub cancel: CancellationToken,
+    /// Cancelled when another worker asked for the lease (cooperative handoff): stop reading,
+    /// let in-flight deliveries settle within the handoff timeout, write the final checkpoint and
+    /// end the shard's work as stopped; the release then passes the lease to the taker.
+    pub handoff: CancellationToken,
 }
 
 /// What the manager tells the consumer.
@@ -175,6 +196,9 @@ pub enum LeaseEvent {
 struct Held {
     ownership: Ownership,
     cancel: CancellationToken,
+    handoff: CancellationToken,
+    /// The worker that asked for the lease, once a scan saw the request.
+    wanted_by: Option<String>,
     last_renewed: Instant,
 }
 
@@ -200,6 +224,8 @@ struct Inner {
     /// The frontier membership as last read or published (see `publish_frontier`).
     membership: Mutex<Option<frontier::Membership>>,
     membership_scans: std::sync::atomic::AtomicU64,
+    /// Handoffs this worker asked for, by shard, and when.
+    requests: Mutex<HashMap<String, Instant>>,
 }
 
 /// Runs the lease protocol for one worker on one stream. Background tasks stop on
@@ -256,6 +282,7 @@ impl LeaseManager {
             frontier: watch::Sender::new(Frontier::default()),
             membership: Mutex::new(None),
             membership_scans: std::sync::atomic::AtomicU64::new(0),
+            requests: Mutex::new(HashMap::new()),
         });
         // The stream first: a missing stream must not leave a new lease table behind.
         inner.shards.list_shards(&inner.stream).await?;
@@ -346,6 +373,10 @@ impl Inner {
     }
 
     /// Forgets the held lease `ownership` names; `None` if it is not held under that epoch.
+    fn requests(&self) -> MutexGuard<'_, HashMap<String, Instant>> {
+        self.requests.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn remove_held(&self, ownership: &Ownership) -> Option<Held> {
         let mut held = self.held();
         match held.get(&ownership.shard_id) {
@@ -424,11 +455,33 @@ impl Inner {
         }
     }
 
+    /// Gives a held lease back: to the worker that asked for it when one did (a pass), else
+    /// into the table (a release).
     async fn release(&self, ownership: &Ownership) -> Result<bool, Error> {
         let removed = self.remove_held(ownership);
         let Some(h) = removed else { return Ok(false) };
         h.cancel.cancel();
         metrics::gauge!("shardwise_leases_held", &self.labels()).decrement(1.0);
+        // A request may have come since the last scan: the row tells.
+        let wanted = match h.wanted_by {
+            Some(taker) => Some(taker),
+            None => self
+                .store
+                .get(&ownership.stream, &ownership.shard_id)
+                .await
+                .ok()
+                .flatten()
+                .filter(|row| row.ownership().as_ref() == Some(ownership))
+                .and_then(|row| row.wanted_by),
+        };
+        if let Some(taker) = wanted {
+            if self.store.pass(ownership, &taker).await? {
+                info!(stream = %self.stream, shard = %ownership.shard_id, to = %taker, "lease handed over");
+                metrics::counter!("shardwise_handoffs_total", &self.labels()).increment(1);
+                return Ok(true);
+            }
+            debug!(shard = %ownership.shard_id, to = %taker, "the handoff request is gone; releasing");
+        }
         let released = self.store.release(ownership).await?;
         debug!(shard = %ownership.shard_id, released, "lease released");
         Ok(released)
@@ -551,16 +604,48 @@ impl Inner {
             self.lose(o, "the lease row names another owner");
         }
 
+        // Requests for leases we hold: stop those shards gracefully; the release passes them.
+        {
+            let mut held = self.held();
+            for row in &rows {
+                let (Some(taker), Some(h)) = (&row.wanted_by, held.get_mut(&row.shard_id)) else {
+                    continue;
+                };
+                if h.wanted_by.is_none() && row.ownership().as_ref() == Some(&h.ownership) {
+                    info!(stream = %self.stream, shard = %row.shard_id, to = %taker, "handoff asked for: the shard stops reading, settles and hands over");
+                    h.wanted_by = Some(taker.clone());
+                    h.handoff.cancel();
+                }
+            }
+        }
+
         if self.taking.is_cancelled() {
             return Ok(());
         }
+        // Our requests still awaited (the row still names us as the taker), and whether the wait
+        // is over.
+        let requests: HashMap<String, bool> = {
+            let mut requests = self.requests();
+            requests.retain(|shard, _| {
+                rows.iter().any(|r| {
+                    &r.shard_id == shard
+                        && r.wanted_by.as_deref() == Some(self.worker.as_str())
+                        && r.owner.as_deref() != Some(self.worker.as_str())
+                })
+            });
+            let patience = self.settings.handoff_patience();
+            requests
+                .iter()
+                .map(|(shard, at)| (shard.clone(), now - *at >= patience))
+                .collect()
+        };
         let held: HashSet<String> = self.held().keys().cloned().collect();
         let seen: Vec<Seen<'_>> = rows
             .iter()
             .zip(&expired)
             .map(|(lease, &expired)| Seen { lease, expired })
             .collect();
-        let plan = planner::plan(&self.worker, &seen, &held, self.settings.limits);
+        let plan = planner::plan(&self.worker, &seen, &held, &requests, self.settings.limits);
         if !plan.takes.is_empty() {
             debug!(stream = %self.stream, active = plan.active, workers = plan.workers, target = plan.target, takes = plan.takes.len(), "lease plan");
         }
@@ -570,7 +655,31 @@ impl Inner {
             let (shard, stolen) = match &take {
                 Take::Free(s) => (s.as_str(), false),
                 Take::Steal { shard_id, .. } => (shard_id.as_str(), true),
+                Take::Request { shard_id, from } => {
+                    let Some(seen) = by_shard.get(shard_id.as_str()) else {
+                        continue;
+                    };
+                    match self.store.request(seen, &self.worker).await {
+                        Ok(true) => {
+                            info!(stream = %self.stream, shard = %shard_id, from = %from, "handoff asked for");
+                            metrics::counter!("shardwise_handoffs_requested_total", &self.labels())
+                                .increment(1);
+                            self.requests().insert(shard_id.clone(), now);
+                        }
+                        Ok(false) => {
+                            debug!(shard = %shard_id, "lease changed before a handoff could be asked for")
+                        }
+                        Err(e) => {
+                            warn!(shard = %shard_id, error = &e as &dyn std::error::Error, "asking for a handoff failed")
+                        }
+                    }
+                    continue;
+                }
             };
+            if stolen {
+                self.requests().remove(shard);
+                warn!(stream = %self.stream, shard, "the owner did not hand the lease over in time: stealing it");
+            }
             let Some(seen) = by_shard.get(shard) else {
                 continue;
             };
@@ -592,11 +701,14 @@ impl Inner {
             return;
         };
         let cancel = CancellationToken::new();
+        let handoff = CancellationToken::new();
         let previous = self.held().insert(
             lease.shard_id.clone(),
             Held {
                 ownership: ownership.clone(),
                 cancel: cancel.clone(),
+                handoff: handoff.clone(),
+                wanted_by: None,
                 last_renewed: Instant::now(),
             },
         );
@@ -611,10 +723,12 @@ impl Inner {
             metrics::counter!("shardwise_leases_stolen_total", &self.labels()).increment(1);
         }
         self.hooks.lease_taken(&lease);
+        self.requests().remove(&lease.shard_id);
         let _ = self.events.send(LeaseEvent::Acquired(Box::new(HeldLease {
             ownership,
             lease,
             cancel,
+            handoff,
         })));
     }
 

@@ -1,7 +1,11 @@
-//! Which leases to take and steal: pure, synchronous, and tested from a table of scenarios.
+//! Which leases to take, ask for and steal: pure, synchronous, and tested from a table of
+//! scenarios.
 //!
 //! Inputs are the rows of one consistent scan plus what the manager observed locally (which held
-//! leases are expired, which leases this worker holds); the output is a list of conditional takes.
+//! leases are expired, which leases this worker holds, which handoffs it asked for and how long
+//! ago); the output is a list of conditional takes and handoff requests. A live lease moves by a
+//! request first (cooperative handoff, `docs/leases.md`), and by a steal only once the request
+//! went unanswered for the taker's patience.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -43,8 +47,16 @@ pub struct Seen<'a> {
 pub enum Take {
     /// An unowned or expired lease, or one recorded as ours that this process does not hold.
     Free(String),
-    /// A live lease of an overloaded worker.
+    /// A live lease of an overloaded worker whose owner did not hand it over in time after a
+    /// request (or never will: it is stuck or paused).
     Steal {
+        /// The shard.
+        shard_id: String,
+        /// Its current owner.
+        from: String,
+    },
+    /// A live lease of an overloaded worker: ask its owner to hand it over (cooperative handoff).
+    Request {
         /// The shard.
         shard_id: String,
         /// Its current owner.
@@ -74,8 +86,16 @@ pub fn parents_ended(lease: &Lease, by_shard: &HashMap<&str, &Lease>) -> bool {
     })
 }
 
-/// Decides what `me` should take this scan. `held` names the shards this process holds now.
-pub fn plan(me: &str, seen: &[Seen<'_>], held: &HashSet<String>, limits: PlanLimits) -> Plan {
+/// Decides what `me` should take this scan. `held` names the shards this process holds now;
+/// `requests` the handoffs it asked for and still waits for (`true`: the wait is over, the owner
+/// did not hand over in time).
+pub fn plan(
+    me: &str,
+    seen: &[Seen<'_>],
+    held: &HashSet<String>,
+    requests: &HashMap<String, bool>,
+    limits: PlanLimits,
+) -> Plan {
     let by_shard: HashMap<&str, &Lease> = seen
         .iter()
         .map(|s| (s.lease.shard_id.as_str(), s.lease))
@@ -117,26 +137,50 @@ pub fn plan(me: &str, seen: &[Seen<'_>], held: &HashSet<String>, limits: PlanLim
     }
     need -= takes.len();
 
+    // Handoffs asked for and still awaited count as coming.
+    let awaited = requests
+        .iter()
+        .filter(|(shard, over)| {
+            !**over
+                && by_shard
+                    .get(shard.as_str())
+                    .is_some_and(|l| l.wanted_by.as_deref() == Some(me))
+        })
+        .count();
+    need = need.saturating_sub(awaited);
+
     if need > 0 && free.is_empty() {
         let victim = load
             .iter()
             .filter(|(w, _)| **w != me)
             .max_by(|a, b| a.1.len().cmp(&b.1.len()).then_with(|| b.0.cmp(a.0)));
         if let Some((from, shards)) = victim
-            && shards.len() >= mine + limits.imbalance
+            && shards.len() >= mine + awaited + limits.imbalance
         {
+            // Not a lease another worker asked for; the ones whose handoff is overdue first.
+            let mut candidates: Vec<&str> = shards
+                .iter()
+                .copied()
+                .filter(|shard| {
+                    by_shard
+                        .get(shard)
+                        .and_then(|l| l.wanted_by.as_deref())
+                        .is_none_or(|w| w == me)
+                })
+                .filter(|shard| requests.get(*shard) != Some(&false))
+                .collect();
+            candidates
+                .sort_by_key(|shard| (requests.get(*shard) != Some(&true), spread(me, shard)));
+            for shard in candidates
+                .into_iter()
+                .take(need.min(limits.max_steals_per_scan))
             {
-                let mut candidates = shards.clone();
-                candidates.sort_by_key(|shard| spread(me, shard));
-                for shard in candidates
-                    .into_iter()
-                    .take(need.min(limits.max_steals_per_scan))
-                {
-                    takes.push(Take::Steal {
-                        shard_id: shard.to_string(),
-                        from: (*from).to_string(),
-                    });
-                }
+                let (shard_id, from) = (shard.to_string(), (*from).to_string());
+                takes.push(if requests.get(shard) == Some(&true) {
+                    Take::Steal { shard_id, from }
+                } else {
+                    Take::Request { shard_id, from }
+                });
             }
         }
     }
@@ -380,7 +424,13 @@ mod tests {
                 })
                 .collect();
             let held = case.held.iter().map(|s| s.to_string()).collect();
-            let plan = plan(case.me, &seen, &held, PlanLimits::default());
+            let plan = plan(
+                case.me,
+                &seen,
+                &held,
+                &HashMap::new(),
+                PlanLimits::default(),
+            );
             let free = plan
                 .takes
                 .iter()
@@ -390,7 +440,8 @@ mod tests {
                 .takes
                 .iter()
                 .filter_map(|t| match t {
-                    Take::Steal { from, .. } => Some(from.as_str()),
+                    // Without an earlier request, a move from a live owner starts as a request.
+                    Take::Request { from, .. } => Some(from.as_str()),
                     _ => None,
                 })
                 .collect();
@@ -424,7 +475,79 @@ mod tests {
             max_leases: 1,
             ..PlanLimits::default()
         };
-        assert_eq!(plan("a", &seen, &HashSet::new(), limits).takes.len(), 1);
+        assert_eq!(
+            plan("a", &seen, &HashSet::new(), &HashMap::new(), limits)
+                .takes
+                .len(),
+            1
+        );
+    }
+
+    /// A handoff asked for is awaited (nothing more is asked while it counts toward the share),
+    /// then stolen once the wait is over; a lease another worker asked for is left to it.
+    #[test]
+    fn a_requested_handoff_is_awaited_then_stolen_when_overdue() {
+        // b holds 4, a holds 0: a asks for one.
+        let mut leases: Vec<Lease> = ["0", "1", "2", "3"]
+            .iter()
+            .map(|s| {
+                let mut l = lease(&("x", Some("b"), false, false, &[]));
+                l.shard_id = s.to_string();
+                l
+            })
+            .collect();
+        let seen = |leases: &[Lease]| -> Vec<Lease> { leases.to_vec() };
+        let scan = |leases: &[Lease], requests: &HashMap<String, bool>| -> Vec<Take> {
+            let rows = seen(leases);
+            let seen: Vec<Seen<'_>> = rows
+                .iter()
+                .map(|lease| Seen {
+                    lease,
+                    expired: false,
+                })
+                .collect();
+            plan("a", &seen, &HashSet::new(), requests, PlanLimits::default()).takes
+        };
+        let first = scan(&leases, &HashMap::new());
+        let [Take::Request { shard_id, from }] = &first[..] else {
+            panic!("{first:?}");
+        };
+        assert_eq!(from, "b");
+        let asked = shard_id.clone();
+        leases
+            .iter_mut()
+            .find(|l| l.shard_id == asked)
+            .unwrap()
+            .wanted_by = Some("a".into());
+        // Awaited: target 2, one coming, one more asked for (another shard).
+        let waiting = HashMap::from([(asked.clone(), false)]);
+        let second = scan(&leases, &waiting);
+        assert!(
+            second
+                .iter()
+                .all(|t| matches!(t, Take::Request { shard_id, .. } if *shard_id != asked)),
+            "{second:?}"
+        );
+        // Overdue: stolen.
+        let overdue = HashMap::from([(asked.clone(), true)]);
+        let third = scan(&leases, &overdue);
+        assert!(
+            matches!(&third[0], Take::Steal { shard_id, .. } if *shard_id == asked),
+            "{third:?}"
+        );
+        // Another worker's request is left alone.
+        let other = scan(
+            &leases
+                .iter()
+                .cloned()
+                .map(|mut l| {
+                    l.wanted_by = Some("c".into());
+                    l
+                })
+                .collect::<Vec<_>>(),
+            &HashMap::new(),
+        );
+        assert!(other.is_empty(), "{other:?}");
     }
 
     /// Workers that run the planner in turns, each applying its takes, converge to a balanced
@@ -457,9 +580,13 @@ mod tests {
                         .filter(|s| owner[*s].as_deref() == Some(me))
                         .map(|s| s.to_string())
                         .collect();
-                    for take in plan(me, &seen, &held, PlanLimits::default()).takes {
+                    // A request is handed over at once here (the owner passes the lease).
+                    for take in plan(me, &seen, &held, &HashMap::new(), PlanLimits::default()).takes
+                    {
                         let shard = match take {
-                            Take::Free(s) | Take::Steal { shard_id: s, .. } => s,
+                            Take::Free(s)
+                            | Take::Steal { shard_id: s, .. }
+                            | Take::Request { shard_id: s, .. } => s,
                         };
                         owner[shard.parse::<usize>().unwrap()] = Some(me.clone());
                         changed = true;
