@@ -10,6 +10,7 @@ use std::fmt;
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::config::http::HttpResponse;
 use aws_sdk_dynamodb::error::SdkError;
+use aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder;
 use aws_sdk_dynamodb::operation::update_item::{UpdateItemError, UpdateItemOutput};
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::{
@@ -328,109 +329,92 @@ impl DynamoDbLeaseStore {
         }
     }
 
-    /// An UpdateItem fenced by owner and epoch; `false` when the fence refused it.
-    async fn fenced(&self, held: &Ownership, update: &str) -> Result<bool, Error> {
-        let result = self
-            .client
+    /// An UpdateItem of `held`'s row conditioned on its owner and epoch (`#owner = :owner AND
+    /// #epoch = :epoch`, then `AND also` when given). The caller adds its update expression and the
+    /// other names and values it uses (DynamoDB refuses unused ones).
+    fn fenced(&self, held: &Ownership, also: Option<&str>) -> UpdateItemFluentBuilder {
+        let fence = "#owner = :owner AND #epoch = :epoch";
+        self.client
             .update_item()
             .table_name(&self.table)
             .key(KEY, s(held.key()))
-            .update_expression(update)
-            .condition_expression("#owner = :owner AND #epoch = :epoch")
+            .condition_expression(match also {
+                Some(also) => format!("{fence} AND {also}"),
+                None => fence.to_string(),
+            })
             .expression_attribute_names("#owner", OWNER)
             .expression_attribute_names("#epoch", EPOCH)
-            .expression_attribute_names("#counter", COUNTER)
             .expression_attribute_values(":owner", s(&held.owner))
             .expression_attribute_values(":epoch", n(held.epoch))
-            .expression_attribute_values(":one", n(1u64))
-            .send()
-            .await;
+    }
+
+    /// A conditional write's answer: `true` stored, `false` refused by its condition.
+    fn stored(
+        &self,
+        result: Result<UpdateItemOutput, SdkError<UpdateItemError, HttpResponse>>,
+    ) -> Result<bool, Error> {
         match result {
             Ok(_) => Ok(true),
             Err(err) if is_condition_failed(&err) => Ok(false),
             Err(err) => Err(self.failed("UpdateItem", err)),
         }
+    }
+
+    /// `renew`: counter + 1.
+    async fn renew_row(&self, held: &Ownership) -> Result<bool, Error> {
+        let result = self
+            .fenced(held, None)
+            .update_expression("SET #counter = #counter + :one")
+            .expression_attribute_names("#counter", COUNTER)
+            .expression_attribute_values(":one", n(1u64))
+            .send()
+            .await;
+        self.stored(result)
     }
 
     /// `release`: owner removed, counter + 1, any handoff request removed.
     async fn release_row(&self, held: &Ownership) -> Result<bool, Error> {
         let result = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key(KEY, s(held.key()))
+            .fenced(held, None)
             .update_expression("REMOVE #owner, #wanted SET #counter = #counter + :one")
-            .condition_expression("#owner = :owner AND #epoch = :epoch")
-            .expression_attribute_names("#owner", OWNER)
-            .expression_attribute_names("#epoch", EPOCH)
             .expression_attribute_names("#counter", COUNTER)
             .expression_attribute_names("#wanted", WANTED_BY)
-            .expression_attribute_values(":owner", s(&held.owner))
-            .expression_attribute_values(":epoch", n(held.epoch))
             .expression_attribute_values(":one", n(1u64))
             .send()
             .await;
-        match result {
-            Ok(_) => Ok(true),
-            Err(err) if is_condition_failed(&err) => Ok(false),
-            Err(err) => Err(self.failed("UpdateItem", err)),
-        }
+        self.stored(result)
     }
 
+    /// `request`: `wantedBy` = the taker, under the owner and epoch seen, when none is pending.
     async fn request_row(&self, seen: &Lease, taker: &str) -> Result<bool, Error> {
-        let Some(owner) = &seen.owner else {
+        let Some(owned) = seen.ownership() else {
             return Ok(false);
         };
         let result = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key(KEY, s(seen.key()))
+            .fenced(&owned, Some("attribute_not_exists(#wanted)"))
             .update_expression("SET #wanted = :taker")
-            .condition_expression(
-                "#owner = :owner AND #epoch = :epoch AND attribute_not_exists(#wanted)",
-            )
-            .expression_attribute_names("#owner", OWNER)
-            .expression_attribute_names("#epoch", EPOCH)
             .expression_attribute_names("#wanted", WANTED_BY)
-            .expression_attribute_values(":owner", s(owner))
-            .expression_attribute_values(":epoch", n(seen.owner_epoch))
             .expression_attribute_values(":taker", s(taker))
             .send()
             .await;
-        match result {
-            Ok(_) => Ok(true),
-            Err(err) if is_condition_failed(&err) => Ok(false),
-            Err(err) => Err(self.failed("UpdateItem", err)),
-        }
+        self.stored(result)
     }
 
+    /// `pass`: owner = the taker that asked, epoch + 1, counter + 1, the request removed.
     async fn pass_row(&self, held: &Ownership, taker: &str) -> Result<bool, Error> {
         let result = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key(KEY, s(held.key()))
+            .fenced(held, Some("#wanted = :taker"))
             .update_expression(
                 "SET #owner = :taker, #epoch = #epoch + :one, #counter = #counter + :one \
                  REMOVE #wanted",
             )
-            .condition_expression("#owner = :owner AND #epoch = :epoch AND #wanted = :taker")
-            .expression_attribute_names("#owner", OWNER)
-            .expression_attribute_names("#epoch", EPOCH)
             .expression_attribute_names("#counter", COUNTER)
             .expression_attribute_names("#wanted", WANTED_BY)
-            .expression_attribute_values(":owner", s(&held.owner))
-            .expression_attribute_values(":epoch", n(held.epoch))
             .expression_attribute_values(":taker", s(taker))
             .expression_attribute_values(":one", n(1u64))
             .send()
             .await;
-        match result {
-            Ok(_) => Ok(true),
-            Err(err) if is_condition_failed(&err) => Ok(false),
-            Err(err) => Err(self.failed("UpdateItem", err)),
-        }
+        self.stored(result)
     }
 
     async fn checkpoint_row(
@@ -893,7 +877,7 @@ impl LeaseStore for DynamoDbLeaseStore {
     }
 
     fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(self.fenced(held, "SET #counter = #counter + :one"))
+        Box::pin(self.renew_row(held))
     }
 
     fn checkpoint<'a>(
