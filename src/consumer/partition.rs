@@ -30,7 +30,9 @@ use crate::error::Error;
 use crate::handler::{Delivery, Handler};
 use crate::lease::{CheckpointWrite, HeldLease, LeaseStore, Ownership};
 use crate::paged::reader::{PageMessage, PageReader};
-use crate::paged::{Barrier, BarrierWrite, Order, PagePosition, PagedSource, Verdict};
+use crate::paged::{
+    Barrier, BarrierWrite, Order, PagePosition, PagedProgress, PagedSource, Verdict,
+};
 
 /// What a partition needs from the consumer.
 pub(crate) struct PartitionContext<H> {
@@ -354,21 +356,12 @@ async fn written<H>(
         Ok(CheckpointWrite::Written) => {}
         Ok(CheckpointWrite::Lost) => return Written::Lost,
         Ok(CheckpointWrite::NotNewer) => {
-            // Under our epoch only we write: either an earlier try of this very write went through
-            // and its answer was lost, or this attempt is stale. Read the row back to tell.
-            match ctx.store.get(&ownership.stream, &ownership.shard_id).await {
-                Ok(Some(row))
-                    if row.ownership().as_ref() == Some(ownership)
-                        && row.progress.as_ref() == Some(to) => {}
+            let earlier = uncertain.as_ref().and_then(BarrierWrite::progress);
+            match read_back(ctx.store.as_ref(), ownership, to, earlier).await {
+                ReadBack::Stored => {}
                 // An earlier write whose answer was an error went through: take it, and compute
                 // the next write from it.
-                Ok(Some(row))
-                    if row.ownership().as_ref() == Some(ownership)
-                        && uncertain
-                            .as_ref()
-                            .and_then(BarrierWrite::progress)
-                            .is_some_and(|u| row.progress.as_ref() == Some(u)) =>
-                {
+                ReadBack::Earlier => {
                     let earlier = uncertain.take().expect("an uncertain write");
                     debug!(source = %ownership.stream, partition = %ownership.shard_id, "an earlier progress write whose answer was lost is stored");
                     if let Some(applied) =
@@ -379,24 +372,9 @@ async fn written<H>(
                     barrier.written(&earlier);
                     return Written::Recovered;
                 }
-                Ok(Some(row)) if row.ownership().as_ref() == Some(ownership) => {
-                    warn!(source = %ownership.stream, partition = %ownership.shard_id, stored = ?row.progress, meant = ?to, "the stored progress moved under this attempt: it is stale and stops (the lease is given back; the partition is read again from what is stored)");
-                    return Written::Stale(Error::Paged {
-                        source_name: ownership.stream.clone(),
-                        partition: ownership.shard_id.clone(),
-                        what: "stale attempt",
-                        source: format!(
-                            "stored progress {:?} is not what this attempt wrote ({to:?})",
-                            row.progress
-                        )
-                        .into(),
-                    });
-                }
-                Ok(_) => return Written::Lost,
-                Err(e) => {
-                    warn!(source = %ownership.stream, partition = %ownership.shard_id, error = &e as &dyn std::error::Error, "reading the row back failed; trying the write again");
-                    return Written::Retry;
-                }
+                ReadBack::Stale(e) => return Written::Stale(e),
+                ReadBack::Lost => return Written::Lost,
+                ReadBack::Unread => return Written::Retry,
             }
         }
         Err(e) => {
@@ -412,6 +390,56 @@ async fn written<H>(
     }
     barrier.written(write);
     Written::Done
+}
+
+/// What the row says after a progress write was refused as not newer.
+pub(crate) enum ReadBack {
+    /// It holds the write: an earlier try of it went through and its answer was lost.
+    Stored,
+    /// It holds `earlier`, a write of this attempt whose answer was an error.
+    Earlier,
+    /// It holds something else under our lease: this attempt is stale.
+    Stale(Error),
+    /// The lease is not ours any more.
+    Lost,
+    /// The row could not be read; write again later.
+    Unread,
+}
+
+/// Under our epoch only we write, so a progress write refused as not newer means one of: this
+/// write (or `earlier`, whose answer was lost) is stored, or the attempt is stale. The row tells.
+pub(crate) async fn read_back(
+    store: &dyn LeaseStore,
+    ownership: &Ownership,
+    to: &PagedProgress,
+    earlier: Option<&PagedProgress>,
+) -> ReadBack {
+    match store.get(&ownership.stream, &ownership.shard_id).await {
+        Ok(Some(row)) if row.ownership().as_ref() == Some(ownership) => {
+            if row.progress.as_ref() == Some(to) {
+                ReadBack::Stored
+            } else if earlier.is_some() && row.progress.as_ref() == earlier {
+                ReadBack::Earlier
+            } else {
+                warn!(source = %ownership.stream, partition = %ownership.shard_id, stored = ?row.progress, meant = ?to, "the stored progress moved under this attempt: it is stale and stops (the lease is given back; the partition is read again from what is stored)");
+                ReadBack::Stale(Error::Paged {
+                    source_name: ownership.stream.clone(),
+                    partition: ownership.shard_id.clone(),
+                    what: "stale attempt",
+                    source: format!(
+                        "stored progress {:?} is not what this attempt wrote ({to:?})",
+                        row.progress
+                    )
+                    .into(),
+                })
+            }
+        }
+        Ok(_) => ReadBack::Lost,
+        Err(e) => {
+            warn!(source = %ownership.stream, partition = %ownership.shard_id, error = &e as &dyn std::error::Error, "reading the row back failed; the write is made again later");
+            ReadBack::Unread
+        }
+    }
 }
 
 /// Writes what has settled, one write after another, until nothing is left to write (`Done`), a

@@ -23,7 +23,7 @@ use tokio::time::MissedTickBehavior;
 use tracing::{debug, info, warn};
 
 use super::ending::{Reading, Step};
-use super::partition::PartitionContext;
+use super::partition::{PartitionContext, ReadBack, read_back};
 use super::pipeline::{Pipeline, Retries};
 use super::shard::ShardExit;
 use crate::error::Error;
@@ -345,40 +345,24 @@ async fn closed<H>(
         Ok(CheckpointWrite::Written) => {}
         Ok(CheckpointWrite::Lost) => return Closed::Lost,
         Ok(CheckpointWrite::NotNewer) => {
-            // Under our epoch only we write: this write, or an earlier one whose answer was
-            // lost, is stored; or the attempt is stale. The row tells.
-            match ctx.store.get(&ownership.stream, &ownership.shard_id).await {
-                Ok(Some(row))
-                    if row.ownership().as_ref() == Some(ownership)
-                        && row.progress.as_ref() == Some(&to) => {}
-                Ok(Some(row))
-                    if row.ownership().as_ref() == Some(ownership)
-                        && attempt.uncertain.is_some()
-                        && row.progress == attempt.uncertain =>
-                {
+            match read_back(
+                ctx.store.as_ref(),
+                ownership,
+                &to,
+                attempt.uncertain.as_ref(),
+            )
+            .await
+            {
+                ReadBack::Stored => {}
+                ReadBack::Earlier => {
                     let earlier = attempt.uncertain.take().expect("an uncertain close");
                     debug!(source = %ownership.stream, partition = %ownership.shard_id, "an earlier close whose answer was lost is stored");
                     attempt.stored(earlier);
                     return Closed::Done;
                 }
-                Ok(Some(row)) if row.ownership().as_ref() == Some(ownership) => {
-                    warn!(source = %ownership.stream, partition = %ownership.shard_id, stored = ?row.progress, meant = ?to, "the stored progress moved under this attempt: it is stale and stops (the lease is given back; the partition is read again from what is stored)");
-                    return Closed::Stale(Error::Paged {
-                        source_name: ownership.stream.clone(),
-                        partition: ownership.shard_id.clone(),
-                        what: "stale attempt",
-                        source: format!(
-                            "stored progress {:?} is not what this attempt wrote ({to:?})",
-                            row.progress
-                        )
-                        .into(),
-                    });
-                }
-                Ok(_) => return Closed::Lost,
-                Err(e) => {
-                    warn!(source = %ownership.stream, partition = %ownership.shard_id, error = &e as &dyn std::error::Error, "reading the row back failed; the close is proposed again");
-                    return Closed::Retry;
-                }
+                ReadBack::Stale(e) => return Closed::Stale(e),
+                ReadBack::Lost => return Closed::Lost,
+                ReadBack::Unread => return Closed::Retry,
             }
         }
         Err(e) => {
