@@ -49,6 +49,14 @@ impl Backoff {
     }
 }
 
+/// A number drawn uniformly from [0, 1): from the simulation's seed when one seeded this thread.
+pub(crate) fn fraction() -> f64 {
+    match simulated_seed() {
+        Some(seed) => (seed >> 11) as f64 / (1u64 << 53) as f64,
+        None => rand::random::<f64>(),
+    }
+}
+
 #[cfg(any(test, feature = "testing"))]
 thread_local! {
     /// A splitmix64 state, when a simulation seeded this thread.

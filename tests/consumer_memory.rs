@@ -655,3 +655,82 @@ async fn the_row_of_an_ended_shard_that_aged_out_is_deleted_once_its_children_st
     running.shutdown(Duration::from_secs(2)).await;
     assert_eq!(log.len(), 200, "nothing read twice");
 }
+
+/// A fourth consumer joining three balanced ones on 200 shards (default lease settings, paused
+/// time) holds its share of 50 within 30 s, every lease moved by handoff (none stolen), and
+/// nothing is handled twice while records keep arriving.
+#[tokio::test(start_paused = true)]
+async fn a_fourth_consumer_joining_three_on_200_shards_takes_its_share_by_handoff() {
+    let stream = MemoryStream::new("orders", 200);
+    let store = MemoryLeaseStore::new();
+    let log = Log::default();
+    let consumer = |id: &str| {
+        let log = log.clone();
+        Consumer::builder(stream.name(), "memory-app", move |d: Delivery| {
+            let log = log.clone();
+            async move {
+                log.push(&d);
+                Outcome::Ack
+            }
+        })
+        .worker_id(id)
+        .lease_store(Arc::new(store.clone()))
+        .record_source(Arc::new(stream.clone()))
+        .shard_lister(Arc::new(stream.clone()))
+        .build()
+        .expect("valid settings")
+        .run()
+    };
+    let mut running = Vec::new();
+    for id in ["a", "b", "c"] {
+        running.push(consumer(id).await.expect("starts"));
+    }
+    let balanced = |running: &[Running]| {
+        let n = running.len();
+        running
+            .iter()
+            .all(|r| (200 / n..=200usize.div_ceil(n)).contains(&r.shards().len()))
+    };
+    let start = tokio::time::Instant::now();
+    while !balanced(&running) {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "three never balanced"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    put(&stream, 0..2000, 400);
+    tokio::time::sleep(Duration::from_secs(20)).await;
+
+    let joined = tokio::time::Instant::now();
+    running.push(consumer("d").await.expect("starts"));
+    put(&stream, 2000..4000, 400);
+    while !balanced(&running) {
+        assert!(
+            joined.elapsed() < Duration::from_secs(30),
+            "d holds {} after 30 s",
+            running[3].shards().len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("d held its share {:?} after it started", joined.elapsed());
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    for r in running {
+        r.shutdown(Duration::from_secs(10)).await;
+    }
+    let mut seen = HashSet::new();
+    let twice: Vec<u64> = log
+        .all()
+        .iter()
+        .map(|h| h.id)
+        .filter(|id| !seen.insert(*id))
+        .collect();
+    assert_eq!(seen.len(), 4000, "every record handled");
+    assert!(twice.is_empty(), "handled twice: {twice:?}");
+    let stolen = store
+        .snapshot()
+        .iter()
+        .filter(|l| l.wanted_by.is_some())
+        .count();
+    assert_eq!(stolen, 0, "a request left pending");
+}

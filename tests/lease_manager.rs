@@ -255,31 +255,62 @@ async fn invalid_settings_are_refused_naming_the_field() {
     assert_eq!(e.field(), "renew_interval");
 }
 
-/// Counts every store call (each is one DynamoDB request for the DynamoDB store; a Scan of a
-/// small table is one page).
+/// Counts every store call by method (each is one DynamoDB request for the DynamoDB store; a Scan
+/// of a small table is one page).
 #[derive(Debug)]
 struct Counting {
     inner: MemoryLeaseStore,
-    calls: std::sync::atomic::AtomicU64,
+    calls: Mutex<std::collections::BTreeMap<&'static str, u64>>,
+    /// Conditional takes and creates the store refused.
+    refused: std::sync::atomic::AtomicU64,
+    /// While set, every beat fails (the roster item is unreachable for this worker).
+    beats_fail: std::sync::atomic::AtomicBool,
 }
 
 impl Counting {
-    fn tick(&self) {
-        self.calls
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    fn new(inner: MemoryLeaseStore) -> Self {
+        Self {
+            inner,
+            calls: Mutex::default(),
+            refused: Default::default(),
+            beats_fail: Default::default(),
+        }
+    }
+
+    fn refused(&self) -> u64 {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn refuse(&self, refused: bool) {
+        if refused {
+            self.refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn call(&self, method: &'static str) {
+        *self.calls.lock().unwrap().entry(method).or_default() += 1;
+    }
+
+    fn count(&self, method: &str) -> u64 {
+        self.calls.lock().unwrap().get(method).copied().unwrap_or(0)
+    }
+
+    fn total(&self) -> u64 {
+        self.calls.lock().unwrap().values().sum()
     }
 }
 
 impl LeaseStore for Counting {
     fn prepare(&self) -> BoxFuture<'_, Result<(), Error>> {
-        self.tick();
+        self.call("prepare");
         self.inner.prepare()
     }
     fn list<'a>(
         &'a self,
         stream: &'a str,
     ) -> BoxFuture<'a, Result<Vec<shardwise::lease::Lease>, Error>> {
-        self.tick();
+        self.call("list");
         self.inner.list(stream)
     }
     fn get<'a>(
@@ -287,29 +318,37 @@ impl LeaseStore for Counting {
         stream: &'a str,
         shard_id: &'a str,
     ) -> BoxFuture<'a, Result<Option<shardwise::lease::Lease>, Error>> {
-        self.tick();
+        self.call("get");
         self.inner.get(stream, shard_id)
     }
     fn create<'a>(
         &'a self,
         lease: &'a shardwise::lease::NewLease,
     ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.tick();
-        self.inner.create(lease)
+        self.call("create");
+        Box::pin(async move {
+            let created = self.inner.create(lease).await?;
+            self.refuse(!created);
+            Ok(created)
+        })
     }
     fn take<'a>(
         &'a self,
         seen: &'a shardwise::lease::Lease,
         owner: &'a str,
     ) -> BoxFuture<'a, Result<Option<shardwise::lease::Lease>, Error>> {
-        self.tick();
-        self.inner.take(seen, owner)
+        self.call("take");
+        Box::pin(async move {
+            let taken = self.inner.take(seen, owner).await?;
+            self.refuse(taken.is_none());
+            Ok(taken)
+        })
     }
     fn renew<'a>(
         &'a self,
         held: &'a shardwise::lease::Ownership,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.tick();
+    ) -> BoxFuture<'a, Result<shardwise::lease::Renewal, Error>> {
+        self.call("renew");
         self.inner.renew(held)
     }
     fn checkpoint<'a>(
@@ -318,7 +357,7 @@ impl LeaseStore for Counting {
         to: &'a Checkpoint,
         complete_through: Option<i64>,
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        self.tick();
+        self.call("checkpoint");
         self.inner.checkpoint(held, to, complete_through)
     }
     fn paged_checkpoint<'a>(
@@ -327,21 +366,21 @@ impl LeaseStore for Counting {
         expected: &'a PagedProgress,
         to: &'a PagedProgress,
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        self.tick();
+        self.call("paged_checkpoint");
         self.inner.paged_checkpoint(held, expected, to)
     }
     fn release<'a>(
         &'a self,
         held: &'a shardwise::lease::Ownership,
     ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.tick();
+        self.call("release");
         self.inner.release(held)
     }
     fn seek<'a>(
         &'a self,
         moves: &'a [shardwise::lease::SeekMove],
     ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.tick();
+        self.call("seek");
         self.inner.seek(moves)
     }
     fn advance_frontier<'a>(
@@ -349,14 +388,14 @@ impl LeaseStore for Counting {
         held: &'a shardwise::lease::Ownership,
         ct: i64,
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        self.tick();
+        self.call("advance_frontier");
         self.inner.advance_frontier(held, ct)
     }
     fn delete<'a>(
         &'a self,
         seen: &'a shardwise::lease::Lease,
     ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.tick();
+        self.call("delete");
         self.inner.delete(seen)
     }
     fn set_children<'a>(
@@ -365,7 +404,7 @@ impl LeaseStore for Counting {
         shard_id: &'a str,
         children: &'a [String],
     ) -> BoxFuture<'a, Result<(), Error>> {
-        self.tick();
+        self.call("set_children");
         self.inner.set_children(stream, shard_id, children)
     }
 
@@ -374,7 +413,7 @@ impl LeaseStore for Counting {
         seen: &'a shardwise::lease::Lease,
         taker: &'a str,
     ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.tick();
+        self.call("request");
         self.inner.request(seen, taker)
     }
 
@@ -383,7 +422,7 @@ impl LeaseStore for Counting {
         held: &'a shardwise::lease::Ownership,
         taker: &'a str,
     ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.tick();
+        self.call("pass");
         self.inner.pass(held, taker)
     }
 
@@ -392,7 +431,7 @@ impl LeaseStore for Counting {
         stream: &'a str,
     ) -> BoxFuture<'a, Result<Option<shardwise::frontier::Membership>, Error>> {
         {
-            self.tick();
+            self.call("membership");
             self.inner.membership(stream)
         }
     }
@@ -404,18 +443,48 @@ impl LeaseStore for Counting {
         next: &'a shardwise::frontier::Membership,
     ) -> BoxFuture<'a, Result<bool, Error>> {
         {
-            self.tick();
+            self.call("publish_membership");
             self.inner.publish_membership(stream, expected, next)
+        }
+    }
+
+    fn beat<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        announce: bool,
+    ) -> BoxFuture<'a, Result<shardwise::lease::Roster, Error>> {
+        {
+            self.call("beat");
+            if self.beats_fail.load(std::sync::atomic::Ordering::Relaxed) {
+                return Box::pin(async {
+                    Err(Error::Config(shardwise::ConfigError::new(
+                        "beat",
+                        "unreachable",
+                        "injected",
+                    )))
+                });
+            }
+            self.inner.beat(stream, worker, announce)
+        }
+    }
+
+    fn forget<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        seen: Option<u64>,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        {
+            self.call("forget");
+            self.inner.forget(stream, worker, seen)
         }
     }
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_idle_worker_costs_about_26_store_requests_per_held_lease_per_minute() {
-    let store = Arc::new(Counting {
-        inner: MemoryLeaseStore::new(),
-        calls: Default::default(),
-    });
+async fn an_idle_worker_costs_about_27_store_requests_per_held_lease_per_minute() {
+    let store = Arc::new(Counting::new(MemoryLeaseStore::new()));
     let shards = Shards::open(4);
     let (manager, _events) = LeaseManager::start(
         store.clone(),
@@ -428,17 +497,288 @@ async fn an_idle_worker_costs_about_26_store_requests_per_held_lease_per_minute(
     .await
     .unwrap();
     until(Duration::from_secs(10), || manager.held().len() == 4).await;
-    let before = store.calls.load(std::sync::atomic::Ordering::Relaxed);
+    let (before, scans) = (store.total(), store.count("list"));
     tokio::time::sleep(Duration::from_secs(600)).await;
-    let calls = store.calls.load(std::sync::atomic::Ordering::Relaxed) - before;
+    let calls = store.total() - before;
     let per_lease_minute = calls as f64 / 4.0 / 10.0;
     eprintln!(
         "idle: {calls} store requests in 10 min for 4 leases = {per_lease_minute:.1} per held lease per minute"
     );
-    // Renewals: 60 s / (10 s / 3) = 18 per lease; scans every 2 s and a shard sync a minute are
-    // shared by the worker's leases: (30 + 2) / 4 = 8 per lease.
+    // Renewals: 60 s / (10 s / 3) = 18 per lease. Shared by the worker's leases: a beat every
+    // 2 s (30) and, balanced and alone, a scan about every lease duration (6): 36 / 4 = 9 per
+    // lease.
     assert!(
-        (25.0..=27.0).contains(&per_lease_minute),
+        (26.0..=28.0).contains(&per_lease_minute),
         "{per_lease_minute}"
     );
+    let scans = (store.count("list") - scans) as f64 / 10.0;
+    assert!(
+        (5.7..=6.3).contains(&scans),
+        "one quiet scan every 10 s (20 % either way): {scans} a minute"
+    );
+}
+
+/// Balanced workers that see nothing move scan about once per lease duration between them,
+/// however many they are: the table's reads stop growing with the number of workers (before the
+/// roster, every worker scanned every 2 s).
+#[tokio::test(start_paused = true)]
+async fn balanced_workers_read_the_table_about_once_per_lease_duration_whatever_their_number() {
+    for workers in [1usize, 2, 4, 8] {
+        let store = Arc::new(Counting::new(MemoryLeaseStore::new()));
+        let shards = Shards::open(16);
+        let mut running = Vec::new();
+        for w in 0..workers {
+            let (manager, events) = LeaseManager::start(
+                store.clone(),
+                shards.clone(),
+                STREAM,
+                &format!("w{w}"),
+                LeaseSettings::default(),
+                Arc::new(()),
+            )
+            .await
+            .unwrap();
+            running.push((manager, events));
+        }
+        until(Duration::from_secs(120), || {
+            running.iter().all(|(m, _)| m.held().len() == 16 / workers)
+        })
+        .await;
+        // Let the last handoffs and the scans after them settle, then count ten minutes.
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        for (_, events) in &mut running {
+            while events.try_recv().is_ok() {}
+        }
+        let (scans, renewals, beats) = (
+            store.count("list"),
+            store.count("renew"),
+            store.count("beat"),
+        );
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        let per_minute = |now: u64, before: u64| (now - before) as f64 / 10.0;
+        let scans = per_minute(store.count("list"), scans);
+        let renewals = per_minute(store.count("renew"), renewals);
+        let beats = per_minute(store.count("beat"), beats);
+        eprintln!(
+            "{workers} workers on 16 shards: {scans:.1} scans, {renewals:.1} renewals, {beats:.1} beats a minute"
+        );
+        // Each worker scans every lease duration x workers: 6 scans a minute in all.
+        assert!(
+            (5.0..=7.0).contains(&scans),
+            "{workers} workers: {scans} scans a minute"
+        );
+        assert_eq!(
+            renewals,
+            16.0 * 18.0,
+            "{workers} workers: renewals unchanged"
+        );
+        assert_eq!(
+            beats,
+            workers as f64 * 30.0,
+            "{workers} workers: a beat every 2 s each"
+        );
+        for (_, events) in &mut running {
+            let mut churn = 0;
+            while events.try_recv().is_ok() {
+                churn += 1;
+            }
+            assert_eq!(churn, 0, "{workers} workers: leases moved at steady state");
+        }
+        for (manager, _) in running {
+            manager.shutdown().await;
+        }
+    }
+}
+
+/// Starts `name` on `store` and answers its handoff requests as the consumer does: a lease asked
+/// for is released at once (its final checkpoint needs nothing here), which passes it on.
+async fn cooperating(
+    store: Arc<dyn LeaseStore>,
+    shards: &Arc<Shards>,
+    name: &str,
+    settings: LeaseSettings,
+) -> Arc<LeaseManager> {
+    let (manager, mut events) =
+        LeaseManager::start(store, shards.clone(), STREAM, name, settings, Arc::new(()))
+            .await
+            .expect("manager starts");
+    let manager = Arc::new(manager);
+    let weak = Arc::downgrade(&manager);
+    tokio::spawn(async move {
+        while let Some(event) = events.recv().await {
+            let LeaseEvent::Acquired(held) = event else {
+                continue;
+            };
+            let weak = weak.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = held.cancel.cancelled() => {}
+                    _ = held.handoff.cancelled() => {
+                        if let Some(manager) = weak.upgrade() {
+                            let _ = manager.release(&held.ownership).await;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    manager
+}
+
+/// A fourth worker joining three balanced ones on 200 shards asks for its whole share at once,
+/// spread over the three, and holds it within a few scans; nothing is stolen.
+#[tokio::test(start_paused = true)]
+async fn a_worker_joining_three_balanced_ones_on_200_shards_reaches_its_share_within_30_s() {
+    let memory = MemoryLeaseStore::new();
+    let store: Arc<dyn LeaseStore> = Arc::new(memory.clone());
+    let shards = Shards::open(200);
+    let mut workers = Vec::new();
+    for name in ["a", "b", "c"] {
+        workers.push(cooperating(store.clone(), &shards, name, LeaseSettings::default()).await);
+    }
+    until(Duration::from_secs(120), || {
+        ["a", "b", "c"]
+            .iter()
+            .all(|w| (66..=67).contains(&owned_by(&memory, w)))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+
+    let d = cooperating(store.clone(), &shards, "d", LeaseSettings::default()).await;
+    let took = until(Duration::from_secs(30), || d.held().len() == 50).await;
+    eprintln!("d reached its share of 50 in {took:?}");
+    let loads: Vec<usize> = ["a", "b", "c", "d"]
+        .iter()
+        .map(|w| owned_by(&memory, w))
+        .collect();
+    assert_eq!(loads.iter().sum::<usize>(), 200, "{loads:?}");
+    assert!(loads.iter().all(|n| n.abs_diff(50) <= 1), "{loads:?}");
+    assert!(
+        memory.snapshot().iter().all(|l| l.wanted_by.is_none()),
+        "no request left pending"
+    );
+}
+
+/// Four workers starting at the same moment on a new 200-shard stream: one creates the rows, each
+/// takes only the leases that fall to it, and not one conditional write is refused.
+#[tokio::test(start_paused = true)]
+async fn four_workers_starting_together_share_200_new_shards_without_a_refused_write() {
+    let memory = MemoryLeaseStore::new();
+    let store = Arc::new(Counting::new(memory.clone()));
+    let shards = Shards::open(200);
+    let names = ["a", "b", "c", "d"];
+    let started = futures::future::join_all(names.iter().map(|name| {
+        cooperating(
+            store.clone() as Arc<dyn LeaseStore>,
+            &shards,
+            name,
+            LeaseSettings::default(),
+        )
+    }))
+    .await;
+    let took = until(Duration::from_secs(20), || {
+        names.iter().all(|w| owned_by(&memory, w) == 50)
+    })
+    .await;
+    eprintln!("balanced in {took:?}");
+    assert_eq!(store.count("create"), 200, "each row created once");
+    assert_eq!(store.refused(), 0, "a take or create was refused");
+    assert_eq!(store.count("request"), 0, "nothing had to move by handoff");
+    drop(started);
+}
+
+/// A worker whose beat cannot be written gives up its leases before the others judge it dead,
+/// and they take them over: a worker the roster says is dead holds nothing.
+#[tokio::test(start_paused = true)]
+async fn a_worker_whose_beat_fails_gives_up_its_leases_and_the_others_take_them() {
+    let memory = MemoryLeaseStore::new();
+    let shards = Shards::open(8);
+    let failing = Arc::new(Counting::new(memory.clone()));
+    let (a, _a_events) = worker(&memory, &shards, "a").await;
+    let (b, _b_events) = LeaseManager::start(
+        failing.clone(),
+        shards.clone(),
+        STREAM,
+        "b",
+        LeaseSettings::default(),
+        Arc::new(()),
+    )
+    .await
+    .unwrap();
+    until(Duration::from_secs(60), || b.held().len() == 4).await;
+
+    failing
+        .beats_fail
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let settings = LeaseSettings::default();
+    let gave_up = until(Duration::from_secs(30), || b.held().is_empty()).await;
+    assert!(
+        gave_up <= settings.lease_duration - settings.renew_interval + settings.scan_interval,
+        "b held on for {gave_up:?}"
+    );
+    until(Duration::from_secs(30), || a.held().len() == 8).await;
+    drop(b);
+}
+
+/// A balanced worker that scans rarely still learns of a handoff request within one renewal:
+/// the renewal returns the row with the request.
+#[tokio::test(start_paused = true)]
+async fn a_quiet_owner_notices_a_handoff_request_within_one_renewal() {
+    let store = MemoryLeaseStore::new();
+    let shards = Shards::open(2);
+    let (a, mut events) = worker(&store, &shards, "a").await;
+    let mut held = Vec::new();
+    until(Duration::from_secs(10), || {
+        while let Ok(LeaseEvent::Acquired(h)) = events.try_recv() {
+            held.push(*h);
+        }
+        held.len() == 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let row = store
+        .get(STREAM, &held[0].ownership.shard_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(store.request(&row, "b").await.unwrap());
+    let noticed = until(Duration::from_secs(30), || held[0].handoff.is_cancelled()).await;
+    assert!(
+        noticed <= LeaseSettings::default().renew_interval,
+        "noticed after {noticed:?}"
+    );
+    assert!(!held[1].handoff.is_cancelled());
+    drop(a);
+}
+
+/// A worker that beats but never takes what falls to it (stopped mid-way, or misbehaving) does
+/// not strand leases: after a lease duration, anyone with room takes them.
+#[tokio::test(start_paused = true)]
+async fn leases_falling_to_a_worker_that_never_takes_them_are_taken_after_a_lease_duration() {
+    let store = MemoryLeaseStore::new();
+    let shards = Shards::open(8);
+    let ghost = tokio::spawn({
+        let store = store.clone();
+        async move {
+            loop {
+                store.beat(STREAM, "ghost", false).await.unwrap();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (a, _events) = worker(&store, &shards, "a").await;
+    // a counts the ghost: its share is 4, and it takes only the leases that fall to it.
+    until(Duration::from_secs(5), || a.held().len() == 4).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(a.held().len(), 4, "the ghost's leases were taken at once");
+    // The ghost's share stays free for a lease duration, then a takes it (its share now counts
+    // the ghost as holding nothing: the target is still 4, so it takes them as neglected).
+    let took = until(Duration::from_secs(30), || owned_by(&store, "a") == 8).await;
+    assert!(
+        took <= LeaseSettings::default().lease_duration
+            + LeaseSettings::default().scan_interval * 2,
+        "{took:?}"
+    );
+    ghost.abort();
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use futures::future::join_all;
 use shardwise::lease::{
     Checkpoint, CheckpointWrite, DynamoDbLeaseStore, Lease, LeaseStore, MemoryLeaseStore, NewLease,
-    Ownership, SeekMove,
+    Ownership, Renewal, SeekMove,
 };
 use shardwise::paged::{Cursor, PagePosition, PagedProgress};
 use shardwise::{Error, Position, SequenceNumber};
@@ -122,8 +122,8 @@ async fn take_unowned_then_stale_take_gets_nothing(store: &dyn LeaseStore) {
 async fn renew_by_the_owner_only(store: &dyn LeaseStore) {
     let stream = stream_name();
     let (taken, mine) = held(store, &stream, "worker-a").await;
-    assert!(store.renew(&mine).await.unwrap());
-    assert!(store.renew(&mine).await.unwrap());
+    assert!(store.renew(&mine).await.unwrap().is_renewed());
+    assert!(store.renew(&mine).await.unwrap().is_renewed());
     let after = row(store, &stream).await;
     assert_eq!(after.counter, taken.counter + 2);
     assert_eq!(
@@ -135,17 +135,17 @@ async fn renew_by_the_owner_only(store: &dyn LeaseStore) {
         epoch: mine.epoch + 1,
         ..mine.clone()
     };
-    assert!(!store.renew(&wrong_epoch).await.unwrap());
+    assert!(!store.renew(&wrong_epoch).await.unwrap().is_renewed());
     let wrong_owner = Ownership {
         owner: "worker-b".into(),
         ..mine.clone()
     };
-    assert!(!store.renew(&wrong_owner).await.unwrap());
+    assert!(!store.renew(&wrong_owner).await.unwrap().is_renewed());
     let missing = Ownership {
         shard_id: "shardId-000000000099".into(),
         ..mine
     };
-    assert!(!store.renew(&missing).await.unwrap());
+    assert!(!store.renew(&missing).await.unwrap().is_renewed());
     assert_eq!(
         row(store, &stream).await,
         after,
@@ -243,7 +243,7 @@ async fn a_zombie_cannot_checkpoint(store: &dyn LeaseStore) {
             "zombie write of {attempt}"
         );
     }
-    assert!(!store.renew(&a).await.unwrap());
+    assert!(!store.renew(&a).await.unwrap().is_renewed());
     assert!(!store.release(&a).await.unwrap());
     assert_eq!(
         row(store, &stream).await,
@@ -319,7 +319,7 @@ async fn release_gives_the_lease_up(store: &dyn LeaseStore) {
     assert_eq!(released.counter, taken.counter + 1);
     assert_eq!(released.owner_epoch, taken.owner_epoch);
     assert!(!store.release(&mine).await.unwrap(), "already released");
-    assert!(!store.renew(&mine).await.unwrap());
+    assert!(!store.renew(&mine).await.unwrap().is_renewed());
     assert_eq!(
         store.checkpoint(&mine, &at("5", 0), None).await.unwrap(),
         CheckpointWrite::Lost
@@ -339,7 +339,7 @@ async fn release_gives_the_lease_up(store: &dyn LeaseStore) {
 async fn steal_from_a_live_owner(store: &dyn LeaseStore) {
     let stream = stream_name();
     let (a_row, a) = held(store, &stream, "worker-a").await;
-    assert!(store.renew(&a).await.unwrap());
+    assert!(store.renew(&a).await.unwrap().is_renewed());
     // The row B saw before A's renew is stale.
     assert_eq!(store.take(&a_row, "worker-b").await.unwrap(), None);
     // A thief must name the owner it saw: a steal conditioned on "unowned" fails.
@@ -357,8 +357,17 @@ async fn steal_from_a_live_owner(store: &dyn LeaseStore) {
     assert_eq!(stolen.owner.as_deref(), Some("worker-b"));
     assert_eq!(stolen.owner_epoch, a.epoch + 1);
     assert_eq!(stolen.counter, fresh.counter + 1);
-    assert!(!store.renew(&a).await.unwrap(), "the old owner lost it");
-    assert!(store.renew(&stolen.ownership().unwrap()).await.unwrap());
+    assert!(
+        !store.renew(&a).await.unwrap().is_renewed(),
+        "the old owner lost it"
+    );
+    assert!(
+        store
+            .renew(&stolen.ownership().unwrap())
+            .await
+            .unwrap()
+            .is_renewed()
+    );
 }
 
 async fn list_returns_only_the_stream(store: &dyn LeaseStore) {
@@ -467,7 +476,10 @@ async fn eight_takers_race_and_one_wins(store: &dyn LeaseStore) {
         assert_eq!(winner.owner_epoch, round + 1);
         assert_eq!(row(store, &stream).await, winner, "round {round}");
         if let Some(previous) = &previous {
-            assert!(!store.renew(previous).await.unwrap(), "round {round}");
+            assert!(
+                !store.renew(previous).await.unwrap().is_renewed(),
+                "round {round}"
+            );
         }
         previous = winner.ownership();
         seen = winner;
@@ -503,7 +515,7 @@ async fn seek_moves_back_and_fences_the_owner(store: &dyn LeaseStore) {
         "the frontier coordinate is kept"
     );
     // The old owner can neither renew nor write a late checkpoint.
-    assert!(!store.renew(&a).await.unwrap());
+    assert!(!store.renew(&a).await.unwrap().is_renewed());
     assert_eq!(
         store.checkpoint(&a, &at("901", 0), None).await.unwrap(),
         CheckpointWrite::Lost
@@ -1034,7 +1046,13 @@ async fn a_handoff_is_requested_once_and_passed_only_to_the_taker(store: &dyn Le
         (wanted.owner.as_deref(), wanted.owner_epoch),
         (Some("w1"), w1.epoch)
     );
-    assert!(store.renew(&w1).await.unwrap(), "the owner keeps renewing");
+    assert_eq!(
+        store.renew(&w1).await.unwrap(),
+        Renewal::Renewed {
+            wanted_by: Some("w2".into())
+        },
+        "the owner keeps renewing, and its renewal carries the request"
+    );
     assert_eq!(
         store
             .checkpoint(
@@ -1059,7 +1077,10 @@ async fn a_handoff_is_requested_once_and_passed_only_to_the_taker(store: &dyn Le
     assert_eq!(passed.owner.as_deref(), Some("w2"));
     assert_eq!(passed.owner_epoch, w1.epoch + 1);
     assert_eq!(passed.wanted_by, None);
-    assert!(!store.renew(&w1).await.unwrap(), "the old owner is fenced");
+    assert!(
+        !store.renew(&w1).await.unwrap().is_renewed(),
+        "the old owner is fenced"
+    );
     assert!(!store.pass(&w1, "w2").await.unwrap());
     assert!(
         !store.request(&seen, "w3").await.unwrap(),
@@ -1077,6 +1098,52 @@ async fn a_handoff_is_requested_once_and_passed_only_to_the_taker(store: &dyn Le
     let again = row(store, &stream).await;
     let stolen = store.take(&again, "w5").await.unwrap().unwrap();
     assert_eq!(stolen.wanted_by, None, "a steal clears the request");
+}
+
+async fn the_roster_counts_beats_and_forgets_a_worker_only_as_seen(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let other = stream_name();
+    let first = store.beat(&stream, "w1", false).await.unwrap();
+    assert_eq!(first.beats.get("w1"), Some(&1));
+    assert_eq!(first.changes, 0);
+    assert_eq!(first.founder.as_deref(), Some("w1"), "the first to beat");
+    let both = store.beat(&stream, "w2", false).await.unwrap();
+    assert_eq!(
+        both.beats
+            .iter()
+            .map(|(w, b)| (w.as_str(), *b))
+            .collect::<Vec<_>>(),
+        [("w1", 1), ("w2", 1)],
+        "a beat returns the whole roster"
+    );
+    assert_eq!(both.founder.as_deref(), Some("w1"), "the founder stays");
+    let announced = store.beat(&stream, "w1", true).await.unwrap();
+    assert_eq!((announced.beats["w1"], announced.changes), (2, 1));
+    assert_eq!(
+        store.beat(&other, "w1", false).await.unwrap().beats["w1"],
+        1,
+        "each stream has its own roster"
+    );
+    // The roster is not a lease row.
+    held(store, &stream, "w1").await;
+    assert_eq!(store.list(&stream).await.unwrap().len(), 1);
+
+    assert!(
+        !store.forget(&stream, "w2", Some(7)).await.unwrap(),
+        "w2 beat since it was seen at 7"
+    );
+    assert!(store.forget(&stream, "w2", Some(1)).await.unwrap());
+    assert!(
+        !store.forget(&stream, "w2", Some(1)).await.unwrap(),
+        "forgotten already"
+    );
+    let after = store.beat(&stream, "w1", false).await.unwrap();
+    assert_eq!(after.beats.keys().collect::<Vec<_>>(), ["w1"]);
+    assert_eq!(after.changes, 1);
+    // Leaving is unconditional, and a worker that comes back starts again from 1.
+    assert!(store.forget(&stream, "w1", None).await.unwrap());
+    let back = store.beat(&stream, "w1", false).await.unwrap();
+    assert_eq!(back.beats["w1"], 1);
 }
 
 macro_rules! conformance {
@@ -1135,6 +1202,7 @@ conformance!(
     closed_through_moves_forward_by_compare_and_swap,
     membership_is_published_by_compare_and_swap_on_its_epoch,
     a_handoff_is_requested_once_and_passed_only_to_the_taker,
+    the_roster_counts_beats_and_forgets_a_worker_only_as_seen,
 );
 
 // ---------------------------------------------------------------------------------------------

@@ -372,7 +372,10 @@ impl LeaseStore for SlowSeeks {
     ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
         self.0.take(seen, owner)
     }
-    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
+    fn renew<'a>(
+        &'a self,
+        held: &'a Ownership,
+    ) -> BoxFuture<'a, Result<shardwise::lease::Renewal, Error>> {
         self.0.renew(held)
     }
     fn checkpoint<'a>(
@@ -449,6 +452,24 @@ impl LeaseStore for SlowSeeks {
         next: &'a shardwise::frontier::Membership,
     ) -> BoxFuture<'a, Result<bool, Error>> {
         self.0.publish_membership(stream, expected, next)
+    }
+
+    fn beat<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        announce: bool,
+    ) -> BoxFuture<'a, Result<shardwise::lease::Roster, Error>> {
+        self.0.beat(stream, worker, announce)
+    }
+
+    fn forget<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        seen: Option<u64>,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.0.forget(stream, worker, seen)
     }
 }
 

@@ -62,7 +62,10 @@ impl LeaseStore for Hanging {
     ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
         self.gate(self.inner.take(seen, owner))
     }
-    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
+    fn renew<'a>(
+        &'a self,
+        held: &'a Ownership,
+    ) -> BoxFuture<'a, Result<shardwise::lease::Renewal, Error>> {
         self.gate(self.inner.renew(held))
     }
     fn checkpoint<'a>(
@@ -136,6 +139,24 @@ impl LeaseStore for Hanging {
         next: &'a shardwise::frontier::Membership,
     ) -> BoxFuture<'a, Result<bool, Error>> {
         self.gate(self.inner.publish_membership(stream, expected, next))
+    }
+
+    fn beat<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        announce: bool,
+    ) -> BoxFuture<'a, Result<shardwise::lease::Roster, Error>> {
+        self.gate(self.inner.beat(stream, worker, announce))
+    }
+
+    fn forget<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        seen: Option<u64>,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.gate(self.inner.forget(stream, worker, seen))
     }
 }
 

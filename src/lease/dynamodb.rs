@@ -20,7 +20,8 @@ use futures::future::BoxFuture;
 
 use super::row::{Lease, NewLease, Ownership, lease_key};
 use super::store::{
-    CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, SeekMove, paged_write_is_of_the_attempt,
+    CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, Renewal, Roster, SeekMove,
+    paged_write_is_of_the_attempt,
 };
 use crate::checkpoint::{AT_TIMESTAMP, Checkpoint};
 use crate::dynamo::{Table, TableOptions, is_condition_failed, n, s};
@@ -53,6 +54,10 @@ mod attr {
     pub(super) const MEMBERSHIP_EPOCH: &str = "membershipEpoch";
     pub(super) const MEMBERS: &str = "members";
     pub(super) const MEMBERSHIP_SEEKS: &str = "membershipSeeks";
+    /// Prefix of a worker's beat in a roster item.
+    pub(super) const BEAT: &str = "beat:";
+    pub(super) const CHANGES: &str = "changes";
+    pub(super) const FOUNDER: &str = "founder";
 }
 use attr::*;
 
@@ -360,16 +365,99 @@ impl DynamoDbLeaseStore {
         }
     }
 
-    /// `renew`: counter + 1.
-    async fn renew_row(&self, held: &Ownership) -> Result<bool, Error> {
+    /// `renew`: counter + 1; the row comes back with the write, carrying any handoff request.
+    async fn renew_row(&self, held: &Ownership) -> Result<Renewal, Error> {
         let result = self
             .fenced(held, None)
             .update_expression("SET #counter = #counter + :one")
             .expression_attribute_names("#counter", COUNTER)
             .expression_attribute_values(":one", n(1u64))
+            .return_values(ReturnValue::AllNew)
             .send()
             .await;
-        self.stored(result)
+        match result {
+            Ok(out) => Ok(Renewal::Renewed {
+                wanted_by: out
+                    .attributes()
+                    .and_then(|row| row.get(WANTED_BY))
+                    .and_then(|v| v.as_s().ok())
+                    .cloned(),
+            }),
+            Err(err) if is_condition_failed(&err) => Ok(Renewal::Lost),
+            Err(err) => Err(self.failed("UpdateItem", err)),
+        }
+    }
+
+    /// The key of a stream's roster item (no `streamName`: no scan of the rows sees it).
+    fn roster_key(stream: &str) -> String {
+        format!("~workers#{stream}")
+    }
+
+    /// `beat`: `beat:<worker>` + 1 (and `changes` + 1), the roster returned as written.
+    async fn beat_roster(
+        &self,
+        stream: &str,
+        worker: &str,
+        announce: bool,
+    ) -> Result<Roster, Error> {
+        let mut request = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(Self::roster_key(stream)))
+            .expression_attribute_names("#beat", format!("{BEAT}{worker}"))
+            .expression_attribute_names("#founder", FOUNDER)
+            .expression_attribute_values(":one", n(1u64))
+            .expression_attribute_values(":me", s(worker))
+            .return_values(ReturnValue::AllNew);
+        let founder = "SET #founder = if_not_exists(#founder, :me)";
+        request = if announce {
+            request
+                .update_expression(format!("{founder} ADD #beat :one, #changes :one"))
+                .expression_attribute_names("#changes", CHANGES)
+        } else {
+            request.update_expression(format!("{founder} ADD #beat :one"))
+        };
+        let out = request
+            .send()
+            .await
+            .map_err(|e| self.failed("UpdateItem", e))?;
+        let number = |v: &AttributeValue| v.as_n().ok().and_then(|n| n.parse::<u64>().ok());
+        let mut roster = Roster::default();
+        for (name, value) in out.attributes().into_iter().flatten() {
+            if let Some(worker) = name.strip_prefix(BEAT) {
+                if let Some(beat) = number(value) {
+                    roster.beats.insert(worker.to_string(), beat);
+                }
+            } else if name == CHANGES {
+                roster.changes = number(value).unwrap_or(0);
+            } else if name == FOUNDER {
+                roster.founder = value.as_s().ok().cloned();
+            }
+        }
+        Ok(roster)
+    }
+
+    /// `forget`: `beat:<worker>` removed, when `seen` is given only if it is still that value.
+    async fn forget_worker(
+        &self,
+        stream: &str,
+        worker: &str,
+        seen: Option<u64>,
+    ) -> Result<bool, Error> {
+        let mut request = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(Self::roster_key(stream)))
+            .update_expression("REMOVE #beat")
+            .expression_attribute_names("#beat", format!("{BEAT}{worker}"));
+        if let Some(seen) = seen {
+            request = request
+                .condition_expression("#beat = :seen")
+                .expression_attribute_values(":seen", n(seen));
+        }
+        self.stored(request.send().await)
     }
 
     /// `release`: owner removed, counter + 1, any handoff request removed.
@@ -876,7 +964,7 @@ impl LeaseStore for DynamoDbLeaseStore {
         Box::pin(self.take_row(seen, owner))
     }
 
-    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
+    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<Renewal, Error>> {
         Box::pin(self.renew_row(held))
     }
 
@@ -957,6 +1045,24 @@ impl LeaseStore for DynamoDbLeaseStore {
         next: &'a Membership,
     ) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(self.put_membership(stream, expected, next))
+    }
+
+    fn beat<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        announce: bool,
+    ) -> BoxFuture<'a, Result<Roster, Error>> {
+        Box::pin(self.beat_roster(stream, worker, announce))
+    }
+
+    fn forget<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        seen: Option<u64>,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.forget_worker(stream, worker, seen))
     }
 }
 

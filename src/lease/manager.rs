@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -15,8 +16,9 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use super::planner::{self, PlanLimits, Seen, Take};
+use super::roster::RosterView;
 use super::row::{InitialPosition, Lease, Ownership};
-use super::store::LeaseStore;
+use super::store::{LeaseStore, Renewal};
 use super::sync;
 use crate::error::{ConfigError, Error};
 use crate::frontier::{self, Frontier};
@@ -30,8 +32,13 @@ pub struct LeaseSettings {
     pub lease_duration: Duration,
     /// How often held leases are renewed. Default `lease_duration / 3`.
     pub renew_interval: Duration,
-    /// How often the table is scanned to take and steal. Default 2 s.
+    /// How often the table is scanned while this worker is settling: below its share, awaiting a
+    /// handoff, after a change of the roster or a lost lease, and at start. Default 2 s.
     pub scan_interval: Duration,
+    /// How often a balanced worker scans the table when nothing moves. `None` (the default):
+    /// `lease_duration` x the live workers, so the table as a whole is read about once per lease
+    /// duration whatever the number of workers. The stream frontier is recomputed on every scan.
+    pub idle_scan_interval: Option<Duration>,
     /// How often the stream's shards are listed to create rows for new ones. Default 60 s (and
     /// whenever a shard ends).
     pub shard_sync_interval: Duration,
@@ -53,6 +60,7 @@ impl Default for LeaseSettings {
             lease_duration,
             renew_interval: lease_duration / 3,
             scan_interval: Duration::from_secs(2),
+            idle_scan_interval: None,
             shard_sync_interval: Duration::from_secs(60),
             limits: PlanLimits::default(),
             initial_position: InitialPosition::TrimHorizon,
@@ -78,6 +86,12 @@ impl LeaseSettings {
     /// Sets the scan interval.
     pub fn scan_interval(mut self, d: Duration) -> Self {
         self.scan_interval = d;
+        self
+    }
+
+    /// Sets how often a balanced worker scans when nothing moves (see the field).
+    pub fn idle_scan_interval(mut self, d: Duration) -> Self {
+        self.idle_scan_interval = Some(d);
         self
     }
 
@@ -133,6 +147,13 @@ impl LeaseSettings {
             return Err(ConfigError::new(
                 "scan_interval",
                 self.scan_interval,
+                "must be above zero",
+            ));
+        }
+        if self.idle_scan_interval.is_some_and(|d| d.is_zero()) {
+            return Err(ConfigError::new(
+                "idle_scan_interval",
+                self.idle_scan_interval.unwrap_or_default(),
                 "must be above zero",
             ));
         }
@@ -223,9 +244,25 @@ struct Inner {
     frontier: watch::Sender<Frontier>,
     /// The frontier membership as last read or published (see `publish_frontier`).
     membership: Mutex<Option<frontier::Membership>>,
-    membership_scans: std::sync::atomic::AtomicU64,
+    membership_scans: AtomicU64,
     /// Handoffs this worker asked for, by shard, and when.
     requests: Mutex<HashMap<String, Instant>>,
+    /// The workers of the stream as their beats tell.
+    roster: Mutex<RosterView>,
+    /// When this worker's own beat was last written.
+    last_beat: Mutex<Instant>,
+    /// The beat has not been written for too long: every lease was given up, and none is taken
+    /// until a beat is written again (the others may judge this worker dead).
+    silent: AtomicBool,
+    /// The next beat raises the roster's `changes`: rows were added or a lease became free, so
+    /// every worker scans.
+    announce: AtomicBool,
+    /// Wakes the taker for a scan now (a lease lost, a shard ended, rows created).
+    scan_now: Notify,
+    /// Wakes the beat loop for a beat now (an announcement).
+    beat_now: Notify,
+    /// The rows of the last scan, which the shard sync compares the stream against.
+    last_rows: Mutex<Option<Vec<Lease>>>,
 }
 
 /// Runs the lease protocol for one worker on one stream. Background tasks stop on
@@ -267,11 +304,13 @@ impl LeaseManager {
     ) -> Result<(Self, mpsc::UnboundedReceiver<LeaseEvent>), Error> {
         settings.validate()?;
         let (events, rx) = mpsc::unbounded_channel();
+        let worker: String = worker.into();
+        let (worker_id, lease_duration) = (worker.clone(), settings.lease_duration);
         let inner = Arc::new(Inner {
             store,
             shards,
             stream: stream.into(),
-            worker: worker.into(),
+            worker,
             settings,
             hooks,
             held: Mutex::new(BTreeMap::new()),
@@ -281,19 +320,34 @@ impl LeaseManager {
             taking: CancellationToken::new(),
             frontier: watch::Sender::new(Frontier::default()),
             membership: Mutex::new(None),
-            membership_scans: std::sync::atomic::AtomicU64::new(0),
+            membership_scans: AtomicU64::new(0),
             requests: Mutex::new(HashMap::new()),
+            roster: Mutex::new(RosterView::new(worker_id, lease_duration)),
+            last_beat: Mutex::new(Instant::now()),
+            silent: AtomicBool::new(false),
+            announce: AtomicBool::new(false),
+            scan_now: Notify::new(),
+            beat_now: Notify::new(),
+            last_rows: Mutex::new(None),
         });
         // The stream first: a missing stream must not leave a new lease table behind.
         inner.shards.list_shards(&inner.stream).await?;
         inner.store.prepare().await?;
-        inner.sync_shards().await?;
+        // Beat first, so workers starting together see each other before they plan. A worker
+        // alone, or the roster's founder, syncs the shard list now; one that found others lets
+        // them create the rows and syncs what is still missing one scan interval later.
+        inner.beat().await;
+        let alone = inner.roster().syncs_at_start();
+        if alone {
+            inner.sync_shards(true).await?;
+        }
 
         let renewing = CancellationToken::new();
         let tasks = TaskTracker::new();
         tasks.spawn(Arc::clone(&inner).renew_loop(renewing.clone()));
+        tasks.spawn(Arc::clone(&inner).beat_loop(renewing.clone()));
         tasks.spawn(Arc::clone(&inner).take_loop());
-        tasks.spawn(Arc::clone(&inner).sync_loop());
+        tasks.spawn(Arc::clone(&inner).sync_loop(!alone));
         tasks.close();
         info!(stream = %inner.stream, worker = %inner.worker, "lease manager started");
         Ok((
@@ -344,22 +398,34 @@ impl LeaseManager {
     }
 
     /// Records that a held shard reached SHARD_END: releases the lease, runs the hook and syncs
-    /// the shard list so its children get rows.
+    /// the shard list so its children get rows (announced to every worker by the next beat).
     pub async fn shard_ended(&self, ownership: &Ownership) -> Result<(), Error> {
         self.inner.release(ownership).await?;
         self.inner.hooks.shard_ended(ownership);
         self.inner.sync_now.notify_one();
+        self.inner.changed_here();
         Ok(())
     }
 
-    /// Stops taking, releases every held lease (call after final checkpoints), then stops
-    /// renewing. Returns how many leases were handed back.
+    /// Stops taking, releases every held lease (call after final checkpoints), leaves the roster
+    /// so the other workers rebalance at once, then stops renewing. Returns how many leases were
+    /// handed back.
     pub async fn shutdown(self) -> usize {
         self.inner.taking.cancel();
         let held = self.held();
         let released = join_all(held.iter().map(|o| self.inner.release(o))).await;
         self.renewing.cancel();
         self.tasks.wait().await;
+        // Last, once no beat can follow: leaving is a change of the roster, so the others scan
+        // at their next beat and share out the released leases.
+        if let Err(e) = self
+            .inner
+            .store
+            .forget(&self.inner.stream, &self.inner.worker, None)
+            .await
+        {
+            warn!(stream = %self.inner.stream, error = &e as &dyn std::error::Error, "leaving the roster failed; the others judge this worker gone once its beat stops");
+        }
         released
             .into_iter()
             .filter(|r| matches!(r, Ok(true)))
@@ -375,6 +441,124 @@ impl Inner {
     /// Forgets the held lease `ownership` names; `None` if it is not held under that epoch.
     fn requests(&self) -> MutexGuard<'_, HashMap<String, Instant>> {
         self.requests.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn roster(&self) -> MutexGuard<'_, RosterView> {
+        self.roster.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Something every worker should scan for happened here (rows created, a lease freed or
+    /// lost): the next beat, sent now, announces it, and this worker scans too.
+    fn changed_here(&self) {
+        self.announce.store(true, Ordering::Relaxed);
+        self.beat_now.notify_one();
+        self.scan_now.notify_one();
+    }
+
+    /// How long a balanced worker waits between scans when nothing moves: the idle scan
+    /// interval, 20 % either way at random, so workers that scanned together after a change
+    /// spread out again.
+    fn idle_scan_interval(&self) -> Duration {
+        let base = self.settings.idle_scan_interval.unwrap_or_else(|| {
+            let workers = self.roster().live(Instant::now()).len();
+            self.settings.lease_duration * u32::try_from(workers).unwrap_or(u32::MAX)
+        });
+        base.mul_f64(0.8 + 0.4 * crate::backoff::fraction())
+    }
+
+    /// Writes this worker's beat and reads the roster back with it. `true` when the roster
+    /// changed (a worker joined, left or died, or rows were announced): time to scan. A worker
+    /// whose beat has not been written for `lease_duration - renew_interval` gives up every
+    /// lease, as the others may already judge it dead.
+    async fn beat(&self) -> bool {
+        let announce = self.announce.swap(false, Ordering::Relaxed);
+        let attempt = self.settings.renew_interval;
+        let result = tokio::time::timeout(
+            attempt,
+            self.store.beat(&self.stream, &self.worker, announce),
+        )
+        .await;
+        let roster = match result {
+            Ok(Ok(roster)) => roster,
+            failed => {
+                if announce {
+                    self.announce.store(true, Ordering::Relaxed);
+                }
+                match failed {
+                    Ok(Err(e)) => {
+                        warn!(stream = %self.stream, error = &e as &dyn std::error::Error, "writing this worker's beat failed")
+                    }
+                    _ => warn!(stream = %self.stream, "writing this worker's beat timed out"),
+                }
+                let silent = self
+                    .last_beat
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .elapsed();
+                if silent >= self.settings.lease_duration - self.settings.renew_interval {
+                    self.silent.store(true, Ordering::Relaxed);
+                    let held: Vec<Ownership> =
+                        self.held().values().map(|h| h.ownership.clone()).collect();
+                    for ownership in &held {
+                        self.lose(
+                            ownership,
+                            "this worker's beat was not written in time: others may judge it dead",
+                        );
+                    }
+                }
+                return false;
+            }
+        };
+        let now = Instant::now();
+        *self.last_beat.lock().unwrap_or_else(|e| e.into_inner()) = now;
+        if self.silent.swap(false, Ordering::Relaxed) {
+            info!(stream = %self.stream, "this worker's beat is written again: taking leases again");
+        }
+        let observed = self.roster().observe(&roster, now);
+        for (worker, beat) in observed.forget {
+            match self.store.forget(&self.stream, &worker, Some(beat)).await {
+                Ok(true) => {
+                    info!(stream = %self.stream, worker = %worker, "a dead worker was removed from the roster")
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    debug!(worker = %worker, error = &e as &dyn std::error::Error, "removing a dead worker from the roster failed")
+                }
+            }
+        }
+        observed.changed
+    }
+
+    async fn beat_loop(self: Arc<Self>, stop: CancellationToken) {
+        let mut tick = tokio::time::interval(self.settings.scan_interval);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        // The first beat was written at start.
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                biased;
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {}
+                _ = self.beat_now.notified() => {}
+            }
+            if self.beat().await {
+                self.scan_now.notify_one();
+            }
+        }
+    }
+
+    /// The owner of a held lease learned that `taker` asked for it: stop the shard gracefully;
+    /// the release then passes the lease on.
+    fn handoff_asked(&self, ownership: &Ownership, taker: &str) {
+        let mut held = self.held();
+        let Some(h) = held.get_mut(&ownership.shard_id) else {
+            return;
+        };
+        if h.wanted_by.is_none() && h.ownership == *ownership {
+            info!(stream = %self.stream, shard = %ownership.shard_id, to = %taker, "handoff asked for: the shard stops reading, settles and hands over");
+            h.wanted_by = Some(taker.to_string());
+            h.handoff.cancel();
+        }
     }
 
     fn remove_held(&self, ownership: &Ownership) -> Option<Held> {
@@ -415,14 +599,19 @@ impl Inner {
         .await;
         for (ownership, result) in results {
             match result {
-                Ok(Ok(true)) => {
+                Ok(Ok(Renewal::Renewed { wanted_by })) => {
                     if let Some(h) = self.held().get_mut(&ownership.shard_id)
                         && h.ownership.epoch == ownership.epoch
                     {
                         h.last_renewed = Instant::now();
                     }
+                    if let Some(taker) = wanted_by {
+                        self.handoff_asked(ownership, &taker);
+                    }
                 }
-                Ok(Ok(false)) => self.lose(ownership, "renewal refused: another worker holds it"),
+                Ok(Ok(Renewal::Lost)) => {
+                    self.lose(ownership, "renewal refused: another worker holds it")
+                }
                 Ok(Err(_)) | Err(_) => {
                     let late = self.held().get(&ownership.shard_id).is_some_and(|h| {
                         h.last_renewed.elapsed()
@@ -452,6 +641,8 @@ impl Inner {
             metrics::gauge!("shardwise_leases_held", &self.labels()).decrement(1.0);
             self.hooks.lease_lost(ownership);
             let _ = self.events.send(LeaseEvent::Lost(ownership.clone()));
+            // The row may be free now (a seek) or still name this worker (given up locally).
+            self.changed_here();
         }
     }
 
@@ -484,18 +675,37 @@ impl Inner {
         }
         let released = self.store.release(ownership).await?;
         debug!(shard = %ownership.shard_id, released, "lease released");
+        if released && !self.taking.is_cancelled() {
+            // A free lease: every worker scans to share it out. (At shutdown, leaving the roster
+            // says so.)
+            self.changed_here();
+        }
         Ok(released)
     }
 
+    /// Scans every `scan_interval` while something moves, else every idle scan interval, and
+    /// at once when a beat saw the roster change or something happened here.
     async fn take_loop(self: Arc<Self>) {
+        // The roster as of now, not as of start: workers that started since count.
+        self.beat().await;
         loop {
-            if let Err(e) = self.scan_table().await {
-                warn!(stream = %self.stream, error = &e as &dyn std::error::Error, "lease scan failed");
-            }
+            let settling = match self.scan_table().await {
+                Ok(settling) => settling,
+                Err(e) => {
+                    warn!(stream = %self.stream, error = &e as &dyn std::error::Error, "lease scan failed");
+                    true
+                }
+            };
+            let pause = if settling {
+                self.settings.scan_interval
+            } else {
+                self.idle_scan_interval()
+            };
             tokio::select! {
                 biased;
                 _ = self.taking.cancelled() => return,
-                _ = tokio::time::sleep(self.settings.scan_interval) => {}
+                _ = tokio::time::sleep(pause) => {}
+                _ = self.scan_now.notified() => {}
             }
         }
     }
@@ -551,8 +761,10 @@ impl Inner {
         Ok(latest)
     }
 
-    /// One scan: observe counters, notice leases taken from us, plan, and take.
-    async fn scan_table(&self) -> Result<(), Error> {
+    /// One scan: observe counters, notice leases taken from us, plan, and take. `true` while
+    /// something moves (see [`planner::Plan::settling`], and handoffs this worker awaits): scan
+    /// again soon.
+    async fn scan_table(&self) -> Result<bool, Error> {
         let rows = self.store.list(&self.stream).await?;
         let now = Instant::now();
         match self.publish_frontier(&rows).await {
@@ -569,6 +781,7 @@ impl Inner {
         }
         let expired: Vec<bool> = {
             let mut observed = self.observed.lock().unwrap_or_else(|e| e.into_inner());
+            let roster = self.roster();
             rows.iter()
                 .map(|row| {
                     let o = observed.entry(row.shard_id.clone()).or_insert(Observation {
@@ -583,7 +796,10 @@ impl Inner {
                             since: now,
                         };
                     }
-                    row.owner.is_some() && now - o.since >= self.settings.lease_duration
+                    // Unchanged for a lease duration: an owned lease expired, a free one neglected.
+                    // Every lease of a worker dead by the roster is expired at once.
+                    now - o.since >= self.settings.lease_duration
+                        || row.owner.as_deref().is_some_and(|w| roster.dead(w, now))
                 })
                 .collect()
         };
@@ -604,23 +820,17 @@ impl Inner {
             self.lose(o, "the lease row names another owner");
         }
 
-        // Requests for leases we hold: stop those shards gracefully; the release passes them.
-        {
-            let mut held = self.held();
-            for row in &rows {
-                let (Some(taker), Some(h)) = (&row.wanted_by, held.get_mut(&row.shard_id)) else {
-                    continue;
-                };
-                if h.wanted_by.is_none() && row.ownership().as_ref() == Some(&h.ownership) {
-                    info!(stream = %self.stream, shard = %row.shard_id, to = %taker, "handoff asked for: the shard stops reading, settles and hands over");
-                    h.wanted_by = Some(taker.clone());
-                    h.handoff.cancel();
-                }
+        // Requests for leases we hold (renewals see them too): stop those shards gracefully; the
+        // release passes them.
+        for row in &rows {
+            if let (Some(taker), Some(ownership)) = (&row.wanted_by, row.ownership()) {
+                self.handoff_asked(&ownership, taker);
             }
         }
+        *self.last_rows.lock().unwrap_or_else(|e| e.into_inner()) = Some(rows.clone());
 
-        if self.taking.is_cancelled() {
-            return Ok(());
+        if self.taking.is_cancelled() || self.silent.load(Ordering::Relaxed) {
+            return Ok(false);
         }
         // Our requests still awaited (the row still names us as the taker), and whether the wait
         // is over.
@@ -645,7 +855,16 @@ impl Inner {
             .zip(&expired)
             .map(|(lease, &expired)| Seen { lease, expired })
             .collect();
-        let plan = planner::plan(&self.worker, &seen, &held, &requests, self.settings.limits);
+        let roster: Vec<String> = self.roster().live(now).into_iter().collect();
+        let plan = planner::plan(
+            &self.worker,
+            &seen,
+            &held,
+            &requests,
+            &roster,
+            self.settings.limits,
+        );
+        let settling = plan.settling || !requests.is_empty() || !taken_from_us.is_empty();
         if !plan.takes.is_empty() {
             debug!(stream = %self.stream, active = plan.active, workers = plan.workers, target = plan.target, takes = plan.takes.len(), "lease plan");
         }
@@ -693,7 +912,7 @@ impl Inner {
                 ),
             }
         }
-        Ok(())
+        Ok(settling)
     }
 
     fn acquired(&self, lease: Lease, stolen: bool) {
@@ -732,26 +951,51 @@ impl Inner {
         })));
     }
 
-    async fn sync_loop(self: Arc<Self>) {
+    /// Syncs when a shard of this worker ended, every `shard_sync_interval` on one worker (the
+    /// live worker with the lowest id), and once a scan interval after start when the start sync
+    /// was left to a worker that started earlier (`owed`).
+    async fn sync_loop(self: Arc<Self>, mut owed: bool) {
         loop {
-            tokio::select! {
+            let wait = if owed {
+                self.settings.scan_interval
+            } else {
+                self.settings.shard_sync_interval
+            };
+            let asked = tokio::select! {
                 biased;
                 _ = self.taking.cancelled() => return,
-                _ = tokio::time::sleep(self.settings.shard_sync_interval) => {}
-                _ = self.sync_now.notified() => {}
+                _ = tokio::time::sleep(wait) => false,
+                _ = self.sync_now.notified() => true,
+            };
+            let fresh = asked || std::mem::take(&mut owed);
+            if !(fresh || self.roster().syncs(Instant::now())) {
+                continue;
             }
-            if let Err(e) = self.sync_shards().await {
+            if let Err(e) = self.sync_shards(fresh).await {
                 warn!(stream = %self.stream, error = &e as &dyn std::error::Error, "shard sync failed");
             }
         }
     }
 
     /// Lists the stream's shards and creates rows for those without one, parents first; records
-    /// children on their parents' rows.
-    async fn sync_shards(&self) -> Result<(), Error> {
+    /// children on their parents' rows. Unless `fresh`, compares against the last scan's rows (the
+    /// periodic sync: a row created since makes a create that is refused, never a wrong row).
+    async fn sync_shards(&self, fresh: bool) -> Result<(), Error> {
         let shards = self.shards.list_shards(&self.stream).await?;
-        let rows = self.store.list(&self.stream).await?;
+        let cached = match fresh {
+            true => None,
+            false => self
+                .last_rows
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+        };
+        let rows = match cached {
+            Some(rows) => rows,
+            None => self.store.list(&self.stream).await?,
+        };
         let existing: HashSet<String> = rows.iter().map(|r| r.shard_id.clone()).collect();
+        let mut created = 0;
         for new in sync::new_leases(
             &self.stream,
             &shards,
@@ -759,8 +1003,12 @@ impl Inner {
             self.settings.initial_position,
         ) {
             if self.store.create(&new).await? {
+                created += 1;
                 debug!(stream = %self.stream, shard = %new.shard_id, checkpoint = %new.checkpoint, "lease row created");
             }
+        }
+        if created > 0 {
+            self.changed_here();
         }
         let listed: HashSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
         for row in sync::aged_out(&rows, &listed) {

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use futures::future::BoxFuture;
 
 use super::row::{Checkpoint, Lease, NewLease, Ownership, lease_key};
-use super::store::{CheckpointWrite, LeaseStore, SeekMove, paged_write_holds};
+use super::store::{CheckpointWrite, LeaseStore, Renewal, Roster, SeekMove, paged_write_holds};
 use crate::error::Error;
 use crate::frontier::Membership;
 use crate::paged::PagedProgress;
@@ -40,6 +40,8 @@ pub struct MemoryLeaseStore {
     rows: Arc<Mutex<BTreeMap<String, Lease>>>,
     /// Published frontier memberships, by stream.
     memberships: Arc<Mutex<BTreeMap<String, Membership>>>,
+    /// Worker rosters, by stream.
+    rosters: Arc<Mutex<BTreeMap<String, Roster>>>,
     #[cfg(any(test, feature = "testing"))]
     faults: crate::testing::faults::Injector,
     #[cfg(any(test, feature = "testing"))]
@@ -281,13 +283,18 @@ impl LeaseStore for MemoryLeaseStore {
         })
     }
 
-    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
+    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<Renewal, Error>> {
         self.call("renew", true, move |rows| {
-            rows.held(held)
-                && rows.change("renew", &held.key(), |row| {
-                    row.counter += 1;
-                    true
-                })
+            if !rows.held(held) {
+                return Renewal::Lost;
+            }
+            let mut wanted_by = None;
+            rows.change("renew", &held.key(), |row| {
+                row.counter += 1;
+                wanted_by = row.wanted_by.clone();
+                true
+            });
+            Renewal::Renewed { wanted_by }
         })
     }
 
@@ -509,6 +516,48 @@ impl LeaseStore for MemoryLeaseStore {
             }
             memberships.insert(stream.to_string(), next.clone());
             true
+        })
+    }
+
+    fn beat<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        announce: bool,
+    ) -> BoxFuture<'a, Result<Roster, Error>> {
+        let rosters = self.rosters.clone();
+        self.call("beat", true, move |_| {
+            let mut rosters = rosters.lock().unwrap_or_else(PoisonError::into_inner);
+            let roster = rosters.entry(stream.to_string()).or_default();
+            *roster.beats.entry(worker.to_string()).or_default() += 1;
+            roster.founder.get_or_insert_with(|| worker.to_string());
+            if announce {
+                roster.changes += 1;
+            }
+            roster.clone()
+        })
+    }
+
+    fn forget<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        seen: Option<u64>,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        let rosters = self.rosters.clone();
+        self.call("forget", true, move |_| {
+            let mut rosters = rosters.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some(roster) = rosters.get_mut(stream) else {
+                return seen.is_none();
+            };
+            match (seen, roster.beats.get(worker)) {
+                (Some(seen), Some(&beat)) if beat != seen => false,
+                (Some(_), None) => false,
+                _ => {
+                    roster.beats.remove(worker);
+                    true
+                }
+            }
         })
     }
 }

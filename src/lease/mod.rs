@@ -9,6 +9,7 @@ mod dynamodb;
 mod manager;
 mod memory;
 pub mod planner;
+mod roster;
 mod row;
 mod store;
 mod sync;
@@ -21,4 +22,4 @@ pub use memory::MemoryLeaseStore;
 #[cfg(any(test, feature = "testing"))]
 pub use memory::{Change, Observer};
 pub use row::{Checkpoint, InitialPosition, Lease, NewLease, Ownership};
-pub use store::{CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, SeekMove};
+pub use store::{CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, Renewal, Roster, SeekMove};

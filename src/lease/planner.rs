@@ -8,16 +8,17 @@
 //! went unanswered for the taker's patience.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::hash::{DefaultHasher, Hash, Hasher};
 
 use super::row::Lease;
 
 /// Balancing settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanLimits {
-    /// Steal only when the most loaded worker holds at least this many more leases than this one.
+    /// Ask for leases only while the most loaded worker holds at least this many more than this
+    /// one.
     pub imbalance: usize,
-    /// Leases stolen per scan at most.
+    /// Leases stolen per scan at most (after their handoff requests went unanswered). Requests
+    /// themselves are not capped: a worker below its share asks for all it lacks in one pass.
     pub max_steals_per_scan: usize,
     /// Leases this worker holds at most.
     pub max_leases: usize,
@@ -27,7 +28,7 @@ impl Default for PlanLimits {
     fn default() -> Self {
         Self {
             imbalance: 2,
-            max_steals_per_scan: 1,
+            max_steals_per_scan: 10,
             max_leases: usize::MAX,
         }
     }
@@ -38,14 +39,16 @@ impl Default for PlanLimits {
 pub struct Seen<'a> {
     /// The row from the scan.
     pub lease: &'a Lease,
-    /// Its owner has not renewed it for a lease duration (local clock).
+    /// An owned lease: its owner has not renewed it for a lease duration, or is dead by the
+    /// roster (local clock). An unowned one: no worker took it for a lease duration.
     pub expired: bool,
 }
 
 /// A conditional take the manager should attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Take {
-    /// An unowned or expired lease, or one recorded as ours that this process does not hold.
+    /// An unowned or expired lease that falls to this worker, or one recorded as ours that this
+    /// process does not hold.
     Free(String),
     /// A live lease of an overloaded worker whose owner did not hand it over in time after a
     /// request (or never will: it is stuck or paused).
@@ -71,10 +74,13 @@ pub struct Plan {
     pub takes: Vec<Take>,
     /// Leases that may be read now (not ended, parents ended).
     pub active: usize,
-    /// Workers with live leases, this one included.
+    /// Live workers, this one included.
     pub workers: usize,
     /// ceil(active / workers), capped by `max_leases`.
     pub target: usize,
+    /// Something is moving: this plan takes or asks for leases, or free leases fell to other
+    /// workers that have yet to take them. Keep scanning often until a plan finds nothing to do.
+    pub settling: bool,
 }
 
 /// Whether every parent of `lease` is at SHARD_END (a parent with no row has aged out of the stream).
@@ -88,12 +94,14 @@ pub fn parents_ended(lease: &Lease, by_shard: &HashMap<&str, &Lease>) -> bool {
 
 /// Decides what `me` should take this scan. `held` names the shards this process holds now;
 /// `requests` the handoffs it asked for and still waits for (`true`: the wait is over, the owner
-/// did not hand over in time).
+/// did not hand over in time); `roster` the workers alive by their beats (they count toward the
+/// share even while they hold nothing).
 pub fn plan(
     me: &str,
     seen: &[Seen<'_>],
     held: &HashSet<String>,
     requests: &HashMap<String, bool>,
+    roster: &[String],
     limits: PlanLimits,
 ) -> Plan {
     let by_shard: HashMap<&str, &Lease> = seen
@@ -105,87 +113,151 @@ pub fn plan(
         .filter(|s| !s.lease.checkpoint.is_shard_end() && parents_ended(s.lease, &by_shard))
         .collect();
 
-    // Live holdings per worker: unexpired owned leases (this worker: what it really holds).
-    let mut load: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    load.insert(me, Vec::new());
-    let mut free: Vec<&str> = Vec::new();
+    // Live workers: alive by the roster, owners of unexpired active leases, and me.
+    let mut load: BTreeMap<&str, usize> = roster.iter().map(|w| (w.as_str(), 0)).collect();
+    load.insert(me, 0);
     for s in &active {
-        let shard = s.lease.shard_id.as_str();
-        match s.lease.owner.as_deref() {
-            Some(owner) if owner == me => {
-                if held.contains(shard) {
-                    load.entry(me).or_default().push(shard);
-                } else {
-                    free.push(shard);
-                }
-            }
-            Some(owner) if !s.expired => load.entry(owner).or_default().push(shard),
-            _ => free.push(shard),
+        if let Some(owner) = s.lease.owner.as_deref()
+            && !s.expired
+        {
+            load.insert(owner, 0);
         }
     }
 
+    // Live holdings per worker (this worker: what it really holds). A lease asked for by a live
+    // worker counts for that taker, not its owner: it is on its way.
+    let mut owned: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    let mut retake: Vec<&str> = Vec::new();
+    // Free leases, and whether each was left untaken for a lease duration (`neglected`).
+    let mut free: Vec<(&str, bool)> = Vec::new();
+    for s in &active {
+        let shard = s.lease.shard_id.as_str();
+        match s.lease.owner.as_deref() {
+            Some(owner) if owner == me && !held.contains(shard) => retake.push(shard),
+            Some(owner) if owner == me || !s.expired => {
+                owned.entry(owner).or_default().push(shard);
+                let counts_for = match s.lease.wanted_by.as_deref() {
+                    Some(taker) if taker != owner && load.contains_key(taker) => taker,
+                    _ => owner,
+                };
+                *load.entry(counts_for).or_default() += 1;
+            }
+            owner => free.push((shard, owner.is_none() && s.expired)),
+        }
+    }
+    *load.entry(me).or_default() += retake.len();
+
     let workers = load.len();
     let target = active.len().div_ceil(workers).min(limits.max_leases);
-    let mine = load[me].len();
-    let mut need = target.saturating_sub(mine);
-    let mut takes = Vec::new();
-
-    // Spread workers that race for the same free leases over different ones.
-    free.sort_by_key(|shard| spread(me, shard));
-    for shard in free.iter().take(need) {
-        takes.push(Take::Free((*shard).to_string()));
-    }
-    need -= takes.len();
-
-    // Handoffs asked for and still awaited count as coming.
-    let awaited = requests
+    // A row naming me that this process does not hold is mine alone: take it back.
+    let mut takes: Vec<Take> = retake
         .iter()
-        .filter(|(shard, over)| {
-            !**over
-                && by_shard
-                    .get(shard.as_str())
-                    .is_some_and(|l| l.wanted_by.as_deref() == Some(me))
-        })
-        .count();
-    need = need.saturating_sub(awaited);
+        .map(|shard| Take::Free((*shard).to_string()))
+        .collect();
 
-    if need > 0 && free.is_empty() {
-        let victim = load
-            .iter()
-            .filter(|(w, _)| **w != me)
-            .max_by(|a, b| a.1.len().cmp(&b.1.len()).then_with(|| b.0.cmp(a.0)));
-        if let Some((from, shards)) = victim
-            && shards.len() >= mine + awaited + limits.imbalance
+    // Free leases: in shard order, each to the live worker with room that ranks highest for it.
+    // Every worker computes the same sharing from the same scan and takes only its own part, so
+    // workers do not race for the same rows. A lease left free for a lease duration (the worker
+    // it fell to did not take it: stuck, or misbehaving) is taken by anyone below `max_leases`,
+    // above its target if need be: a lease must be read; balancing moves it later.
+    let mut room: BTreeMap<&str, usize> = load
+        .iter()
+        .map(|(w, n)| (*w, target.saturating_sub(*n)))
+        .collect();
+    free.sort_unstable();
+    let mut left_to_others = 0;
+    for (shard, neglected) in &free {
+        let winner = if *neglected && load[me] < limits.max_leases {
+            Some(me)
+        } else {
+            room.iter()
+                .filter(|(_, r)| **r > 0)
+                .max_by_key(|(w, _)| (rank(w, shard), std::cmp::Reverse(**w)))
+                .map(|(w, _)| *w)
+        };
+        let Some(winner) = winner else { continue };
+        let left = room.get_mut(winner).expect("a live worker");
+        *left = left.saturating_sub(1);
+        if winner == me {
+            takes.push(Take::Free((*shard).to_string()));
+            *load.get_mut(me).expect("me") += 1;
+        } else {
+            left_to_others += 1;
+        }
+    }
+
+    // Handoffs asked for whose wait is over: steal them (the owner is stuck or paused).
+    let mut moves = 0;
+    let mut overdue: Vec<&String> = requests
+        .iter()
+        .filter(|(_, over)| **over)
+        .map(|(shard, _)| shard)
+        .collect();
+    overdue.sort_unstable();
+    for shard in overdue {
+        let Some(lease) = by_shard.get(shard.as_str()) else {
+            continue;
+        };
+        let owner = lease.owner.as_deref().unwrap_or_default();
+        if moves < limits.max_steals_per_scan
+            && lease.wanted_by.as_deref() == Some(me)
+            && owner != me
+            && owned
+                .get(owner)
+                .is_some_and(|o| o.contains(&shard.as_str()))
         {
-            // Not a lease another worker asked for; the ones whose handoff is overdue first.
-            let mut candidates: Vec<&str> = shards
-                .iter()
+            takes.push(Take::Steal {
+                shard_id: shard.clone(),
+                from: owner.to_string(),
+            });
+            moves += 1;
+        }
+    }
+
+    // With every free lease shared out: ask the most loaded workers for leases, one at a time,
+    // while one holds at least `imbalance` more than me: all that is lacking in one pass (a
+    // request moves nothing by itself, and each owner hands over at its own pace).
+    if free.is_empty() {
+        let mut asked: HashSet<&str> = HashSet::new();
+        // The lease of `victim` to ask for: not one anyone asked for already, and the one that
+        // ranks highest for me, so two takers asking at once mostly ask for different leases.
+        let askable = |victim: &str, asked: &HashSet<&str>| -> Option<&str> {
+            owned
+                .get(victim)
+                .into_iter()
+                .flatten()
                 .copied()
                 .filter(|shard| {
-                    by_shard
-                        .get(shard)
-                        .and_then(|l| l.wanted_by.as_deref())
-                        .is_none_or(|w| w == me)
+                    !asked.contains(shard)
+                        && by_shard.get(shard).is_some_and(|l| l.wanted_by.is_none())
                 })
-                .filter(|shard| requests.get(*shard) != Some(&false))
-                .collect();
-            candidates
-                .sort_by_key(|shard| (requests.get(*shard) != Some(&true), spread(me, shard)));
-            for shard in candidates
-                .into_iter()
-                .take(need.min(limits.max_steals_per_scan))
-            {
-                let (shard_id, from) = (shard.to_string(), (*from).to_string());
-                takes.push(if requests.get(shard) == Some(&true) {
-                    Take::Steal { shard_id, from }
-                } else {
-                    Take::Request { shard_id, from }
-                });
+                .max_by_key(|shard| (rank(me, shard), std::cmp::Reverse(*shard)))
+        };
+        while load[me] < target {
+            let mine = load[me];
+            let Some((victim, victim_load, shard)) = load
+                .iter()
+                .filter(|(w, _)| **w != me)
+                .filter_map(|(w, n)| askable(w, &asked).map(|shard| (*w, *n, shard)))
+                .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(a.0)))
+            else {
+                break;
+            };
+            if victim_load < mine + limits.imbalance {
+                break;
             }
+            asked.insert(shard);
+            takes.push(Take::Request {
+                shard_id: shard.to_string(),
+                from: victim.to_string(),
+            });
+            *load.get_mut(victim).expect("victim") -= 1;
+            *load.get_mut(me).expect("me") += 1;
         }
     }
 
     Plan {
+        settling: !takes.is_empty() || left_to_others > 0,
         takes,
         active: active.len(),
         workers,
@@ -193,10 +265,18 @@ pub fn plan(
     }
 }
 
-fn spread(me: &str, shard: &str) -> u64 {
-    let mut h = DefaultHasher::new();
-    (me, shard).hash(&mut h);
-    h.finish()
+/// How high `shard` ranks for `worker` (rendezvous hashing): the same on every worker.
+fn rank(worker: &str, shard: &str) -> u64 {
+    // FNV-1a: fixed across processes and versions, unlike the standard library's hasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in worker.bytes().chain([0xff]).chain(shard.bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    // Mix the low bits up, since FNV's high bits move little for short keys.
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^ (h >> 33)
 }
 
 #[cfg(test)]
@@ -264,7 +344,7 @@ mod tests {
             target: 3,
         },
         Case {
-            what: "a new worker joins a worker holding 4: it steals one per scan, not two",
+            what: "a new worker joins a worker holding 4: it asks for its whole share in one pass",
             me: "b",
             held: &[],
             rows: &[
@@ -274,7 +354,7 @@ mod tests {
                 ("3", Some("a"), false, false, &[]),
             ],
             free: 0,
-            steals: 1,
+            steals: 2,
             victim: Some("a"),
             target: 2,
         },
@@ -429,6 +509,7 @@ mod tests {
                 &seen,
                 &held,
                 &HashMap::new(),
+                &[],
                 PlanLimits::default(),
             );
             let free = plan
@@ -476,7 +557,7 @@ mod tests {
             ..PlanLimits::default()
         };
         assert_eq!(
-            plan("a", &seen, &HashSet::new(), &HashMap::new(), limits)
+            plan("a", &seen, &HashSet::new(), &HashMap::new(), &[], limits)
                 .takes
                 .len(),
             1
@@ -506,13 +587,27 @@ mod tests {
                     expired: false,
                 })
                 .collect();
-            plan("a", &seen, &HashSet::new(), requests, PlanLimits::default()).takes
+            plan(
+                "a",
+                &seen,
+                &HashSet::new(),
+                requests,
+                &[],
+                PlanLimits::default(),
+            )
+            .takes
         };
         let first = scan(&leases, &HashMap::new());
-        let [Take::Request { shard_id, from }] = &first[..] else {
+        let [
+            Take::Request { shard_id, from },
+            Take::Request {
+                from: also_from, ..
+            },
+        ] = &first[..]
+        else {
             panic!("{first:?}");
         };
-        assert_eq!(from, "b");
+        assert_eq!((from.as_str(), also_from.as_str()), ("b", "b"));
         let asked = shard_id.clone();
         leases
             .iter_mut()
@@ -581,8 +676,15 @@ mod tests {
                         .map(|s| s.to_string())
                         .collect();
                     // A request is handed over at once here (the owner passes the lease).
-                    for take in plan(me, &seen, &held, &HashMap::new(), PlanLimits::default()).takes
-                    {
+                    let plan = plan(
+                        me,
+                        &seen,
+                        &held,
+                        &HashMap::new(),
+                        &names,
+                        PlanLimits::default(),
+                    );
+                    for take in plan.takes {
                         let shard = match take {
                             Take::Free(s)
                             | Take::Steal { shard_id: s, .. }
@@ -606,5 +708,248 @@ mod tests {
             let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
             assert!(max - min <= 1, "{shards}/{workers}: {counts:?}");
         }
+    }
+
+    fn free_rows(shards: usize) -> Vec<Lease> {
+        (0..shards)
+            .map(|s| {
+                let mut l = lease(&("x", None, false, false, &[]));
+                l.shard_id = format!("shardId-{s:012}");
+                l
+            })
+            .collect()
+    }
+
+    /// Workers starting together (all in the roster) that plan from the same scan take disjoint
+    /// sets that cover every shard, each its share: no write of one is refused by another's.
+    #[test]
+    fn workers_starting_together_share_free_leases_without_racing() {
+        for (shards, workers) in [(200usize, 4usize), (7, 3), (1000, 20), (3, 5)] {
+            let names: Vec<String> = (0..workers).map(|w| format!("worker-{w}")).collect();
+            let leases = free_rows(shards);
+            let seen: Vec<_> = leases
+                .iter()
+                .map(|lease| Seen {
+                    lease,
+                    expired: false,
+                })
+                .collect();
+            let mut taken: HashMap<String, &str> = HashMap::new();
+            for me in &names {
+                let plan = plan(
+                    me,
+                    &seen,
+                    &HashSet::new(),
+                    &HashMap::new(),
+                    &names,
+                    PlanLimits::default(),
+                );
+                assert_eq!(plan.target, shards.div_ceil(workers));
+                assert!(plan.takes.len() <= plan.target);
+                for take in plan.takes {
+                    let Take::Free(shard) = take else {
+                        panic!("{take:?}")
+                    };
+                    assert!(
+                        taken.insert(shard, me).is_none(),
+                        "two workers take one lease"
+                    );
+                }
+            }
+            assert_eq!(
+                taken.len(),
+                shards,
+                "{shards}/{workers}: every lease falls to someone"
+            );
+        }
+    }
+
+    /// A worker in the roster that holds nothing yet counts toward the share, so a worker alone
+    /// with the rows does not take them all.
+    #[test]
+    fn an_idle_worker_in_the_roster_counts_toward_the_share() {
+        let leases = free_rows(10);
+        let seen: Vec<_> = leases
+            .iter()
+            .map(|lease| Seen {
+                lease,
+                expired: false,
+            })
+            .collect();
+        let roster = vec!["a".to_string(), "b".to_string()];
+        let plan = plan(
+            "a",
+            &seen,
+            &HashSet::new(),
+            &HashMap::new(),
+            &roster,
+            PlanLimits::default(),
+        );
+        assert_eq!((plan.workers, plan.target, plan.takes.len()), (2, 5, 5));
+    }
+
+    /// A fourth worker joining three balanced ones on 200 leases asks for its whole share in one
+    /// pass, from all three, never twice for one lease, and counts what it asked for on the next
+    /// pass (asking nothing more).
+    #[test]
+    fn a_joining_worker_asks_the_most_loaded_for_its_share() {
+        let names: Vec<String> = ["a", "b", "c", "d"].iter().map(|s| s.to_string()).collect();
+        let mut leases = free_rows(200);
+        for (i, l) in leases.iter_mut().enumerate() {
+            l.owner = Some(names[i % 3].clone());
+        }
+        let mut asked = HashSet::new();
+        for _pass in 0..10 {
+            let seen: Vec<_> = leases
+                .iter()
+                .map(|lease| Seen {
+                    lease,
+                    expired: false,
+                })
+                .collect();
+            let plan = plan(
+                "d",
+                &seen,
+                &HashSet::new(),
+                &HashMap::new(),
+                &names,
+                PlanLimits::default(),
+            );
+            assert_eq!(
+                plan.takes.len(),
+                if asked.is_empty() { 50 } else { 0 },
+                "all at once, then nothing more"
+            );
+            let takes = plan.takes.clone();
+            for take in takes {
+                let Take::Request { shard_id, .. } = take else {
+                    panic!("{take:?}")
+                };
+                assert!(asked.insert(shard_id.clone()), "asked twice for {shard_id}");
+                leases
+                    .iter_mut()
+                    .find(|l| l.shard_id == shard_id)
+                    .unwrap()
+                    .wanted_by = Some("d".into());
+            }
+        }
+        assert_eq!(asked.len(), 50, "d asks for exactly its share");
+        let from: BTreeMap<&str, usize> =
+            leases
+                .iter()
+                .filter(|l| l.wanted_by.is_some())
+                .fold(BTreeMap::new(), |mut m, l| {
+                    *m.entry(l.owner.as_deref().unwrap()).or_default() += 1;
+                    m
+                });
+        // 67, 67, 66 down to 50 each: 17 + 17 + 16.
+        assert_eq!(from.values().copied().collect::<Vec<_>>(), vec![17, 17, 16]);
+    }
+
+    fn seen_all(leases: &[Lease], expired: impl Fn(&Lease) -> bool) -> Vec<Seen<'_>> {
+        leases
+            .iter()
+            .map(|lease| Seen {
+                lease,
+                expired: expired(lease),
+            })
+            .collect()
+    }
+
+    /// Free leases that fall to another live worker are left to it, and the plan says it is still
+    /// settling (so this worker scans again soon); once they have been left for a lease duration,
+    /// this worker takes them even above its target.
+    #[test]
+    fn free_leases_of_another_worker_are_left_to_it_until_neglected() {
+        let leases = free_rows(8);
+        let roster = vec!["a".to_string(), "b".to_string()];
+        let fresh = plan(
+            "a",
+            &seen_all(&leases, |_| false),
+            &HashSet::new(),
+            &HashMap::new(),
+            &roster,
+            PlanLimits::default(),
+        );
+        assert_eq!((fresh.target, fresh.takes.len()), (4, 4));
+        assert!(fresh.settling, "four leases fell to b, not taken yet");
+
+        // a took its four; b's four were left free for a lease duration.
+        let mut later = leases.clone();
+        let mine: HashSet<String> = fresh
+            .takes
+            .iter()
+            .map(|t| match t {
+                Take::Free(s) => s.clone(),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        for l in &mut later {
+            if mine.contains(&l.shard_id) {
+                l.owner = Some("a".into());
+            }
+        }
+        let neglected = plan(
+            "a",
+            &seen_all(&later, |l| l.owner.is_none()),
+            &mine,
+            &HashMap::new(),
+            &roster,
+            PlanLimits::default(),
+        );
+        assert_eq!(neglected.takes.len(), 4, "{neglected:?}");
+        let capped = plan(
+            "a",
+            &seen_all(&later, |l| l.owner.is_none()),
+            &mine,
+            &HashMap::new(),
+            &roster,
+            PlanLimits {
+                max_leases: 5,
+                ..PlanLimits::default()
+            },
+        );
+        assert_eq!(capped.takes.len(), 1, "max_leases still caps");
+    }
+
+    /// A balanced worker with nothing to take or ask for is not settling (it may scan rarely),
+    /// even when the shards do not divide evenly and it is one below the target.
+    #[test]
+    fn a_worker_one_below_an_uneven_target_is_quiet() {
+        let mut leases = free_rows(5);
+        for (i, l) in leases.iter_mut().enumerate() {
+            l.owner = Some(if i < 3 { "a" } else { "b" }.into());
+        }
+        let held: HashSet<String> = leases[3..].iter().map(|l| l.shard_id.clone()).collect();
+        let p = plan(
+            "b",
+            &seen_all(&leases, |_| false),
+            &held,
+            &HashMap::new(),
+            &["a".to_string(), "b".to_string()],
+            PlanLimits::default(),
+        );
+        assert_eq!((p.target, p.takes.len(), p.settling), (3, 0, false));
+    }
+
+    /// A lease asked for by a worker that is not alive counts for its owner: a dead taker does not
+    /// inflate the number of workers, nor shrink the owner's load.
+    #[test]
+    fn a_request_by_a_dead_taker_counts_for_the_owner() {
+        let mut leases = free_rows(4);
+        for l in &mut leases {
+            l.owner = Some("a".into());
+        }
+        leases[0].wanted_by = Some("gone".into());
+        let held: HashSet<String> = leases.iter().map(|l| l.shard_id.clone()).collect();
+        let p = plan(
+            "a",
+            &seen_all(&leases, |_| false),
+            &held,
+            &HashMap::new(),
+            &["a".to_string()],
+            PlanLimits::default(),
+        );
+        assert_eq!((p.workers, p.target, p.takes.len()), (1, 4, 0));
     }
 }

@@ -1,5 +1,6 @@
 //! The lease store: the conditional writes every lease operation is made of.
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 use futures::future::BoxFuture;
@@ -20,6 +21,40 @@ pub enum CheckpointWrite {
     /// Refused: the lease is no longer held by this owner under this epoch. Nothing changed; the
     /// shard's work must stop.
     Lost,
+}
+
+/// What a renewal found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Renewal {
+    /// The heartbeat moved; the lease is still ours. `wanted_by` is the row's handoff request as
+    /// written (the store returns the row with the write, so noticing a request costs no read).
+    Renewed {
+        /// A worker that asked for the lease, if any.
+        wanted_by: Option<String>,
+    },
+    /// Refused: another owner or epoch holds the lease.
+    Lost,
+}
+
+impl Renewal {
+    /// Whether the lease is still ours.
+    pub fn is_renewed(&self) -> bool {
+        matches!(self, Renewal::Renewed { .. })
+    }
+}
+
+/// The workers of one stream as their beats tell (the item `~workers#<stream>`, see
+/// `docs/leases.md`): each worker's beat counter, and a counter raised when rows were added.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Roster {
+    /// Beat counter by worker id.
+    pub beats: BTreeMap<String, u64>,
+    /// Raised by a worker announcing something every worker should scan for (rows created, a
+    /// lease released or lost).
+    pub changes: u64,
+    /// The first worker that ever beat in this roster: on the stream's first start, the one
+    /// worker that creates the rows at once.
+    pub founder: Option<String>,
 }
 
 /// One row of a seek: the row as seen and where its checkpoint goes.
@@ -107,8 +142,8 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         owner: &'a str,
     ) -> BoxFuture<'a, Result<Option<Lease>, Error>>;
 
-    /// Bumps the heartbeat of a held lease. `false`: the lease is lost.
-    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>>;
+    /// Bumps the heartbeat of a held lease, returning the handoff request the row carries.
+    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<Renewal, Error>>;
 
     /// Moves the checkpoint forward, fenced by owner and epoch and by the stored `checkpointKey`
     /// being lower than the new one. `complete_through` (ms) is written with it when given.
@@ -178,6 +213,27 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         &'a self,
         held: &'a Ownership,
         taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>>;
+
+    /// Raises `worker`'s beat in the roster of `stream` by one (creating the roster or the entry
+    /// when missing), and `changes` too when `announce`, and records `worker` as the founder when
+    /// the roster has none; unconditional. Returns the roster as written, so reading it costs no
+    /// read.
+    fn beat<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        announce: bool,
+    ) -> BoxFuture<'a, Result<Roster, Error>>;
+
+    /// Removes `worker` from the roster of `stream`: when `seen` is given only if its beat is still
+    /// that value (a dead worker, forgotten by another), else unconditionally (a worker leaving).
+    /// `false` when the condition failed.
+    fn forget<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        seen: Option<u64>,
     ) -> BoxFuture<'a, Result<bool, Error>>;
 
     /// The frontier membership published for `stream`, if any (read consistently).

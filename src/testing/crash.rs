@@ -281,7 +281,10 @@ impl LeaseStore for CrashingLeases {
         Box::pin(self.crash.gate(None, self.store.take(seen, owner)))
     }
 
-    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
+    fn renew<'a>(
+        &'a self,
+        held: &'a Ownership,
+    ) -> BoxFuture<'a, Result<crate::lease::Renewal, Error>> {
         Box::pin(self.crash.gate(None, self.store.renew(held)))
     }
 
@@ -383,6 +386,30 @@ impl LeaseStore for CrashingLeases {
         Box::pin(
             self.crash
                 .gate(None, self.store.publish_membership(stream, expected, next)),
+        )
+    }
+
+    fn beat<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        announce: bool,
+    ) -> BoxFuture<'a, Result<crate::lease::Roster, Error>> {
+        Box::pin(
+            self.crash
+                .gate(None, self.store.beat(stream, worker, announce)),
+        )
+    }
+
+    fn forget<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        seen: Option<u64>,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(
+            self.crash
+                .gate(None, self.store.forget(stream, worker, seen)),
         )
     }
 }

@@ -126,7 +126,10 @@ impl LeaseStore for Store {
             self.inner.take(seen, owner).await
         })
     }
-    fn renew<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
+    fn renew<'a>(
+        &'a self,
+        held: &'a Ownership,
+    ) -> BoxFuture<'a, Result<shardwise::lease::Renewal, Error>> {
         Box::pin(async move {
             self.gate.pass().await;
             self.calls("renew");
@@ -247,6 +250,32 @@ impl LeaseStore for Store {
             self.gate.pass().await;
             self.calls("publish_membership");
             self.inner.publish_membership(stream, expected, next).await
+        })
+    }
+
+    fn beat<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        announce: bool,
+    ) -> BoxFuture<'a, Result<shardwise::lease::Roster, Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            self.calls("beat");
+            self.inner.beat(stream, worker, announce).await
+        })
+    }
+
+    fn forget<'a>(
+        &'a self,
+        stream: &'a str,
+        worker: &'a str,
+        seen: Option<u64>,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            self.gate.pass().await;
+            self.calls("forget");
+            self.inner.forget(stream, worker, seen).await
         })
     }
 }

@@ -1,0 +1,185 @@
+//! Who is alive, from the roster's beats: pure, and driven by the caller's clock.
+//!
+//! Each worker raises its own beat in the stream's roster item on every renewal tick and reads
+//! the whole roster back with the write. A worker whose beat keeps changing is alive; one whose
+//! beat has not changed for a lease duration on this observer's clock is dead (the same rule as a
+//! lease counter, so no clocks are compared). See `docs/leases.md`, "Scale".
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::store::Roster;
+
+/// What this worker has observed of the roster.
+#[derive(Debug)]
+pub(crate) struct RosterView {
+    me: String,
+    lease_duration: Duration,
+    /// Each worker's beat as last seen, and since when it has had that value.
+    beats: BTreeMap<String, (u64, Instant)>,
+    changes: u64,
+    founder: Option<String>,
+    /// The live set and `changes` as of the last time the caller asked what changed.
+    reported: Option<(BTreeSet<String>, u64)>,
+}
+
+/// What one observation found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Observed {
+    /// The live workers or the change counter differ from the last observation's: rebalance.
+    pub changed: bool,
+    /// Workers dead long enough to be removed from the roster (each with the beat seen), so that
+    /// everyone stops counting them.
+    pub forget: Vec<(String, u64)>,
+}
+
+impl RosterView {
+    pub(crate) fn new(me: impl Into<String>, lease_duration: Duration) -> Self {
+        Self {
+            me: me.into(),
+            lease_duration,
+            beats: BTreeMap::new(),
+            changes: 0,
+            founder: None,
+            reported: None,
+        }
+    }
+
+    /// Records a roster as read at `now`.
+    pub(crate) fn observe(&mut self, roster: &Roster, now: Instant) -> Observed {
+        self.beats.retain(|w, _| roster.beats.contains_key(w));
+        for (worker, &beat) in &roster.beats {
+            match self.beats.get_mut(worker) {
+                Some((seen, since)) if *seen != beat => {
+                    *seen = beat;
+                    *since = now;
+                }
+                Some(_) => {}
+                None => {
+                    self.beats.insert(worker.clone(), (beat, now));
+                }
+            }
+        }
+        self.changes = roster.changes;
+        self.founder.clone_from(&roster.founder);
+        let live = self.live(now);
+        let changed = self.reported.as_ref() != Some(&(live.clone(), self.changes));
+        self.reported = Some((live, self.changes));
+        let forget = self
+            .beats
+            .iter()
+            .filter(|(w, (_, since))| **w != self.me && now - *since >= self.lease_duration * 2)
+            .map(|(w, (beat, _))| (w.clone(), *beat))
+            .collect();
+        Observed { changed, forget }
+    }
+
+    /// The workers alive at `now` (this one always).
+    pub(crate) fn live(&self, now: Instant) -> BTreeSet<String> {
+        let mut live: BTreeSet<String> = self
+            .beats
+            .iter()
+            .filter(|(_, (_, since))| now - *since < self.lease_duration)
+            .map(|(w, _)| w.clone())
+            .collect();
+        live.insert(self.me.clone());
+        live
+    }
+
+    /// Whether `worker` is dead by the roster at `now`: seen, and its beat unchanged for a lease
+    /// duration. A worker never seen (not yet in the roster, forgotten, or an older version that
+    /// does not beat) is not judged here.
+    pub(crate) fn dead(&self, worker: &str, now: Instant) -> bool {
+        worker != self.me
+            && self
+                .beats
+                .get(worker)
+                .is_some_and(|(_, since)| now - *since >= self.lease_duration)
+    }
+
+    /// Whether this worker should run the periodic shard sync: it is the live worker with the
+    /// lowest id.
+    pub(crate) fn syncs(&self, now: Instant) -> bool {
+        self.live(now).first() == Some(&self.me)
+    }
+
+    /// Whether this worker creates the rows at start at once: it is alone in the roster, or the
+    /// roster's founder (on a stream's first start, the one worker whose beat came first). The
+    /// others sync a scan interval later, when the rows they find missing are at most those of
+    /// shards that appeared while no worker ran.
+    pub(crate) fn syncs_at_start(&self) -> bool {
+        self.founder.as_deref() == Some(self.me.as_str())
+            || !self.beats.keys().any(|w| *w != self.me)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roster(beats: &[(&str, u64)], changes: u64) -> Roster {
+        Roster {
+            beats: beats.iter().map(|(w, b)| (w.to_string(), *b)).collect(),
+            changes,
+            founder: beats.first().map(|(w, _)| w.to_string()),
+        }
+    }
+
+    const LEASE: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn a_worker_whose_beat_stops_is_dead_after_a_lease_duration_and_forgotten_after_two() {
+        let t0 = Instant::now();
+        let mut view = RosterView::new("a", LEASE);
+        let first = view.observe(&roster(&[("a", 1), ("b", 7)], 0), t0);
+        assert!(first.changed, "the first observation is a change");
+        assert_eq!(view.live(t0).len(), 2);
+
+        // b keeps beating: alive; nothing changed.
+        let at = t0 + Duration::from_secs(3);
+        assert_eq!(
+            view.observe(&roster(&[("a", 2), ("b", 8)], 0), at),
+            Observed::default()
+        );
+        // b stops at 8.
+        let at = t0 + Duration::from_secs(12);
+        assert!(!view.dead("b", at), "unchanged for 9 s only");
+        let o = view.observe(&roster(&[("a", 5), ("b", 8)], 0), at);
+        assert!(!o.changed);
+        let at = t0 + Duration::from_secs(13);
+        let o = view.observe(&roster(&[("a", 6), ("b", 8)], 0), at);
+        assert!(o.changed, "b died: the live set shrank");
+        assert!(view.dead("b", at));
+        assert!(o.forget.is_empty(), "not yet two lease durations");
+        let at = t0 + Duration::from_secs(23);
+        let o = view.observe(&roster(&[("a", 9), ("b", 8)], 0), at);
+        assert_eq!(o.forget, vec![("b".to_string(), 8)]);
+        // b comes back (a zombie, or restarted under the same id): alive again.
+        let at = t0 + Duration::from_secs(24);
+        let o = view.observe(&roster(&[("a", 10), ("b", 9)], 0), at);
+        assert!(o.changed && !view.dead("b", at));
+    }
+
+    #[test]
+    fn joining_leaving_and_announcements_are_changes() {
+        let t0 = Instant::now();
+        let mut view = RosterView::new("b", LEASE);
+        view.observe(&roster(&[("b", 1)], 0), t0);
+        assert!(view.syncs_at_start(), "alone");
+        assert!(view.syncs(t0), "alone: it syncs");
+        let o = view.observe(&roster(&[("a", 1), ("b", 2)], 0), t0);
+        assert!(o.changed, "a joined");
+        assert!(!view.syncs_at_start(), "a founded the roster");
+        assert!(!view.syncs(t0), "a has the lower id");
+        assert!(
+            view.observe(&roster(&[("a", 2), ("b", 3)], 1), t0).changed,
+            "announced"
+        );
+        assert!(view.observe(&roster(&[("b", 4)], 1), t0).changed, "a left");
+        assert!(view.syncs(t0));
+        assert!(!view.dead("never-seen", t0 + LEASE * 5));
+        assert!(!view.dead("b", t0 + LEASE * 5), "never judges itself");
+    }
+}
