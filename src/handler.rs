@@ -508,6 +508,114 @@ pub trait Handler: Send + Sync + 'static {
     /// Handles one delivery. Cancelled (dropped) only when its shard's lease is lost or shutdown's
     /// deadline passes; the delivery then stays unsettled and is read again by the next owner.
     fn handle(&self, delivery: Delivery) -> impl Future<Output = Outcome> + Send;
+
+    /// How this handler takes deliveries in batches; `None` (the default): one at a time. A
+    /// handler that returns `Some` gets [`handle_batch`](Self::handle_batch) calls instead of
+    /// [`handle`](Self::handle). [`Batched`] wraps a [`BatchHandler`] this way.
+    fn batching(&self) -> Option<Batching> {
+        None
+    }
+
+    /// Handles a batch: deliveries of one lane of one shard, in shard order, so the deliveries of
+    /// one partition key among them are in order. Returns one outcome per delivery, in the same
+    /// order; a delivery without one (a shorter answer) is retried. The default runs
+    /// [`handle`](Self::handle) on each in turn. Cancelled as `handle` is.
+    fn handle_batch(&self, batch: Vec<Delivery>) -> impl Future<Output = Vec<Outcome>> + Send {
+        async move {
+            let mut outcomes = Vec::with_capacity(batch.len());
+            for delivery in batch {
+                outcomes.push(self.handle(delivery).await);
+            }
+            outcomes
+        }
+    }
+}
+
+/// How deliveries are batched for a [`BatchHandler`]: a lane hands over up to `max_size`
+/// deliveries at once, waiting at most `max_wait` after the first for more to arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Batching {
+    /// The most deliveries in one batch (at least 1).
+    pub max_size: usize,
+    /// How long a lane waits after a batch's first delivery for more.
+    pub max_wait: Duration,
+}
+
+impl Batching {
+    /// Batches of at most `max_size` deliveries, gathered for at most `max_wait`.
+    pub fn new(max_size: usize, max_wait: Duration) -> Self {
+        Self { max_size, max_wait }
+    }
+}
+
+/// Application code that decides outcomes for a batch of deliveries at once, as Lambda's batch
+/// item failures do: one [`Outcome`] per delivery, in the order given. Wrap it in [`Batched`] to
+/// run it. A batch holds deliveries of one lane of one shard, in shard order; the batches of one
+/// lane run one at a time, so the order per partition key holds as with [`Handler`].
+///
+/// Any `Fn(Vec<Delivery>) -> impl Future<Output = Vec<Outcome>>` closure is a batch handler:
+///
+/// ```
+/// use std::time::Duration;
+/// use shardwise::{Batched, Batching, Delivery, Handler, Outcome};
+/// fn assert_handler<H: Handler>(_: H) {}
+/// let bulk = |batch: Vec<Delivery>| async move {
+///     // One bulk write for the whole batch, then an outcome per delivery.
+///     batch.iter().map(|_| Outcome::Ack).collect::<Vec<_>>()
+/// };
+/// assert_handler(Batched::new(bulk, Batching::new(100, Duration::from_millis(50))));
+/// ```
+pub trait BatchHandler: Send + Sync + 'static {
+    /// Handles a batch; see the trait.
+    fn handle_batch(&self, batch: Vec<Delivery>) -> impl Future<Output = Vec<Outcome>> + Send;
+}
+
+impl<F, Fut> BatchHandler for F
+where
+    F: Fn(Vec<Delivery>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Vec<Outcome>> + Send,
+{
+    fn handle_batch(&self, batch: Vec<Delivery>) -> impl Future<Output = Vec<Outcome>> + Send {
+        self(batch)
+    }
+}
+
+/// A [`BatchHandler`] run as a [`Handler`], with its [`Batching`].
+#[derive(Debug, Clone)]
+pub struct Batched<B> {
+    handler: B,
+    batching: Batching,
+}
+
+impl<B: BatchHandler> Batched<B> {
+    /// Runs `handler` on batches made as `batching` says (a `max_size` of 0 counts as 1).
+    pub fn new(handler: B, batching: Batching) -> Self {
+        let batching = Batching {
+            max_size: batching.max_size.max(1),
+            ..batching
+        };
+        Self { handler, batching }
+    }
+}
+
+impl<B: BatchHandler> Handler for Batched<B> {
+    async fn handle(&self, delivery: Delivery) -> Outcome {
+        self.handler
+            .handle_batch(vec![delivery])
+            .await
+            .into_iter()
+            .next()
+            .unwrap_or(Outcome::Retry)
+    }
+
+    fn batching(&self) -> Option<Batching> {
+        Some(self.batching)
+    }
+
+    fn handle_batch(&self, batch: Vec<Delivery>) -> impl Future<Output = Vec<Outcome>> + Send {
+        self.handler.handle_batch(batch)
+    }
 }
 
 impl<F, Fut> Handler for F

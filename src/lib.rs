@@ -60,7 +60,7 @@ pub use aws_sdk_dynamodb;
 pub use aws_sdk_kinesis;
 pub use consumer::{Consumer, ConsumerBuilder, Ordering, Running, ShutdownReport, Unproven};
 pub use error::{AckError, BoxError, ConfigError, Error};
-pub use handler::{Delivery, DeliveryBuilder, Handler, Outcome};
+pub use handler::{BatchHandler, Batched, Batching, Delivery, DeliveryBuilder, Handler, Outcome};
 pub use lease::{
     Checkpoint, CheckpointWrite, DynamoDbLeaseStore, InitialPosition, Lease, LeaseStore,
     MemoryLeaseStore, NewLease, Ownership,

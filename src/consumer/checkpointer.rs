@@ -35,6 +35,8 @@ pub(crate) struct Checkpointer {
     pub(crate) caught_up_skew: Option<Duration>,
     pub(crate) frontier_interval: Duration,
     pub(crate) frontier_written_at: Option<Instant>,
+    /// This shard's slot on the health board.
+    pub(crate) health: super::health::Entry,
 }
 
 pub(crate) struct InFlight {
@@ -139,6 +141,7 @@ impl Checkpointer {
     ) -> Result<(), ()> {
         match result {
             Ok(CheckpointWrite::Written) => {
+                self.health.written(self.pending.is_some());
                 metrics::counter!("shardwise_checkpoint_writes_total", &self.labels).increment(1);
                 debug!(shard = %self.ownership.shard_id, checkpoint = %to, ?complete_through, "checkpoint written");
                 if complete_through.is_some() {
@@ -147,6 +150,7 @@ impl Checkpointer {
                 Ok(())
             }
             Ok(CheckpointWrite::NotNewer) => {
+                self.health.written(self.pending.is_some());
                 debug!(shard = %self.ownership.shard_id, checkpoint = %to, "checkpoint not newer than the stored one");
                 Ok(())
             }

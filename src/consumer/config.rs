@@ -63,6 +63,12 @@ pub struct Settings {
     pub latest_margin: Duration,
     /// What to do with a source read by timestamp whose contracts cannot prove a group complete.
     pub unproven: Unproven,
+    /// How long one delivery (or one batch) may run before it is given up as a retry; `None`: as
+    /// long as it takes.
+    pub handler_timeout: Option<Duration>,
+    /// Records that arrived longer ago than this are not handled: they go to the dead-letter
+    /// stream when there is one, else they are dropped (Lambda's `MaximumRecordAgeInSeconds`).
+    pub max_record_age: Option<Duration>,
 }
 
 /// What a consumer does with a source read by timestamp whose contracts cannot prove a timestamp
@@ -111,6 +117,8 @@ impl Settings {
             latest_margin: DEFAULT_LATEST_MARGIN,
             unproven: Unproven::Refuse,
             hold_poll_interval: Duration::from_secs(5),
+            handler_timeout: None,
+            max_record_age: None,
         }
     }
 
@@ -247,6 +255,20 @@ impl Settings {
                 "must be above zero",
             ));
         }
+        if let Some(t) = self.handler_timeout
+            && t.is_zero()
+        {
+            return Err(ConfigError::new("handler_timeout", t, "must be above zero"));
+        }
+        if let Some(age) = self.max_record_age
+            && age < Duration::from_secs(1)
+        {
+            return Err(ConfigError::new(
+                "max_record_age",
+                age,
+                "must be at least 1s (arrival times are whole milliseconds from another clock)",
+            ));
+        }
         self.lease.validate()
     }
 
@@ -323,6 +345,14 @@ mod tests {
             (
                 "renew_interval",
                 Box::new(|s| s.lease.renew_interval = Duration::from_secs(8)),
+            ),
+            (
+                "handler_timeout",
+                Box::new(|s| s.handler_timeout = Some(Duration::ZERO)),
+            ),
+            (
+                "max_record_age",
+                Box::new(|s| s.max_record_age = Some(Duration::from_millis(10))),
             ),
         ];
         for (field, break_it) in cases {

@@ -10,13 +10,14 @@
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::FutureExt;
 use tokio::sync::{Mutex, mpsc};
 use tokio::task::JoinSet;
-use tracing::{Instrument, error, info_span};
+use tracing::{Instrument, error, info_span, warn};
 
-use super::config::Ordering;
+use super::config::{Ordering, Settings};
 use crate::handler::{Delivery, Handler, Outcome};
 
 /// A delivery the handler finished with, and what it decided.
@@ -24,6 +25,24 @@ use crate::handler::{Delivery, Handler, Outcome};
 pub(crate) struct Finished {
     pub(crate) delivery: Delivery,
     pub(crate) outcome: Outcome,
+    /// Not handed to the handler: it arrived longer ago than `max_record_age` (its age).
+    pub(crate) expired: Option<Duration>,
+}
+
+/// What the lanes need of the consumer's settings.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LaneSettings {
+    pub(crate) handler_timeout: Option<Duration>,
+    pub(crate) max_record_age: Option<Duration>,
+}
+
+impl LaneSettings {
+    pub(crate) fn of(settings: &Settings) -> Self {
+        Self {
+            handler_timeout: settings.handler_timeout,
+            max_record_age: settings.max_record_age,
+        }
+    }
 }
 
 /// The lanes of one shard. Dropping them aborts every running handler.
@@ -44,6 +63,7 @@ impl Lanes {
         ordering: Ordering,
         handler: Arc<H>,
         finished: mpsc::UnboundedSender<Finished>,
+        settings: LaneSettings,
     ) -> Self {
         let mut tasks = JoinSet::new();
         let mut senders = Vec::new();
@@ -56,6 +76,7 @@ impl Lanes {
                         Arc::new(Mutex::new(rx)),
                         handler.clone(),
                         finished.clone(),
+                        settings,
                     ));
                 }
             }
@@ -64,7 +85,12 @@ impl Lanes {
                 senders.push(tx);
                 let shared = Arc::new(Mutex::new(rx));
                 for _ in 0..count {
-                    tasks.spawn(run_lane(shared.clone(), handler.clone(), finished.clone()));
+                    tasks.spawn(run_lane(
+                        shared.clone(),
+                        handler.clone(),
+                        finished.clone(),
+                        settings,
+                    ));
                 }
             }
         }
@@ -146,40 +172,150 @@ async fn run_lane<H: Handler>(
     queue: Arc<Mutex<mpsc::UnboundedReceiver<Delivery>>>,
     handler: Arc<H>,
     finished: mpsc::UnboundedSender<Finished>,
+    settings: LaneSettings,
 ) {
+    let batching = handler.batching();
     loop {
-        let next = queue.lock().await.recv().await;
-        let Some(delivery) = next else { return };
-        let span = info_span!(
-            "delivery",
-            stream = delivery.stream(),
-            shard = delivery.shard(),
-            seq = %delivery.locator(),
-            attempt = delivery.attempt(),
-            lane = delivery.lane(),
-        );
-        let outcome = AssertUnwindSafe(handler.handle(delivery.clone()))
-            .catch_unwind()
-            .instrument(span)
-            .await
-            .unwrap_or_else(|panic| {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "non-string panic".into());
-                error!(
-                    stream = delivery.stream(),
-                    shard = delivery.shard(),
-                    seq = %delivery.locator(),
-                    partition_key = delivery.partition_key(),
-                    panic = %what,
-                    "handler panicked: treated as retry"
+        // The next delivery, and with a batch handler the ones behind it, up to the batch size,
+        // waiting at most `max_wait` after the first.
+        let batch = {
+            let mut queue = queue.lock().await;
+            let Some(first) = queue.recv().await else {
+                return;
+            };
+            let mut batch = vec![first];
+            if let Some(b) = batching {
+                let deadline = tokio::time::Instant::now() + b.max_wait;
+                while batch.len() < b.max_size {
+                    match tokio::time::timeout_at(deadline, queue.recv()).await {
+                        Ok(Some(next)) => batch.push(next),
+                        Ok(None) | Err(_) => break,
+                    }
+                }
+            }
+            batch
+        };
+        // Too old for the handler: answered at once.
+        let (expired, batch): (Vec<_>, Vec<_>) = batch
+            .into_iter()
+            .map(|d| (settings.max_record_age.and_then(|max| age_past(&d, max)), d))
+            .partition(|(age, _)| age.is_some());
+        for (age, delivery) in expired {
+            let done = Finished {
+                delivery,
+                outcome: Outcome::Drop,
+                expired: age,
+            };
+            if finished.send(done).is_err() {
+                return;
+            }
+        }
+        let batch: Vec<Delivery> = batch.into_iter().map(|(_, d)| d).collect();
+        if batch.is_empty() {
+            continue;
+        }
+        let outcomes = run(&*handler, batching.is_some(), batch.clone(), settings).await;
+        for (delivery, outcome) in batch.into_iter().zip(outcomes) {
+            let done = Finished {
+                delivery,
+                outcome,
+                expired: None,
+            };
+            if finished.send(done).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// How long ago `delivery` arrived, when that is longer than `max`.
+fn age_past(delivery: &Delivery, max: Duration) -> Option<Duration> {
+    let arrived = delivery.arrived_at()?;
+    let age = crate::time::now().duration_since(arrived).ok()?;
+    (age > max).then_some(age)
+}
+
+/// Runs the handler on one delivery (or, `batched`, one batch) in its span, within the handler
+/// timeout: one outcome per delivery. A panic or a timeout is a retry for each.
+async fn run<H: Handler>(
+    handler: &H,
+    batched: bool,
+    batch: Vec<Delivery>,
+    settings: LaneSettings,
+) -> Vec<Outcome> {
+    let n = batch.len();
+    let first = batch[0].clone();
+    let span = info_span!(
+        "delivery",
+        stream = first.stream(),
+        shard = first.shard(),
+        seq = %first.locator(),
+        attempt = first.attempt(),
+        lane = first.lane(),
+        batch = n,
+    );
+    let started = tokio::time::Instant::now();
+    let call = async {
+        if batched {
+            handler.handle_batch(batch).await
+        } else {
+            let delivery = batch.into_iter().next().expect("one delivery");
+            vec![handler.handle(delivery).await]
+        }
+    };
+    let call = AssertUnwindSafe(call).catch_unwind().instrument(span);
+    let answer = match settings.handler_timeout {
+        Some(limit) => tokio::time::timeout(limit, call).await.ok(),
+        None => Some(call.await),
+    };
+    metrics::histogram!("shardwise_handler_duration_seconds", "stream" => first.stream().to_string())
+        .record(started.elapsed().as_secs_f64());
+    match answer {
+        Some(Ok(mut outcomes)) => {
+            if outcomes.len() != n {
+                warn!(
+                    stream = first.stream(),
+                    shard = first.shard(),
+                    seq = %first.locator(),
+                    batch = n,
+                    outcomes = outcomes.len(),
+                    "the batch handler answered with {} outcomes for {n} deliveries: the ones without an outcome are retried",
+                    outcomes.len()
                 );
-                Outcome::Retry
-            });
-        if finished.send(Finished { delivery, outcome }).is_err() {
-            return;
+                outcomes.resize(n, Outcome::Retry);
+            }
+            outcomes
+        }
+        Some(Err(panic)) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic".into());
+            error!(
+                stream = first.stream(),
+                shard = first.shard(),
+                seq = %first.locator(),
+                partition_key = first.partition_key(),
+                batch = n,
+                panic = %what,
+                "handler panicked: treated as retry"
+            );
+            vec![Outcome::Retry; n]
+        }
+        None => {
+            metrics::counter!("shardwise_handler_timeouts_total", "stream" => first.stream().to_string())
+                .increment(n as u64);
+            warn!(
+                stream = first.stream(),
+                shard = first.shard(),
+                seq = %first.locator(),
+                partition_key = first.partition_key(),
+                batch = n,
+                timeout = ?settings.handler_timeout,
+                "handler timed out: treated as retry"
+            );
+            vec![Outcome::Retry; n]
         }
     }
 }
@@ -204,7 +340,11 @@ mod tests {
     async fn a_key_stays_on_its_lane_while_in_flight_and_new_keys_go_to_the_least_loaded() {
         let (tx, _rx) = mpsc::unbounded_channel();
         let handler = Arc::new(|_d: Delivery| async { Outcome::Ack });
-        let mut lanes = Lanes::start(3, Ordering::PerKey, handler, tx);
+        let settings = LaneSettings {
+            handler_timeout: None,
+            max_record_age: None,
+        };
+        let mut lanes = Lanes::start(3, Ordering::PerKey, handler, tx, settings);
         let a = lanes.assign("a");
         assert_eq!(lanes.assign("a"), a, "in flight: same lane");
         let b = lanes.assign("b");

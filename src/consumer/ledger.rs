@@ -66,6 +66,8 @@ pub(crate) struct Ledger {
     poll: Option<Poll>,
     poll_every: Duration,
     polled_at: Instant,
+    /// The `shardwise_held` gauge's labels (stream and shard), from the first held delivery.
+    labels: Option<[(&'static str, String); 2]>,
 }
 
 impl Ledger {
@@ -85,6 +87,15 @@ impl Ledger {
             poll: None,
             poll_every,
             polled_at: Instant::now(),
+            labels: None,
+        }
+    }
+
+    /// Sets `shardwise_held` (per stream and shard) to the deliveries waiting now. Set, not
+    /// counted up and down, so an exporter that drops idle series never makes it wrong.
+    fn held_gauge(&self) {
+        if let Some(labels) = &self.labels {
+            metrics::gauge!("shardwise_held", labels).set(self.held.len() as f64);
         }
     }
 
@@ -226,8 +237,14 @@ impl Ledger {
 
     /// A delivery whose held receipt is recorded: it waits, and is polled.
     pub(crate) fn hold(&mut self, id: DeliveryId, delivery: Delivery) {
-        metrics::gauge!("shardwise_held", "stream" => delivery.stream().to_string()).increment(1.0);
+        self.labels.get_or_insert_with(|| {
+            [
+                ("stream", delivery.stream().to_string()),
+                ("shard", delivery.shard().to_string()),
+            ]
+        });
         self.held.insert(id, delivery);
+        self.held_gauge();
     }
 
     /// Deliveries waiting for their held receipt.
@@ -237,6 +254,7 @@ impl Ledger {
 
     /// Starts reading the receipts of held deliveries, at most once per poll interval.
     pub(crate) fn start_poll(&mut self) {
+        self.held_gauge();
         if self.poll.is_some() || self.held.is_empty() || self.polled_at.elapsed() < self.poll_every
         {
             return;
@@ -275,13 +293,11 @@ impl Ledger {
                 }
             };
             if let Some(event) = done {
-                if let Some(d) = self.held.remove(&id) {
-                    metrics::gauge!("shardwise_held", "stream" => d.stream().to_string())
-                        .decrement(1.0);
-                }
+                self.held.remove(&id);
                 events.push(event);
             }
         }
+        self.held_gauge();
         events
     }
 
@@ -293,9 +309,8 @@ impl Ledger {
         if let Some(poll) = self.poll.take() {
             poll.abort();
         }
-        for d in std::mem::take(&mut self.held).into_values() {
-            metrics::gauge!("shardwise_held", "stream" => d.stream().to_string()).decrement(1.0);
-        }
+        self.held.clear();
+        self.held_gauge();
     }
 }
 

@@ -4,6 +4,7 @@ mod checkpointer;
 mod config;
 mod copies;
 mod ending;
+mod health;
 mod hooks;
 mod lanes;
 mod ledger;
@@ -27,6 +28,7 @@ use tracing::{error, info, warn};
 
 pub use config::{DEFAULT_LATEST_MARGIN, Ordering, Settings, Unproven, default_worker_id};
 pub use copies::StuckWrite;
+pub use health::{Health, HealthLimits, ShardHealth};
 pub use hooks::{DeliveryHooks, Settled};
 
 use crate::error::{ConfigError, Error};
@@ -176,6 +178,38 @@ impl<H: Handler> ConsumerBuilder<H> {
     /// Least time between two frontier-only writes of an idle shard.
     pub fn frontier_interval(mut self, d: Duration) -> Self {
         self.settings.frontier_interval = d;
+        self
+    }
+
+    /// How long one delivery (or one batch, for a [`Batched`](crate::Batched) handler) may run:
+    /// past it the handler is dropped and the delivery takes the retry path, as if it had
+    /// answered [`Outcome::Retry`](crate::Outcome::Retry) (a counted copy, a dead letter once
+    /// the attempts are spent; without `max_attempts` or a dead-letter stream the retry is
+    /// refused and the record holds the checkpoint). Counted in
+    /// `shardwise_handler_timeouts_total`. Default: no limit.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.handler_timeout = Some(timeout);
+        self
+    }
+
+    /// Sets or clears the [`handler_timeout`](Self::handler_timeout).
+    pub fn set_handler_timeout(&mut self, timeout: Option<Duration>) -> &mut Self {
+        self.settings.handler_timeout = timeout;
+        self
+    }
+
+    /// Records that arrived longer ago than `age` (by their arrival timestamp) are not handed to
+    /// the handler: they go to the dead-letter stream when there is one, else they are dropped
+    /// with a warning, and either way counted in `shardwise_records_expired_total` (Lambda's
+    /// `MaximumRecordAgeInSeconds`). Default: no limit. At least 1 s.
+    pub fn max_record_age(mut self, age: Duration) -> Self {
+        self.settings.max_record_age = Some(age);
+        self
+    }
+
+    /// Sets or clears the [`max_record_age`](Self::max_record_age).
+    pub fn set_max_record_age(&mut self, age: Option<Duration>) -> &mut Self {
+        self.settings.max_record_age = age;
         self
     }
 
@@ -530,6 +564,7 @@ impl<H: Handler> Consumer<H> {
         let stop = CancellationToken::new();
         let abort = CancellationToken::new();
         let stuck = StuckWrites::default();
+        let health_board = health::Board::default();
         let pipeline = PipelineContext {
             handler: self.handler,
             settings: settings.clone(),
@@ -547,6 +582,7 @@ impl<H: Handler> Consumer<H> {
             stuck: stuck.clone(),
             receipts: self.receipts,
             hooks: self.delivery_hooks,
+            health: health_board.clone(),
         };
         let work = match &paged {
             None => Work::Shards(ShardContext {
@@ -569,7 +605,7 @@ impl<H: Handler> Consumer<H> {
             }),
         };
         let (held_tx, held_rx) = tokio::sync::watch::channel(Vec::new());
-        let frontier = manager.frontier();
+        let leases = manager.probe();
         let progress = Arc::new(Mutex::new(ShutdownReport::default()));
         let supervisor = tokio::spawn(supervise(manager, events, work, held_tx, progress.clone()));
         info!(stream = %settings.stream, application = %settings.application, worker = %settings.worker_id, "consumer started");
@@ -579,7 +615,9 @@ impl<H: Handler> Consumer<H> {
             supervisor: Some(supervisor),
             progress,
             held: held_rx,
-            frontier,
+            leases,
+            health: health_board,
+            lease_duration: settings.lease.lease_duration,
             stuck,
             store,
             lister,
@@ -676,7 +714,11 @@ pub struct Running {
     /// What the supervisor has done so far, for a shutdown cut short.
     progress: Arc<Mutex<ShutdownReport>>,
     held: tokio::sync::watch::Receiver<Vec<Ownership>>,
-    frontier: tokio::sync::watch::Receiver<Frontier>,
+    /// The lease manager's renewals, for health.
+    leases: crate::lease::LeaseProbe,
+    /// Every shard's reads and checkpoint writes, for health.
+    health: health::Board,
+    lease_duration: Duration,
     stuck: StuckWrites,
     store: Arc<dyn LeaseStore>,
     lister: Arc<dyn ShardLister>,
@@ -712,9 +754,35 @@ impl Running {
         self.held.borrow().clone()
     }
 
-    /// The stream frontier, recomputed from the lease table on every lease scan.
+    /// The stream frontier, recomputed from the lease table on every lease scan. While any
+    /// receiver it returned is alive, this worker scans every `scan_interval` so that the frontier
+    /// stays fresh; with none, a balanced worker scans only every idle scan interval (see
+    /// [`LeaseSettings::idle_scan_interval`](crate::lease::LeaseSettings)).
     pub fn frontier(&self) -> tokio::sync::watch::Receiver<Frontier> {
-        self.frontier.clone()
+        self.leases.frontier()
+    }
+
+    /// How this worker is doing: leases held and how recently they were renewed, each shard's
+    /// last read and checkpoint write and how long settled progress has waited to be written,
+    /// stuck retry writes. [`Health::problems`] says whether that is healthy.
+    ///
+    /// ```no_run
+    /// # async fn f(running: shardwise::Running) {
+    /// let health = running.health();
+    /// for problem in health.problems(shardwise::consumer::HealthLimits::default()) {
+    ///     eprintln!("unhealthy: {problem}");
+    /// }
+    /// # }
+    /// ```
+    pub fn health(&self) -> Health {
+        Health {
+            leases_held: self.leases.held(),
+            since_renewal: self.leases.oldest_renewal(),
+            lease_duration: self.lease_duration,
+            shards: self.health.shards(),
+            stuck_writes: self.stuck.list().len(),
+            stopping: self.stop.is_cancelled(),
+        }
     }
 
     /// Retry copies and dead letters whose writes fail for good now (a missing stream, missing

@@ -116,6 +116,7 @@ pub(crate) async fn run_partition<H: Handler>(
     let mut pipeline: Pipeline<H, PagePosition> =
         Pipeline::new(ctx.pipeline.clone(), ownership.epoch, Retries::InPlace);
     let mut barrier = Barrier::new(durable.clone(), pipeline.tracker().next_index());
+    let health = ctx.pipeline.health.enter(&ownership.shard_id);
 
     let (pages_tx, mut pages_rx) = mpsc::channel(1);
     let reader_cancel = lost.child_token();
@@ -164,7 +165,8 @@ pub(crate) async fn run_partition<H: Handler>(
                 let done = in_flight.take().expect("writing");
                 let result = result.unwrap_or_else(|e| Err(Error::Corrupt { what: "progress write task", detail: e.to_string() }));
                 match written(&ctx, &ownership, &mut barrier, &mut order, &mut uncertain, &done.write, result).await {
-                    Written::Done | Written::Retry | Written::Recovered => {}
+                    Written::Done | Written::Recovered => health.written(false),
+                    Written::Retry => {}
                     Written::Lost => break Exit::Lost,
                     Written::Stale(e) => break Exit::Failed(e),
                 }
@@ -172,11 +174,13 @@ pub(crate) async fn run_partition<H: Handler>(
             advance = pipeline.next() => {
                 if let Some(advance) = advance {
                     barrier.settled(advance.index + 1, Some(&advance.entry));
+                    health.pending();
                 }
                 in_flight_gauge().set(pipeline.unsettled() as f64);
             }
             msg = pages_rx.recv(), if reading == Reading::Open && room => match msg {
                 Some(PageMessage::Page { events, next, watermark }) => {
+                    health.read();
                     let verdicts = match order.classify(&events) {
                         Ok(verdicts) => verdicts,
                         Err(violation) => {

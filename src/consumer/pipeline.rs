@@ -26,7 +26,7 @@ use super::config::Settings;
 use super::copies::{PendingWrite, StuckWrites, WriteEvent};
 use super::ending::{self, Reading, ShardState, Step};
 use super::hooks::{DeliveryHooks, Settled};
-use super::lanes::{Finished, Lanes};
+use super::lanes::{Finished, LaneSettings, Lanes};
 use super::ledger::{self, Ledger, LedgerEvent};
 use super::outcome::{Resolved, resolve};
 use crate::handler::{Delivery, Handler, Outcome};
@@ -52,6 +52,8 @@ pub(crate) struct PipelineContext<H> {
     pub(crate) receipts: Option<Arc<dyn ReceiptStore>>,
     /// Told how each delivery settled.
     pub(crate) hooks: Arc<dyn DeliveryHooks>,
+    /// Each partition's reads and checkpoint writes, for health.
+    pub(crate) health: super::health::Board,
 }
 
 impl<H> Clone for PipelineContext<H> {
@@ -64,6 +66,7 @@ impl<H> Clone for PipelineContext<H> {
             stuck: self.stuck.clone(),
             receipts: self.receipts.clone(),
             hooks: self.hooks.clone(),
+            health: self.health.clone(),
         }
     }
 }
@@ -112,6 +115,7 @@ impl<H: Handler, E> Pipeline<H, E> {
             settings.ordering,
             ctx.handler.clone(),
             finished_tx,
+            LaneSettings::of(settings),
         );
         let (write_tx, write_rx) = mpsc::unbounded_channel();
         let worker: Arc<str> = Arc::from(settings.worker_id.as_str());
@@ -271,7 +275,10 @@ impl<H: Handler, E> Pipeline<H, E> {
         match event {
             Event::Finished(done) => {
                 self.lanes.finished(&done.delivery);
-                self.resolve(done.delivery, done.outcome)
+                match done.expired {
+                    Some(age) => self.expire(done.delivery, age),
+                    None => self.resolve(done.delivery, done.outcome),
+                }
             }
             Event::Write(event) => match event {
                 WriteEvent::Durable(id, d, how) => self.settle(id, &d, &how),
@@ -386,25 +393,51 @@ impl<H: Handler, E> Pipeline<H, E> {
         None
     }
 
+    /// A delivery that will not be tried again: to the dead-letter stream (with `reason`) when
+    /// there is one, else settled as a drop.
+    fn spend(&mut self, d: Delivery, reason: String) -> Option<Advance<E>> {
+        let id = d.id()?;
+        let resolved = match self.ctx.retry.spent(&d, reason) {
+            plan @ RetryPlan::DeadLetter { .. } => match PendingWrite::new(id, d, plan) {
+                Some(write) => Resolved::Write(write),
+                None => Resolved::Hold,
+            },
+            _ => Resolved::Settle(id, d, Settled::Spent),
+        };
+        self.carry_out(resolved)
+    }
+
+    /// A delivery older than `max_record_age`, never handed to the handler.
+    fn expire(&mut self, d: Delivery, age: Duration) -> Option<Advance<E>> {
+        let max = self.ctx.settings.max_record_age.unwrap_or_default();
+        metrics::counter!("shardwise_records_expired_total", "stream" => d.stream().to_string())
+            .increment(1);
+        tracing::warn!(
+            stream = d.stream(),
+            shard = d.shard(),
+            seq = %d.locator(),
+            partition_key = d.partition_key(),
+            age = ?age,
+            dead_letter = self.ctx.retry.dead_letter.is_some(),
+            "record older than max_record_age: not handled"
+        );
+        self.spend(
+            d,
+            format!(
+                "record too old: arrived {:.3} s ago, max_record_age {:.3} s",
+                age.as_secs_f64(),
+                max.as_secs_f64()
+            ),
+        )
+    }
+
     /// Carries out what the ledger reports.
     fn on_ledger(&mut self, event: LedgerEvent) -> Option<Advance<E>> {
         match event {
             LedgerEvent::Settle(id, d, how) => self.settle(id, &d, &how),
             LedgerEvent::Retry(d) => self.resolve(d, Outcome::Retry),
             LedgerEvent::Spent(d, reason) => {
-                let id = d.id()?;
-                let resolved = match self
-                    .ctx
-                    .retry
-                    .spent(&d, format!("effects not committed: {reason}"))
-                {
-                    plan @ RetryPlan::DeadLetter { .. } => match PendingWrite::new(id, d, plan) {
-                        Some(write) => Resolved::Write(write),
-                        None => Resolved::Hold,
-                    },
-                    _ => Resolved::Settle(id, d, Settled::Spent),
-                };
-                self.carry_out(resolved)
+                self.spend(d, format!("effects not committed: {reason}"))
             }
             LedgerEvent::Redeliver(d) => {
                 info!(stream = d.stream(), shard = d.shard(), seq = %d.locator(), "hold released: handled again");

@@ -83,10 +83,13 @@ impl<H> Clone for ShardContext<H> {
     }
 }
 
-/// The shard's gauges; zeroed when the shard stops here, so a shard that moved to another worker
-/// does not keep reporting its last lag and load from this one.
+/// The shard's gauges: refreshed every checkpoint interval while the shard is held here (so an
+/// exporter that drops idle series keeps them), and zeroed when the shard stops here, so a shard
+/// that moved to another worker does not keep reporting its last lag and load from this one.
 struct Gauges {
     labels: [(&'static str, String); 2],
+    /// The last `MillisBehindLatest` read.
+    behind: std::cell::Cell<i64>,
 }
 
 impl Gauges {
@@ -95,7 +98,21 @@ impl Gauges {
     }
 
     fn millis_behind(&self, ms: i64) {
+        self.behind.set(ms);
         metrics::gauge!("shardwise_millis_behind_latest", &self.labels).set(ms as f64);
+    }
+
+    /// Sets every gauge again: the deliveries in flight, the last lag read, and the end-to-end
+    /// age (now minus the arrival of the oldest unsettled delivery; 0 with none).
+    fn refresh(&self, in_flight: usize, oldest_arrival_ms: Option<i64>) {
+        self.in_flight(in_flight);
+        self.millis_behind(self.behind.get());
+        let age = oldest_arrival_ms.map_or(0, |ms| (millis(crate::time::now()) - ms).max(0));
+        self.record_age(age as f64 / 1000.0);
+    }
+
+    fn record_age(&self, seconds: f64) {
+        metrics::gauge!("shardwise_record_age_seconds", &self.labels).set(seconds);
     }
 }
 
@@ -103,6 +120,7 @@ impl Drop for Gauges {
     fn drop(&mut self) {
         self.in_flight(0);
         self.millis_behind(0);
+        self.record_age(0.0);
     }
 }
 
@@ -119,6 +137,7 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
     ];
     let gauges = Gauges {
         labels: labels.clone(),
+        behind: std::cell::Cell::new(0),
     };
     info!(stream = %stream, shard = %shard, epoch = ownership.epoch, checkpoint = %held.lease.checkpoint, "shard started");
 
@@ -139,6 +158,7 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
         caught_up_skew: settings.caught_up_skew,
         frontier_interval: settings.frontier_interval,
         frontier_written_at: None,
+        health: ctx.pipeline.health.enter(&ownership.shard_id),
     };
 
     let (reader_tx, mut reader_rx) = mpsc::channel(1);
@@ -198,6 +218,7 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
             }
             msg = reader_rx.recv(), if reading == Reading::Open && room => match msg {
                 Some(ReaderMessage::Records { records, millis_behind_latest }) => {
+                    checkpointer.health.read();
                     if let Some(ms) = millis_behind_latest {
                         gauges.millis_behind(ms);
                     }
@@ -242,6 +263,7 @@ pub(crate) async fn run_shard<H: Handler>(ctx: ShardContext<H>, held: HeldLease)
                 None => reading = Reading::Stopped,
             },
             _ = tick.tick() => {
+                gauges.refresh(pipeline.unsettled(), pipeline.tracker().oldest_unsettled().and_then(|e| e.1));
                 pipeline.tick();
                 checkpointer.maybe_start(pipeline.tracker());
                 if checkpointer.maybe_advance_frontier(pipeline.tracker()).await.is_err() {
@@ -355,6 +377,7 @@ async fn aged_out(lister: &dyn ShardLister, ownership: &Ownership) -> Result<boo
 fn advanced(checkpointer: &mut Checkpointer, advance: Advance<Entry>) {
     let (to, arrived) = advance.entry;
     checkpointer.pending = Some(to);
+    checkpointer.health.pending();
     if arrived.is_some() {
         checkpointer.last_settled = arrived;
     }

@@ -160,6 +160,7 @@ pub(crate) async fn run_timestamp_partition<H: Handler>(
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut aborted = false;
     let in_flight_gauge = || metrics::gauge!("shardwise_in_flight", &labels);
+    let health = ctx.pipeline.health.enter(&ownership.shard_id);
 
     let exit = 'run: loop {
         let room = pipeline.has_room();
@@ -182,7 +183,8 @@ pub(crate) async fn run_timestamp_partition<H: Handler>(
             result = async { (&mut in_flight.as_mut().expect("writing").handle).await }, if writing => {
                 let done = in_flight.take().expect("writing");
                 match closed(&ctx, &ownership, &mut attempt, done.to, joined(result)).await {
-                    Closed::Done | Closed::Retry => {}
+                    Closed::Done => health.written(false),
+                    Closed::Retry => {}
                     Closed::Lost => break Exit::Lost,
                     Closed::Stale(e) => break Exit::Failed(e),
                 }
@@ -193,11 +195,13 @@ pub(crate) async fn run_timestamp_partition<H: Handler>(
                     for (timestamp, id) in std::mem::replace(&mut pending, rest).into_values() {
                         attempt.groups.settled(timestamp, &id);
                     }
+                    health.pending();
                 }
                 in_flight_gauge().set(pipeline.unsettled() as f64);
             }
             msg = polls_rx.recv(), if reading == Reading::Open && room => match msg {
                 Some(PollMessage::Events(events)) => {
+                    health.read();
                     for event in &events {
                         let Some(timestamp) = event.timestamp.map(crate::time::millis) else {
                             warn!(source = %source_name, partition = %partition, id = %event.id, "an event without a timestamp from a source read by timestamp: the partition's attempt stops");

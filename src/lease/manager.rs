@@ -365,6 +365,11 @@ impl LeaseManager {
         &self.inner.worker
     }
 
+    /// A view of the held leases and their renewals, for health checks.
+    pub fn probe(&self) -> LeaseProbe {
+        LeaseProbe(Arc::clone(&self.inner))
+    }
+
     /// The leases held now.
     pub fn held(&self) -> Vec<Ownership> {
         self.inner
@@ -374,7 +379,9 @@ impl LeaseManager {
             .collect()
     }
 
-    /// The stream frontier, recomputed from the lease table on every scan.
+    /// The stream frontier, recomputed from the lease table on every scan. While any receiver
+    /// it returned is alive, the manager scans every `scan_interval`, so that the frontier stays
+    /// fresh; with none, a balanced worker scans only every idle scan interval.
     pub fn frontier(&self) -> watch::Receiver<Frontier> {
         self.inner.frontier.subscribe()
     }
@@ -430,6 +437,40 @@ impl LeaseManager {
             .into_iter()
             .filter(|r| matches!(r, Ok(true)))
             .count()
+    }
+}
+
+/// What a consumer's health check reads of its lease manager; it outlives nothing (the manager's
+/// tasks stop with the manager).
+#[derive(Clone)]
+pub struct LeaseProbe(Arc<Inner>);
+
+impl fmt::Debug for LeaseProbe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaseProbe")
+            .field("worker", &self.0.worker)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LeaseProbe {
+    /// Leases held now.
+    pub fn held(&self) -> usize {
+        self.0.held().len()
+    }
+
+    /// The stream frontier (see [`LeaseManager::frontier`]).
+    pub fn frontier(&self) -> watch::Receiver<Frontier> {
+        self.0.frontier.subscribe()
+    }
+
+    /// Since the held lease renewed longest ago was last renewed (`None`: none held).
+    pub fn oldest_renewal(&self) -> Option<Duration> {
+        self.0
+            .held()
+            .values()
+            .map(|h| h.last_renewed.elapsed())
+            .max()
     }
 }
 
@@ -569,6 +610,13 @@ impl Inner {
         }
     }
 
+    /// Sets `shardwise_leases_held` to the leases held now (set, not counted up and down, so an
+    /// exporter that drops idle series never makes it wrong; the renewer sets it every round).
+    fn held_gauge(&self) {
+        let held = self.held().len();
+        metrics::gauge!("shardwise_leases_held", &self.labels()).set(held as f64);
+    }
+
     fn labels(&self) -> [(&'static str, String); 2] {
         [
             ("stream", self.stream.clone()),
@@ -590,6 +638,7 @@ impl Inner {
     }
 
     async fn renew_all(&self) {
+        self.held_gauge();
         let snapshot: Vec<Ownership> = self.held().values().map(|h| h.ownership.clone()).collect();
         let attempt = self.settings.renew_interval;
         let results = join_all(snapshot.iter().map(|o| async move {
@@ -638,7 +687,7 @@ impl Inner {
             h.cancel.cancel();
             warn!(stream = %self.stream, shard = %ownership.shard_id, epoch = ownership.epoch, "lease lost: {why}");
             metrics::counter!("shardwise_leases_lost_total", &self.labels()).increment(1);
-            metrics::gauge!("shardwise_leases_held", &self.labels()).decrement(1.0);
+            self.held_gauge();
             self.hooks.lease_lost(ownership);
             let _ = self.events.send(LeaseEvent::Lost(ownership.clone()));
             // The row may be free now (a seek) or still name this worker (given up locally).
@@ -652,7 +701,7 @@ impl Inner {
         let removed = self.remove_held(ownership);
         let Some(h) = removed else { return Ok(false) };
         h.cancel.cancel();
-        metrics::gauge!("shardwise_leases_held", &self.labels()).decrement(1.0);
+        self.held_gauge();
         // A request may have come since the last scan: the row tells.
         let wanted = match h.wanted_by {
             Some(taker) => Some(taker),
@@ -696,7 +745,9 @@ impl Inner {
                     true
                 }
             };
-            let pause = if settling {
+            // Someone watches the frontier: keep it as fresh as the scan interval.
+            let watched = self.frontier.receiver_count() > 0;
+            let pause = if settling || watched {
                 self.settings.scan_interval
             } else {
                 self.idle_scan_interval()
@@ -933,9 +984,8 @@ impl Inner {
         );
         if let Some(previous) = previous {
             previous.cancel.cancel();
-        } else {
-            metrics::gauge!("shardwise_leases_held", &self.labels()).increment(1.0);
         }
+        self.held_gauge();
         info!(stream = %self.stream, shard = %lease.shard_id, epoch = ownership.epoch, stolen, checkpoint = %lease.checkpoint, "lease taken");
         metrics::counter!("shardwise_leases_taken_total", &self.labels()).increment(1);
         if stolen {

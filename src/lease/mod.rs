@@ -17,7 +17,7 @@ pub(crate) use sync::new_leases;
 
 pub use crate::dynamo::{Billing, TableOptions};
 pub use dynamodb::DynamoDbLeaseStore;
-pub use manager::{HeldLease, LeaseEvent, LeaseHooks, LeaseManager, LeaseSettings};
+pub use manager::{HeldLease, LeaseEvent, LeaseHooks, LeaseManager, LeaseProbe, LeaseSettings};
 pub use memory::MemoryLeaseStore;
 #[cfg(any(test, feature = "testing"))]
 pub use memory::{Change, Observer};
