@@ -3,6 +3,7 @@
 //! released). It is also the black-box worker of the process-level tests and the demo.
 
 use std::io::Write;
+use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
@@ -11,18 +12,22 @@ use std::time::{Duration, SystemTime};
 use anyhow::{Context, bail};
 use aws_config::SdkConfig;
 use base64::Engine;
+use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
 use shardwise::consumer::Settled;
 use shardwise::lease::{Billing, InitialPosition, LeaseSettings, TableOptions};
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
 use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, key};
 use shardwise::{
-    ConfigError, Consumer, ConsumerBuilder, Delivery, Handler, Ordering, Outcome, ShutdownReport,
+    Batching, ConfigError, Consumer, ConsumerBuilder, Delivery, Handler, Ordering, Outcome,
+    ShutdownReport,
 };
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::common::{Ctx, Result};
+use crate::exec::{Exec, ExecSettings, ExecStats};
 use crate::flag_error::{Source, invalid_setting};
+use crate::observe::Observed;
 use crate::target::{START_VALUES, parse_start, time_help};
 
 #[derive(Debug, clap::Args)]
@@ -170,6 +175,48 @@ pub(crate) struct Args {
     /// Print nothing per delivery (for throughput measurements); a count goes to stderr at exit.
     #[arg(long)]
     quiet: bool,
+
+    /// Run this program as the handler (through `sh -c`): one JSON object per delivery on its
+    /// stdin, one outcome per line on its stdout (the README's "Any program as the handler" has
+    /// the protocol). A program that exits, hangs past --handler-timeout-ms or writes garbage is
+    /// restarted with back-off and gets its unanswered deliveries again.
+    #[arg(long, value_name = "'CMD ARGS'", conflicts_with_all = ["handler_delay_ms", "fail_keys", "count_into"])]
+    exec: Option<String>,
+
+    /// With --exec: how many copies of the program run (default: --lanes). The deliveries of one
+    /// lane of one shard always go to the same one, one (batch) at a time.
+    #[arg(long, value_name = "N", requires = "exec")]
+    exec_children: Option<usize>,
+
+    /// With --exec: hand deliveries over in batches of up to N, one line per batch, answered
+    /// with one outcome per delivery.
+    #[arg(long, value_name = "N", requires = "exec")]
+    batch: Option<usize>,
+
+    /// With --batch: how long a lane waits after a batch's first delivery for more.
+    #[arg(long, value_name = "MS", default_value_t = 50, requires = "batch")]
+    batch_wait_ms: u64,
+
+    /// How long one delivery (or batch) may take. The built-in handler's delivery then takes the
+    /// retry path; with --exec the program is restarted and gets the delivery again (and after
+    /// three restarts with it in flight, it takes the retry path).
+    #[arg(long, value_name = "MS")]
+    handler_timeout_ms: Option<u64>,
+
+    /// Records that arrived longer ago than this are not handled: they go to --dead-letter, or are
+    /// dropped without one (counted in shardwise_records_expired_total), e.g. `1h`, `30m`.
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    max_record_age: Option<Duration>,
+
+    /// Serve Prometheus metrics on `/metrics`, and `/healthz` and `/readyz`, at this address
+    /// (e.g. `127.0.0.1:9100`).
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<SocketAddr>,
+
+    /// With --metrics-addr: a gauge not updated for this long leaves `/metrics` (a shard's
+    /// gauges are updated every checkpoint interval while this worker holds it), e.g. `30s`.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration, requires = "metrics_addr")]
+    metrics_idle_timeout: Duration,
 }
 
 impl Args {
@@ -230,6 +277,10 @@ impl Args {
             "dead_letter" => self.dead_letter.clone(),
             "max_attempts" => self.max_attempts.map(|n| n.to_string()),
             "hold_poll_interval" => Some(self.hold_poll_interval_ms.to_string()),
+            "handler_timeout" => self.handler_timeout_ms.map(|ms| ms.to_string()),
+            "max_record_age" => self
+                .max_record_age
+                .map(|d| humantime::format_duration(d).to_string()),
             _ => None,
         }
     }
@@ -272,6 +323,8 @@ fn source_of(setting: &str) -> Option<Source> {
         "dead_letter" => "--dead-letter",
         "max_attempts" => "--max-attempts",
         "hold_poll_interval" => "--hold-poll-interval-ms",
+        "handler_timeout" => "--handler-timeout-ms",
+        "max_record_age" => "--max-record-age",
         "initial_position" => "--start",
         "region" => return Some(Source::Environment),
         _ => return None,
@@ -564,6 +617,11 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
     if let Some(dl) = &args.dead_letter {
         builder = builder.dead_letter(dl.clone());
     }
+    // With --exec the timeout restarts the program instead (see `exec.rs`).
+    if args.exec.is_none() {
+        builder.set_handler_timeout(args.handler_timeout_ms.map(Duration::from_millis));
+    }
+    builder.set_max_record_age(args.max_record_age);
     builder
 }
 
@@ -576,46 +634,140 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
             outcome_name(&args.fail_outcome)
         );
     }
+    if args.batch == Some(0) {
+        bail!("invalid --batch 0: must be at least 1");
+    }
+    if args.exec_children == Some(0) {
+        bail!("invalid --exec-children 0: must be at least 1");
+    }
+    if args.handler_timeout_ms == Some(0) {
+        bail!("invalid --handler-timeout-ms 0: must be above zero");
+    }
+    // Installed first, so that every metric from the start is recorded.
+    let prometheus = match args.metrics_addr {
+        Some(_) => Some(crate::observe::install(args.metrics_idle_timeout)?),
+        None => None,
+    };
     let worker = args.worker();
+    let receipts = args.receipt_table();
+    let printer = Printer {
+        worker: worker.clone(),
+        // With receipts a line is printed as each delivery settles (it says whether it was a
+        // replay); without, as the handler finishes.
+        print: !args.quiet && receipts.is_none(),
+        handled: Arc::default(),
+    };
+    match &args.exec {
+        Some(command) => {
+            let exec = Exec::start(ExecSettings {
+                command: command.clone(),
+                children: args.exec_children.unwrap_or(args.lanes),
+                timeout: args.handler_timeout_ms.map(Duration::from_millis),
+                batching: args
+                    .batch
+                    .map(|n| Batching::new(n, Duration::from_millis(args.batch_wait_ms))),
+                worker: worker.clone(),
+            });
+            let stats = exec.stats.clone();
+            let handler = Printing {
+                inner: exec,
+                printer: printer.clone(),
+            };
+            consume(&args, ctx, handler, printer, Some(stats), prometheus).await
+        }
+        None => {
+            let handler = Printing {
+                inner: demo_handler(&args),
+                printer: printer.clone(),
+            };
+            consume(&args, ctx, handler, printer, None, prometheus).await
+        }
+    }
+}
+
+/// The built-in demonstration handler: waits `--handler-delay-ms`, answers `--fail-outcome`
+/// for `--fail-keys`, counts into `--count-into`, acks the rest.
+fn demo_handler(args: &Args) -> impl Handler + use<> {
     let delay = Duration::from_millis(args.handler_delay_ms);
     let fail_keys: Arc<Vec<String>> = Arc::new(args.fail_keys.clone());
     let fail_outcome = args.fail_outcome.clone();
-    let quiet = args.quiet;
-    let receipts = args.receipt_table();
-    // With receipts a line is printed as each delivery settles (it says whether it was a replay);
-    // without, as the handler finishes.
-    let print_in_handler = !quiet && receipts.is_none();
     let count_into: Option<Arc<str>> = args.count_into.as_deref().map(Arc::from);
-    let handled = Arc::new(AtomicU64::new(0));
-    let (w, h) = (worker.clone(), handled.clone());
-    let handler = move |d: Delivery| {
-        let (w, h, fail_keys, fail_outcome, count_into) = (
-            w.clone(),
-            h.clone(),
-            fail_keys.clone(),
-            fail_outcome.clone(),
-            count_into.clone(),
-        );
+    move |d: Delivery| {
+        let (fail_keys, fail_outcome, count_into) =
+            (fail_keys.clone(), fail_outcome.clone(), count_into.clone());
         async move {
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
-            let outcome = if fail_keys.iter().any(|k| k == d.partition_key()) {
+            if fail_keys.iter().any(|k| k == d.partition_key()) {
                 fail_outcome
             } else if let Some(table) = &count_into {
                 count_effect(&d, table)
             } else {
                 Outcome::Ack
-            };
-            h.fetch_add(1, AtomicOrdering::Relaxed);
-            if print_in_handler && let Some(text) = json_line(&d, &w, outcome_name(&outcome), None)
-            {
-                let _ = writeln!(std::io::stdout().lock(), "{text}");
             }
-            outcome
         }
-    };
-    let mut consumer_builder = builder(&args, handler, ctx.config().clone());
+    }
+}
+
+/// Prints a line per handled delivery (unless printing as deliveries settle) and counts them.
+#[derive(Debug, Clone)]
+struct Printer {
+    worker: String,
+    print: bool,
+    handled: Arc<AtomicU64>,
+}
+
+impl Printer {
+    fn handled(&self, d: &Delivery, outcome: &Outcome) {
+        self.handled.fetch_add(1, AtomicOrdering::Relaxed);
+        if self.print
+            && let Some(text) = json_line(d, &self.worker, outcome_name(outcome), None)
+        {
+            let _ = writeln!(std::io::stdout().lock(), "{text}");
+        }
+    }
+}
+
+/// A handler whose deliveries are printed as it finishes them.
+struct Printing<H> {
+    inner: H,
+    printer: Printer,
+}
+
+impl<H: Handler> Handler for Printing<H> {
+    async fn handle(&self, delivery: Delivery) -> Outcome {
+        let outcome = self.inner.handle(delivery.clone()).await;
+        self.printer.handled(&delivery, &outcome);
+        outcome
+    }
+
+    fn batching(&self) -> Option<Batching> {
+        self.inner.batching()
+    }
+
+    async fn handle_batch(&self, batch: Vec<Delivery>) -> Vec<Outcome> {
+        let outcomes = self.inner.handle_batch(batch.clone()).await;
+        for (d, o) in batch.iter().zip(&outcomes) {
+            self.printer.handled(d, o);
+        }
+        outcomes
+    }
+}
+
+/// Runs the consumer with `handler` until SIGTERM or SIGINT, then shuts it down gracefully.
+async fn consume<H: Handler>(
+    args: &Args,
+    ctx: &Ctx,
+    handler: H,
+    printer: Printer,
+    exec: Option<Arc<ExecStats>>,
+    prometheus: Option<PrometheusHandle>,
+) -> Result<()> {
+    let worker = printer.worker.clone();
+    let quiet = args.quiet;
+    let receipts = args.receipt_table();
+    let mut consumer_builder = builder(args, handler, ctx.config().clone());
     if let Some(table) = &receipts {
         let ledger = DynamoDbReceipts::new(ctx.dynamodb(), table.clone(), args.app.clone())
             .retention(args.receipt_retention);
@@ -642,23 +794,33 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
             },
         );
     }
-    let consumer = build(consumer_builder, &args)?;
+    let consumer = build(consumer_builder, args)?;
 
+    let observed = prometheus.map(|handle| Observed::new(handle, exec));
+    if let (Some(addr), Some(observed)) = (args.metrics_addr, &observed) {
+        crate::observe::serve(addr, observed.clone()).await?;
+    }
     let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
     let running = consumer.run().await.map_err(|err| match err {
         shardwise::Error::Config(err) => invalid_setting(&err, args.given(&err), source_of),
         err => anyhow::Error::new(err).context(format!("cannot consume {}", args.what())),
     })?;
+    let running = Arc::new(tokio::sync::Mutex::new(Some(running)));
+    if let Some(observed) = &observed {
+        *observed.running.lock().await = running.lock().await.take();
+    }
+    let slot = observed.as_ref().map_or(running, |o| o.running.clone());
     tracing::info!(worker = %worker, "consuming; SIGTERM or SIGINT stops gracefully");
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
+    let running = slot.lock().await.take().expect("running until now");
     let report = running
         .shutdown(Duration::from_millis(args.shutdown_deadline_ms))
         .await;
-    let handled = handled.load(AtomicOrdering::Relaxed);
+    let handled = printer.handled.load(AtomicOrdering::Relaxed);
     eprintln!(
         "{}",
         serde_json::to_string(&shutdown_line(&worker, handled, &report))?

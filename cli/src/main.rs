@@ -11,9 +11,11 @@
 
 mod common;
 mod consume;
+mod exec;
 mod flag_error;
 mod frontier;
 mod leases;
+mod observe;
 mod put;
 mod receipts;
 mod seek;

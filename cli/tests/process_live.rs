@@ -2437,3 +2437,314 @@ async fn a_rolling_restart_of_three_workers_handles_every_record_once() {
     assert_order_per_worker(&lines, keys);
     cleanup(&live, &stream, &app).await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// A production worker: any program as the handler, metrics and health
+
+/// The examples' Python handler, as `--exec` runs it, with `delay_ms` of work per record.
+fn python_handler(delay_ms: u64) -> String {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/exec_handler.py");
+    format!("HANDLER_DELAY_MS={delay_ms} python3 -u {script}")
+}
+
+/// The process ids of `pid`'s children (Linux: `/proc/PID/task/*/children`).
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for task in tasks.flatten() {
+            if let Ok(text) = std::fs::read_to_string(task.path().join("children")) {
+                out.extend(
+                    text.split_whitespace()
+                        .filter_map(|p| p.parse::<u32>().ok()),
+                );
+            }
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// A Python handler behind `--exec` (batches of 20, two programs per worker) consumes the
+/// stream; one of its programs is killed with SIGKILL mid-run, and later the worker itself.
+/// The program is replaced and gets its unanswered deliveries again; the second worker takes the
+/// killed one's shards; nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_handler_survives_its_own_kill_and_the_workers_losing_nothing() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-exec");
+    let app = support::unique_name("pl-exec-app");
+    live.create_stream(&stream, 4).await;
+    let (n, keys) = (6000u64, 32u64);
+    let log = Log::default();
+    let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(200));
+    let handler = python_handler(2);
+    let args: Vec<&str> = FAST
+        .iter()
+        .copied()
+        .chain([
+            "--lanes",
+            "2",
+            "--exec",
+            handler.as_str(),
+            "--exec-children",
+            "2",
+            "--batch",
+            "20",
+            "--batch-wait-ms",
+            "20",
+            "--handler-timeout-ms",
+            "5000",
+        ])
+        .collect();
+    let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
+    let writer = tokio::spawn({
+        let stream = stream.clone();
+        async move { put(&stream, n, keys, 0).await }
+    });
+    eventually("A handles a quarter", Duration::from_secs(90), || {
+        log.count_of("A") as u64 >= n / 4
+    })
+    .await;
+    let programs = children_of(a.child.id());
+    assert_eq!(programs.len(), 2, "two handler programs: {programs:?}");
+    let status = Command::new("kill")
+        .args(["-KILL", &programs[0].to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success());
+    eventually("A replaced the program", Duration::from_secs(20), || {
+        let now = children_of(a.child.id());
+        now.len() == 2 && !now.contains(&programs[0])
+    })
+    .await;
+    eventually("A handles another quarter", Duration::from_secs(90), || {
+        log.count_of("A") as u64 >= n / 2
+    })
+    .await;
+    let mut b = Worker::spawn(&stream, &app, "B", &args, &log);
+    eventually("B handles records", Duration::from_secs(60), || {
+        log.count_of("B") > 0
+    })
+    .await;
+    let handled_at_kill = log.distinct_ids() as u64;
+    assert!(handled_at_kill < n, "records still to handle when A is killed");
+    a.kill9().await;
+    writer.await.expect("put");
+    eventually("every id handled", Duration::from_secs(120), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    b.stop_gracefully(Duration::from_secs(30)).await;
+    watcher.finish().await;
+
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    assert_order_per_worker(&lines, keys);
+    let a_log = std::fs::read_to_string(&a.stderr).unwrap();
+    assert!(
+        a_log.contains("handler program replaced"),
+        "A logged the replacement: {}",
+        a.stderr_tail()
+    );
+    assert!(
+        a_log.contains("exec_handler.py started"),
+        "the programs' stderr reaches the log"
+    );
+    eprintln!(
+        "exec: {} lines for {n} ids, {} handled twice (what the killed worker handled after its last checkpoints), A killed at {handled_at_kill} handled",
+        lines.len(),
+        duplicates(&lines).len()
+    );
+    // The programs of the killed worker do not outlive it: their stdin closed.
+    let orphans: Vec<u32> = programs
+        .iter()
+        .copied()
+        .filter(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+        .collect();
+    assert!(
+        orphans.is_empty(),
+        "handler programs left running: {orphans:?}"
+    );
+    cleanup(&live, &stream, &app).await;
+}
+
+/// A free TCP port on the loopback.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// A plain HTTP/1.1 GET: the status code and the body.
+async fn http_get(port: u16, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the metrics address");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    conn.write_all(request.as_bytes()).await.expect("write");
+    let mut response = String::new();
+    conn.read_to_string(&mut response).await.expect("read");
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, b)| b.to_owned());
+    (status, body)
+}
+
+/// The value of the Prometheus sample `name{labels}` whose labels include every `want`.
+fn sample(text: &str, name: &str, want: &[&str]) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' '))
+        .find(|(series, _)| {
+            (series == &name || series.starts_with(&format!("{name}{{")))
+                && want.iter().all(|w| series.contains(w))
+        })
+        .and_then(|(_, v)| v.parse().ok())
+}
+
+/// `--metrics-addr`: `/metrics` counts what the handled log shows, has the handler-duration
+/// histogram and a record age per held shard, and drops a shard's series once it left the
+/// worker; `/healthz` and `/readyz` answer 200 with the leases held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_endpoint_agrees_with_the_handled_log_and_drops_shards_that_left() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-metrics");
+    let app = support::unique_name("pl-metrics-app");
+    live.create_stream(&stream, 4).await;
+    let (n, keys) = (2000u64, 16u64);
+    let log = Log::default();
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let args: Vec<&str> = FAST
+        .iter()
+        .copied()
+        .chain([
+            "--lanes",
+            "2",
+            "--handler-delay-ms",
+            "1",
+            "--metrics-addr",
+            addr.as_str(),
+            "--metrics-idle-timeout",
+            "3s",
+        ])
+        .collect();
+    let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "A holds all 4 shards",
+        Duration::from_secs(30),
+        |r| load(r).get("A") == Some(&4),
+    )
+    .await;
+    put(&stream, n, keys, 0).await;
+    eventually("every id handled", Duration::from_secs(90), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    // Scraped while consuming goes on (idle now): the counters agree with the log.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (status, text) = http_get(port, "/metrics").await;
+    assert_eq!(status, 200);
+    let acked = sample(&text, "shardwise_records_total", &["outcome=\"ack\""]).unwrap_or(0.0);
+    assert_eq!(
+        acked as usize,
+        log.count_of("A"),
+        "records_total{{ack}} = lines printed"
+    );
+    let calls = sample(&text, "shardwise_handler_duration_seconds_count", &[]).unwrap_or(0.0);
+    assert_eq!(
+        calls as usize,
+        log.count_of("A"),
+        "one handler call per delivery"
+    );
+    assert!(
+        text.contains("shardwise_handler_duration_seconds_bucket"),
+        "a histogram"
+    );
+    let shards: Vec<String> = rows(&live, &app, &stream)
+        .await
+        .into_iter()
+        .map(|r| r.shard)
+        .collect();
+    for shard in &shards {
+        let age = sample(
+            &text,
+            "shardwise_record_age_seconds",
+            &[&format!("shard=\"{shard}\"")],
+        );
+        assert_eq!(age, Some(0.0), "{shard}: caught up, nothing waits");
+    }
+    assert_eq!(
+        sample(&text, "shardwise_leases_held", &[]),
+        Some(4.0),
+        "{text}"
+    );
+    let (status, body) = http_get(port, "/healthz").await;
+    assert_eq!(status, 200, "{body}");
+    let health: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(health["ok"], true);
+    assert_eq!(health["leases_held"], 4);
+    assert_eq!(health["shards"].as_array().map(Vec::len), Some(4));
+    let (status, body) = http_get(port, "/readyz").await;
+    assert_eq!(status, 200, "{body}");
+
+    // B joins: two shards move to it, and A stops reporting them.
+    let b = Worker::spawn(&stream, &app, "B", FAST, &log);
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "A and B hold two each",
+        Duration::from_secs(30),
+        |r| load(r).get("A") == Some(&2) && load(r).get("B") == Some(&2),
+    )
+    .await;
+    let moved: Vec<String> = rows(&live, &app, &stream)
+        .await
+        .into_iter()
+        .filter(|r| r.owner.as_deref() == Some("B"))
+        .map(|r| r.shard)
+        .collect();
+    // A series is dropped once a scrape finds it unchanged for the idle timeout since the scrape
+    // that last saw it change.
+    http_get(port, "/metrics").await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (_, text) = http_get(port, "/metrics").await;
+    for shard in &shards {
+        let label = format!("shard=\"{shard}\"");
+        let age = sample(&text, "shardwise_record_age_seconds", &[&label]);
+        let in_flight = sample(&text, "shardwise_in_flight", &[&label]);
+        if moved.contains(shard) {
+            assert_eq!(
+                (age, in_flight),
+                (None, None),
+                "{shard} left A: its series are gone"
+            );
+        } else {
+            assert!(age.is_some() && in_flight.is_some(), "{shard} is still A's");
+        }
+    }
+    let (_, body) = http_get(port, "/healthz").await;
+    let health: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(health["leases_held"], 2, "{body}");
+    drop(b);
+    a.stop_gracefully(Duration::from_secs(30)).await;
+    log.assert_no_garbage();
+    assert_nothing_skipped(&log.snapshot(), n);
+    cleanup(&live, &stream, &app).await;
+}
