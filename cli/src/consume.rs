@@ -929,6 +929,15 @@ mod tests {
                 "invalid --dead-letter orders: must not be the stream being consumed",
             ),
             (
+                &["--handler-timeout-ms", "0"],
+                "invalid --handler-timeout-ms 0: must be above zero",
+            ),
+            (
+                &["--max-record-age", "10ms"],
+                "invalid --max-record-age 10ms: must be at least 1s (arrival times are whole \
+                 milliseconds from another clock)",
+            ),
+            (
                 &["--dead-letter", "dead letters"],
                 r#"invalid --dead-letter "dead letters": must be a stream name: 1 to 128 characters of [a-zA-Z0-9_.-]"#,
             ),

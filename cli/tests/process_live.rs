@@ -2528,7 +2528,10 @@ async fn a_python_handler_survives_its_own_kill_and_the_workers_losing_nothing()
     })
     .await;
     let handled_at_kill = log.distinct_ids() as u64;
-    assert!(handled_at_kill < n, "records still to handle when A is killed");
+    assert!(
+        handled_at_kill < n,
+        "records still to handle when A is killed"
+    );
     a.kill9().await;
     writer.await.expect("put");
     eventually("every id handled", Duration::from_secs(120), || {

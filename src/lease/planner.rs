@@ -727,13 +727,7 @@ mod tests {
         for (shards, workers) in [(200usize, 4usize), (7, 3), (1000, 20), (3, 5)] {
             let names: Vec<String> = (0..workers).map(|w| format!("worker-{w}")).collect();
             let leases = free_rows(shards);
-            let seen: Vec<_> = leases
-                .iter()
-                .map(|lease| Seen {
-                    lease,
-                    expired: false,
-                })
-                .collect();
+            let seen = seen_all(&leases, |_| false);
             let mut taken: HashMap<String, &str> = HashMap::new();
             for me in &names {
                 let plan = plan(
@@ -769,13 +763,7 @@ mod tests {
     #[test]
     fn an_idle_worker_in_the_roster_counts_toward_the_share() {
         let leases = free_rows(10);
-        let seen: Vec<_> = leases
-            .iter()
-            .map(|lease| Seen {
-                lease,
-                expired: false,
-            })
-            .collect();
+        let seen = seen_all(&leases, |_| false);
         let roster = vec!["a".to_string(), "b".to_string()];
         let plan = plan(
             "a",
@@ -800,13 +788,7 @@ mod tests {
         }
         let mut asked = HashSet::new();
         for _pass in 0..10 {
-            let seen: Vec<_> = leases
-                .iter()
-                .map(|lease| Seen {
-                    lease,
-                    expired: false,
-                })
-                .collect();
+            let seen = seen_all(&leases, |_| false);
             let plan = plan(
                 "d",
                 &seen,
