@@ -1140,10 +1140,11 @@ async fn the_roster_counts_beats_and_forgets_a_worker_only_as_seen(store: &dyn L
     let after = store.beat(&stream, "w1", false).await.unwrap();
     assert_eq!(after.beats.keys().collect::<Vec<_>>(), ["w1"]);
     assert_eq!(after.changes, 1);
-    // Leaving is unconditional, and a worker that comes back starts again from 1.
+    // Leaving is unconditional and announced (every worker scans), and a worker that comes back
+    // starts again from 1.
     assert!(store.forget(&stream, "w1", None).await.unwrap());
     let back = store.beat(&stream, "w1", false).await.unwrap();
-    assert_eq!(back.beats["w1"], 1);
+    assert_eq!((back.beats["w1"], back.changes), (1, 2));
 }
 
 macro_rules! conformance {

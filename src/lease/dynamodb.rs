@@ -450,13 +450,17 @@ impl DynamoDbLeaseStore {
             .update_item()
             .table_name(&self.table)
             .key(KEY, s(Self::roster_key(stream)))
-            .update_expression("REMOVE #beat")
             .expression_attribute_names("#beat", format!("{BEAT}{worker}"));
-        if let Some(seen) = seen {
-            request = request
+        request = match seen {
+            Some(seen) => request
+                .update_expression("REMOVE #beat")
                 .condition_expression("#beat = :seen")
-                .expression_attribute_values(":seen", n(seen));
-        }
+                .expression_attribute_values(":seen", n(seen)),
+            None => request
+                .update_expression("REMOVE #beat ADD #changes :one")
+                .expression_attribute_names("#changes", CHANGES)
+                .expression_attribute_values(":one", n(1u64)),
+        };
         self.stored(request.send().await)
     }
 

@@ -305,7 +305,13 @@ impl LeaseManager {
         settings.validate()?;
         let (events, rx) = mpsc::unbounded_channel();
         let worker: String = worker.into();
-        let (worker_id, lease_duration) = (worker.clone(), settings.lease_duration);
+        // A worker is dead once its beat has not changed for a lease duration and one beat
+        // interval: its last renewal came at most one beat interval after its last beat, so a
+        // lease is never taken earlier than a lease duration after its last renewal.
+        let (worker_id, silence) = (
+            worker.clone(),
+            settings.lease_duration + settings.scan_interval,
+        );
         let inner = Arc::new(Inner {
             store,
             shards,
@@ -322,7 +328,7 @@ impl LeaseManager {
             membership: Mutex::new(None),
             membership_scans: AtomicU64::new(0),
             requests: Mutex::new(HashMap::new()),
-            roster: Mutex::new(RosterView::new(worker_id, lease_duration)),
+            roster: Mutex::new(RosterView::new(worker_id, silence)),
             last_beat: Mutex::new(Instant::now()),
             silent: AtomicBool::new(false),
             announce: AtomicBool::new(false),
@@ -576,11 +582,19 @@ impl Inner {
         // The first beat was written at start.
         tick.tick().await;
         loop {
+            // A worker's silence running out is acted on at that moment, not at the next beat.
+            let death = self.roster().next_death(Instant::now());
             tokio::select! {
                 biased;
                 _ = stop.cancelled() => return,
                 _ = tick.tick() => {}
                 _ = self.beat_now.notified() => {}
+                _ = async { tokio::time::sleep_until(death.expect("a death")).await }, if death.is_some() => {
+                    if self.roster().recheck(Instant::now()) {
+                        self.scan_now.notify_one();
+                    }
+                    continue;
+                }
             }
             if self.beat().await {
                 self.scan_now.notify_one();

@@ -547,14 +547,21 @@ impl LeaseStore for MemoryLeaseStore {
         let rosters = self.rosters.clone();
         self.call("forget", true, move |_| {
             let mut rosters = rosters.lock().unwrap_or_else(PoisonError::into_inner);
-            let Some(roster) = rosters.get_mut(stream) else {
-                return seen.is_none();
+            let roster = match (seen, rosters.get_mut(stream)) {
+                (_, Some(roster)) => roster,
+                (Some(_), None) => return false,
+                (None, None) => rosters.entry(stream.to_string()).or_default(),
             };
             match (seen, roster.beats.get(worker)) {
                 (Some(seen), Some(&beat)) if beat != seen => false,
                 (Some(_), None) => false,
-                _ => {
+                (Some(_), Some(_)) => {
                     roster.beats.remove(worker);
+                    true
+                }
+                (None, _) => {
+                    roster.beats.remove(worker);
+                    roster.changes += 1;
                     true
                 }
             }

@@ -1,9 +1,10 @@
 //! Who is alive, from the roster's beats: pure, and driven by the caller's clock.
 //!
-//! Each worker raises its own beat in the stream's roster item on every renewal tick and reads
-//! the whole roster back with the write. A worker whose beat keeps changing is alive; one whose
-//! beat has not changed for a lease duration on this observer's clock is dead (the same rule as a
-//! lease counter, so no clocks are compared). See `docs/leases.md`, "Scale".
+//! Each worker raises its own beat in the stream's roster item every beat interval and reads the
+//! whole roster back with the write. A worker whose beat keeps changing is alive; one whose beat
+//! has not changed for the silence (a lease duration and one beat interval) on this observer's
+//! clock is dead (the same rule as a lease counter, so no clocks are compared). See
+//! `docs/leases.md`, "Scale".
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -16,7 +17,8 @@ use super::store::Roster;
 #[derive(Debug)]
 pub(crate) struct RosterView {
     me: String,
-    lease_duration: Duration,
+    /// How long a beat may stay unchanged before its worker is dead.
+    silence: Duration,
     /// Each worker's beat as last seen, and since when it has had that value.
     beats: BTreeMap<String, (u64, Instant)>,
     changes: u64,
@@ -36,10 +38,10 @@ pub(crate) struct Observed {
 }
 
 impl RosterView {
-    pub(crate) fn new(me: impl Into<String>, lease_duration: Duration) -> Self {
+    pub(crate) fn new(me: impl Into<String>, silence: Duration) -> Self {
         Self {
             me: me.into(),
-            lease_duration,
+            silence,
             beats: BTreeMap::new(),
             changes: 0,
             founder: None,
@@ -70,10 +72,34 @@ impl RosterView {
         let forget = self
             .beats
             .iter()
-            .filter(|(w, (_, since))| **w != self.me && now - *since >= self.lease_duration * 2)
+            .filter(|(w, (_, since))| **w != self.me && now - *since >= self.silence * 2)
             .map(|(w, (beat, _))| (w.clone(), *beat))
             .collect();
         Observed { changed, forget }
+    }
+
+    /// Judges the workers again at `now` without a new read (a worker's silence may just have
+    /// run out): whether the live set changed since the last report.
+    pub(crate) fn recheck(&mut self, now: Instant) -> bool {
+        let live = self.live(now);
+        let changed = self
+            .reported
+            .as_ref()
+            .is_some_and(|(reported, _)| *reported != live);
+        if let Some(reported) = self.reported.as_mut() {
+            reported.0 = live;
+        }
+        changed
+    }
+
+    /// When the next worker seen alive runs out of silence, if any does.
+    pub(crate) fn next_death(&self, now: Instant) -> Option<Instant> {
+        self.beats
+            .iter()
+            .filter(|(w, _)| **w != self.me)
+            .map(|(_, (_, since))| *since + self.silence)
+            .filter(|at| *at > now)
+            .min()
     }
 
     /// The workers alive at `now` (this one always).
@@ -81,22 +107,22 @@ impl RosterView {
         let mut live: BTreeSet<String> = self
             .beats
             .iter()
-            .filter(|(_, (_, since))| now - *since < self.lease_duration)
+            .filter(|(_, (_, since))| now - *since < self.silence)
             .map(|(w, _)| w.clone())
             .collect();
         live.insert(self.me.clone());
         live
     }
 
-    /// Whether `worker` is dead by the roster at `now`: seen, and its beat unchanged for a lease
-    /// duration. A worker never seen (not yet in the roster, forgotten, or an older version that
+    /// Whether `worker` is dead by the roster at `now`: seen, and its beat unchanged for the
+    /// silence. A worker never seen (not yet in the roster, forgotten, or an older version that
     /// does not beat) is not judged here.
     pub(crate) fn dead(&self, worker: &str, now: Instant) -> bool {
         worker != self.me
             && self
                 .beats
                 .get(worker)
-                .is_some_and(|(_, since)| now - *since >= self.lease_duration)
+                .is_some_and(|(_, since)| now - *since >= self.silence)
     }
 
     /// Whether this worker should run the periodic shard sync: it is the live worker with the
@@ -127,12 +153,12 @@ mod tests {
         }
     }
 
-    const LEASE: Duration = Duration::from_secs(10);
+    const SILENCE: Duration = Duration::from_secs(10);
 
     #[test]
-    fn a_worker_whose_beat_stops_is_dead_after_a_lease_duration_and_forgotten_after_two() {
+    fn a_worker_whose_beat_stops_is_dead_after_the_silence_and_forgotten_after_two() {
         let t0 = Instant::now();
-        let mut view = RosterView::new("a", LEASE);
+        let mut view = RosterView::new("a", SILENCE);
         let first = view.observe(&roster(&[("a", 1), ("b", 7)], 0), t0);
         assert!(first.changed, "the first observation is a change");
         assert_eq!(view.live(t0).len(), 2);
@@ -157,15 +183,28 @@ mod tests {
         let o = view.observe(&roster(&[("a", 9), ("b", 8)], 0), at);
         assert_eq!(o.forget, vec![("b".to_string(), 8)]);
         // b comes back (a zombie, or restarted under the same id): alive again.
+        // (Below: judged again without a read, at the moment its silence runs out.)
         let at = t0 + Duration::from_secs(24);
         let o = view.observe(&roster(&[("a", 10), ("b", 9)], 0), at);
         assert!(o.changed && !view.dead("b", at));
     }
 
     #[test]
+    fn a_silence_running_out_is_seen_at_that_moment_without_a_read() {
+        let t0 = Instant::now();
+        let mut view = RosterView::new("a", SILENCE);
+        view.observe(&roster(&[("a", 1), ("b", 1)], 0), t0);
+        assert_eq!(view.next_death(t0), Some(t0 + SILENCE));
+        assert!(!view.recheck(t0 + SILENCE - Duration::from_millis(1)));
+        assert!(view.recheck(t0 + SILENCE), "b's silence ran out");
+        assert!(!view.recheck(t0 + SILENCE), "reported once");
+        assert_eq!(view.next_death(t0 + SILENCE), None);
+    }
+
+    #[test]
     fn joining_leaving_and_announcements_are_changes() {
         let t0 = Instant::now();
-        let mut view = RosterView::new("b", LEASE);
+        let mut view = RosterView::new("b", SILENCE);
         view.observe(&roster(&[("b", 1)], 0), t0);
         assert!(view.syncs_at_start(), "alone");
         assert!(view.syncs(t0), "alone: it syncs");
@@ -179,7 +218,7 @@ mod tests {
         );
         assert!(view.observe(&roster(&[("b", 4)], 1), t0).changed, "a left");
         assert!(view.syncs(t0));
-        assert!(!view.dead("never-seen", t0 + LEASE * 5));
-        assert!(!view.dead("b", t0 + LEASE * 5), "never judges itself");
+        assert!(!view.dead("never-seen", t0 + SILENCE * 5));
+        assert!(!view.dead("b", t0 + SILENCE * 5), "never judges itself");
     }
 }

@@ -227,8 +227,9 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
     ) -> BoxFuture<'a, Result<Roster, Error>>;
 
     /// Removes `worker` from the roster of `stream`: when `seen` is given only if its beat is still
-    /// that value (a dead worker, forgotten by another), else unconditionally (a worker leaving).
-    /// `false` when the condition failed.
+    /// that value (a dead worker, forgotten by another), else unconditionally, raising `changes`
+    /// too (a worker leaving: every worker scans, even one that sees it back before it saw it
+    /// gone). `false` when the condition failed.
     fn forget<'a>(
         &'a self,
         stream: &'a str,
