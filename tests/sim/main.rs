@@ -5,7 +5,8 @@
 //! retention, and faults in the store and the stream (errors, throttling, timeouts, writes whose
 //! answer is lost). Half the seeds add a receipt ledger: handlers answer with effects (two
 //! counters in one transaction), quarantines and holds, an operator releases or quarantines held
-//! records, and the ledger gets faults too. Invariants are checked as each event happens (see
+//! records, and the ledger gets faults too. Three seeds in ten hand deliveries to a batch
+//! handler (`Batched`), three in ten run under a handler timeout that some handlers exceed. Invariants are checked as each event happens (see
 //! `sim/model.rs`), among them that no effect is applied twice; at the end everything owed must
 //! have been handled and be covered by the final checkpoints. A panic in shardwise fails the seed.
 //!

@@ -406,7 +406,10 @@ impl Model {
                 || self
                     .receipted
                     .get(&key)
-                    .is_some_and(|event| terminal.contains(event));
+                    .is_some_and(|event| terminal.contains(event))
+                // A delivery of a batch that timed out before the handler reached it: its copy
+                // (or dead letter) by this owner is its outcome.
+                || self.copy_written(&r.record.data, Some(owner.as_str()), taken_at);
             if !settled {
                 unsettled.push(position.to_string());
             }
@@ -556,14 +559,25 @@ impl Model {
         }
     }
 
-    /// A handler was dropped before it finished (its shard stopped or was lost).
-    pub fn abandoned(&mut self, shard: &str, epoch: u64, key: &str) {
+    /// A handler was dropped before it finished: its shard stopped or was lost (the delivery
+    /// stays unsettled), or it ran past the handler timeout (the runtime writes a copy: the
+    /// delivery counts as settled once that copy exists, as a retry does).
+    pub fn abandoned(&mut self, call: &Call) {
         if let Some(state) = self
             .keys
-            .get_mut(&(shard.to_string(), epoch, key.to_string()))
+            .get_mut(&(call.shard.clone(), call.epoch, call.key.clone()))
         {
             state.1 = false;
         }
+        self.retried.insert(
+            (
+                call.worker.clone(),
+                call.shard.clone(),
+                call.epoch,
+                call.position,
+            ),
+            (call.id, call.attempt),
+        );
     }
 
     /// A copy or dead letter of the delivery (`id`, `attempt`) was written by `worker`.
@@ -683,11 +697,26 @@ impl Model {
                 .handled
                 .get(&(shard.clone(), position))
                 .is_some_and(|times| times.iter().any(|t| *t >= after_ms));
-            if !done {
+            // A delivery dropped past the handler timeout (or left in a batch that timed out) is
+            // dealt with once its copy or dead letter is written: the copy is owed in its turn.
+            if !done && !self.copy_written(&r.record.data, None, after_ms) {
                 owed.push((shard.clone(), position, after_ms));
             }
         }
         owed
+    }
+
+    /// Whether a copy or dead letter of the record `data` (its id at its attempt) was written at
+    /// or after `after_ms`, by `worker` when one is named.
+    fn copy_written(&self, data: &bytes::Bytes, worker: Option<&str>, after_ms: u64) -> bool {
+        let decoded = shardwise::envelope::decode(data.clone());
+        let (id, attempt) = (id_of(&decoded.payload), decoded.headers.attempt());
+        self.copies.iter().any(|((w, i, a), times)| {
+            *i == id
+                && *a == attempt
+                && worker.is_none_or(|worker| worker == w)
+                && times.iter().any(|t| *t >= after_ms)
+        })
     }
 
     /// A seek to latest is being asked for at `at_ms` (`None`: no longer).
