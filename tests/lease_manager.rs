@@ -483,7 +483,7 @@ impl LeaseStore for Counting {
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_idle_worker_costs_about_27_store_requests_per_held_lease_per_minute() {
+async fn an_idle_worker_costs_about_34_store_requests_per_held_lease_per_minute() {
     let store = Arc::new(Counting::new(MemoryLeaseStore::new()));
     let shards = Shards::open(4);
     let (manager, _events) = LeaseManager::start(
@@ -505,10 +505,10 @@ async fn an_idle_worker_costs_about_27_store_requests_per_held_lease_per_minute(
         "idle: {calls} store requests in 10 min for 4 leases = {per_lease_minute:.1} per held lease per minute"
     );
     // Renewals: 60 s / (10 s / 3) = 18 per lease. Shared by the worker's leases: a beat every
-    // 2 s (30) and, balanced and alone, a scan about every lease duration (6): 36 / 4 = 9 per
+    // 1 s (60) and, balanced and alone, a scan about every lease duration (6): 66 / 4 = 16.5 per
     // lease.
     assert!(
-        (26.0..=28.0).contains(&per_lease_minute),
+        (34.0..=35.0).contains(&per_lease_minute),
         "{per_lease_minute}"
     );
     let scans = (store.count("list") - scans) as f64 / 10.0;
@@ -574,8 +574,8 @@ async fn balanced_workers_read_the_table_about_once_per_lease_duration_whatever_
         );
         assert_eq!(
             beats,
-            workers as f64 * 30.0,
-            "{workers} workers: a beat every 2 s each"
+            workers as f64 * 60.0,
+            "{workers} workers: a beat every 1 s each"
         );
         for (_, events) in &mut running {
             let mut churn = 0;

@@ -32,6 +32,10 @@ pub struct LeaseSettings {
     pub lease_duration: Duration,
     /// How often held leases are renewed. Default `lease_duration / 3`.
     pub renew_interval: Duration,
+    /// How often this worker beats in the stream's roster (one small write that reads the roster
+    /// back). Default `lease_duration / 10` (1 s). A worker is dead once its beat has been silent
+    /// for `lease_duration` + this.
+    pub beat_interval: Duration,
     /// How often the table is scanned while this worker is settling: below its share, awaiting a
     /// handoff, after a change of the roster or a lost lease, and at start. Default 2 s.
     pub scan_interval: Duration,
@@ -59,6 +63,7 @@ impl Default for LeaseSettings {
         Self {
             lease_duration,
             renew_interval: lease_duration / 3,
+            beat_interval: lease_duration / 10,
             scan_interval: Duration::from_secs(2),
             idle_scan_interval: None,
             shard_sync_interval: Duration::from_secs(60),
@@ -70,10 +75,18 @@ impl Default for LeaseSettings {
 }
 
 impl LeaseSettings {
-    /// Sets the lease duration and, with it, the renew interval to a third of it.
+    /// Sets the lease duration and, with it, the renew interval to a third of it and the beat
+    /// interval to a tenth.
     pub fn lease_duration(mut self, d: Duration) -> Self {
         self.lease_duration = d;
         self.renew_interval = d / 3;
+        self.beat_interval = d / 10;
+        self
+    }
+
+    /// Sets the beat interval.
+    pub fn beat_interval(mut self, d: Duration) -> Self {
+        self.beat_interval = d;
         self
     }
 
@@ -139,6 +152,16 @@ impl LeaseSettings {
                 self.renew_interval,
                 format!(
                     "must be above zero and at most half of lease_duration ({:?}) so a lease is renewed at least twice before it can expire",
+                    self.lease_duration
+                ),
+            ));
+        }
+        if self.beat_interval.is_zero() || self.beat_interval * 2 > self.lease_duration {
+            return Err(ConfigError::new(
+                "beat_interval",
+                self.beat_interval,
+                format!(
+                    "must be above zero and at most half of lease_duration ({:?})",
                     self.lease_duration
                 ),
             ));
@@ -310,7 +333,7 @@ impl LeaseManager {
         // lease is never taken earlier than a lease duration after its last renewal.
         let (worker_id, silence) = (
             worker.clone(),
-            settings.lease_duration + settings.scan_interval,
+            settings.lease_duration + settings.beat_interval,
         );
         let inner = Arc::new(Inner {
             store,
@@ -577,7 +600,7 @@ impl Inner {
     }
 
     async fn beat_loop(self: Arc<Self>, stop: CancellationToken) {
-        let mut tick = tokio::time::interval(self.settings.scan_interval);
+        let mut tick = tokio::time::interval(self.settings.beat_interval);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         // The first beat was written at start.
         tick.tick().await;
