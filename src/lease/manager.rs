@@ -469,8 +469,8 @@ impl LeaseManager {
     }
 }
 
-/// What a consumer's health check reads of its lease manager; it outlives nothing (the manager's
-/// tasks stop with the manager).
+/// A view of a lease manager's state, for health checks and the frontier. Holding it keeps no
+/// task running: the manager's tasks stop with the manager.
 #[derive(Clone)]
 pub struct LeaseProbe(Arc<Inner>);
 
@@ -1054,7 +1054,8 @@ impl Inner {
                 _ = tokio::time::sleep(wait) => false,
                 _ = self.sync_now.notified() => true,
             };
-            let fresh = asked || std::mem::take(&mut owed);
+            let start_sync = std::mem::take(&mut owed);
+            let fresh = asked || start_sync;
             if !(fresh || self.roster().syncs(Instant::now())) {
                 continue;
             }
