@@ -207,6 +207,18 @@ async fn a_batch_answer_retries_what_it_says_and_what_it_leaves_out() {
     checkpointed_through_the_end(&stream, &store).await;
 }
 
+/// Runs `builder` with a 500 ms handler timeout and three attempts.
+async fn with_timeout<H: Handler>(builder: ConsumerBuilder<H>) -> Running {
+    builder
+        .handler_timeout(Duration::from_millis(500))
+        .max_attempts(NonZeroU32::new(3).unwrap())
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap()
+}
+
 /// A handler that runs past `handler_timeout` is dropped and its delivery takes the retry path
 /// (a counted copy); per batch, the whole batch does. The timeouts are counted.
 #[tokio::test(flavor = "current_thread")]
@@ -245,28 +257,15 @@ async fn a_handler_past_its_timeout_is_retried_one_delivery_or_one_batch_at_a_ti
                     out
                 }
             };
-            consumer(
+            with_timeout(consumer(
                 &stream,
                 &sink,
                 &store,
                 Batched::new(batch, Batching::new(10, Duration::from_millis(100))),
-            )
-            .handler_timeout(Duration::from_millis(500))
-            .max_attempts(NonZeroU32::new(3).unwrap())
-            .build()
-            .unwrap()
-            .run()
+            ))
             .await
-            .unwrap()
         } else {
-            consumer(&stream, &sink, &store, slow)
-                .handler_timeout(Duration::from_millis(500))
-                .max_attempts(NonZeroU32::new(3).unwrap())
-                .build()
-                .unwrap()
-                .run()
-                .await
-                .unwrap()
+            with_timeout(consumer(&stream, &sink, &store, slow)).await
         };
         wait_for("the retried copies", Duration::from_secs(20), || {
             attempts.lock().unwrap().iter().filter(|a| a.1 == 2).count()
