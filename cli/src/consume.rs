@@ -806,11 +806,11 @@ async fn consume<H: Handler>(
         shardwise::Error::Config(err) => invalid_setting(&err, args.given(&err), source_of),
         err => anyhow::Error::new(err).context(format!("cannot consume {}", args.what())),
     })?;
-    let running = Arc::new(tokio::sync::Mutex::new(Some(running)));
-    if let Some(observed) = &observed {
-        *observed.running.lock().await = running.lock().await.take();
-    }
-    let slot = observed.as_ref().map_or(running, |o| o.running.clone());
+    // Where the running consumer is kept: the health endpoints' slot, when they are served.
+    let slot = observed
+        .as_ref()
+        .map_or_else(Arc::default, |o| o.running.clone());
+    *slot.lock().await = Some(running);
     tracing::info!(worker = %worker, "consuming; SIGTERM or SIGINT stops gracefully");
     tokio::select! {
         _ = term.recv() => {}

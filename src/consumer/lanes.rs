@@ -20,13 +20,20 @@ use tracing::{Instrument, error, info_span, warn};
 use super::config::{Ordering, Settings};
 use crate::handler::{Delivery, Handler, Outcome};
 
-/// A delivery the handler finished with, and what it decided.
+/// A delivery a lane is done with, and how.
 #[derive(Debug)]
 pub(crate) struct Finished {
     pub(crate) delivery: Delivery,
-    pub(crate) outcome: Outcome,
-    /// Not handed to the handler: it arrived longer ago than `max_record_age` (its age).
-    pub(crate) expired: Option<Duration>,
+    pub(crate) done: Done,
+}
+
+/// What a lane did with a delivery.
+#[derive(Debug)]
+pub(crate) enum Done {
+    /// The handler decided this outcome.
+    Handled(Outcome),
+    /// Not handed to the handler: it arrived this long ago, longer than `max_record_age`.
+    Expired(Duration),
 }
 
 /// What the lanes need of the consumer's settings.
@@ -196,32 +203,29 @@ async fn run_lane<H: Handler>(
             batch
         };
         // Too old for the handler: answered at once.
-        let (expired, batch): (Vec<_>, Vec<_>) = batch
-            .into_iter()
-            .map(|d| (settings.max_record_age.and_then(|max| age_past(&d, max)), d))
-            .partition(|(age, _)| age.is_some());
-        for (age, delivery) in expired {
-            let done = Finished {
-                delivery,
-                outcome: Outcome::Drop,
-                expired: age,
-            };
-            if finished.send(done).is_err() {
-                return;
+        let mut young = Vec::with_capacity(batch.len());
+        for delivery in batch {
+            match settings
+                .max_record_age
+                .and_then(|max| age_past(&delivery, max))
+            {
+                Some(age) => {
+                    let done = Done::Expired(age);
+                    if finished.send(Finished { delivery, done }).is_err() {
+                        return;
+                    }
+                }
+                None => young.push(delivery),
             }
         }
-        let batch: Vec<Delivery> = batch.into_iter().map(|(_, d)| d).collect();
+        let batch = young;
         if batch.is_empty() {
             continue;
         }
         let outcomes = run(&*handler, batching.is_some(), batch.clone(), settings).await;
         for (delivery, outcome) in batch.into_iter().zip(outcomes) {
-            let done = Finished {
-                delivery,
-                outcome,
-                expired: None,
-            };
-            if finished.send(done).is_err() {
+            let done = Done::Handled(outcome);
+            if finished.send(Finished { delivery, done }).is_err() {
                 return;
             }
         }

@@ -26,7 +26,7 @@ use super::config::Settings;
 use super::copies::{PendingWrite, StuckWrites, WriteEvent};
 use super::ending::{self, Reading, ShardState, Step};
 use super::hooks::{DeliveryHooks, Settled};
-use super::lanes::{Finished, LaneSettings, Lanes};
+use super::lanes::{Done, Finished, LaneSettings, Lanes};
 use super::ledger::{self, Ledger, LedgerEvent};
 use super::outcome::{Resolved, resolve};
 use crate::handler::{Delivery, Handler, Outcome};
@@ -275,9 +275,9 @@ impl<H: Handler, E> Pipeline<H, E> {
         match event {
             Event::Finished(done) => {
                 self.lanes.finished(&done.delivery);
-                match done.expired {
-                    Some(age) => self.expire(done.delivery, age),
-                    None => self.resolve(done.delivery, done.outcome),
+                match done.done {
+                    Done::Handled(outcome) => self.resolve(done.delivery, outcome),
+                    Done::Expired(age) => self.expire(done.delivery, age),
                 }
             }
             Event::Write(event) => match event {
