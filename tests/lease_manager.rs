@@ -720,6 +720,58 @@ async fn a_worker_whose_beat_fails_gives_up_its_leases_and_the_others_take_them(
     drop(b);
 }
 
+/// A worker joining one that has stopped answering (paused with SIGSTOP, or killed: to the joiner
+/// they look alike) while its beat and counters still look fresh: the joiner asks for its share,
+/// gets no answer, and steals once its patience (handoff timeout + one scan + one renewal) is
+/// over, long before it could judge the owner's leases expired or the owner dead (a lease
+/// duration, and a beat, of its own observation). The settings are those of the process test
+/// `an_owner_paused_past_the_handoff_timeout_is_stolen_from_and_fenced`.
+#[tokio::test(start_paused = true)]
+async fn a_silent_owner_still_in_the_roster_is_stolen_from_after_the_handoff_patience() {
+    let store = MemoryLeaseStore::new();
+    let shards = Shards::open(4);
+    let settings = LeaseSettings::default()
+        .lease_duration(Duration::from_secs(20))
+        .scan_interval(Duration::from_millis(500))
+        .handoff_timeout(Duration::from_secs(1));
+    let start = |name: &'static str| {
+        LeaseManager::start(
+            Arc::new(store.clone()),
+            shards.clone(),
+            STREAM,
+            name,
+            settings.clone(),
+            Arc::new(()),
+        )
+    };
+    let (a, _a_events) = start("a").await.unwrap();
+    until(Duration::from_secs(30), || owned_by(&store, "a") == 4).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    drop(a); // silent from now on: no renewal, no beat, no answer
+
+    let (b, _b_events) = start("b").await.unwrap();
+    let patience = settings.handoff_timeout + settings.scan_interval + settings.renew_interval;
+    let took = until(Duration::from_secs(60), || owned_by(&store, "b") == 2).await;
+    assert!(
+        took >= patience,
+        "b had its share after {took:?}, before its patience ({patience:?}) ran out"
+    );
+    assert!(
+        took <= patience + settings.scan_interval * 2,
+        "b had its share only after {took:?}: it waited for expiry (the lease duration is {:?}) \
+         instead of stealing after its patience ({patience:?})",
+        settings.lease_duration
+    );
+    // Then a is dead by the roster, and b takes the rest.
+    let all = until(Duration::from_secs(60), || owned_by(&store, "b") == 4).await;
+    assert!(
+        took + all <= settings.lease_duration + settings.beat_interval + settings.scan_interval * 2,
+        "the rest came after {:?}",
+        took + all
+    );
+    drop(b);
+}
+
 /// A balanced worker that scans rarely still learns of a handoff request within one renewal:
 /// the renewal returns the row with the request.
 #[tokio::test(start_paused = true)]

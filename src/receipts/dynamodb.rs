@@ -429,12 +429,19 @@ impl DynamoDbReceipts {
             items.push(TransactWriteItem::builder().put(receipt).build());
             owners.push((slot, true));
         }
+        let began = std::time::Instant::now();
         let result = self
             .client
             .transact_write_items()
             .set_transact_items(Some(items))
             .send()
             .await;
+        // What effects cost: one transaction per call, however it ended (a cancelled or failed
+        // one took the store's time too).
+        metrics::counter!("shardwise_receipt_transactions_total", "table" => self.table.clone())
+            .increment(1);
+        metrics::histogram!("shardwise_receipt_transaction_seconds", "table" => self.table.clone())
+            .record(began.elapsed());
         let err = match result {
             Ok(_) => return Ok(Transacted::Done),
             Err(err) => err,
