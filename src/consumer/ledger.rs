@@ -47,8 +47,8 @@ pub(crate) enum LedgerEvent {
     Redeliver(Delivery),
 }
 
-/// A commit's deliveries and the store's answers.
-type CommitDone = (Vec<Queued>, Result<Vec<Committed>, Error>);
+/// The store's answers to a commit, one per delivery of the batch in flight.
+type CommitDone = Result<Vec<Committed>, Error>;
 /// Each held delivery and its receipt as read.
 type PollDone = Vec<(DeliveryId, Result<Option<Receipt>, Error>)>;
 type Commit = JoinHandle<CommitDone>;
@@ -59,6 +59,9 @@ pub(crate) struct Ledger {
     store: Arc<dyn ReceiptStore>,
     worker: Arc<str>,
     queue: VecDeque<Queued>,
+    /// The deliveries of the commit in flight: kept here, not in its task, so that a task that
+    /// panics or is cancelled leaves them to be committed again rather than lost.
+    in_flight: Vec<Queued>,
     commit: Option<Commit>,
     retry_at: Option<Instant>,
     failures: Backoff,
@@ -80,6 +83,7 @@ impl Ledger {
             store,
             worker,
             queue: VecDeque::new(),
+            in_flight: Vec::new(),
             commit: None,
             retry_at: None,
             failures: Backoff::new(MAX_BACKOFF),
@@ -114,19 +118,19 @@ impl Ledger {
             return;
         }
         let n = self.queue.len().min(MAX_BATCH);
-        let batch: Vec<Queued> = self.queue.drain(..n).collect();
+        self.in_flight = self.queue.drain(..n).collect();
+        let applies: Vec<Apply> = self
+            .in_flight
+            .iter()
+            .map(|(_, d, effects)| Apply {
+                event: d.event_id(),
+                effects: effects.clone(),
+            })
+            .collect();
         let store = self.store.clone();
         let worker = self.worker.clone();
         self.commit = Some(tokio::spawn(async move {
-            let applies: Vec<Apply> = batch
-                .iter()
-                .map(|(_, d, effects)| Apply {
-                    event: d.event_id(),
-                    effects: effects.clone(),
-                })
-                .collect();
-            let result = store.commit(&applies, &worker).await;
-            (batch, result)
+            store.commit(&applies, &worker).await
         }));
     }
 
@@ -162,17 +166,39 @@ impl Ledger {
     }
 
     fn committed(&mut self, joined: Joined<CommitDone>) -> Vec<LedgerEvent> {
-        let (batch, result) = match joined {
-            Ok(done) => done,
+        let batch = std::mem::take(&mut self.in_flight);
+        let result = match joined {
+            Ok(result) => result,
             Err(e) => {
+                // Nothing is known of what reached the store: commit again (a commit that did
+                // go through is found by its receipts, and settles as replays).
+                let wait = self.failures.next();
+                let what = if e.is_panic() {
+                    "panicked"
+                } else {
+                    "was cancelled"
+                };
                 error!(
-                    error = &e as &dyn std::error::Error,
-                    "the commit task failed"
+                    ?wait,
+                    deliveries = batch.len(),
+                    "the commit task {what}; its deliveries are committed again"
                 );
+                self.requeue(batch, wait);
                 return Vec::new();
             }
         };
         let answers = match result {
+            Ok(answers) if answers.len() != batch.len() => {
+                let wait = self.failures.next();
+                error!(
+                    ?wait,
+                    deliveries = batch.len(),
+                    answers = answers.len(),
+                    "the receipt store answered a commit with the wrong number of answers; its deliveries are committed again"
+                );
+                self.requeue(batch, wait);
+                return Vec::new();
+            }
             Ok(answers) => answers,
             Err(e) => {
                 let wait = self.failures.next();
@@ -192,10 +218,7 @@ impl Ledger {
                         "committing effects failed; trying again"
                     );
                 }
-                self.retry_at = Some(Instant::now() + wait);
-                for queued in batch.into_iter().rev() {
-                    self.queue.push_front(queued);
-                }
+                self.requeue(batch, wait);
                 return Vec::new();
             }
         };
@@ -233,6 +256,14 @@ impl Ledger {
         }
         self.start_commit();
         events
+    }
+
+    /// Puts a batch back at the head of the queue, to be committed again after `wait`.
+    fn requeue(&mut self, batch: Vec<Queued>, wait: Duration) {
+        self.retry_at = Some(Instant::now() + wait);
+        for queued in batch.into_iter().rev() {
+            self.queue.push_front(queued);
+        }
     }
 
     /// A delivery whose held receipt is recorded: it waits, and is polled.
@@ -357,6 +388,116 @@ pub(crate) async fn record(
                 warn!(%event, error = &e as &dyn std::error::Error, ?wait, "recording a receipt failed; the record stays unsettled");
                 tokio::time::sleep(wait).await;
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use futures::future::BoxFuture;
+
+    use super::*;
+    use crate::receipts::{Effect, EventId, MemoryReceipts, key};
+    use crate::track::Tracker;
+    use crate::{Position, SequenceNumber};
+
+    /// The memory ledger, whose first `panics` commits panic in the middle of the call.
+    #[derive(Debug)]
+    struct Panicking {
+        inner: MemoryReceipts,
+        panics: AtomicU32,
+    }
+
+    impl ReceiptStore for Panicking {
+        fn prepare(&self) -> BoxFuture<'_, Result<(), Error>> {
+            self.inner.prepare()
+        }
+        fn get<'a>(&'a self, event: &'a EventId) -> BoxFuture<'a, Result<Option<Receipt>, Error>> {
+            self.inner.get(event)
+        }
+        fn record<'a>(
+            &'a self,
+            event: &'a EventId,
+            disposition: &'a Disposition,
+            by: &'a str,
+        ) -> BoxFuture<'a, Result<Recorded, Error>> {
+            self.inner.record(event, disposition, by)
+        }
+        fn release<'a>(&'a self, event: &'a EventId) -> BoxFuture<'a, Result<bool, Error>> {
+            self.inner.release(event)
+        }
+        fn commit<'a>(
+            &'a self,
+            applies: &'a [Apply],
+            by: &'a str,
+        ) -> BoxFuture<'a, Result<Vec<Committed>, Error>> {
+            Box::pin(async move {
+                let left = self.panics.load(Ordering::SeqCst);
+                if left > 0 {
+                    self.panics.store(left - 1, Ordering::SeqCst);
+                    panic!("a receipt store that panics mid-commit");
+                }
+                self.inner.commit(applies, by).await
+            })
+        }
+        fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Receipt>, Error>> {
+            self.inner.list(limit)
+        }
+    }
+
+    /// A commit task that panics leaves its batch to be committed again: every delivery settles,
+    /// and each effect is applied once.
+    #[tokio::test(start_paused = true)]
+    async fn a_commit_task_that_panics_commits_its_batch_again() {
+        let inner = MemoryReceipts::new().table("counts", &["id"]);
+        let store = Arc::new(Panicking {
+            inner: inner.clone(),
+            panics: AtomicU32::new(2),
+        });
+        let mut ledger = Ledger::new(store, Arc::from("w"), Duration::from_secs(1));
+        let mut tracker: Tracker<u64> = Tracker::new(1);
+        for n in 1..=3u64 {
+            let id = tracker.track(n);
+            let d = Delivery::builder(
+                "s",
+                "shard",
+                Position::new(SequenceNumber::parse(&n.to_string()).unwrap(), 0),
+            )
+            .build();
+            let effects = Effect::update("counts", key("id", n.to_string()))
+                .add("count", 1)
+                .into();
+            ledger.apply(id, d, effects);
+        }
+        let mut settled = 0;
+        while settled < 3 {
+            assert!(
+                ledger.busy() || !ledger.queue.is_empty(),
+                "a batch was lost"
+            );
+            if !ledger.busy() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                ledger.start_commit();
+                continue;
+            }
+            for event in ledger.next().await {
+                match event {
+                    LedgerEvent::Settle(_, _, Settled::Applied) => settled += 1,
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        for n in 1..=3 {
+            let item = inner
+                .item("counts", &key("id", n.to_string()))
+                .expect("the effect applied");
+            assert_eq!(
+                item.get("count"),
+                Some(&aws_sdk_dynamodb::types::AttributeValue::N("1".into())),
+                "{n}: applied once"
+            );
         }
     }
 }
