@@ -10,6 +10,18 @@
 //!
 //! Without `max_attempts` the cap is [`DEFAULT_MAX_ATTEMPTS`], so a poison record answered with
 //! `RetryAfter` is not copied forever.
+//!
+//! A paged source retries in place (it cannot hand an event back either, but it can run it
+//! again before its page's cursor moves), and a spent event never settles without a durable
+//! terminal outcome (seed 003, rule 1):
+//!
+//! | outcome | policy | attempt | becomes |
+//! |---|---|---|---|
+//! | `Retry` / `RetryAfter(d)` | no `max_attempts` | any | run again (after d, or a backoff capped at 5 s): holds the barrier |
+//! | `Retry` / `RetryAfter(d)` | below the cap | n | run again |
+//! | `Retry` / `RetryAfter(d)` | at the cap, dead-letter stream | n | dead letter |
+//! | `Retry` / `RetryAfter(d)` | at the cap, receipt ledger | n | `quarantined` receipt with the reason |
+//! | `Retry` / `RetryAfter(d)` | at the cap, neither | n | refused at build (`ConfigError`) |
 
 use std::num::NonZeroU32;
 use std::time::Duration;
@@ -47,11 +59,36 @@ pub const DEAD_LETTER_REASON_HEADER: &str = "x-ruststream-dead-letter-reason";
 /// How many attempts a dead-lettered record had.
 pub const ATTEMPTS_HEADER: &str = "x-ruststream-attempts";
 
+/// Names the paged event's identity (`paged/SOURCE/PARTITION/ID`) on a dead letter.
+pub const EVENT_ID_HEADER: &str = "x-shardwise-event-id";
+/// The paged event's timestamp (ms since the epoch) on a dead letter.
+pub const EVENT_TIMESTAMP_HEADER: &str = "x-shardwise-event-timestamp";
+/// The paged event's position in its partition (hex of its bytes) on a dead letter.
+pub const PAGE_POSITION_HEADER: &str = "x-shardwise-page-position";
+
 /// The retry policy of a consumer.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) struct RetryPolicy {
     pub(crate) max_attempts: Option<NonZeroU32>,
     pub(crate) dead_letter: Option<String>,
+    /// Where a spent event goes when there is no dead-letter stream (and whether retries run
+    /// again in place).
+    pub(crate) spent: Spent,
+}
+
+/// What becomes of a delivery whose attempts are spent when there is no dead-letter stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Spent {
+    /// Kinesis: settles as a drop (warned), as retry copies have always done.
+    #[default]
+    Drop,
+    /// A paged source with a receipt ledger: a `quarantined` receipt, then it settles. Retries
+    /// run again in place, without a cap unless one is declared.
+    Quarantine,
+    /// A paged source with neither a ledger nor a dead-letter stream: nothing durable can record
+    /// it, so it never settles (the build refuses a cap here; this is the last guard). Retries run
+    /// again in place, without a cap unless one is declared.
+    Hold,
 }
 
 /// What to do with a delivery whose handler asked for a retry.
@@ -67,14 +104,22 @@ pub(crate) enum RetryPlan {
     },
     /// Write to the dead-letter stream; settle once it is written.
     DeadLetter { stream: String, headers: Headers },
-    /// Attempts spent and no dead-letter stream: settle as a drop.
+    /// Attempts spent and no dead-letter stream: settle as a drop (Kinesis only).
     Drop { attempts: u32 },
+    /// Attempts spent, paged, no dead-letter stream: record a `quarantined` receipt carrying
+    /// `reason`; settle once it is durable.
+    Quarantine { reason: String },
 }
 
 impl RetryPolicy {
     fn cap(&self) -> u32 {
         self.max_attempts
             .map_or(DEFAULT_MAX_ATTEMPTS, NonZeroU32::get)
+    }
+
+    /// Whether retries run the delivery again where it is (a paged source).
+    fn in_place(&self) -> bool {
+        self.spent != Spent::Drop
     }
 
     /// Decides what a retry outcome becomes. `None` for outcomes that are not retries.
@@ -85,13 +130,19 @@ impl RetryPolicy {
             _ => return None,
         };
         let declared = self.max_attempts.is_some() || self.dead_letter.is_some();
-        if matches!(outcome, Outcome::Retry) && !declared {
+        if matches!(outcome, Outcome::Retry) && !declared && !self.in_place() {
             return Some(RetryPlan::Refuse);
         }
         let attempt = delivery.attempt();
         let mut headers = delivery.headers().clone();
         stamp_origin(&mut headers, delivery);
-        if attempt < self.cap() {
+        // In place, only a declared cap is spent: with none, a failing event runs again until it
+        // succeeds (and holds its page meanwhile).
+        let below_cap = match (self.in_place(), self.max_attempts) {
+            (true, None) => true,
+            _ => attempt < self.cap(),
+        };
+        if below_cap {
             // The copy is attempt + 1: it counts `attempt` retries before it.
             headers.insert(RETRY_COUNT_HEADER, attempt.to_string());
             return Some(RetryPlan::Copy {
@@ -106,11 +157,16 @@ impl RetryPolicy {
         ))
     }
 
-    /// What a delivery whose retries are over becomes: a dead letter carrying `reason`, or a drop
-    /// without a dead-letter stream.
+    /// What a delivery whose retries are over becomes: a dead letter carrying `reason`; without a
+    /// dead-letter stream, a drop (Kinesis), a `quarantined` receipt (paged, with a ledger) or a
+    /// refusal that holds it (paged, with neither).
     pub(crate) fn spent(&self, delivery: &Delivery, reason: String) -> RetryPlan {
         let attempt = delivery.attempt();
         match &self.dead_letter {
+            None if self.spent == Spent::Quarantine => RetryPlan::Quarantine {
+                reason: format!("{reason} (attempts: {attempt})"),
+            },
+            None if self.spent == Spent::Hold => RetryPlan::Refuse,
             Some(stream) => {
                 let mut headers = delivery.headers().clone();
                 stamp_origin(&mut headers, delivery);
@@ -149,6 +205,22 @@ fn stamp_origin(headers: &mut Headers, d: &Delivery) {
     headers.insert(ORIGIN_SHARD_HEADER, d.shard().to_string());
     headers.insert(ORIGIN_SEQUENCE_HEADER, d.sequence_number().to_string());
     headers.insert(ORIGIN_SUB_SEQUENCE_HEADER, d.sub_sequence().to_string());
+    // A paged event: its identity, timestamp and position in its partition (the shard header
+    // names the partition).
+    if let Some(position) = d.page_position() {
+        headers.insert(EVENT_ID_HEADER, d.event_id().to_string());
+        headers.insert(PAGE_POSITION_HEADER, hex(position.as_bytes()));
+        if let Some(ms) = d
+            .arrived_at()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        {
+            headers.insert(EVENT_TIMESTAMP_HEADER, ms.as_millis().to_string());
+        }
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]
@@ -172,6 +244,7 @@ mod tests {
         RetryPolicy {
             max_attempts: max.and_then(NonZeroU32::new),
             dead_letter: dl.map(str::to_string),
+            spent: Spent::Drop,
         }
     }
 
@@ -182,6 +255,7 @@ mod tests {
             Some(RetryPlan::Copy { .. }) => "copy",
             Some(RetryPlan::DeadLetter { .. }) => "dead-letter",
             Some(RetryPlan::Drop { .. }) => "drop",
+            Some(RetryPlan::Quarantine { .. }) => "quarantine",
         }
     }
 
@@ -269,6 +343,101 @@ mod tests {
             let plan = policy(*max, *dl).plan(outcome, &delivery(*attempt));
             assert_eq!(kind(&plan), *want, "{what}");
         }
+    }
+
+    #[test]
+    fn in_place_a_retry_is_spent_only_at_a_declared_cap_and_never_dropped() {
+        let ms = Duration::from_millis(5);
+        let paged = |max: Option<u32>, dl: Option<&str>, spent: Spent| RetryPolicy {
+            max_attempts: max.and_then(NonZeroU32::new),
+            dead_letter: dl.map(str::to_string),
+            spent,
+        };
+        /// (what, outcome, max_attempts, dead letter, spent, attempt, expected plan)
+        type Row<'a> = (
+            &'a str,
+            Outcome,
+            Option<u32>,
+            Option<&'a str>,
+            Spent,
+            u32,
+            &'a str,
+        );
+        let rows: &[Row<'_>] = &[
+            (
+                "no cap: a plain retry runs again, however often it failed",
+                Outcome::Retry,
+                None,
+                None,
+                Spent::Hold,
+                1_000,
+                "copy",
+            ),
+            (
+                "no cap: retry_after too (no default cap in place)",
+                Outcome::RetryAfter(ms),
+                None,
+                None,
+                Spent::Quarantine,
+                DEFAULT_MAX_ATTEMPTS,
+                "copy",
+            ),
+            (
+                "no cap, a dead-letter stream: still runs again (the stream alone caps nothing in place)",
+                Outcome::Retry,
+                None,
+                Some("dlq"),
+                Spent::Hold,
+                DEFAULT_MAX_ATTEMPTS,
+                "copy",
+            ),
+            (
+                "below a declared cap: runs again",
+                Outcome::Retry,
+                Some(3),
+                None,
+                Spent::Quarantine,
+                2,
+                "copy",
+            ),
+            (
+                "at the cap with a ledger: a quarantined receipt, never a drop",
+                Outcome::Retry,
+                Some(3),
+                None,
+                Spent::Quarantine,
+                3,
+                "quarantine",
+            ),
+            (
+                "at the cap with a dead-letter stream: the dead letter",
+                Outcome::Retry,
+                Some(3),
+                Some("dlq"),
+                Spent::Quarantine,
+                3,
+                "dead-letter",
+            ),
+            (
+                "at the cap with neither (refused at build): held, never dropped",
+                Outcome::Retry,
+                Some(3),
+                None,
+                Spent::Hold,
+                3,
+                "refuse",
+            ),
+        ];
+        for (what, outcome, max, dl, spent, attempt, want) in rows {
+            let plan = paged(*max, *dl, *spent).plan(outcome, &delivery(*attempt));
+            assert_eq!(kind(&plan), *want, "{what}");
+        }
+        let Some(RetryPlan::Quarantine { reason }) =
+            paged(Some(2), None, Spent::Quarantine).plan(&Outcome::Retry, &delivery(2))
+        else {
+            panic!("a quarantine");
+        };
+        assert_eq!(reason, "attempts spent: 2 of 2 (attempts: 2)");
     }
 
     #[test]

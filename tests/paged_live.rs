@@ -5,7 +5,8 @@
 //! each effect commit, before and after a durable quarantine receipt, before and after each page
 //! barrier and each progress write), then a restart; overlapping, replayed, empty and stuck pages;
 //! a lost barrier answer; a stale concurrent attempt with the same version; a reversible hold that
-//! blocks the barrier until it is made terminal. After each: no event skipped, `appliedPosition`
+//! blocks the barrier until it is made terminal; a failing event retried in place until it
+//! succeeds, or quarantined at its cap. After each: no event skipped, `appliedPosition`
 //! never above an event without a durable outcome and never lowered, and every effect applied once.
 
 #[path = "support/logs.rs"]
@@ -321,6 +322,111 @@ async fn a_crash_at_every_point_of_a_page_loses_nothing_and_applies_each_effect_
         .collect()
         .await;
     assert_eq!(done.len(), total);
+    Arc::into_inner(tables).unwrap().drop_all().await;
+}
+
+/// The handler of the retry cases: each event adds 1 to its counter with its receipt, except the
+/// failing one (position 5), which answers `Retry` while its downstream is down: for 300 ms after
+/// its first call, or for good.
+fn failing_at_5(
+    counts: String,
+    case: String,
+    calls: Calls,
+    down_for: Option<Duration>,
+) -> impl shardwise::Handler {
+    let first_call: Arc<Mutex<Option<Instant>>> = Arc::default();
+    move |d: Delivery| {
+        let (counts, case, calls) = (counts.clone(), case.clone(), calls.clone());
+        let first_call = first_call.clone();
+        async move {
+            calls.push(&d);
+            if id_of(&d) == "p-5" {
+                let since = *first_call.lock().unwrap().get_or_insert_with(Instant::now);
+                if down_for.is_none_or(|down| since.elapsed() < down) {
+                    return Outcome::Retry;
+                }
+            }
+            Outcome::Apply(
+                Effect::update(&counts, key("id", format!("{case}/{}", id_of(&d))))
+                    .add("count", 1)
+                    .into(),
+            )
+        }
+    }
+}
+
+/// Seed 003, rule 1, on the default path and with a cap, live: an event whose downstream fails
+/// for 300 ms (three attempts at 0, 100 and 300 ms) runs again in place until it succeeds, with
+/// no cap declared; with `max_attempts(3)` and an event that never succeeds, the third failure
+/// records a `quarantined` receipt. The row watcher checks throughout that the applied position
+/// never passes an event without a terminal receipt; at the end every counter is exactly 1 (none
+/// for the quarantined event).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_event_retries_in_place_until_it_succeeds_or_is_quarantined_at_its_cap() {
+    let live = live_or_skip!();
+    logs();
+    let tables = Arc::new(Tables::new(live, APP).await);
+    for capped in [false, true] {
+        let name = support::unique_name(if capped {
+            "retry-capped"
+        } else {
+            "retry-default"
+        });
+        let (_api, _server, source) = serve(&name, EVENTS, 4).await;
+        let (watcher, stop) = watch(tables.clone(), name.clone());
+        let calls = Calls::default();
+        let down_for = (!capped).then_some(Duration::from_millis(300));
+        let mut consumer = builder(
+            &source,
+            &tables,
+            "w1",
+            failing_at_5(tables.counts.clone(), name.clone(), calls.clone(), down_for),
+        )
+        .lanes(4);
+        if capped {
+            consumer = consumer.max_attempts(std::num::NonZeroU32::new(3).unwrap());
+        }
+        let running = consumer.build().unwrap().run().await.unwrap();
+        tables
+            .wait_applied(&name, EVENTS, Duration::from_secs(30))
+            .await;
+        running.shutdown(Duration::from_secs(5)).await;
+        stop.store(true, Ordering::SeqCst);
+        let reads = watcher.await.expect("the watcher's checks held");
+        assert!(reads >= 1, "{name}: the row was watched");
+
+        let tries = calls.count("p-5");
+        let receipt = tables
+            .receipts
+            .get(&EventId::paged(&name, "p", "p-5"))
+            .await
+            .unwrap()
+            .expect("p-5 has a receipt");
+        if capped {
+            assert_eq!(tries, 3, "{name}: three attempts, then spent");
+            let Disposition::Quarantined(reason) = &receipt.disposition else {
+                panic!("{name}: quarantined, not {:?}", receipt.disposition);
+            };
+            assert!(reason.contains("attempts spent: 3 of 3"), "{reason}");
+        } else {
+            assert!(
+                tries >= 3,
+                "{name}: handled until it succeeded ({tries} times)"
+            );
+            assert_eq!(receipt.disposition, Disposition::Applied);
+        }
+        for n in 1..=EVENTS {
+            let id = format!("p-{n}");
+            let expected = (!(capped && n == 5)).then_some(1);
+            assert_eq!(
+                tables.count(&format!("{name}/{id}")).await,
+                expected,
+                "{name}: {id}'s effect (handled {} times)",
+                calls.count(&id)
+            );
+        }
+        eprintln!("{name}: p-5 handled {tries} times");
+    }
     Arc::into_inner(tables).unwrap().drop_all().await;
 }
 

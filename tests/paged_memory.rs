@@ -493,14 +493,16 @@ async fn order_violations_stop_the_partition_without_skipping() {
 }
 
 /// A retry runs the event again in place, as the next attempt, holding the barrier meanwhile;
-/// once attempts are spent it is dropped (no dead-letter stream).
+/// once a declared cap is spent the event gets a `quarantined` receipt (with the reason and its
+/// attempts) before it settles: never a drop.
 #[tokio::test]
-async fn retries_run_in_place_and_hold_the_barrier_until_settled() {
+async fn retries_run_in_place_and_a_spent_event_is_quarantined_by_receipt() {
     let api = EventApi::new(SOURCE);
     for n in 0..5 {
         api.push("p", format!("{n}"));
     }
     let store = MemoryLeaseStore::new();
+    let receipts = MemoryReceipts::new();
     let calls = Calls::default();
     let running = builder(
         &api,
@@ -515,6 +517,7 @@ async fn retries_run_in_place_and_hold_the_barrier_until_settled() {
         }),
     )
     .max_attempts(NonZeroU32::new(3).unwrap())
+    .receipts(Arc::new(receipts.clone()))
     .build()
     .unwrap()
     .run()
@@ -534,8 +537,253 @@ async fn retries_run_in_place_and_hold_the_barrier_until_settled() {
                 m
             });
     assert_eq!(attempts["p-2"], [1, 2, 3], "acked at the third attempt");
-    assert_eq!(attempts["p-4"], [1, 2, 3], "spent after three, dropped");
+    assert_eq!(attempts["p-4"], [1, 2, 3], "spent after three");
     assert_eq!(attempts["p-1"], [1]);
+    let receipt = receipts
+        .get(&EventId::new(format!("paged/{SOURCE}/p/p-4")))
+        .await
+        .unwrap()
+        .expect("the spent event's receipt");
+    let Disposition::Quarantined(reason) = &receipt.disposition else {
+        panic!("quarantined, not {:?}", receipt.disposition);
+    };
+    assert!(
+        reason.contains("attempts spent: 3 of 3"),
+        "the reason and the attempts: {reason}"
+    );
+}
+
+/// The default path (seed 003, rule 1): with no cap declared, an event whose downstream is down
+/// runs again in place with a backoff for as long as it fails, holds the page barrier
+/// (`appliedPosition` never passes it), and the consumer's health names it with its attempts;
+/// once the downstream is back it is handled, and only then does the barrier pass.
+#[tokio::test]
+async fn with_no_cap_a_failing_event_retries_in_place_until_it_succeeds() {
+    let api = EventApi::new(SOURCE);
+    for n in 0..5 {
+        api.push("p", format!("{n}"));
+    }
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let up = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // What the row said each time the failing event was handed out.
+    let applied_then: Arc<Mutex<Vec<Option<u64>>>> = Arc::default();
+    let running = builder(
+        &api,
+        &store,
+        "w1",
+        handler("w1", &calls, {
+            let (up, store, applied_then) = (up.clone(), store.clone(), applied_then.clone());
+            move |d| {
+                if !d.event_id().as_str().ends_with("p-2") {
+                    return Outcome::Ack;
+                }
+                applied_then.lock().unwrap().push(applied(&store, "p"));
+                match up.load(std::sync::atomic::Ordering::SeqCst) {
+                    true => Outcome::Ack,
+                    false => Outcome::Retry,
+                }
+            }
+        }),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    // Three attempts within 100 + 200 ms, the fifth after 1.5 s: no default cap ends it.
+    wait_for("five failed attempts", Duration::from_secs(20), || {
+        calls.count("p-2") >= 5
+    })
+    .await;
+    let health = running.health();
+    let shard = health.shards.iter().find(|s| s.shard == "p").expect("p");
+    let oldest = shard
+        .oldest_retry
+        .as_ref()
+        .expect("the failing event named");
+    assert_eq!(oldest.event, format!("paged/{SOURCE}/p/p-2"));
+    assert!(oldest.attempts >= 5, "{oldest:?}");
+    assert_eq!(shard.retrying, 1);
+    assert!(
+        applied(&store, "p").is_none_or(|a| a < 2),
+        "the barrier passed the failing event: {:?}",
+        applied(&store, "p")
+    );
+    up.store(true, std::sync::atomic::Ordering::SeqCst);
+    wait_for("everything settled", Duration::from_secs(20), || {
+        applied(&store, "p") == Some(5)
+    })
+    .await;
+    let after = running.health();
+    assert_eq!(after.shards[0].retrying, 0, "{after:?}");
+    assert!(after.shards[0].oldest_retry.is_none());
+    running.shutdown(Duration::from_secs(2)).await;
+    let tries = calls.count("p-2");
+    assert!(
+        applied_then
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|a| a.is_none_or(|a| a < 2)),
+        "applied passed the event while it failed: {:?}",
+        applied_then.lock().unwrap()
+    );
+    let attempts: Vec<u32> = calls
+        .all()
+        .into_iter()
+        .filter(|(_, id, _)| id == "p-2")
+        .map(|(_, _, a)| a)
+        .collect();
+    assert_eq!(
+        attempts,
+        (1..=tries as u32).collect::<Vec<_>>(),
+        "one attempt after another"
+    );
+    for id in ["p-1", "p-3", "p-4", "p-5"] {
+        assert_eq!(calls.count(id), 1, "{id}");
+    }
+}
+
+/// With a cap and a dead-letter stream, a spent event is written to the stream (with its
+/// partition, position, identity, timestamp, attempts and reason) before it settles; a dead
+/// letter that cannot be written yet holds the barrier until it is.
+#[tokio::test]
+async fn a_spent_event_goes_to_the_dead_letter_stream_before_it_settles() {
+    use shardwise::envelope;
+    use shardwise::retry::{
+        ATTEMPTS_HEADER, DEAD_LETTER_REASON_HEADER, EVENT_ID_HEADER, EVENT_TIMESTAMP_HEADER,
+        ORIGIN_SHARD_HEADER, PAGE_POSITION_HEADER,
+    };
+    use shardwise::testing::{MemoryStream, MemoryStreams};
+    let api = EventApi::new(SOURCE);
+    for n in 0..4 {
+        api.push("p", format!("{n}"));
+    }
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let dlq = MemoryStream::new("events-dlq", 1);
+    let sink = MemoryStreams::new([dlq.clone()]);
+    let running = builder(
+        &api,
+        &store,
+        "w1",
+        handler("w1", &calls, |d| {
+            match d.event_id().as_str().ends_with("p-1") {
+                true => Outcome::Retry,
+                false => Outcome::Ack,
+            }
+        }),
+    )
+    .max_attempts(NonZeroU32::new(2).unwrap())
+    .dead_letter("events-dlq")
+    .record_sink(Arc::new(sink.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    // The dead-letter stream disappears: the spent event's dead letter cannot be written, and the
+    // event holds the barrier (nothing passes position 1) until it can.
+    sink.remove("events-dlq");
+    wait_for("the dead letter stuck", Duration::from_secs(20), || {
+        running.stuck_writes().len() == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        applied(&store, "p"),
+        None,
+        "the barrier passed an unwritten dead letter"
+    );
+    assert_eq!(calls.count("p-1"), 2, "two attempts, then spent");
+    sink.add(dlq.clone());
+    wait_for("everything settled", Duration::from_secs(60), || {
+        applied(&store, "p") == Some(4)
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    assert_eq!(calls.count("p-1"), 2, "written, not handled again");
+    let letters = dlq.records();
+    assert_eq!(letters.len(), 1, "one dead letter");
+    let letter = envelope::decode(letters[0].record.data.clone());
+    let h = &letter.headers;
+    assert_eq!(h.get_str(ORIGIN_SHARD_HEADER), Some("p"), "the partition");
+    assert_eq!(
+        h.get_str(EVENT_ID_HEADER),
+        Some(format!("paged/{SOURCE}/p/p-1").as_str())
+    );
+    assert_eq!(h.get_str(PAGE_POSITION_HEADER), Some("0000000000000001"));
+    assert!(h.get_str(EVENT_TIMESTAMP_HEADER).is_some(), "{h:?}");
+    assert_eq!(h.get_str(ATTEMPTS_HEADER), Some("2"));
+    assert!(
+        h.get_str(DEAD_LETTER_REASON_HEADER)
+            .is_some_and(|r| r.contains("attempts spent: 2 of 2")),
+        "{h:?}"
+    );
+    assert_eq!(
+        letter.payload.as_ref(),
+        b"0",
+        "the first event pushed is p-1"
+    );
+}
+
+/// Seed 003: a cap, a handler timeout or a maximum age on a paged consumer with neither a
+/// receipt ledger nor a dead-letter stream would end an event's attempts with nothing durable to
+/// record it, so the build refuses it, naming the fields; with either it builds.
+#[test]
+fn a_cap_without_a_ledger_or_a_dead_letter_stream_is_refused_at_build() {
+    let api = EventApi::new(SOURCE);
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let base = || builder(&api, &store, "w1", acks("w1", &calls));
+    let cap = NonZeroU32::new(3).unwrap();
+    let second = Duration::from_secs(1);
+    let cases: Vec<(&str, ConsumerBuilder<_>, &str)> = vec![
+        ("a cap", base().max_attempts(cap), "max_attempts"),
+        (
+            "a handler timeout",
+            base().handler_timeout(second),
+            "handler_timeout",
+        ),
+        (
+            "a maximum age",
+            base().max_record_age(second),
+            "max_record_age",
+        ),
+        (
+            "all three",
+            base()
+                .max_attempts(cap)
+                .handler_timeout(second)
+                .max_record_age(second),
+            "max_attempts",
+        ),
+    ];
+    for (what, builder, field) in cases {
+        let err = builder.build().expect_err(what);
+        assert_eq!(err.field(), field, "{what}: {err}");
+        assert!(err.reason().contains("dead_letter"), "{what}: {err}");
+    }
+    let err = base()
+        .max_attempts(cap)
+        .max_record_age(second)
+        .build()
+        .unwrap_err();
+    assert_eq!(err.value(), "3", "{err}");
+    assert!(
+        err.reason().contains("max_attempts, max_record_age"),
+        "every field named: {err}"
+    );
+    assert!(base().build().is_ok(), "no cap: retries in place");
+    assert!(
+        base()
+            .max_attempts(cap)
+            .receipts(Arc::new(MemoryReceipts::new()))
+            .build()
+            .is_ok()
+    );
+    assert!(base().max_attempts(cap).dead_letter("dlq").build().is_ok());
 }
 
 /// Effects with receipts across crashes at each point: before a commit (the handler ran), after it

@@ -38,7 +38,7 @@ pub(crate) struct Args {
 
     /// Instead of a stream: a CloudWatch Logs log group, each log stream a partition read with
     /// `GetLogEvents` (lines then carry `partition`, `position`, `id` and `timestamp`).
-    #[arg(long, value_name = "GROUP", conflicts_with_all = ["stream", "dead_letter"])]
+    #[arg(long, value_name = "GROUP", conflicts_with = "stream")]
     log_group: Option<String>,
 
     /// With --log-group: read the whole group by timestamp through `FilterLogEvents` instead,
@@ -100,11 +100,14 @@ pub(crate) struct Args {
     )]
     start: InitialPosition,
 
-    /// Attempts a record gets, counting the first delivery.
+    /// Attempts a record gets, counting the first delivery. With --log-group a failing event runs
+    /// again in place until it succeeds unless this is given, and then needs --dead-letter or
+    /// --receipts to record it once its attempts are spent.
     #[arg(long, value_name = "N")]
     max_attempts: Option<NonZeroU32>,
 
-    /// The stream spent records go to.
+    /// The Kinesis stream spent records (with --log-group: spent events, with their partition,
+    /// position, identity, timestamp, attempts and reason) go to, written before they settle.
     #[arg(long, value_name = "STREAM")]
     dead_letter: Option<String>,
 

@@ -126,6 +126,12 @@ fn report(observed: &Observed, health: &Health, problems: &[String]) -> serde_js
                 "since_read_s": s.since_read.map(|d| d.as_secs_f64()),
                 "since_checkpoint_s": s.since_checkpoint.map(|d| d.as_secs_f64()),
                 "unwritten_for_s": s.unwritten_for.map(|d| d.as_secs_f64()),
+                "retrying": s.retrying,
+                "oldest_retry": s.oldest_retry.as_ref().map(|r| json!({
+                    "event": r.event,
+                    "attempts": r.attempts,
+                    "failing_for_s": r.failing_for.as_secs_f64(),
+                })),
             })
         })
         .collect();

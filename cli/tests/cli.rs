@@ -535,6 +535,27 @@ async fn a_rejected_setting_names_the_flag_as_typed() {
         "error: invalid --start: a paged source's partitions start at their first page (seek to \
          move them)\n"
     );
+    // A cap on a log group with nothing to record a spent event: refused (seed 003, rule 1).
+    let mut capped = self::command(&[
+        "consume",
+        "--log-group",
+        "/aws/lambda/orders",
+        "--app",
+        "billing",
+        "--max-attempts",
+        "3",
+        "--max-record-age",
+        "1h",
+    ]);
+    capped.env("AWS_REGION", "us-east-1");
+    let failed = run(capped).await.failed();
+    assert!(
+        failed.starts_with(
+            "error: invalid --max-attempts 3: on a paged source, --max-attempts, --max-record-age \
+             can end an event's attempts"
+        ) && failed.contains("also set --dead-letter (a dead-letter stream) or a receipt ledger"),
+        "{failed}"
+    );
 }
 
 /// Waits until `done` answers, failing after `limit` or when `consumer` exits first.

@@ -131,7 +131,9 @@ impl PendingWrite {
                 headers,
             } => (stream, headers, delay, false),
             RetryPlan::DeadLetter { stream, headers } => (stream, headers, Duration::ZERO, true),
-            RetryPlan::Refuse | RetryPlan::Drop { .. } => return None,
+            RetryPlan::Refuse | RetryPlan::Drop { .. } | RetryPlan::Quarantine { .. } => {
+                return None;
+            }
         };
         Some(Self {
             id,

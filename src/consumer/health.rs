@@ -44,6 +44,23 @@ pub struct ShardHealth {
     /// How long settled progress has waited for a checkpoint write to reach the store (`None`:
     /// everything settled is written).
     pub unwritten_for: Option<Duration>,
+    /// Events of a paged partition that failed and run again in place (each holds the page
+    /// barrier until it settles): how many there are now.
+    pub retrying: usize,
+    /// The one of them that has been failing longest, if any.
+    pub oldest_retry: Option<RetryingEvent>,
+}
+
+/// A paged event that failed and runs again in place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetryingEvent {
+    /// The event's identity (`paged/SOURCE/PARTITION/ID`).
+    pub event: String,
+    /// Attempts so far (the first delivery counts).
+    pub attempts: u32,
+    /// Since its first failure.
+    pub failing_for: Duration,
 }
 
 /// When [`Health::problems`] calls a consumer unhealthy.
@@ -66,8 +83,9 @@ impl Health {
     /// What is wrong, each as a sentence; empty when healthy. Renewals are stalled when the oldest
     /// held lease was last renewed longer ago than the lease duration; a checkpoint is stalled
     /// when settled progress has waited longer than `limits.checkpoint_stall` to be written.
-    /// Stuck retry writes are reported, not counted as a problem here: restarting the worker does
-    /// not mend a missing dead-letter stream, and they hold their shard's checkpoint visibly.
+    /// Stuck retry writes and paged events retrying in place ([`ShardHealth::oldest_retry`]) are
+    /// reported, not counted as a problem here: restarting the worker mends neither a missing
+    /// dead-letter stream nor a failing downstream, and both hold their checkpoint visibly.
     pub fn problems(&self, limits: HealthLimits) -> Vec<String> {
         let mut problems = Vec::new();
         if let Some(since) = self.since_renewal
@@ -101,6 +119,8 @@ struct Slot {
     read: Option<Instant>,
     written: Option<Instant>,
     unwritten_since: Option<Instant>,
+    /// Events running again in place: attempts so far, and since their first failure.
+    retrying: BTreeMap<String, (u32, Instant)>,
 }
 
 /// Every shard's slot, shared by the shard loops and the consumer's handle.
@@ -121,6 +141,7 @@ impl Board {
                 read: None,
                 written: None,
                 unwritten_since: None,
+                retrying: BTreeMap::new(),
             },
         );
         Entry {
@@ -139,8 +160,41 @@ impl Board {
                 since_read: slot.read.map(|t| now - t),
                 since_checkpoint: slot.written.map(|t| now - t),
                 unwritten_for: slot.unwritten_since.map(|t| now - t),
+                retrying: slot.retrying.len(),
+                oldest_retry: slot
+                    .retrying
+                    .iter()
+                    .min_by_key(|(_, (_, since))| *since)
+                    .map(|(event, (attempts, since))| RetryingEvent {
+                        event: event.clone(),
+                        attempts: *attempts,
+                        failing_for: now - *since,
+                    }),
             })
             .collect()
+    }
+
+    /// `event` of `shard` failed at attempt `attempts` and runs again in place. Returns how many
+    /// events of the shard do now.
+    pub(crate) fn retrying(&self, shard: &str, event: &str, attempts: u32) -> usize {
+        let mut slots = self.slots();
+        let Some(slot) = slots.get_mut(shard) else {
+            return 0;
+        };
+        slot.retrying
+            .entry(event.to_string())
+            .and_modify(|(n, _)| *n = attempts)
+            .or_insert((attempts, Instant::now()));
+        slot.retrying.len()
+    }
+
+    /// `event` of `shard` settled: it no longer runs again. Returns how many events of the shard
+    /// still do, or `None` when it was not among them.
+    pub(crate) fn settled(&self, shard: &str, event: &str) -> Option<usize> {
+        let mut slots = self.slots();
+        let slot = slots.get_mut(shard)?;
+        slot.retrying.remove(event)?;
+        Some(slot.retrying.len())
     }
 }
 
@@ -216,6 +270,37 @@ mod tests {
         assert_eq!(shard.since_checkpoint, Some(Duration::ZERO));
         drop(entry);
         assert!(board.shards().is_empty(), "the slot goes with the shard");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn events_retrying_in_place_are_named_with_their_attempts_until_they_settle() {
+        let board = Board::default();
+        let _entry = board.enter("p");
+        assert_eq!(board.retrying("p", "paged/s/p/7", 2), 1);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(board.retrying("p", "paged/s/p/9", 2), 2);
+        assert_eq!(
+            board.retrying("p", "paged/s/p/7", 3),
+            2,
+            "the same event again"
+        );
+        let shard = &board.shards()[0];
+        assert_eq!(shard.retrying, 2);
+        assert_eq!(
+            shard.oldest_retry,
+            Some(RetryingEvent {
+                event: "paged/s/p/7".into(),
+                attempts: 3,
+                failing_for: Duration::from_secs(3),
+            })
+        );
+        assert_eq!(board.settled("p", "paged/s/p/7"), Some(1));
+        assert_eq!(board.settled("p", "paged/s/p/7"), None, "settled once");
+        assert_eq!(
+            board.retrying("q", "paged/s/q/1", 2),
+            0,
+            "no slot, no entry"
+        );
     }
 
     #[test]

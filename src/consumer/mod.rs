@@ -28,7 +28,7 @@ use tracing::{error, info, warn};
 
 pub use config::{DEFAULT_LATEST_MARGIN, Ordering, Settings, Unproven, default_worker_id};
 pub use copies::StuckWrite;
-pub use health::{Health, HealthLimits, ShardHealth};
+pub use health::{Health, HealthLimits, RetryingEvent, ShardHealth};
 pub use hooks::{DeliveryHooks, Settled};
 
 use crate::error::{ConfigError, Error};
@@ -155,6 +155,10 @@ impl<H: Handler> ConsumerBuilder<H> {
 
     /// Attempts a record gets, counting the first delivery. With it, `retry()` writes a counted
     /// copy to the stream until the attempts are spent.
+    ///
+    /// A paged source runs a failing event again in place, without a cap unless this is set;
+    /// with it, a spent event goes to the dead-letter stream, else gets a `quarantined` receipt,
+    /// and a consumer with neither is refused at build (nothing could record the event).
     pub fn max_attempts(mut self, n: NonZeroU32) -> Self {
         self.settings.max_attempts = Some(n);
         self
@@ -185,8 +189,9 @@ impl<H: Handler> ConsumerBuilder<H> {
     /// past it the handler is dropped and the delivery takes the retry path, as if it had
     /// answered [`Outcome::Retry`](crate::Outcome::Retry) (a counted copy, a dead letter once
     /// the attempts are spent; without `max_attempts` or a dead-letter stream the retry is
-    /// refused and the record holds the checkpoint). Counted in
-    /// `shardwise_handler_timeouts_total`. Default: no limit.
+    /// refused and the record holds the checkpoint; a paged event runs again in place). Counted in
+    /// `shardwise_handler_timeouts_total`. Default: no limit. A paged consumer with it needs a
+    /// receipt ledger or a dead-letter stream.
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.settings.handler_timeout = Some(timeout);
         self
@@ -201,7 +206,9 @@ impl<H: Handler> ConsumerBuilder<H> {
     /// Records that arrived longer ago than `age` (by their arrival timestamp) are not handed to
     /// the handler: they go to the dead-letter stream when there is one, else they are dropped
     /// with a warning, and either way counted in `shardwise_records_expired_total` (Lambda's
-    /// `MaximumRecordAgeInSeconds`). Default: no limit. At least 1 s.
+    /// `MaximumRecordAgeInSeconds`). Default: no limit. At least 1 s. A paged event never
+    /// settles as a drop: it goes to the dead-letter stream, else gets a `quarantined` receipt,
+    /// and a paged consumer with neither is refused at build.
     pub fn max_record_age(mut self, age: Duration) -> Self {
         self.settings.max_record_age = Some(age);
         self
@@ -323,6 +330,36 @@ impl<H: Handler> ConsumerBuilder<H> {
             self.settings.validate_paged()?;
         } else {
             self.settings.validate()?;
+        }
+        if self.paged.is_some() && self.settings.dead_letter.is_none() && self.receipts.is_none() {
+            // Seed 003, rule 1: an event whose attempts end must get a durable terminal outcome,
+            // and with neither a ledger nor a dead-letter stream nothing could record one.
+            let set = &self.settings;
+            let spending: Vec<(&'static str, String)> = [
+                ("max_attempts", set.max_attempts.map(|n| format!("{n:?}"))),
+                (
+                    "handler_timeout",
+                    set.handler_timeout.map(|d| format!("{d:?}")),
+                ),
+                (
+                    "max_record_age",
+                    set.max_record_age.map(|d| format!("{d:?}")),
+                ),
+            ]
+            .into_iter()
+            .filter_map(|(field, value)| Some((field, value?)))
+            .collect();
+            if let Some((field, value)) = spending.first() {
+                let fields: Vec<&str> = spending.iter().map(|(f, _)| *f).collect();
+                return Err(ConfigError::new(
+                    field,
+                    format_args!("{value}"),
+                    format!(
+                        "on a paged source, {} can end an event's attempts, and a spent event needs a durable terminal outcome: also set dead_letter (a dead-letter stream) or a receipt ledger (receipts: the event is then quarantined); without either, leave them unset and a failing event runs again in place until it succeeds",
+                        fields.join(", ")
+                    ),
+                ));
+            }
         }
         if self.paged.is_some()
             && self.settings.lease.initial_position != InitialPosition::TrimHorizon
@@ -570,14 +607,15 @@ impl<H: Handler> Consumer<H> {
             settings: settings.clone(),
             producer,
             retry: Arc::new(RetryPolicy {
-                // A paged event retried in place needs no stream to copy to: retries are on.
-                max_attempts: match &paged {
-                    Some(_) => settings
-                        .max_attempts
-                        .or(NonZeroU32::new(crate::retry::DEFAULT_MAX_ATTEMPTS)),
-                    None => settings.max_attempts,
-                },
+                // A paged event is retried in place, without a cap unless one is declared; a spent
+                // one needs a durable outcome (a dead letter, else a quarantined receipt).
+                max_attempts: settings.max_attempts,
                 dead_letter: settings.dead_letter.clone(),
+                spent: match (&paged, &self.receipts) {
+                    (None, _) => crate::retry::Spent::Drop,
+                    (Some(_), Some(_)) => crate::retry::Spent::Quarantine,
+                    (Some(_), None) => crate::retry::Spent::Hold,
+                },
             }),
             stuck: stuck.clone(),
             receipts: self.receipts,

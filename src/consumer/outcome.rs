@@ -85,6 +85,9 @@ pub(crate) fn resolve(
             }
             Resolved::Hold
         }
+        Some(RetryPlan::Quarantine { reason }) => {
+            Resolved::Record(id, d, Disposition::Quarantined(reason))
+        }
         Some(RetryPlan::Drop { attempts }) => {
             warn!(
                 stream = d.stream(),

@@ -31,7 +31,7 @@ use super::ledger::{self, Ledger, LedgerEvent};
 use super::outcome::{Resolved, resolve};
 use crate::handler::{Delivery, Handler, Outcome};
 use crate::producer::Producer;
-use crate::receipts::ReceiptStore;
+use crate::receipts::{Disposition, ReceiptStore};
 use crate::retry::{RetryPlan, RetryPolicy};
 use crate::track::{DeliveryId, Tracker};
 
@@ -103,6 +103,10 @@ pub(crate) struct Pipeline<H, E> {
     tasks: JoinSet<()>,
     ledger: Option<Ledger>,
     worker: Arc<str>,
+    /// Events that failed and run again in place, not settled yet (on the health board).
+    retrying: usize,
+    /// The labels of `shardwise_paged_events_retrying` (stream, partition), once it was set.
+    retry_labels: Option<(String, String)>,
 }
 
 impl<H: Handler, E> Pipeline<H, E> {
@@ -136,6 +140,8 @@ impl<H: Handler, E> Pipeline<H, E> {
             tasks: JoinSet::new(),
             ledger,
             worker,
+            retrying: 0,
+            retry_labels: None,
         }
     }
 
@@ -316,6 +322,10 @@ impl<H: Handler, E> Pipeline<H, E> {
 
     /// Stops everything in flight (the partition is over: what did not settle is read again).
     pub(crate) fn abort(&mut self) {
+        if self.retrying > 0 {
+            self.retrying = 0;
+            self.retrying_gauge(None);
+        }
         self.tasks.abort_all();
         self.lanes.abort();
         if let Some(ledger) = self.ledger.as_mut() {
@@ -334,6 +344,15 @@ impl<H: Handler, E> Pipeline<H, E> {
         let settlement = self.tracker.settle(id);
         if settlement.accepted() {
             self.ctx.hooks.settled(delivery, how);
+            if self.retrying > 0
+                && let Some(left) = self
+                    .ctx
+                    .health
+                    .settled(delivery.shard(), delivery.event_id().as_str())
+            {
+                self.retrying = left;
+                self.retrying_gauge(Some(delivery));
+            }
         }
         match settlement {
             crate::track::Settlement::Advanced { index, position } => Some(Advance {
@@ -362,6 +381,12 @@ impl<H: Handler, E> Pipeline<H, E> {
             Resolved::Settle(id, d, how) => return self.settle(id, &d, &how),
             Resolved::Hold => {}
             Resolved::Write(write) if self.retries == Retries::InPlace && !write.dead_letter => {
+                let d = write.delivery.clone();
+                self.retrying =
+                    self.ctx
+                        .health
+                        .retrying(d.shard(), d.event_id().as_str(), d.attempt());
+                self.retrying_gauge(Some(&d));
                 self.tasks.spawn(run_again(write, self.write_tx.clone()));
             }
             Resolved::Write(write) => {
@@ -393,8 +418,23 @@ impl<H: Handler, E> Pipeline<H, E> {
         None
     }
 
+    /// Sets `shardwise_paged_events_retrying{stream, partition}` to the events of this partition
+    /// running again in place (each holds the page barrier). `None`: the partition is over.
+    fn retrying_gauge(&mut self, of: Option<&Delivery>) {
+        if let Some(d) = of {
+            self.retry_labels
+                .get_or_insert_with(|| (d.stream().to_string(), d.shard().to_string()));
+        }
+        let Some((stream, partition)) = self.retry_labels.clone() else {
+            return;
+        };
+        metrics::gauge!("shardwise_paged_events_retrying", "stream" => stream, "partition" => partition)
+            .set(self.retrying as f64);
+    }
+
     /// A delivery that will not be tried again: to the dead-letter stream (with `reason`) when
-    /// there is one, else settled as a drop.
+    /// there is one; else settled as a drop (Kinesis), or, paged, recorded as `quarantined` in the
+    /// receipt ledger, or held where neither can record it (the build refuses such a consumer).
     fn spend(&mut self, d: Delivery, reason: String) -> Option<Advance<E>> {
         let id = d.id()?;
         let resolved = match self.ctx.retry.spent(&d, reason) {
@@ -402,7 +442,23 @@ impl<H: Handler, E> Pipeline<H, E> {
                 Some(write) => Resolved::Write(write),
                 None => Resolved::Hold,
             },
-            _ => Resolved::Settle(id, d, Settled::Spent),
+            RetryPlan::Quarantine { reason } => {
+                Resolved::Record(id, d, Disposition::Quarantined(reason))
+            }
+            RetryPlan::Refuse => {
+                if self.refused.insert(id) {
+                    tracing::error!(
+                        stream = d.stream(),
+                        partition = d.shard(),
+                        seq = %d.locator(),
+                        "spent, with neither a dead-letter stream nor a receipt ledger to record it: the event stays unsettled and holds its page"
+                    );
+                }
+                Resolved::Hold
+            }
+            RetryPlan::Drop { .. } | RetryPlan::Copy { .. } => {
+                Resolved::Settle(id, d, Settled::Spent)
+            }
         };
         self.carry_out(resolved)
     }

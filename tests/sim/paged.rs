@@ -4,12 +4,17 @@
 //! empty pages with new tokens, unchanged tokens, lost answers, throttling), events arriving while
 //! the partitions are read, faults in the lease store and the ledger, handler outcomes (acks,
 //! drops, retries in place, and with receipts effects, quarantines and holds an operator settles).
+//! A failing event fails (answers `Retry` or `RetryAfter`, or panics) for up to five attempts;
+//! with a ledger, half the seeds cap attempts at 3 and three in ten time handlers out at 30 ms, so
+//! spent events are quarantined by receipt; without one nothing is capped and every event runs
+//! again in place until it succeeds.
 //!
 //! Checked at every write of the lease store (seed 003's invariants):
 //! - a partition's `appliedPosition` and `checkpointVersion` never go down, except by a seek;
 //! - every event at or below `appliedPosition` has a durable outcome (it settled) when the write
 //!   is made: the barrier never passes an unsettled event;
-//! - no effect is applied twice (every counter is at most 1).
+//! - no effect is applied twice (every counter is at most 1);
+//! - no event settles as `Spent` (settled with no durable outcome: seed 003, rule 1).
 //!
 //! At the end, after a quiet phase without faults, every event of every partition has settled
 //! and each partition's applied position is its last event's.
@@ -151,18 +156,30 @@ fn millis(t: std::time::SystemTime) -> i64 {
         .map_or(0, |d| d.as_millis() as i64)
 }
 
-/// What the handler answers for attempt `attempt` of event `id`, and how long it takes.
-fn decide(seed: u64, id: &str, attempt: u32, receipts: bool) -> (Outcome, Duration) {
+/// What the handler does for one attempt: answers, or panics (taken for a retry).
+enum Answer {
+    Outcome(Outcome),
+    Panic,
+}
+
+/// What the handler answers for attempt `attempt` of event `id`, and how long it takes. A failing
+/// event fails until an attempt of its own (2 to 6), so with a cap of 3 some events are spent and
+/// without a cap every event succeeds in the end.
+fn decide(seed: u64, id: &str, attempt: u32, receipts: bool) -> (Answer, Duration) {
     let mut h = Md5::new();
     h.update(seed.to_le_bytes());
     h.update(id.as_bytes());
+    let fails_until = 2 + u32::from(h.clone().finalize()[2] % 5);
     h.update(attempt.to_le_bytes());
     let bytes = h.finalize();
     let roll = bytes[0] % 100;
     let took = Duration::from_millis(u64::from(bytes[1] % 40));
+    if (22..=24).contains(&roll) && attempt < fails_until {
+        return (Answer::Panic, took);
+    }
     let outcome = match roll {
-        0..=7 if attempt < 3 => Outcome::Retry,
-        8..=11 if attempt < 3 => Outcome::RetryAfter(Duration::from_millis(300)),
+        0..=7 if attempt < fails_until => Outcome::Retry,
+        8..=11 if attempt < fails_until => Outcome::RetryAfter(Duration::from_millis(300)),
         12..=14 => Outcome::Drop,
         15..=18 if receipts => Outcome::Quarantine("bad".into()),
         19..=21 if receipts && attempt == 1 => Outcome::Hold("review".into()),
@@ -171,7 +188,7 @@ fn decide(seed: u64, id: &str, attempt: u32, receipts: bool) -> (Outcome, Durati
         }
         _ => Outcome::Ack,
     };
-    (outcome, took)
+    (Answer::Outcome(outcome), took)
 }
 
 struct World {
@@ -189,6 +206,10 @@ struct World {
     partitions: Vec<String>,
     lanes: usize,
     workers: Vec<Option<Running>>,
+    /// With a ledger: a cap of 3 attempts.
+    capped: bool,
+    /// With a ledger: a handler timeout of 30 ms.
+    timeout: bool,
 }
 
 impl World {
@@ -256,7 +277,12 @@ impl World {
             }
         }));
         let workers = rng.random_range(1..=3);
+        // A separate generator, so the seeds' other choices stay as they were.
+        let mut failures = StdRng::seed_from_u64(seed ^ 0x0023_5bad);
+        let (capped, timeout) = (failures.random_bool(0.5), failures.random_bool(0.3));
         Self {
+            capped,
+            timeout,
             seed,
             lanes: rng.random_range(1..=4),
             ledger: receipts.then(|| MemoryReceipts::new().table(COUNTS, &["id"])),
@@ -315,27 +341,29 @@ impl World {
         let w = worker.clone();
         let handler = move |d: Delivery| {
             let id = event_name(&d);
-            let (outcome, took) = decide(seed, &id, d.attempt(), receipts);
+            let (answer, took) = decide(seed, &id, d.attempt(), receipts);
             {
                 let mut model = model.lock().unwrap();
                 model.invocations += 1;
-                let line = format!(
-                    "call {w} {id} attempt={} -> {}",
-                    d.attempt(),
-                    outcome.label()
-                );
+                let label = match &answer {
+                    Answer::Outcome(outcome) => outcome.label(),
+                    Answer::Panic => "panic",
+                };
+                let line = format!("call {w} {id} attempt={} -> {label}", d.attempt());
                 model.event(Instant::now(), start, line);
             }
             async move {
                 tokio::time::sleep(took).await;
-                outcome
+                match answer {
+                    Answer::Outcome(outcome) => outcome,
+                    Answer::Panic => panic!("simulated handler panic"),
+                }
             }
         };
         let settled = self.model.clone();
         let mut builder = Consumer::paged(Arc::new(self.api.clone()), "sim", handler)
             .worker_id(&worker)
             .lanes(self.lanes)
-            .max_attempts(NonZeroU32::new(3).unwrap())
             .poll_interval(Duration::from_millis(200))
             .checkpoint_interval(Duration::from_millis(100))
             .hold_poll_interval(Duration::from_millis(300))
@@ -348,11 +376,26 @@ impl World {
             .delivery_hooks(move |d: &Delivery, how: &Settled| {
                 let id = event_name(d);
                 let mut model = settled.lock().unwrap();
+                if *how == Settled::Spent {
+                    // Seed 003, rule 1: a paged event never settles without a durable outcome.
+                    let violation = format!("{id} settled as spent, with no durable outcome");
+                    model.event(Instant::now(), start, format!("VIOLATION {violation}"));
+                    model.violations.push(violation);
+                }
                 model.settled.insert(id.clone());
                 model.event(Instant::now(), start, format!("settled {id} {how:?}"));
             });
         if let Some(ledger) = &self.ledger {
             builder = builder.receipts(Arc::new(ledger.clone()));
+            // With a ledger, a cap and a handler timeout (some handlers take up to 40 ms) may end
+            // an event's attempts: it is quarantined by receipt. Without one, a failing event
+            // runs again until it succeeds.
+            if self.capped {
+                builder = builder.max_attempts(NonZeroU32::new(3).unwrap());
+            }
+            if self.timeout {
+                builder = builder.handler_timeout(Duration::from_millis(30));
+            }
         }
         match builder.build().expect("settings").run().await {
             Ok(running) => {
