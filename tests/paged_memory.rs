@@ -786,6 +786,54 @@ fn a_cap_without_a_ledger_or_a_dead_letter_stream_is_refused_at_build() {
     assert!(base().max_attempts(cap).dead_letter("dlq").build().is_ok());
 }
 
+/// Receipts must outlive every replay (issue 23, item 2): a source read by timestamp with a
+/// lateness bound hands an event out again for that long plus the audit window, so a ledger that
+/// deletes applied receipts sooner is refused at build, naming both; one kept long enough builds,
+/// and so does one that keeps receipts for good (the memory ledger).
+#[test]
+fn receipts_kept_shorter_than_the_sources_replays_are_refused_at_build() {
+    use shardwise::paged::{AUDIT_WINDOW, Finality, Timestamps, Traversal};
+    use shardwise::receipts::DynamoDbReceipts;
+    let day = Duration::from_secs(86_400);
+    let api = EventApi::new(SOURCE).contract(Contract::default().timestamps(Timestamps::new(
+        Traversal::Complete,
+        Finality::Lateness(14 * day),
+    )));
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let client = aws_sdk_dynamodb::Client::from_conf(
+        aws_sdk_dynamodb::Config::builder()
+            .behavior_version(aws_sdk_dynamodb::config::BehaviorVersion::latest())
+            .region(aws_sdk_dynamodb::config::Region::new("us-east-1"))
+            .build(),
+    );
+    let ledger = |kept: Duration| {
+        Arc::new(DynamoDbReceipts::new(client.clone(), "receipts", "paged-app").retention(kept))
+    };
+    let err = builder(&api, &store, "w1", acks("w1", &calls))
+        .receipts(ledger(7 * day))
+        .build()
+        .expect_err("7 days of receipts for 14 days of replays");
+    assert_eq!(err.field(), "receipt_retention", "{err}");
+    assert_eq!(err.value(), "604800s", "{err}");
+    assert!(
+        err.reason().contains("1209660 s (14.00 days)"),
+        "the horizon named: {err}"
+    );
+    assert!(
+        builder(&api, &store, "w1", acks("w1", &calls))
+            .receipts(ledger(14 * day + AUDIT_WINDOW))
+            .build()
+            .is_ok()
+    );
+    assert!(
+        builder(&api, &store, "w1", acks("w1", &calls))
+            .receipts(Arc::new(MemoryReceipts::new()))
+            .build()
+            .is_ok()
+    );
+}
+
 /// Effects with receipts across crashes at each point: before a commit (the handler ran), after it
 /// (the receipt is durable but the barrier is not), and after the barrier. Whatever the crash
 /// point, every counter ends at exactly 1 and nothing is skipped.

@@ -396,3 +396,58 @@ async fn dynamodb_prepare_turns_on_the_ttl_and_two_applications_share_a_table() 
     assert_eq!(a.list(10).await.unwrap().len(), 1);
     live.delete_table(&table).await;
 }
+
+/// Only an applied receipt carries `expiresAt`: a held receipt deleted by TTL would turn the hold
+/// into a release no one saw, and a quarantined one deleted would let a replay handle its event
+/// again (issue 23). A held receipt made terminal takes the terminal receipt's attributes.
+#[tokio::test]
+async fn dynamodb_only_applied_receipts_expire() {
+    let live = live_or_skip!();
+    let table = support::unique_name("receipts");
+    let store = DynamoDbReceipts::new(live.dynamodb.clone(), &table, "app");
+    store.prepare().await.unwrap();
+    assert_eq!(
+        ReceiptStore::retention(&store),
+        Some(shardwise::receipts::DEFAULT_RETENTION)
+    );
+    let expires = |id: &'static str| {
+        let live = &live;
+        let table = &table;
+        async move {
+            let item = live
+                .dynamodb
+                .get_item()
+                .table_name(table)
+                .key(
+                    "receiptKey",
+                    aws_sdk_dynamodb::types::AttributeValue::S(format!(
+                        "app|{}",
+                        event(id).as_str()
+                    )),
+                )
+                .consistent_read(true)
+                .send()
+                .await
+                .unwrap()
+                .item
+                .expect("the receipt");
+            item.contains_key("expiresAt")
+        }
+    };
+    let cases = [
+        ("60", Disposition::Applied, true),
+        ("61", Disposition::Quarantined("poison".into()), false),
+        ("62", Disposition::Held("review".into()), false),
+    ];
+    for (id, disposition, expiring) in &cases {
+        store.record(&event(id), disposition, "w").await.unwrap();
+        assert_eq!(expires(id).await, *expiring, "{disposition:?}");
+    }
+    // The held one applied later: it expires from then on.
+    store
+        .record(&event("62"), &Disposition::Applied, "w")
+        .await
+        .unwrap();
+    assert!(expires("62").await, "applied after the hold");
+    live.delete_table(&table).await;
+}

@@ -171,9 +171,11 @@ pub(crate) struct Args {
     )]
     hold_poll_interval_ms: u64,
 
-    /// With --receipts: how long receipts are kept (DynamoDB TTL), e.g. `7d`, `36h`.
-    #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = humantime::parse_duration)]
-    receipt_retention: Duration,
+    /// With --receipts: how long applied receipts are kept (DynamoDB TTL), e.g. `7d`, `36h`
+    /// (default 7d, or with --by-timestamp the lateness plus the one-minute audit window if that
+    /// is longer: a receipt must outlive every replay). Held and quarantined receipts stay.
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    receipt_retention: Option<Duration>,
 
     /// Print nothing per delivery (for throughput measurements); a count goes to stderr at exit.
     #[arg(long)]
@@ -254,6 +256,19 @@ impl Args {
         })
     }
 
+    /// `--receipt-retention`, or by default 7 days, or the source's replay horizon if longer
+    /// (a log group read by timestamp hands events out again for its lateness and the audit).
+    fn receipt_retention(&self) -> Duration {
+        self.receipt_retention.unwrap_or_else(|| {
+            let horizon = self.by_timestamp.then(|| {
+                self.lateness
+                    .unwrap_or(shardwise::paged::CLOUDWATCH_LATENESS)
+                    + shardwise::paged::AUDIT_WINDOW
+            });
+            shardwise::receipts::DEFAULT_RETENTION.max(horizon.unwrap_or_default())
+        })
+    }
+
     /// This worker's id: `--worker-id`, or the library's default.
     fn worker(&self) -> String {
         self.worker_id
@@ -279,6 +294,9 @@ impl Args {
             "handoff_timeout" => Some(self.handoff_timeout_ms.to_string()),
             "dead_letter" => self.dead_letter.clone(),
             "max_attempts" => self.max_attempts.map(|n| n.to_string()),
+            "receipt_retention" => self
+                .receipt_retention
+                .map(|d| humantime::format_duration(d).to_string()),
             "hold_poll_interval" => Some(self.hold_poll_interval_ms.to_string()),
             "handler_timeout" => self.handler_timeout_ms.map(|ms| ms.to_string()),
             "max_record_age" => self
@@ -325,6 +343,7 @@ fn source_of(setting: &str) -> Option<Source> {
         "handoff_timeout" => "--handoff-timeout-ms",
         "dead_letter" => "--dead-letter",
         "max_attempts" => "--max-attempts",
+        "receipt_retention" => "--receipt-retention",
         "hold_poll_interval" => "--hold-poll-interval-ms",
         "handler_timeout" => "--handler-timeout-ms",
         "max_record_age" => "--max-record-age",
@@ -773,7 +792,7 @@ async fn consume<H: Handler>(
     let mut consumer_builder = builder(args, handler, ctx.config().clone());
     if let Some(table) = &receipts {
         let ledger = DynamoDbReceipts::new(ctx.dynamodb(), table.clone(), args.app.clone())
-            .retention(args.receipt_retention);
+            .retention(args.receipt_retention());
         ledger
             .prepare()
             .await

@@ -361,6 +361,24 @@ impl<H: Handler> ConsumerBuilder<H> {
                 ));
             }
         }
+        if let (Some(source), Some(receipts)) = (&self.paged, &self.receipts)
+            && let (Some(horizon), Some(retention)) =
+                (source.contract().replay_horizon(), receipts.retention())
+            && retention < horizon
+        {
+            // A receipt deleted while its event can still be handed out again lets the replay
+            // apply the event's effects a second time.
+            return Err(ConfigError::new(
+                "receipt_retention",
+                retention,
+                format!(
+                    "source `{}` can hand an event out again up to {} s ({:.2} days) after it was handled (its lateness bound and the audit window), so its receipts must be kept at least that long",
+                    source.name(),
+                    horizon.as_secs(),
+                    horizon.as_secs_f64() / 86_400.0
+                ),
+            ));
+        }
         if self.paged.is_some()
             && self.settings.lease.initial_position != InitialPosition::TrimHorizon
         {

@@ -39,7 +39,7 @@ const LATE_EVENTS: &str = "shardwise_paged_late_events_total";
 /// Every this many polls, one reads again the last `AUDIT_MS` behind `closed_through`, to find
 /// late events.
 const AUDIT_EVERY: u32 = 10;
-const AUDIT_MS: i64 = 60_000;
+const AUDIT_MS: i64 = crate::paged::AUDIT_WINDOW.as_millis() as i64;
 
 /// A close in flight: the progress it writes.
 struct InFlight {

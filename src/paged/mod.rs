@@ -29,7 +29,7 @@ mod order;
 pub(crate) mod reader;
 
 use std::fmt;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -264,7 +264,26 @@ impl Contract {
         self.timestamps = Some(timestamps);
         self
     }
+
+    /// How far back an event already handled can be handed out again after a restart, when the
+    /// contract bounds it: a source read by timestamp with a lateness bound `L` reads again every
+    /// event after its `closedThrough` (which trails the newest poll by `L`) and audits
+    /// [`AUDIT_WINDOW`] further back, so `L` + the audit window. A receipt deleted sooner than
+    /// this lets a replayed event's effects apply twice, so a consumer with a receipt ledger whose
+    /// retention is shorter is refused at build. `None`: the contract sets no bound (a source of
+    /// cursors replays only the pages after its last barrier; a backfilling source, or one closed
+    /// by a watermark or later timestamps, bounds it by what the provider keeps).
+    pub fn replay_horizon(&self) -> Option<Duration> {
+        match self.timestamps?.finality {
+            Finality::Lateness(lateness) => Some(lateness + AUDIT_WINDOW),
+            _ => None,
+        }
+    }
 }
+
+/// How far behind `closedThrough` a source read by timestamp is read again (every tenth poll)
+/// to find events that arrived later than its contract promised.
+pub const AUDIT_WINDOW: Duration = Duration::from_secs(60);
 
 /// Why a fetch failed.
 #[derive(Debug, thiserror::Error)]

@@ -2,7 +2,8 @@
 //!
 //! One item per (application, event): key `receiptKey` = `APPLICATION|EVENT`, with `application`,
 //! `eventId`, `disposition` (`applied`, `quarantined`, `held`), `reason`, `recordedAt` (ms),
-//! `recordedBy`, and `expiresAt` (epoch seconds, the table's TTL attribute). Every write of a
+//! `recordedBy`, and on `applied` receipts `expiresAt` (epoch seconds, the table's TTL attribute:
+//! held and quarantined receipts never expire by themselves). Every write of a
 //! receipt is conditioned on `attribute_not_exists(receiptKey) OR disposition = held`: a terminal
 //! receipt is never overwritten.
 
@@ -145,7 +146,6 @@ impl DynamoDbReceipts {
         by: &str,
     ) -> HashMap<String, AttributeValue> {
         let now = crate::time::now();
-        let expires = millis(now + self.retention) / 1000;
         let mut item = HashMap::from([
             (KEY.to_string(), s(self.key_of(event))),
             (APPLICATION.to_string(), s(&self.application)),
@@ -153,8 +153,14 @@ impl DynamoDbReceipts {
             (DISPOSITION.to_string(), s(disposition.label())),
             (RECORDED_AT.to_string(), n(millis(now))),
             (RECORDED_BY.to_string(), s(by)),
-            (EXPIRES_AT.to_string(), n(expires)),
         ]);
+        // Only an applied receipt expires. A held one deleted by TTL would turn a hold into a
+        // release unseen, and a quarantined one would let a replay handle the event again: both
+        // stay until an operator acts on them.
+        if *disposition == Disposition::Applied {
+            let expires = millis(now + self.retention) / 1000;
+            item.insert(EXPIRES_AT.to_string(), n(expires));
+        }
         if let Some(reason) = disposition.reason() {
             item.insert(REASON.to_string(), s(reason));
         }
@@ -771,6 +777,10 @@ impl ReceiptStore for DynamoDbReceipts {
 
     fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Receipt>, Error>> {
         Box::pin(self.list_receipts(limit))
+    }
+
+    fn retention(&self) -> Option<Duration> {
+        Some(self.retention)
     }
 }
 

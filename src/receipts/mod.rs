@@ -227,6 +227,13 @@ pub trait ReceiptStore: Send + Sync + fmt::Debug + 'static {
     /// Receipts in the ledger (of this application), at most `limit`, for inspection.
     fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Receipt>, Error>>;
 
+    /// How long an `applied` receipt is kept before the store may delete it (`None`: for
+    /// good). A consumer whose source can replay an event for longer is refused at build (see
+    /// [`Contract::replay_horizon`](crate::paged::Contract::replay_horizon)). A wrapper forwards it.
+    fn retention(&self) -> Option<Duration> {
+        None
+    }
+
     /// Whether the event has a terminal receipt (`applied` or `quarantined`): for a handler whose
     /// sink has its own idempotency (an HTTP API with idempotency keys, an S3 object named by the
     /// event), the work already done. Record it with [`record`](Self::record) once the sink

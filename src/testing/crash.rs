@@ -477,4 +477,8 @@ impl ReceiptStore for CrashingReceipts {
     fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Receipt>, Error>> {
         Box::pin(self.crash.gate(None, self.store.list(limit)))
     }
+
+    fn retention(&self) -> Option<std::time::Duration> {
+        self.store.retention()
+    }
 }
