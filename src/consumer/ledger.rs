@@ -8,9 +8,11 @@
 //! second finds the receipt and the delivery settles as a replay, with nothing written twice.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -359,7 +361,18 @@ pub(crate) async fn record(
     let event = delivery.event_id();
     let mut failures = Backoff::new(MAX_BACKOFF);
     loop {
-        match store.record(&event, &disposition, &worker).await {
+        // A store that panics is a failed write, tried again: the delivery must not be left
+        // unsettled for good by a task that died.
+        let recorded = AssertUnwindSafe(store.record(&event, &disposition, &worker))
+            .catch_unwind()
+            .await;
+        let Ok(recorded) = recorded else {
+            let wait = failures.next();
+            error!(%event, ?wait, "the receipt store panicked while recording; the record stays unsettled and is recorded again");
+            tokio::time::sleep(wait).await;
+            continue;
+        };
+        match recorded {
             Ok(Recorded::Recorded) => {
                 let stream = delivery.stream().to_string();
                 let report = match &disposition {
@@ -423,7 +436,14 @@ mod tests {
             disposition: &'a Disposition,
             by: &'a str,
         ) -> BoxFuture<'a, Result<Recorded, Error>> {
-            self.inner.record(event, disposition, by)
+            Box::pin(async move {
+                let left = self.panics.load(Ordering::SeqCst);
+                if left > 0 {
+                    self.panics.store(left - 1, Ordering::SeqCst);
+                    panic!("a receipt store that panics mid-record");
+                }
+                self.inner.record(event, disposition, by).await
+            })
         }
         fn release<'a>(&'a self, event: &'a EventId) -> BoxFuture<'a, Result<bool, Error>> {
             self.inner.release(event)
@@ -499,5 +519,44 @@ mod tests {
                 "{n}: applied once"
             );
         }
+    }
+
+    /// Recording a quarantine whose store panics is tried again: the delivery settles as
+    /// quarantined instead of waiting for good.
+    #[tokio::test(start_paused = true)]
+    async fn a_receipt_record_that_panics_is_tried_again() {
+        let inner = MemoryReceipts::new();
+        let store = Arc::new(Panicking {
+            inner: inner.clone(),
+            panics: AtomicU32::new(2),
+        });
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut tracker: Tracker<u64> = Tracker::new(1);
+        let id = tracker.track(1);
+        let d = Delivery::builder(
+            "s",
+            "shard",
+            Position::new(SequenceNumber::parse("1").unwrap(), 0),
+        )
+        .build();
+        let event = d.event_id();
+        let task = tokio::spawn(record(
+            store,
+            Arc::from("w"),
+            id,
+            d,
+            Disposition::Quarantined("poison".into()),
+            tx,
+        ));
+        task.await.expect("the task ends, not by a panic");
+        assert!(matches!(
+            rx.recv().await,
+            Some(WriteEvent::Durable(_, _, Settled::Quarantined))
+        ));
+        let receipt = inner.get(&event).await.unwrap().expect("recorded");
+        assert_eq!(
+            receipt.disposition,
+            Disposition::Quarantined("poison".into())
+        );
     }
 }

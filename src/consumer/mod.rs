@@ -165,7 +165,9 @@ impl<H: Handler> ConsumerBuilder<H> {
     }
 
     /// The stream spent records go to (with their payload, every header, and the reason). Without
-    /// `max_attempts`, attempts are capped at 3.
+    /// `max_attempts`, attempts are capped at 3 on Kinesis; a paged source still runs a failing
+    /// event again until it succeeds unless `max_attempts` is set, and its dead letters also name
+    /// the event's identity, position and timestamp.
     pub fn dead_letter(mut self, stream: impl Into<String>) -> Self {
         self.settings.dead_letter = Some(stream.into());
         self

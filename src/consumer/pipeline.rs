@@ -18,6 +18,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tracing::info;
@@ -184,7 +185,18 @@ impl<H: Handler, E> Pipeline<H, E> {
                     let event = delivery.event_id();
                     let mut failures = crate::backoff::Backoff::new(Duration::from_secs(5));
                     loop {
-                        match store.get(&event).await {
+                        // A store that panics is a failed read, tried again (the delivery is
+                        // tracked: it must be handed out or settled, not left by a dead task).
+                        let read = std::panic::AssertUnwindSafe(store.get(&event))
+                            .catch_unwind()
+                            .await;
+                        let Ok(read) = read else {
+                            let wait = failures.next();
+                            tracing::error!(%event, ?wait, "the receipt store panicked while reading a receipt; reading it again");
+                            tokio::time::sleep(wait).await;
+                            continue;
+                        };
+                        match read {
                             Ok(Some(r)) if r.disposition.is_terminal() => {
                                 metrics::counter!("shardwise_replays_total", "stream" => delivery.stream().to_string())
                                     .increment(1);
