@@ -430,6 +430,94 @@ async fn a_failing_event_retries_in_place_until_it_succeeds_or_is_quarantined_at
     Arc::into_inner(tables).unwrap().drop_all().await;
 }
 
+/// Issue 23, item 3: an effect DynamoDB refuses for the whole request (an update that would grow
+/// an item past 400 KB, which no check before the write can see) sits in a ledger batch with
+/// others. The batch is split, the others commit, and the event it is for ends quarantined by
+/// receipt (no cap, no dead letter: the ledger is its durable outcome); the barrier passes every
+/// event only once each has its outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_effect_the_store_refuses_as_a_whole_is_quarantined_and_its_batch_commits() {
+    let live = live_or_skip!();
+    logs();
+    let tables = Arc::new(Tables::new(live, APP).await);
+    let name = support::unique_name("too-big");
+    let big = format!("{name}/big");
+    tables
+        .live
+        .dynamodb
+        .put_item()
+        .table_name(&tables.counts)
+        .item(
+            "id",
+            aws_sdk_dynamodb::types::AttributeValue::S(big.clone()),
+        )
+        .item(
+            "blob",
+            aws_sdk_dynamodb::types::AttributeValue::S("x".repeat(300_000)),
+        )
+        .send()
+        .await
+        .expect("the 300 KB item");
+    let (_api, _server, source) = serve(&name, EVENTS, 12).await;
+    let (watcher, stop) = watch(tables.clone(), name.clone());
+    let calls = Calls::default();
+    let (counts, case, seen) = (tables.counts.clone(), name.clone(), calls.clone());
+    let handler = move |d: Delivery| {
+        let (counts, case, calls) = (counts.clone(), case.clone(), seen.clone());
+        async move {
+            calls.push(&d);
+            let id = id_of(&d);
+            let mut effects = shardwise::receipts::Effects::new()
+                .with(Effect::update(&counts, key("id", format!("{case}/{id}"))).add("count", 1));
+            if id == "p-5" {
+                effects.push(
+                    Effect::update(&counts, key("id", format!("{case}/big")))
+                        .set("more", "y".repeat(200_000)),
+                );
+            }
+            Outcome::Apply(effects)
+        }
+    };
+    let running = builder(&source, &tables, "w1", handler)
+        .lanes(8)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    tables
+        .wait_applied(&name, EVENTS, Duration::from_secs(60))
+        .await;
+    running.shutdown(Duration::from_secs(5)).await;
+    stop.store(true, Ordering::SeqCst);
+    watcher.await.expect("the watcher's checks held");
+    let receipt = tables
+        .receipts
+        .get(&EventId::paged(&name, "p", "p-5"))
+        .await
+        .unwrap()
+        .expect("p-5 has a receipt");
+    let Disposition::Quarantined(reason) = &receipt.disposition else {
+        panic!("quarantined, not {:?}", receipt.disposition);
+    };
+    assert!(reason.contains("ValidationException"), "{reason}");
+    eprintln!(
+        "{name}: a batch was split: {}",
+        logs().text().contains("refused as a whole")
+    );
+    for n in 1..=EVENTS {
+        let id = format!("p-{n}");
+        let expected = (n != 5).then_some(1);
+        assert_eq!(
+            tables.count(&format!("{name}/{id}")).await,
+            expected,
+            "{id}'s effect (handled {} times)",
+            calls.count(&id)
+        );
+    }
+    Arc::into_inner(tables).unwrap().drop_all().await;
+}
+
 /// A consumer on one source of `n` events (partition `p`, pages of `page`) over HTTP.
 async fn serve(
     name: &str,

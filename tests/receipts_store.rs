@@ -236,6 +236,64 @@ async fn effects_over_the_limits_are_refused_before_the_call(s: &Subject<'_>) {
     assert_eq!((s.count)("n0").await, None);
 }
 
+/// An update that would grow its item past 400 KB cannot be seen from the effect alone: the store
+/// refuses the whole transaction (DynamoDB: a ValidationException for the request). The apply it
+/// is for is answered invalid (it goes the spent way, with a durable outcome); the others that
+/// shared its transaction commit.
+async fn an_update_past_the_item_limit_is_invalid_and_the_others_commit(s: &Subject<'_>) {
+    let big = Effect::update(s.counts, key("id", "big")).set("blob", "x".repeat(300_000));
+    let first = s
+        .store
+        .commit(
+            &[Apply {
+                event: event("40"),
+                effects: big.into(),
+            }],
+            "w",
+        )
+        .await
+        .unwrap();
+    assert_eq!(first, vec![Committed::Applied]);
+    let grow = Effect::update(s.counts, key("id", "big"))
+        .set("more", "y".repeat(200_000))
+        .add("count", 1);
+    let answers = s
+        .store
+        .commit(
+            &[
+                Apply {
+                    event: event("41"),
+                    effects: bump(s.counts, "before"),
+                },
+                Apply {
+                    event: event("42"),
+                    effects: grow.into(),
+                },
+                Apply {
+                    event: event("43"),
+                    effects: bump(s.counts, "after"),
+                },
+            ],
+            "w",
+        )
+        .await
+        .expect("a refused transaction is not an error of the whole commit");
+    assert_eq!(answers[0], Committed::Applied, "{answers:?}");
+    assert!(
+        matches!(&answers[1], Committed::Invalid(why) if why.contains("size")),
+        "{answers:?}"
+    );
+    assert_eq!(answers[2], Committed::Applied, "{answers:?}");
+    assert_eq!((s.count)("before").await, Some(1));
+    assert_eq!((s.count)("after").await, Some(1));
+    assert_eq!(
+        (s.count)("big").await,
+        None,
+        "nothing of the refused update"
+    );
+    assert_eq!(s.store.get(&event("42")).await.unwrap(), None);
+}
+
 async fn lists_the_applications_receipts(s: &Subject<'_>) {
     s.store
         .record(&event("40"), &Disposition::Applied, "w")
@@ -339,6 +397,7 @@ conformance!(
     a_replay_among_several_leaves_the_others_applied,
     a_refused_condition_writes_nothing,
     effects_over_the_limits_are_refused_before_the_call,
+    an_update_past_the_item_limit_is_invalid_and_the_others_commit,
     lists_the_applications_receipts,
     seen_is_true_only_for_a_terminal_receipt,
 );

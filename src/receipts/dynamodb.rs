@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::error::ProvideErrorMetadata;
 use aws_sdk_dynamodb::types::{
     AttributeValue, ConditionCheck, Delete, KeyType, Put, ReturnValuesOnConditionCheckFailure,
     TimeToLiveSpecification, TimeToLiveStatus, TransactWriteItem, Update,
@@ -372,8 +373,11 @@ impl DynamoDbReceipts {
             .filter(|i| answers[*i].is_none())
             .collect();
         let mut conflicts = 0;
+        // Applies that go in a transaction of their own: those of a transaction the store refused
+        // as a whole, so the one it refused for is found and the others commit.
+        let mut alone = BTreeSet::new();
         while !pending.is_empty() {
-            let group = pack(&pending, applies, &items_of, &sizes);
+            let group = pack(&pending, applies, &items_of, &sizes, &alone);
             match self.transact(&group, applies, by).await? {
                 Transacted::Done => {
                     for i in &group {
@@ -386,6 +390,13 @@ impl DynamoDbReceipts {
                             answers[*i] = Some(answer);
                         }
                     }
+                }
+                Transacted::Rejected(why) if group.len() == 1 => {
+                    answers[group[0]] = Some(Committed::Invalid(why));
+                }
+                Transacted::Rejected(why) => {
+                    tracing::warn!(table = %self.table, applies = group.len(), reason = %why, "a transaction was refused as a whole; its applies are committed one by one");
+                    alone.extend(group.iter().copied());
                 }
                 Transacted::Conflict => {
                     conflicts += 1;
@@ -459,6 +470,17 @@ impl DynamoDbReceipts {
                 _ => None,
             })
         else {
+            // A request the store refuses as a whole (DynamoDB's ValidationException: an update
+            // that would grow its item past 400 KB, two operations on one item) fails the same
+            // way every time: the caller isolates the apply it is for.
+            if let Some(e) = err.as_service_error()
+                && e.code() == Some("ValidationException")
+            {
+                return Ok(Transacted::Rejected(format!(
+                    "ValidationException: {}",
+                    e.message().unwrap_or("the request was refused")
+                )));
+            }
             return Err(failed(&self.table, "TransactWriteItems", err));
         };
         let reasons = cancelled.cancellation_reasons();
@@ -596,6 +618,9 @@ enum Transacted {
     Cancelled(Vec<Option<Committed>>),
     /// Cancelled by a concurrent transaction: try again.
     Conflict,
+    /// The request was refused as a whole, whatever the items' conditions: the same request
+    /// fails again (the reason).
+    Rejected(String),
 }
 
 /// The next group to commit at once, in order: within DynamoDB's item and byte limits, on
@@ -605,12 +630,19 @@ fn pack(
     applies: &[Apply],
     items_of: &[BTreeSet<(String, String)>],
     sizes: &[usize],
+    alone: &BTreeSet<usize>,
 ) -> Vec<usize> {
     let mut group = Vec::new();
     let mut items = 0;
     let mut bytes = 0;
     let mut written: BTreeSet<&(String, String)> = BTreeSet::new();
     for i in pending.iter().copied() {
+        if alone.contains(&i) {
+            if group.is_empty() {
+                return vec![i];
+            }
+            continue;
+        }
         let count = applies[i].effects.len() + 1;
         let clashes = items_of[i].iter().any(|item| written.contains(item));
         let fits = group.is_empty()
@@ -814,10 +846,13 @@ mod tests {
         let sizes = vec![10; 4];
         // b writes the same item as a: it waits for the next transaction; c and d go with a.
         assert_eq!(
-            pack(&[0, 1, 2, 3], &applies, &items_of, &sizes),
+            pack(&[0, 1, 2, 3], &applies, &items_of, &sizes, &BTreeSet::new()),
             vec![0, 2, 3]
         );
-        assert_eq!(pack(&[1], &applies, &items_of, &sizes), vec![1]);
+        assert_eq!(
+            pack(&[1], &applies, &items_of, &sizes, &BTreeSet::new()),
+            vec![1]
+        );
         // Applies of two items each (an effect and the receipt): 50 fit in 100 items.
         let many: Vec<Apply> = (0..60)
             .map(|i| apply(&i.to_string(), &[&format!("k{i}")]))
@@ -827,7 +862,24 @@ mod tests {
             .map(|a| check_limits(&a.effects, 10, &|_| Some(vec!["id".into()])).unwrap())
             .collect();
         let pending: Vec<usize> = (0..60).collect();
-        assert_eq!(pack(&pending, &many, &items_of, &vec![10; 60]).len(), 50);
+        assert_eq!(
+            pack(&pending, &many, &items_of, &vec![10; 60], &BTreeSet::new()).len(),
+            50
+        );
+        // Applies of a refused transaction go one by one, each in its turn.
+        let alone = BTreeSet::from([0, 1]);
+        assert_eq!(
+            pack(&pending, &many, &items_of, &vec![10; 60], &alone),
+            vec![0]
+        );
+        assert_eq!(
+            pack(&pending[1..], &many, &items_of, &vec![10; 60], &alone),
+            vec![1]
+        );
+        assert_eq!(
+            pack(&pending[2..], &many, &items_of, &vec![10; 60], &alone).len(),
+            50
+        );
     }
 
     #[test]

@@ -10,7 +10,8 @@ use futures::future::BoxFuture;
 
 use super::effect::{Change, Effect, Expect, Item};
 use super::{
-    Apply, Committed, Disposition, EventId, Receipt, ReceiptStore, Recorded, check_limits,
+    Apply, Committed, Disposition, EventId, MAX_ITEM_BYTES, Receipt, ReceiptStore, Recorded,
+    check_limits, item_size,
 };
 use crate::error::Error;
 use crate::testing::Faults;
@@ -187,6 +188,24 @@ impl State {
         })
     }
 
+    /// The size an update would leave its item at, when that passes DynamoDB's item limit (which
+    /// the store answers with a ValidationException).
+    fn oversized(&self, effect: &Effect) -> Option<usize> {
+        let Effect::Update {
+            key: k, changes, ..
+        } = effect
+        else {
+            return None;
+        };
+        let current = self
+            .key_of(effect)
+            .and_then(|key| self.tables.get(effect.table())?.1.get(&key));
+        let mut item = current.cloned().unwrap_or_else(|| k.clone());
+        change(&mut item, changes);
+        let size = item_size(&item);
+        (size > MAX_ITEM_BYTES).then_some(size)
+    }
+
     fn holds(&self, effect: &Effect) -> bool {
         let expect = match effect {
             Effect::Put { expect, .. }
@@ -221,28 +240,7 @@ impl State {
             Effect::Update {
                 key: k, changes, ..
             } => {
-                let item = items.entry(key).or_insert_with(|| k.clone());
-                for change in changes {
-                    match change {
-                        Change::Set(a, v) => {
-                            item.insert(a.clone(), v.clone());
-                        }
-                        Change::Add(a, AttributeValue::N(by)) => {
-                            let old = match item.get(a) {
-                                Some(AttributeValue::N(n)) => n.parse::<i64>().unwrap_or(0),
-                                _ => 0,
-                            };
-                            let by: i64 = by.parse().unwrap_or(0);
-                            item.insert(a.clone(), AttributeValue::N((old + by).to_string()));
-                        }
-                        Change::Add(a, v) => {
-                            item.insert(a.clone(), v.clone());
-                        }
-                        Change::Remove(a) => {
-                            item.remove(a);
-                        }
-                    }
-                }
+                change(items.entry(key).or_insert_with(|| k.clone()), changes);
             }
             Effect::Delete { .. } => {
                 items.remove(&key);
@@ -323,6 +321,16 @@ impl ReceiptStore for MemoryReceipts {
                             "the condition of effect {refused} did not hold"
                         ));
                     }
+                    if let Some((i, size)) = apply
+                        .effects
+                        .iter()
+                        .enumerate()
+                        .find_map(|(i, e)| Some((i, state.oversized(e)?)))
+                    {
+                        return Committed::Invalid(format!(
+                            "effect {i} would leave its item at {size} bytes, over the item size limit ({MAX_ITEM_BYTES} bytes)"
+                        ));
+                    }
                     for effect in apply.effects.iter() {
                         state.apply(effect);
                     }
@@ -340,5 +348,30 @@ impl ReceiptStore for MemoryReceipts {
         self.call("Scan", false, move |state| {
             state.receipts.values().take(limit).cloned().collect()
         })
+    }
+}
+
+/// Applies an update's changes to its item (numbers add up; any other `Add` sets).
+fn change(item: &mut Item, changes: &[Change]) {
+    for change in changes {
+        match change {
+            Change::Set(a, v) => {
+                item.insert(a.clone(), v.clone());
+            }
+            Change::Add(a, AttributeValue::N(by)) => {
+                let old = match item.get(a) {
+                    Some(AttributeValue::N(n)) => n.parse::<i64>().unwrap_or(0),
+                    _ => 0,
+                };
+                let by: i64 = by.parse().unwrap_or(0);
+                item.insert(a.clone(), AttributeValue::N((old + by).to_string()));
+            }
+            Change::Add(a, v) => {
+                item.insert(a.clone(), v.clone());
+            }
+            Change::Remove(a) => {
+                item.remove(a);
+            }
+        }
     }
 }
