@@ -17,6 +17,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use futures::FutureExt;
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
@@ -164,9 +165,15 @@ impl PendingWrite {
         let mut transient = Backoff::new(MAX_BACKOFF);
         let mut stuck_for = Backoff::new(STUCK_BACKOFF);
         loop {
-            let result = producer
-                .put(&self.stream, d.partition_key(), &self.headers, d.payload())
-                .await;
+            let put = producer.put(&self.stream, d.partition_key(), &self.headers, d.payload());
+            // A producer that panics is a failed write, written again: the task owns a tracked
+            // delivery, which must end written or held, never left behind by a dead task.
+            let Ok(result) = std::panic::AssertUnwindSafe(put).catch_unwind().await else {
+                let wait = transient.next();
+                error!(stream = d.stream(), shard = d.shard(), seq = %d.locator(), to = %self.stream, ?wait, "the producer panicked while writing a retry copy or dead letter; writing it again");
+                tokio::time::sleep(wait).await;
+                continue;
+            };
             let error = match result {
                 Ok(written) => {
                     let (what, metric) = if self.dead_letter {

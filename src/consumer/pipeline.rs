@@ -287,7 +287,16 @@ impl<H: Handler, E> Pipeline<H, E> {
             Some(done) = self.finished.recv() => Event::Finished(done),
             Some(event) = self.write_rx.recv() => Event::Write(event),
             events = async { self.ledger.as_mut().expect("busy").next().await }, if busy => Event::Ledger(events),
-            Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => Event::Task,
+            Some(joined) = self.tasks.join_next(), if !self.tasks.is_empty() => {
+                // Every task catches its own panics where a delivery depends on it; one that
+                // still panicked is a bug to see.
+                if let Err(e) = joined
+                    && e.is_panic()
+                {
+                    tracing::error!(error = %e, "a task of the shard panicked");
+                }
+                Event::Task
+            }
             else => std::future::pending().await,
         };
         match event {
