@@ -508,5 +508,24 @@ async fn dynamodb_only_applied_receipts_expire() {
         .await
         .unwrap();
     assert!(expires("62").await, "applied after the hold");
+    // An operator done with the quarantined event starts its retention; nothing else has one
+    // to start.
+    assert!(store.start_retention(&event("61")).await.unwrap());
+    assert!(expires("61").await, "quarantined, its retention started");
+    let receipt = store.get(&event("61")).await.unwrap().unwrap();
+    assert_eq!(
+        receipt.disposition,
+        Disposition::Quarantined("poison".into())
+    );
+    store
+        .record(&event("63"), &Disposition::Held("review".into()), "w")
+        .await
+        .unwrap();
+    assert!(!store.start_retention(&event("63")).await.unwrap(), "held");
+    assert!(!expires("63").await);
+    assert!(
+        !store.start_retention(&event("64")).await.unwrap(),
+        "unknown"
+    );
     live.delete_table(&table).await;
 }

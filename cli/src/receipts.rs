@@ -1,5 +1,5 @@
 //! `shardwise receipts`: an application's receipt ledger; and, for an operator, settling or
-//! releasing a held event.
+//! releasing a held event, and starting the retention of a quarantined one.
 
 use std::time::UNIX_EPOCH;
 
@@ -34,6 +34,16 @@ pub(crate) struct Args {
     /// settles it and the checkpoint passes it.
     #[arg(long, value_name = "EVENT", requires = "reason", conflicts_with = "id")]
     quarantine: Option<String>,
+
+    /// Start the retention of the quarantined event's receipt (an operator is done with it): it
+    /// is deleted once --retention has passed. Until then a quarantined receipt stays for good.
+    #[arg(long, value_name = "EVENT", conflicts_with_all = ["id", "release", "quarantine"])]
+    expire: Option<String>,
+
+    /// With --expire: how long the receipt is kept from now, e.g. `7d`, `36h`. Longer than any
+    /// replay of the event can come (the source's lateness plus a minute, read by timestamp).
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration, default_value = "7d", requires = "expire")]
+    retention: std::time::Duration,
 
     /// Why (with --quarantine).
     #[arg(long, value_name = "TEXT")]
@@ -80,7 +90,8 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
         .clone()
         .unwrap_or_else(|| format!("{}-receipts", args.app));
     let ledger = DynamoDbReceipts::new(ctx.dynamodb(), table_name.clone(), args.app.clone())
-        .create_if_missing(false);
+        .create_if_missing(false)
+        .retention(args.retention);
     let context = || {
         format!(
             "cannot read the receipts of `{}` in `{table_name}`",
@@ -97,6 +108,22 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
             bail!("`{event}` has no held receipt to release (it is unknown, or already terminal)");
         }
         return print_lines([format!("released {event}")]).map_err(Into::into);
+    }
+    if let Some(event) = &args.expire {
+        if !ledger
+            .start_retention(&EventId::new(event))
+            .await
+            .with_context(context)?
+        {
+            bail!(
+                "`{event}` has no quarantined receipt (it is unknown, applied or held); nothing changed"
+            );
+        }
+        let days = args.retention.as_secs_f64() / 86_400.0;
+        return print_lines([format!(
+            "{event}: its quarantined receipt expires in {days:.1} days"
+        )])
+        .map_err(Into::into);
     }
     if let Some(event) = &args.quarantine {
         let reason = args.reason.clone().unwrap_or_default();

@@ -2125,6 +2125,23 @@ async fn a_held_record_waits_for_the_operator_and_settles_when_quarantined() {
         err.contains("already has a terminal receipt (quarantined)"),
         "{err}"
     );
+    // The operator is done with it: its retention starts (a quarantined receipt stays until then).
+    let out = shardwise(&[
+        "receipts",
+        "--app",
+        &app,
+        "--expire",
+        &held_event,
+        "--retention",
+        "30d",
+    ])
+    .await;
+    assert_eq!(
+        out.trim(),
+        format!("{held_event}: its quarantined receipt expires in 30.0 days")
+    );
+    let err = shardwise_fails(&["receipts", "--app", &app, "--expire", "no-such-event"]).await;
+    assert!(err.contains("has no quarantined receipt"), "{err}");
 
     w.stop_gracefully(Duration::from_secs(30)).await;
     log.dump(&app);

@@ -273,6 +273,36 @@ impl DynamoDbReceipts {
         }
     }
 
+    /// Starts the retention of a quarantined receipt: an operator is done with the event, and
+    /// the receipt is deleted (DynamoDB TTL) once the retention has passed from now. Until then a
+    /// quarantined receipt carries no `expiresAt` and stays. `false` when the event has no
+    /// quarantined receipt (unknown, applied or held: left as it is).
+    ///
+    /// Start it only once no replay of the event can come any more (see
+    /// [`Contract::replay_horizon`](crate::paged::Contract::replay_horizon)): a replay after the
+    /// receipt is gone hands the event out again.
+    pub async fn start_retention(&self, event: &EventId) -> Result<bool, Error> {
+        let expires = millis(crate::time::now() + self.retention) / 1000;
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(self.key_of(event)))
+            .update_expression("SET #expires = :expires")
+            .condition_expression("#disposition = :quarantined")
+            .expression_attribute_names("#expires", EXPIRES_AT)
+            .expression_attribute_names("#disposition", DISPOSITION)
+            .expression_attribute_values(":expires", n(expires))
+            .expression_attribute_values(":quarantined", s("quarantined"))
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(true),
+            Err(err) if is_condition_failed(&err) => Ok(false),
+            Err(err) => Err(failed(&self.table, "UpdateItem", err)),
+        }
+    }
+
     async fn list_receipts(&self, limit: usize) -> Result<Vec<Receipt>, Error> {
         let mut out = Vec::new();
         let mut start = None;
