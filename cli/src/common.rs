@@ -63,10 +63,13 @@ impl Ctx {
     }
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `warn`).
+/// What is logged without `RUST_LOG`.
+pub(crate) const DEFAULT_LOG_FILTER: &str = "warn";
+
+/// Logs to stderr, filtered by `RUST_LOG` (default [`DEFAULT_LOG_FILTER`]).
 pub(crate) fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(io::stderr)

@@ -25,7 +25,7 @@ use shardwise::{
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::common::{Ctx, Result};
-use crate::exec::{Exec, ExecSettings, ExecStats};
+use crate::exec::{Exec, ExecSettings, ExecStats, STOP_GRACE};
 use crate::flag_error::{Source, invalid_setting};
 use crate::observe::Observed;
 use crate::target::{START_VALUES, parse_start, time_help};
@@ -184,7 +184,8 @@ pub(crate) struct Args {
     /// Run this program as the handler (through `sh -c`): one JSON object per delivery on its
     /// stdin, one outcome per line on its stdout (the README's "Any program as the handler" has
     /// the protocol). A program that exits, hangs past --handler-timeout-ms or writes garbage is
-    /// restarted with back-off and gets its unanswered deliveries again.
+    /// restarted with back-off and gets its unanswered deliveries again. At the end it gets
+    /// SIGTERM, and SIGKILL if still running 5 s later.
     #[arg(long, value_name = "'CMD ARGS'", conflicts_with_all = ["handler_delay_ms", "fail_keys", "count_into"])]
     exec: Option<String>,
 
@@ -689,13 +690,18 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
                     .batch
                     .map(|n| Batching::new(n, Duration::from_millis(args.batch_wait_ms))),
                 worker: worker.clone(),
+                grace: STOP_GRACE,
             });
             let stats = exec.stats.clone();
+            let children = exec.clone();
             let handler = Printing {
                 inner: exec,
                 printer: printer.clone(),
             };
-            consume(&args, ctx, handler, printer, Some(stats), prometheus).await
+            let consumed = consume(&args, ctx, handler, printer, Some(stats), prometheus).await;
+            // Once the consumer has stopped (or could not start): SIGTERM, then the grace.
+            children.stop().await;
+            consumed
         }
         None => {
             let handler = Printing {

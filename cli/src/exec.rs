@@ -1,39 +1,66 @@
 //! `consume --exec 'CMD ARGS'`: any program as the handler, over a line protocol on its stdin and
 //! stdout (the README's "Any program as the handler" has the protocol).
 //!
-//! A pool of children, each run as `sh -c CMD` in a process group of its own (a replacement kills
-//! the whole group). The deliveries of one lane of one shard always go
-//! to the same child, one (or one batch) at a time, so the order per key holds; one child serves
-//! several shard lanes at once, telling their requests apart by `id`. Each child is owned by one
-//! task:
+//! A pool of children, each run as `sh -c CMD` in a process group of its own (a replacement and a
+//! stop signal the whole group). The deliveries of one lane of one shard always go to the same
+//! child, one (or one batch) at a time, so the order per key holds; one child serves several
+//! shard lanes at once, telling their requests apart by `id`. Each child is owned by one task:
 //!
 //! ```text
-//!   starting ──spawned──► up ──exit / garbage line / a request older than the timeout──► down
-//!      ▲                                                                                  │
-//!      └──────────────── back-off (100 ms doubling to 10 s; reset after 30 s up) ◄────────┘
+//!   starting ──spawned──► up ──exited / closed a pipe / garbage / hung──► down: SIGKILL its group
+//!      ▲                  │                                                │
+//!      │                  └─stop─► stopping: stdin closed, SIGTERM to its  │
+//!      │                           group, SIGKILL to what is left of it    │
+//!      │                           after the grace (5 s); the task ends    │
+//!      └──────── back-off (100 ms doubling to 10 s; reset after 30 s up) ◄─┘
+//!                (a stop meanwhile ends the task: no child runs)
 //! ```
+//!
+//! The task never waits on a pipe: a writer task per child owns the child's stdin and writes the
+//! lines it is handed (at most 8 wait for it), telling the task as each one is written whole. A
+//! request goes
+//!
+//! ```text
+//!   queued ──handed to the writer──► being written ──written whole──► taken ──answer──► done
+//! ```
+//!
+//! (taken: the child read it, but for what the 64 KiB pipe holds). Only the oldest request in
+//! flight is timed, from the later of when it became the oldest and when the child took it: past
+//! the handler timeout the child is hung, whether it did not read that request or did not answer
+//! it. The requests behind it may wait legitimately (a sequential child serving many lanes takes
+//! them one at a time), so they are not timed; a child that answers out of order is found hung at
+//! worst once each older request was answered or timed out.
 //!
 //! Requests in flight when a child goes down are not answered: their deliveries stay unsettled
 //! (the handler call goes on waiting) and are sent again, in their order, to the child that
-//! replaces it. The oldest of them (the one a sequential child was working on) counts the loss
-//! against itself; once a request was in flight at three losses it is answered `retry` (the retry
-//! path: a counted copy, a dead letter once spent), so a record that kills its handler cannot stop
-//! the shard. stderr of every child is passed through to the log, line by line.
+//! replaces it. The oldest of them (the one a sequential child was working on, or the one it did
+//! not read) counts the loss against itself; once a request was in flight at three losses it is
+//! answered `retry` (the retry path: a counted copy, a dead letter once spent), so a record that
+//! kills its handler cannot stop the shard. A request whose handler call was given up before it
+//! was handed to the writer is dropped unwritten.
+//!
+//! A stop ([`Exec::stop`], or every handle to the pool dropped) ends each child as above; what it
+//! left unanswered stays unsettled. stderr of every child goes to the log line by line at `warn`,
+//! the CLI's default level, so a traceback is seen without flags.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::process::Stdio;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use base64::Engine;
+use nix::errno::Errno;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use shardwise::{Batching, Delivery, Handler, Outcome};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::process::{Child, ChildStdin, Command};
-use tokio::sync::{mpsc, oneshot};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
@@ -43,6 +70,16 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// A child up this long (and answering) resets the back-off.
 const STABLE: Duration = Duration::from_secs(30);
+/// At a stop, how long a child has after SIGTERM before SIGKILL.
+pub(crate) const STOP_GRACE: Duration = Duration::from_secs(5);
+/// Lines waiting for a child's writer. The rest wait in the child's task, where one whose handler
+/// call was given up is dropped unwritten.
+const WRITER_QUEUE: usize = 8;
+/// How long the exit status and the last answers of a child that ended (or closed a pipe) are
+/// waited for.
+const EXIT_WAIT: Duration = Duration::from_secs(1);
+/// How often a stopping child's process group is looked at.
+const STOP_POLL: Duration = Duration::from_millis(50);
 
 /// How the children run.
 #[derive(Debug, Clone)]
@@ -51,12 +88,15 @@ pub(crate) struct ExecSettings {
     pub(crate) command: String,
     /// How many children.
     pub(crate) children: usize,
-    /// A request unanswered for this long means the child hangs: it is killed and replaced.
+    /// The oldest request in flight unanswered (or unread) this long means the child hangs: it
+    /// is killed and replaced.
     pub(crate) timeout: Option<Duration>,
     /// With `Some`, deliveries go to the child in batches (one line per batch).
     pub(crate) batching: Option<Batching>,
     /// This worker's id, given to the children as `SHARDWISE_WORKER`.
     pub(crate) worker: String,
+    /// At a stop, how long a child has after SIGTERM before SIGKILL ([`STOP_GRACE`] in the CLI).
+    pub(crate) grace: Duration,
 }
 
 /// What the pool reports, for `/healthz` and metrics.
@@ -77,6 +117,10 @@ pub(crate) struct Exec {
     next_id: Arc<AtomicU64>,
     batching: Option<Batching>,
     pub(crate) stats: Arc<ExecStats>,
+    /// Set once: the children stop.
+    stop: Arc<watch::Sender<bool>>,
+    /// The children's tasks, until [`Exec::stop`] waits for them.
+    tasks: Arc<Mutex<Vec<JoinHandle<()>>>>,
 }
 
 /// One line to send, and where each of its deliveries' outcomes goes.
@@ -85,33 +129,72 @@ struct Request {
     ids: Vec<u64>,
     /// The request's own id (the delivery's, or the batch's).
     id: u64,
-    line: String,
+    /// Shared with the writer, which may be writing it while the task keeps it for a resend.
+    line: Arc<str>,
     reply: oneshot::Sender<Vec<Outcome>>,
 }
 
-/// A request sent to the current child.
+/// An unanswered request, and where it is with the current child.
 struct InFlight {
     request: Request,
-    sent: Instant,
+    /// Handed to the current child's writer.
+    handed: bool,
+    /// When the current child took it: its line was written whole.
+    taken: Option<Instant>,
+    /// Children that went down with this request the oldest in flight.
     losses: u32,
+}
+
+impl InFlight {
+    fn new(request: Request) -> Self {
+        Self {
+            request,
+            handed: false,
+            taken: None,
+            losses: 0,
+        }
+    }
 }
 
 impl Exec {
     /// Starts the children (each in its own task).
     pub(crate) fn start(settings: ExecSettings) -> Self {
         let stats = Arc::new(ExecStats::default());
-        let children = (0..settings.children.max(1))
-            .map(|index| {
-                let (tx, rx) = mpsc::unbounded_channel();
-                tokio::spawn(run_child(index, settings.clone(), rx, stats.clone()));
-                tx
-            })
-            .collect();
+        let (stop, stopping) = watch::channel(false);
+        let mut children = Vec::new();
+        let mut tasks = Vec::new();
+        for index in 0..settings.children.max(1) {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tasks.push(tokio::spawn(run_child(
+                index,
+                settings.clone(),
+                rx,
+                stopping.clone(),
+                stats.clone(),
+            )));
+            children.push(tx);
+        }
         Self {
             children: Arc::new(children),
             next_id: Arc::new(AtomicU64::new(1)),
             batching: settings.batching,
             stats,
+            stop: Arc::new(stop),
+            tasks: Arc::new(Mutex::new(tasks)),
+        }
+    }
+
+    /// Stops the children and returns once they are gone: each gets its stdin closed and SIGTERM
+    /// to its process group, and SIGKILL to what is left of the group after the grace. Requests
+    /// still unanswered stay unsettled (their handler calls go on waiting); call it once the
+    /// consumer has shut down.
+    ///
+    /// Cancellation safe: the children go on stopping in their own tasks.
+    pub(crate) async fn stop(&self) {
+        self.stop.send_replace(true);
+        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(PoisonError::into_inner));
+        for task in tasks {
+            let _ = task.await;
         }
     }
 
@@ -129,7 +212,7 @@ impl Exec {
         let request = Request {
             ids,
             id,
-            line,
+            line: line.into(),
             reply,
         };
         if self.child_of(first).send(request).is_err() {
@@ -285,8 +368,13 @@ fn outcomes_of(answer: &Answer, ids: &[u64]) -> Result<Vec<Outcome>, String> {
 #[derive(Debug)]
 enum Down {
     Exited(String),
+    ClosedStdout,
     Garbage(String),
-    Hung(u64),
+    /// The oldest request in flight went past the timeout; `taken`: the child had read it.
+    Hung {
+        request: u64,
+        taken: bool,
+    },
     Unwritable(std::io::Error),
 }
 
@@ -294,19 +382,34 @@ impl std::fmt::Display for Down {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Down::Exited(status) => write!(f, "exited ({status})"),
+            Down::ClosedStdout => write!(f, "closed its stdout"),
             Down::Garbage(why) => write!(f, "wrote a line that is not an answer: {why}"),
-            Down::Hung(id) => write!(f, "left request {id} unanswered past the handler timeout"),
+            Down::Hung {
+                request,
+                taken: true,
+            } => write!(
+                f,
+                "left request {request} unanswered past the handler timeout"
+            ),
+            Down::Hung {
+                request,
+                taken: false,
+            } => write!(
+                f,
+                "did not read request {request} within the handler timeout"
+            ),
             Down::Unwritable(e) => write!(f, "stdin closed: {e}"),
         }
     }
 }
 
 /// Owns child `index`: starts it, sends it requests, reads its answers, and replaces it when it
-/// goes down, sending what it left unanswered to the next one.
+/// goes down, sending what it left unanswered to the next one; stops it at the pool's stop.
 async fn run_child(
     index: usize,
     settings: ExecSettings,
     mut requests: mpsc::UnboundedReceiver<Request>,
+    mut stop: watch::Receiver<bool>,
     stats: Arc<ExecStats>,
 ) {
     let mut backoff = FIRST_BACKOFF;
@@ -317,9 +420,9 @@ async fn run_child(
             Ok(child) => child,
             Err(e) => {
                 warn!(child = index, command = %settings.command, error = %e, ?backoff, "cannot start the handler program; trying again");
-                stats.restarting.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(backoff).await;
-                stats.restarting.fetch_sub(1, Ordering::Relaxed);
+                if !wait_out(backoff, &mut stop, &stats).await {
+                    return;
+                }
                 backoff = (backoff * 2).min(MAX_BACKOFF);
                 continue;
             }
@@ -328,18 +431,19 @@ async fn run_child(
         let started = Instant::now();
         stats.up.fetch_add(1, Ordering::Relaxed);
         info!(child = index, pid, command = %settings.command, resent = flight.len(), "handler program started");
-        let down = serve(&mut child, index, &settings, &mut requests, &mut flight).await;
+        let down = serve(&mut child, &settings, &mut requests, &mut stop, &mut flight).await;
         stats.up.fetch_sub(1, Ordering::Relaxed);
-        kill_group(&mut child, pid).await;
         let Some(down) = down else {
-            return; // no more requests: the worker is stopping
+            stop_group(&mut child, index, pid, settings.grace).await;
+            return;
         };
+        kill_group(&mut child, pid).await;
         stats.restarts.fetch_add(1, Ordering::Relaxed);
         metrics::counter!("shardwise_exec_restarts_total").increment(1);
         if started.elapsed() >= STABLE {
             backoff = FIRST_BACKOFF;
         }
-        // The oldest request in flight was being worked on: it counts the loss.
+        // The oldest request in flight was being worked on (or not read): it counts the loss.
         if let Some(oldest) = flight.front_mut() {
             oldest.losses += 1;
         }
@@ -363,26 +467,75 @@ async fn run_child(
         }
         flight.retain(|f| !f.request.reply.is_closed());
         warn!(child = index, pid, reason = %down, unanswered = flight.len(), ?backoff, "handler program replaced; its unanswered deliveries go to the next one");
-        stats.restarting.fetch_add(1, Ordering::Relaxed);
-        tokio::time::sleep(backoff).await;
-        stats.restarting.fetch_sub(1, Ordering::Relaxed);
+        if !wait_out(backoff, &mut stop, &stats).await {
+            return;
+        }
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
 }
 
-/// Kills the child's whole process group (the shell and what it started; the group's id is the
-/// shell's pid, `pid`, even once the shell was reaped) and reaps the shell.
+/// Waits out a back-off, counted as restarting; `false` when the pool stops meanwhile.
+async fn wait_out(backoff: Duration, stop: &mut watch::Receiver<bool>, stats: &ExecStats) -> bool {
+    stats.restarting.fetch_add(1, Ordering::Relaxed);
+    let waited = tokio::select! {
+        () = tokio::time::sleep(backoff) => true,
+        () = stopped(stop) => false,
+    };
+    stats.restarting.fetch_sub(1, Ordering::Relaxed);
+    waited
+}
+
+/// Returns once the pool stops: [`Exec::stop`] was called, or every handle to the pool is gone.
+/// Cancellation safe.
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
+}
+
+/// The process group of a child whose shell has pid `pid` (the group's id is that pid, even once
+/// the shell was reaped, as long as a process of the group is left).
+fn group_of(pid: u32) -> Option<Pid> {
+    i32::try_from(pid)
+        .ok()
+        .filter(|group| *group > 0)
+        .map(Pid::from_raw)
+}
+
+/// Kills the child's whole process group (the shell and what it started) and reaps the shell.
 async fn kill_group(child: &mut Child, pid: u32) {
-    if let Ok(group) = i32::try_from(pid)
-        && group > 0
-    {
-        let _ = nix::sys::signal::killpg(
-            nix::unistd::Pid::from_raw(group),
-            nix::sys::signal::Signal::SIGKILL,
-        );
+    if let Some(group) = group_of(pid) {
+        let _ = killpg(group, Signal::SIGKILL);
     }
     let _ = child.start_kill();
     let _ = child.wait().await;
+}
+
+/// Ends a child at the pool's stop (its stdin is closed already): SIGTERM to its process group,
+/// then SIGKILL to what is left of the group after `grace`.
+async fn stop_group(child: &mut Child, index: usize, pid: u32, grace: Duration) {
+    let Some(group) = group_of(pid) else {
+        return kill_group(child, pid).await;
+    };
+    let _ = killpg(group, Signal::SIGTERM);
+    let deadline = Instant::now() + grace;
+    loop {
+        // Reaps the shell once it ended: the group is gone when no process of it is left.
+        let _ = child.try_wait();
+        if killpg(group, None) == Err(Errno::ESRCH) {
+            info!(child = index, pid, "handler program stopped");
+            return;
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(STOP_POLL).await;
+    }
+    warn!(
+        child = index,
+        pid,
+        ?grace,
+        "handler program still running past the grace after SIGTERM: killed"
+    );
+    kill_group(child, pid).await;
 }
 
 fn spawn(index: usize, settings: &ExecSettings) -> std::io::Result<Child> {
@@ -399,15 +552,53 @@ fn spawn(index: usize, settings: &ExecSettings) -> std::io::Result<Child> {
         .kill_on_drop(true)
         .spawn()?;
     if let Some(stderr) = child.stderr.take() {
-        let pid = child.id().unwrap_or(0);
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                info!(target: "shardwise::exec", child = index, pid, "{line}");
-            }
-        });
+        tokio::spawn(log_stderr(index, child.id().unwrap_or(0), stderr));
     }
     Ok(child)
+}
+
+/// Passes a child's stderr to the log line by line, at `warn`: the CLI's default level, so a
+/// traceback is seen without flags. Reads to the end (bytes that are not UTF-8 included), so the
+/// child never blocks on a full stderr pipe.
+async fn log_stderr(index: usize, pid: u32, stderr: ChildStderr) {
+    let mut stderr = BufReader::new(stderr);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        match stderr.read_until(b'\n', &mut line).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {
+                let text = String::from_utf8_lossy(&line);
+                warn!(target: "shardwise::exec", child = index, pid, "{}", text.trim_end());
+            }
+        }
+    }
+}
+
+/// What a child's writer tells the child's task.
+enum Written {
+    /// The line of this request was written whole: the child took it.
+    Taken(u64),
+    /// The child's stdin cannot be written to (it closed it, or ended). The writer ends.
+    Failed(std::io::Error),
+}
+
+/// A child's writer: the only task that waits on the child's stdin. Writes the lines it is
+/// handed, in order, and reports each one written whole.
+async fn write_lines(
+    mut stdin: ChildStdin,
+    mut lines: mpsc::Receiver<(u64, Arc<str>)>,
+    report: mpsc::UnboundedSender<Written>,
+) {
+    while let Some((id, line)) = lines.recv().await {
+        let (written, failed) = match write_line(&mut stdin, &line).await {
+            Ok(()) => (Written::Taken(id), false),
+            Err(e) => (Written::Failed(e), true),
+        };
+        if report.send(written).is_err() || failed {
+            return;
+        }
+    }
 }
 
 async fn write_line(stdin: &mut ChildStdin, line: &str) -> std::io::Result<()> {
@@ -416,34 +607,111 @@ async fn write_line(stdin: &mut ChildStdin, line: &str) -> std::io::Result<()> {
     stdin.flush().await
 }
 
-/// Runs one child until it goes down (`Some(why)`) or no more requests can come (`None`).
+/// Aborts a child's writer when dropped, which closes the child's stdin.
+struct WriterTask(JoinHandle<()>);
+
+impl Drop for WriterTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The hang clock: since when the oldest request in flight waits on the child.
+#[derive(Debug)]
+struct HangClock {
+    /// The id of the oldest request in flight, as last followed.
+    oldest: Option<u64>,
+    /// When it became the oldest.
+    since: Instant,
+}
+
+impl HangClock {
+    fn new(now: Instant) -> Self {
+        Self {
+            oldest: None,
+            since: now,
+        }
+    }
+
+    /// Follows the oldest request in flight: one that just became the oldest starts its clock
+    /// `now`.
+    fn follow(&mut self, oldest: Option<u64>, now: Instant) {
+        if oldest != self.oldest {
+            self.oldest = oldest;
+            self.since = now;
+        }
+    }
+
+    /// When the child is hung unless the oldest request moves before: `limit` after the later of
+    /// when it became the oldest and when the child took it (`taken`). `None` with nothing in
+    /// flight.
+    fn deadline(&self, taken: Option<Instant>, limit: Duration) -> Option<Instant> {
+        self.oldest?;
+        Some(taken.map_or(self.since, |taken| taken.max(self.since)) + limit)
+    }
+}
+
+/// Hands the writer the next requests in order, as many as its queue takes; drops those not
+/// handed yet whose handler call was given up.
+fn hand_over(flight: &mut VecDeque<InFlight>, writer: &mpsc::Sender<(u64, Arc<str>)>) {
+    flight.retain(|f| f.handed || !f.request.reply.is_closed());
+    for f in flight.iter_mut().filter(|f| !f.handed) {
+        // Full: the writer reports the line it is writing, and more are handed then. Closed: its
+        // failure is on the way.
+        if writer
+            .try_send((f.request.id, f.request.line.clone()))
+            .is_err()
+        {
+            break;
+        }
+        f.handed = true;
+    }
+}
+
+/// Runs one child until it goes down (`Some(why)`) or the pool stops (`None`). Never waits on the
+/// child's stdin: its writer does.
 async fn serve(
     child: &mut Child,
-    index: usize,
     settings: &ExecSettings,
     requests: &mut mpsc::UnboundedReceiver<Request>,
+    stop: &mut watch::Receiver<bool>,
     flight: &mut VecDeque<InFlight>,
 ) -> Option<Down> {
-    let mut stdin = child.stdin.take().expect("piped");
+    let (writer, lines) = mpsc::channel(WRITER_QUEUE);
+    let (report, mut written) = mpsc::unbounded_channel();
+    let stdin = child.stdin.take().expect("piped");
+    let _writer = WriterTask(tokio::spawn(write_lines(stdin, lines, report)));
     let mut answers = BufReader::new(child.stdout.take().expect("piped")).lines();
     // What the previous child left unanswered goes first, in its order.
     for f in flight.iter_mut() {
-        f.sent = Instant::now();
-        if let Err(e) = write_line(&mut stdin, &f.request.line).await {
-            return Some(Down::Unwritable(e));
-        }
+        f.handed = false;
+        f.taken = None;
     }
-    let mut check = tokio::time::interval(Duration::from_millis(100));
+    let mut clock = HangClock::new(Instant::now());
     loop {
+        hand_over(flight, &writer);
+        clock.follow(flight.front().map(|f| f.request.id), Instant::now());
+        let hang_at = settings
+            .timeout
+            .and_then(|limit| clock.deadline(flight.front().and_then(|f| f.taken), limit));
+        let hang = tokio::time::sleep_until(hang_at.unwrap_or_else(Instant::now));
         tokio::select! {
-            request = requests.recv() => {
-                let request = request?;
-                let written = write_line(&mut stdin, &request.line).await;
-                flight.push_back(InFlight { request, sent: Instant::now(), losses: 0 });
-                if let Err(e) = written {
-                    return Some(Down::Unwritable(e));
+            () = stopped(stop) => break,
+            request = requests.recv() => match request {
+                Some(request) => flight.push_back(InFlight::new(request)),
+                None => break,
+            },
+            Some(report) = written.recv() => match report {
+                Written::Taken(id) => {
+                    // Not there when answered before it was written whole.
+                    if let Some(f) = flight.iter_mut().find(|f| f.request.id == id) {
+                        f.taken = Some(Instant::now());
+                    }
                 }
-            }
+                Written::Failed(e) => {
+                    return Some(ending(child, &mut answers, flight, Down::Unwritable(e)).await);
+                }
+            },
             line = answers.next_line() => match line {
                 Ok(Some(line)) => {
                     if let Err(down) = answered(&line, flight) {
@@ -451,32 +719,45 @@ async fn serve(
                     }
                 }
                 Ok(None) | Err(_) => {
-                    let status = child.wait().await.map_or_else(|e| e.to_string(), |s| s.to_string());
-                    return Some(Down::Exited(status));
+                    return Some(ending(child, &mut answers, flight, Down::ClosedStdout).await);
                 }
             },
             status = child.wait() => {
-                // Answers it wrote before it exited still count.
-                let drain = async {
-                    while let Ok(Some(line)) = answers.next_line().await {
-                        answered(&line, flight)?;
-                    }
-                    Ok(())
-                };
-                let drained = tokio::time::timeout(Duration::from_secs(1), drain).await;
-                if let Ok(Err(down)) = drained {
-                    return Some(down);
-                }
-                return Some(Down::Exited(status.map_or_else(|e| e.to_string(), |s| s.to_string())));
+                let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
+                return Some(ending(child, &mut answers, flight, Down::Exited(status)).await);
             }
-            _ = check.tick(), if settings.timeout.is_some() => {
-                let limit = settings.timeout.expect("checked");
-                if let Some(hung) = flight.iter().find(|f| f.sent.elapsed() > limit && !f.request.reply.is_closed()) {
-                    warn!(child = index, request = hung.request.id, ?limit, "a request went unanswered past the handler timeout");
-                    return Some(Down::Hung(hung.request.id));
-                }
+            () = hang, if hang_at.is_some() => {
+                let oldest = flight.front().expect("timed");
+                let (request, taken) = (oldest.request.id, oldest.taken.is_some());
+                return Some(Down::Hung { request, taken });
             }
         }
+    }
+    // Stopping. What it still answers is read and let go, so that it does not die writing to a
+    // closed pipe while it ends.
+    tokio::spawn(async move { while let Ok(Some(_)) = answers.next_line().await {} });
+    None
+}
+
+/// A child ended, or closed its stdin or stdout: takes the answers it wrote before it ended
+/// (they still count) and how it ended, waiting at most [`EXIT_WAIT`]. Still running then, it
+/// went down for `why`.
+async fn ending(
+    child: &mut Child,
+    answers: &mut Lines<BufReader<ChildStdout>>,
+    flight: &mut VecDeque<InFlight>,
+    why: Down,
+) -> Down {
+    let drain = async {
+        while let Ok(Some(line)) = answers.next_line().await {
+            answered(&line, flight)?;
+        }
+        Ok(child.wait().await)
+    };
+    match tokio::time::timeout(EXIT_WAIT, drain).await {
+        Ok(Err(garbage)) => garbage,
+        Ok(Ok(status)) => Down::Exited(status.map_or_else(|e| e.to_string(), |s| s.to_string())),
+        Err(_) => why,
     }
 }
 
@@ -511,6 +792,8 @@ fn truncated(line: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::path::{Path, PathBuf};
+
     use super::*;
 
     #[test]
@@ -563,6 +846,43 @@ mod tests {
         assert!(serde_json::from_str::<Answer>(r#"{"id": 4, "outcome": "ack", "x": 1}"#).is_err());
     }
 
+    #[test]
+    fn the_hang_clock_times_the_oldest_request_from_when_it_was_taken_or_became_the_oldest() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let limit = Duration::from_millis(1000);
+        // One clock through a child's life: (now, the oldest request in flight, when the child
+        // took it, the deadline expected), in ms.
+        let steps = [
+            // Nothing in flight: nothing is timed.
+            (0, None, None, None),
+            // Request 1 comes and is not read yet: timed from its coming.
+            (100, Some(1), None, Some(1100)),
+            // The child takes it: timed from the take.
+            (300, Some(1), Some(300), Some(1300)),
+            // 1 answered; 2, taken at 300 ms, waited behind it legitimately: timed from becoming
+            // the oldest.
+            (900, Some(2), Some(300), Some(1900)),
+            // Following the same oldest later does not restart its clock.
+            (1500, Some(2), Some(300), Some(1900)),
+            // 2 answered; 3 could not be written whole before the child read it, at 2.5 s:
+            // timed from the take.
+            (2000, Some(3), Some(2500), Some(3500)),
+            // 3 answered, nothing left.
+            (2600, None, None, None),
+        ];
+        let mut clock = HangClock::new(t0);
+        for (now, oldest, taken, deadline) in steps {
+            clock.follow(oldest, at(now));
+            let expected = deadline.map(at);
+            assert_eq!(
+                clock.deadline(taken.map(at), limit),
+                expected,
+                "at {now} ms"
+            );
+        }
+    }
+
     fn settings(command: &str, timeout: Option<Duration>) -> ExecSettings {
         ExecSettings {
             command: command.into(),
@@ -570,6 +890,7 @@ mod tests {
             timeout,
             batching: None,
             worker: "w".into(),
+            grace: STOP_GRACE,
         }
     }
 
@@ -584,11 +905,57 @@ mod tests {
         .build()
     }
 
+    /// A fresh directory for one test's files.
+    fn scratch(test: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("shardwise-exec-{}-{test}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
     /// A program that answers each line with its id and the outcome the data names.
     const ECHO: &str = r#"python3 -u -c 'import json,sys
 for line in sys.stdin:
     d = json.loads(line)
     print(json.dumps({"id": d["id"], "outcome": d["data"]}))'"#;
+
+    /// A sequential program: takes `delay_s` over each line, notes `id size-of-data` in `log`,
+    /// then answers ack.
+    fn acking(log: &Path, delay_s: f64) -> String {
+        format!(
+            r#"python3 -u -c 'import json,sys,time
+log = open(sys.argv[1], "a", buffering=1)
+for line in sys.stdin:
+    d = json.loads(line)
+    time.sleep({delay_s})
+    log.write("%d %d\n" % (d["id"], len(d["data"])))
+    print(json.dumps({{"id": d["id"], "outcome": "ack"}}))' {log}"#,
+            log = log.display()
+        )
+    }
+
+    /// The ids the program of [`acking`] noted, in its order, and the data sizes it saw.
+    fn noted(log: &Path) -> Vec<(u64, usize)> {
+        std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| {
+                let (id, size) = l.split_once(' ').expect("id size");
+                (id.parse().unwrap(), size.parse().unwrap())
+            })
+            .collect()
+    }
+
+    /// Whether process `pid` runs (a zombie does not).
+    fn running(pid: &str) -> bool {
+        let out = std::process::Command::new("ps")
+            .args(["-o", "stat=", "-p", pid])
+            .output()
+            .expect("ps runs");
+        let stat = String::from_utf8_lossy(&out.stdout);
+        !stat.trim().is_empty() && !stat.trim().starts_with('Z')
+    }
 
     #[tokio::test]
     async fn a_child_answers_each_delivery_by_id() {
@@ -601,9 +968,7 @@ for line in sys.stdin:
     #[tokio::test]
     async fn a_child_that_dies_is_replaced_and_gets_the_unanswered_delivery_again() {
         // The first child dies on its first line; the next ones answer.
-        let dir = std::env::temp_dir().join(format!("shardwise-exec-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = scratch("dies");
         let marker = dir.join("died");
         let command = format!(
             r#"if [ ! -e {m} ]; then read -r line; touch {m}; exit 3; fi; {ECHO}"#,
@@ -625,5 +990,235 @@ for line in sys.stdin:
         let exec = Exec::start(settings("sleep 3600", Some(Duration::from_millis(200))));
         assert_eq!(exec.handle(delivery("k", "ack")).await, Outcome::Retry);
         assert_eq!(exec.stats.restarts.load(Ordering::Relaxed), 3);
+    }
+
+    #[tokio::test]
+    async fn a_child_that_does_not_read_a_big_record_is_replaced_within_the_timeout() {
+        // The first child never reads its stdin, and a 200 KiB line does not fit in the pipe
+        // (64 KiB): its write never ends. The child that replaces it reads and answers.
+        let dir = scratch("unread");
+        let (marker, log) = (dir.join("started"), dir.join("log"));
+        let command = format!(
+            "if [ ! -e {m} ]; then touch {m}; exec sleep 3600; fi; {}",
+            acking(&log, 0.0),
+            m = marker.display()
+        );
+        let timeout = Duration::from_secs(2);
+        let exec = Exec::start(settings(&command, Some(timeout)));
+        let record = "x".repeat(200 * 1024);
+        let started = Instant::now();
+        let handled = exec.handle(delivery("k", &record));
+        tokio::pin!(handled);
+        let mut replaced_after = None;
+        let outcome = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                tokio::select! {
+                    outcome = &mut handled => break outcome,
+                    () = tokio::time::sleep(Duration::from_millis(10)) => {
+                        let restarts = exec.stats.restarts.load(Ordering::Relaxed);
+                        if replaced_after.is_none() && restarts > 0 {
+                            replaced_after = Some(started.elapsed());
+                        }
+                    }
+                }
+            }
+        })
+        .await
+        .expect("answered: the child's task is not stuck writing to a child that does not read");
+        let answered_after = started.elapsed();
+        assert_eq!(outcome, Outcome::Ack);
+        assert_eq!(exec.stats.restarts.load(Ordering::Relaxed), 1);
+        // Nothing lost: the replacement got the whole record, once.
+        assert_eq!(
+            noted(&log).iter().map(|n| n.1).collect::<Vec<_>>(),
+            [record.len()]
+        );
+        // Replaced once the timeout passed, and soon after (generous: a loaded machine).
+        let replaced_after = replaced_after.unwrap_or(answered_after);
+        assert!(
+            replaced_after >= timeout,
+            "replaced after {replaced_after:?}, before the timeout"
+        );
+        assert!(
+            replaced_after < timeout + Duration::from_secs(5),
+            "replaced only after {replaced_after:?}"
+        );
+        eprintln!(
+            "timeout {timeout:?}: replaced after {replaced_after:?}, answered after {answered_after:?}"
+        );
+        exec.stop().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn sixty_four_lanes_queued_on_one_sequential_child_are_all_answered_and_none_killed() {
+        // 64 lanes share one child that takes 50 ms over each request. The last one waits
+        // 3.2 s, past the 1.5 s timeout, but only behind the others: the child never keeps one
+        // request longer than 50 ms. Small records all fit in the pipe at once (taken together,
+        // queued in the child); 100 KiB ones do not (they wait for the writer).
+        for size in [512, 100 * 1024] {
+            let dir = scratch(&format!("lanes-{size}"));
+            let log = dir.join("log");
+            let exec = Exec::start(settings(
+                &acking(&log, 0.05),
+                Some(Duration::from_millis(1500)),
+            ));
+            let record = "y".repeat(size);
+            let handled = (0..64).map(|lane| {
+                let exec = exec.clone();
+                let d = Delivery::builder(
+                    "s",
+                    "shardId-000000000000",
+                    shardwise::Position::new(shardwise::SequenceNumber::parse("1").unwrap(), 0),
+                )
+                .lane(lane)
+                .partition_key(format!("k{lane}"))
+                .payload(record.clone())
+                .build();
+                async move { exec.handle(d).await }
+            });
+            let started = Instant::now();
+            let outcomes =
+                tokio::time::timeout(Duration::from_secs(120), futures::future::join_all(handled))
+                    .await
+                    .expect("all answered");
+            eprintln!(
+                "64 requests of {size} bytes through one child in {:?}",
+                started.elapsed()
+            );
+            assert_eq!(outcomes, vec![Outcome::Ack; 64], "{size} bytes");
+            let restarts = exec.stats.restarts.load(Ordering::Relaxed);
+            assert_eq!(restarts, 0, "a child was killed ({size} bytes)");
+            // Each request reached the child once, whole.
+            let noted = noted(&log);
+            let mut ids: Vec<u64> = noted.iter().map(|n| n.0).collect();
+            ids.sort_unstable();
+            ids.dedup();
+            assert_eq!((noted.len(), ids.len()), (64, 64), "{size} bytes");
+            assert!(noted.iter().all(|n| n.1 == size), "{size} bytes");
+            exec.stop().await;
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+
+    /// Log output kept in memory.
+    #[derive(Clone, Default)]
+    struct Logged(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logged {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_childs_stderr_reaches_the_log_at_the_clis_default_level() {
+        let logged = Logged::default();
+        let sink = logged.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(
+                crate::common::DEFAULT_LOG_FILTER,
+            ))
+            .with_writer(move || sink.clone())
+            .with_ansi(false)
+            .finish();
+        // This test's runtime runs every task on this thread.
+        let _logging = tracing::subscriber::set_default(subscriber);
+        let command = format!(r#"echo "Traceback (most recent call last): boom" >&2; {ECHO}"#);
+        let exec = Exec::start(settings(&command, None));
+        assert_eq!(exec.handle(delivery("k", "ack")).await, Outcome::Ack);
+        let seen = async {
+            loop {
+                let text = String::from_utf8_lossy(&logged.0.lock().unwrap()).into_owned();
+                if text.contains("Traceback (most recent call last): boom") {
+                    return text;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        let text = tokio::time::timeout(Duration::from_secs(10), seen)
+            .await
+            .unwrap_or_else(|_| panic!("no traceback in the log: {:?}", logged.0.lock().unwrap()));
+        assert!(text.contains("child=0"), "{text}");
+        exec.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_stop_sends_sigterm_and_lets_the_child_end() {
+        // Stays up after its stdin closes: only SIGTERM ends it, and it notes it did.
+        let dir = scratch("term");
+        let marker = dir.join("terminated");
+        let command = format!(
+            r#"python3 -u -c 'import json,signal,sys,time
+def term(*_):
+    open(sys.argv[1], "w").write("SIGTERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+for line in sys.stdin:
+    print(json.dumps({{"id": json.loads(line)["id"], "outcome": "ack"}}))
+while True:
+    time.sleep(1)' {}"#,
+            marker.display()
+        );
+        let grace = Duration::from_secs(30);
+        let exec = Exec::start(ExecSettings {
+            grace,
+            ..settings(&command, None)
+        });
+        assert_eq!(exec.handle(delivery("k", "ack")).await, Outcome::Ack);
+        let started = Instant::now();
+        exec.stop().await;
+        let stopped_after = started.elapsed();
+        assert_eq!(
+            std::fs::read_to_string(&marker).ok().as_deref(),
+            Some("SIGTERM")
+        );
+        assert!(
+            stopped_after < grace,
+            "waited out the grace: {stopped_after:?}"
+        );
+        eprintln!("a child ending on SIGTERM stopped in {stopped_after:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_child_that_ignores_sigterm_is_killed_after_the_grace() {
+        let dir = scratch("ignore-term");
+        let pid = dir.join("pid");
+        let command = format!(
+            r#"python3 -u -c 'import json,os,signal,sys,time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(sys.argv[1], "w").write(str(os.getpid()))
+for line in sys.stdin:
+    print(json.dumps({{"id": json.loads(line)["id"], "outcome": "ack"}}))
+while True:
+    time.sleep(1)' {}"#,
+            pid.display()
+        );
+        let grace = Duration::from_secs(1);
+        let exec = Exec::start(ExecSettings {
+            grace,
+            ..settings(&command, None)
+        });
+        assert_eq!(exec.handle(delivery("k", "ack")).await, Outcome::Ack);
+        let pid = std::fs::read_to_string(&pid).unwrap();
+        assert!(running(&pid));
+        let started = Instant::now();
+        exec.stop().await;
+        let stopped_after = started.elapsed();
+        assert!(
+            stopped_after >= grace,
+            "stopped after {stopped_after:?}, before the grace"
+        );
+        assert!(!running(&pid), "still running after the stop");
+        eprintln!(
+            "a child ignoring SIGTERM was killed {stopped_after:?} after the stop (grace {grace:?})"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
