@@ -21,10 +21,12 @@ use std::time::SystemTime;
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{ConfigError, Error};
+use crate::frontier::{SeekCoordinate, SkippedRange};
 use crate::lease::{InitialPosition, Lease, LeaseStore, MAX_SEEK_MOVES, NewLease, SeekMove};
 use crate::paged::{PagedProgress, PagedSource};
 use crate::position::Position;
 use crate::shard::discovery::{ShardInfo, ShardLister};
+use crate::time::millis;
 
 /// Where to move to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,10 +96,13 @@ pub async fn seek(
     for group in groups {
         let group: Vec<Move> = group
             .into_iter()
-            .map(|(shard, to)| (shard, to, None))
+            .map(|(shard, to)| {
+                let target = target_of(&to);
+                (shard, to, None, target)
+            })
             .collect();
         move_group(store, stream, &group).await?;
-        for (shard_id, to, _) in &group {
+        for (shard_id, to, ..) in &group {
             tracing::info!(stream, shard = %shard_id, to = %to, "seek: checkpoint moved");
         }
         report
@@ -144,7 +149,12 @@ pub async fn seek_paged(
                 closed_through,
                 ..PagedProgress::default()
             };
-            moves.push((partition.clone(), Checkpoint::TrimHorizon, Some(progress)));
+            moves.push((
+                partition.clone(),
+                Checkpoint::TrimHorizon,
+                Some(progress),
+                paged_target(target),
+            ));
             continue;
         }
         let resume_cursor = match target {
@@ -169,7 +179,12 @@ pub async fn seek_paged(
             resume_cursor,
             ..PagedProgress::default()
         };
-        moves.push((partition.clone(), Checkpoint::TrimHorizon, Some(progress)));
+        moves.push((
+            partition.clone(),
+            Checkpoint::TrimHorizon,
+            Some(progress),
+            paged_target(target),
+        ));
     }
     store.prepare().await?;
     let existing: BTreeSet<String> = store
@@ -197,20 +212,26 @@ pub async fn seek_paged(
     Ok(report)
 }
 
-/// One row of a group to move: the shard, its new checkpoint, and a paged partition's new progress.
-type Move = (String, Checkpoint, Option<PagedProgress>);
+/// One row of a group to move: the shard, its new checkpoint, a paged partition's new progress,
+/// and where that is in the row's records (for the range a forward move skips).
+type Move = (String, Checkpoint, Option<PagedProgress>, SeekCoordinate);
 
 /// Moves one group of rows at once, reading them again when a concurrent seek got in between.
 async fn move_group(store: &dyn LeaseStore, stream: &str, group: &[Move]) -> Result<(), Error> {
     for _ in 0..ATTEMPTS {
         let mut moves = Vec::with_capacity(group.len());
-        for (shard_id, to, progress) in group {
+        for (shard_id, to, progress, target) in group {
             // A row that vanished meanwhile (cleaned up as aged out) has nothing left to move.
             if let Some(seen) = store.get(stream, shard_id).await? {
+                let skipped = skipped_after(&seen, to, target);
+                if let Some(range) = skipped.as_ref().filter(|r| r.seek_epoch > seen.seek_epoch) {
+                    tracing::warn!(stream, shard = %shard_id, from = %range.from, to = %range.to, seek_epoch = range.seek_epoch, "seek: moved forward; the records between are skipped (reported by the frontier as skipped_by_seek)");
+                }
                 moves.push(SeekMove {
                     seen,
                     to: to.clone(),
                     progress: progress.clone(),
+                    skipped,
                 });
             }
         }
@@ -223,6 +244,104 @@ async fn move_group(store: &dyn LeaseStore, stream: &str, group: &[Move]) -> Res
         what: "seek",
         detail: format!("shards {shards:?} kept changing seek epoch; another seek is running"),
     })
+}
+
+/// Where a Kinesis checkpoint written by a seek is, as a skipped range names it.
+fn target_of(to: &Checkpoint) -> SeekCoordinate {
+    match to {
+        Checkpoint::TrimHorizon => SeekCoordinate::Start,
+        Checkpoint::AtTimestamp(t) => SeekCoordinate::Time(millis(*t)),
+        Checkpoint::ShardEnd => SeekCoordinate::End,
+        other => SeekCoordinate::Checkpoint(other.label()),
+    }
+}
+
+/// Where a seek of a paged partition to `target` puts it, in event time.
+fn paged_target(target: &SeekTarget) -> SeekCoordinate {
+    match target {
+        SeekTarget::Timestamp(t) => SeekCoordinate::Time(millis(*t)),
+        _ => SeekCoordinate::Start,
+    }
+}
+
+/// What a row records as skipped by seeks once a seek moves it from `seen` to `to` (at `target`
+/// in its records). Pure.
+///
+/// - A move forward skips the records after where the row stood (its coordinate:
+///   `completeThrough`, or a paged partition's `closedThrough`; else its checkpoint) and before
+///   the target: recorded under the row's next seek epoch. An earlier record this move does not
+///   read again is widened to the new target, never dropped.
+/// - A move that does not go forward keeps an earlier record, unless it reads it again: a move to
+///   the start, or to a time at or before the record's `from`.
+/// - Where the row stood cannot be compared with the target (a record's arrival time is not on
+///   the row), the move counts as forward: a skip is reported rather than certified silently.
+pub(crate) fn skipped_after(
+    seen: &Lease,
+    to: &Checkpoint,
+    target: &SeekCoordinate,
+) -> Option<SkippedRange> {
+    let epoch = seen.seek_epoch + 1;
+    let kept = seen
+        .seek_skipped
+        .clone()
+        .filter(|old| !reads_again(target, &old.from));
+    match (skipped_from(seen, to, target), kept) {
+        (Some(_), Some(old)) => Some(SkippedRange {
+            from: old.from,
+            to: target.clone(),
+            seek_epoch: epoch,
+        }),
+        (Some(from), None) => Some(SkippedRange {
+            from,
+            to: target.clone(),
+            seek_epoch: epoch,
+        }),
+        (None, kept) => kept,
+    }
+}
+
+/// Where the row stood, when a move of it to `to` (at `target`) goes forward.
+fn skipped_from(seen: &Lease, to: &Checkpoint, target: &SeekCoordinate) -> Option<SeekCoordinate> {
+    // Every record of an ended row has its outcome: no move of it skips any.
+    if seen.checkpoint.is_shard_end() {
+        return None;
+    }
+    let time = match &seen.progress {
+        Some(progress) => progress.closed_through,
+        None => seen.complete_through,
+    };
+    let stood = || match (&seen.progress, time, &seen.checkpoint) {
+        (_, Some(ms), _) => SeekCoordinate::Time(ms),
+        (Some(_), None, _) | (None, None, Checkpoint::TrimHorizon) => SeekCoordinate::Start,
+        (None, None, Checkpoint::AtTimestamp(t)) => SeekCoordinate::Time(millis(*t) - 1),
+        (None, None, other) => SeekCoordinate::Checkpoint(other.label()),
+    };
+    let forward = match target {
+        SeekCoordinate::Start => false,
+        SeekCoordinate::End => true,
+        SeekCoordinate::Time(t) => match (time, &seen.checkpoint) {
+            (Some(ms), _) => ms + 1 < *t,
+            (None, Checkpoint::AtTimestamp(from)) => millis(*from) < *t,
+            // Unread at the tip: nothing older than the target is owed.
+            (None, Checkpoint::Latest) => false,
+            (None, _) => true,
+        },
+        // A record of the shard (a seek to a position): compared on the checkpoint key.
+        SeekCoordinate::Checkpoint(_) => match &seen.checkpoint {
+            Checkpoint::Latest => false,
+            stood => to.sort_key() > stood.sort_key(),
+        },
+    };
+    forward.then(stood)
+}
+
+/// Whether a move to `target` reads again every record after `from`.
+fn reads_again(target: &SeekCoordinate, from: &SeekCoordinate) -> bool {
+    match (target, from) {
+        (SeekCoordinate::Start, _) => true,
+        (SeekCoordinate::Time(t), SeekCoordinate::Time(f)) => *t <= f + 1,
+        _ => false,
+    }
 }
 
 /// Which rows move where, in groups that must move at once. Pure.
@@ -353,6 +472,7 @@ mod tests {
             children: vec![],
             complete_through: None,
             seek_epoch: 0,
+            seek_skipped: None,
             progress: None,
             wanted_by: None,
         }
@@ -445,6 +565,152 @@ mod tests {
         assert_eq!(all["0"], Checkpoint::ShardEnd);
         assert_eq!(all["1"], Checkpoint::AtTimestamp(pinned));
         assert_eq!(all["4"], Checkpoint::AtTimestamp(pinned));
+    }
+
+    fn at_ms(ms: u64) -> Checkpoint {
+        Checkpoint::AtTimestamp(SystemTime::UNIX_EPOCH + Duration::from_millis(ms))
+    }
+
+    fn stood(complete_through: Option<i64>, checkpoint: Checkpoint) -> Lease {
+        Lease {
+            complete_through,
+            checkpoint,
+            ..row("a", &[])
+        }
+    }
+
+    fn skipped(seen: &Lease, to: Checkpoint) -> Option<SkippedRange> {
+        skipped_after(seen, &to, &target_of(&to))
+    }
+
+    fn range(from: SeekCoordinate, to: SeekCoordinate, seek_epoch: u64) -> Option<SkippedRange> {
+        Some(SkippedRange {
+            from,
+            to,
+            seek_epoch,
+        })
+    }
+
+    /// A seek forward records the range between where the row stood and where it goes, under the
+    /// row's next seek epoch; a seek back records nothing.
+    #[test]
+    fn a_forward_seek_records_what_it_skips() {
+        use SeekCoordinate::{Checkpoint as Cp, End, Start, Time};
+        let done_to_100 = stood(Some(100), Checkpoint::At(at("7")));
+        assert_eq!(
+            skipped(&done_to_100, at_ms(5_000)),
+            range(Time(100), Time(5_000), 1),
+            "to a later time"
+        );
+        assert_eq!(skipped(&done_to_100, at_ms(101)), None, "nothing between");
+        assert_eq!(skipped(&done_to_100, at_ms(50)), None, "back in time");
+        assert_eq!(skipped(&done_to_100, Checkpoint::TrimHorizon), None);
+        assert_eq!(
+            skipped(&done_to_100, Checkpoint::ShardEnd),
+            range(Time(100), End, 1),
+            "a closed shard ended by a seek to LATEST"
+        );
+        // To a record of the shard: compared on the checkpoint, not on time.
+        let at_7 = stood(None, Checkpoint::At(at("7")));
+        assert_eq!(
+            skipped(&at_7, Checkpoint::Before(at("9"))),
+            range(Cp("7".into()), Cp("AT:9".into()), 1)
+        );
+        assert_eq!(
+            skipped(&at_7, Checkpoint::Before(at("7"))),
+            None,
+            "reread 7"
+        );
+        assert_eq!(skipped(&at_7, Checkpoint::Before(at("5"))), None);
+        // Unread rows: from the start, from their start time, or not at all at the tip.
+        assert_eq!(
+            skipped(&stood(None, Checkpoint::TrimHorizon), at_ms(10)),
+            range(Start, Time(10), 1)
+        );
+        assert_eq!(
+            skipped(&stood(None, at_ms(10)), at_ms(20)),
+            range(Time(9), Time(20), 1)
+        );
+        assert_eq!(skipped(&stood(None, Checkpoint::Latest), at_ms(20)), None);
+        // A row with no coordinate and a checkpoint: where it stood in time is unknown, so the
+        // move counts as forward.
+        assert_eq!(
+            skipped(&at_7, at_ms(20)),
+            range(Cp("7".into()), Time(20), 1)
+        );
+        assert_eq!(
+            skipped(&stood(Some(100), Checkpoint::ShardEnd), at_ms(5_000)),
+            None,
+            "every record of an ended shard has its outcome"
+        );
+    }
+
+    /// A skipped range stays on the row until a seek reads it again; another forward seek widens
+    /// it to its own target under its own epoch.
+    #[test]
+    fn a_skipped_range_stays_until_read_again() {
+        use SeekCoordinate::Time;
+        let first = range(Time(100), Time(5_000), 1);
+        let after_first = Lease {
+            seek_epoch: 1,
+            seek_skipped: first.clone(),
+            ..stood(Some(5_100), Checkpoint::At(at("9")))
+        };
+        assert_eq!(
+            skipped(&after_first, at_ms(9_000)),
+            range(Time(100), Time(9_000), 2),
+            "widened"
+        );
+        assert_eq!(
+            skipped(&after_first, at_ms(3_000)),
+            first,
+            "partly read again: kept"
+        );
+        assert_eq!(skipped(&after_first, at_ms(101)), None, "read again");
+        assert_eq!(skipped(&after_first, Checkpoint::TrimHorizon), None);
+    }
+
+    /// A paged partition stands at its `closedThrough` (or at its start, if it never closed
+    /// anything): a seek to a later time skips what is between.
+    #[test]
+    fn a_paged_partition_sought_forward_records_its_skip() {
+        use SeekCoordinate::{Start, Time};
+        let closed = Lease {
+            progress: Some(PagedProgress {
+                closed_through: Some(1_000),
+                ..PagedProgress::default()
+            }),
+            ..stood(None, Checkpoint::TrimHorizon)
+        };
+        let to = |ms: u64| {
+            paged_target(&SeekTarget::Timestamp(
+                SystemTime::UNIX_EPOCH + Duration::from_millis(ms),
+            ))
+        };
+        assert_eq!(
+            skipped_after(&closed, &Checkpoint::TrimHorizon, &to(2_000)),
+            range(Time(1_000), Time(2_000), 1)
+        );
+        assert_eq!(
+            skipped_after(&closed, &Checkpoint::TrimHorizon, &to(500)),
+            None
+        );
+        let fresh = Lease {
+            progress: Some(PagedProgress::default()),
+            ..stood(None, Checkpoint::TrimHorizon)
+        };
+        assert_eq!(
+            skipped_after(&fresh, &Checkpoint::TrimHorizon, &to(2_000)),
+            range(Start, Time(2_000), 1)
+        );
+        assert_eq!(
+            skipped_after(
+                &closed,
+                &Checkpoint::TrimHorizon,
+                &paged_target(&SeekTarget::TrimHorizon)
+            ),
+            None
+        );
     }
 
     #[test]

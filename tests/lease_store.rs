@@ -539,6 +539,7 @@ fn mv(seen: &Lease, to: Checkpoint) -> SeekMove {
         seen: seen.clone(),
         to,
         progress: None,
+        skipped: None,
     }
 }
 
@@ -872,6 +873,7 @@ async fn a_seek_resets_paged_progress_and_bumps_the_version(store: &dyn LeaseSto
             seen,
             to: Checkpoint::TrimHorizon,
             progress: Some(PagedProgress::default()),
+            skipped: None,
         }])
         .await
         .unwrap();
@@ -958,6 +960,7 @@ async fn closed_through_moves_forward_by_compare_and_swap(store: &dyn LeaseStore
                 seen,
                 to: Checkpoint::TrimHorizon,
                 progress: Some(PagedProgress::default()),
+                skipped: None,
             }])
             .await
             .unwrap()
@@ -976,6 +979,7 @@ async fn membership_is_published_by_compare_and_swap_on_its_epoch(store: &dyn Le
         epoch: 1,
         members: vec!["a".into(), "b".into()],
         seeks: 0,
+        ..Membership::default()
     };
     assert!(
         store
@@ -998,11 +1002,13 @@ async fn membership_is_published_by_compare_and_swap_on_its_epoch(store: &dyn Le
         epoch: 2,
         members: vec!["a".into(), "b".into(), "c".into()],
         seeks: 1,
+        seek_epochs: [("c".to_string(), 1)].into(),
     };
     let other = Membership {
         epoch: 2,
         members: vec!["a".into()],
         seeks: 0,
+        ..Membership::default()
     };
     assert!(
         store
@@ -1147,6 +1153,70 @@ async fn the_roster_counts_beats_and_forgets_a_worker_only_as_seen(store: &dyn L
     assert_eq!((back.beats["w1"], back.changes), (1, 2));
 }
 
+/// What a seek records as skipped round-trips on the row (the paged attributes and the owner
+/// removed beside it), a row written without it reads as none, and a later seek that says
+/// `None` removes it; `list` and `get` agree.
+async fn a_seek_records_what_it_skipped_on_the_row(store: &dyn LeaseStore) {
+    use shardwise::frontier::{SeekCoordinate, SkippedRange};
+    let stream = stream_name();
+    let (_, _me) = held(store, &stream, "w1").await;
+    let seen = row(store, &stream).await;
+    assert_eq!(seen.seek_skipped, None, "a row no seek moved");
+    let forward = SkippedRange {
+        from: SeekCoordinate::Checkpoint(SEQ_56.into()),
+        to: SeekCoordinate::Time(1_764_452_220_123),
+        seek_epoch: 1,
+    };
+    let to = Checkpoint::AtTimestamp(UNIX_EPOCH + Duration::from_millis(1_764_452_220_123));
+    assert!(
+        store
+            .seek(&[SeekMove {
+                skipped: Some(forward.clone()),
+                ..mv(&seen, to)
+            }])
+            .await
+            .unwrap()
+    );
+    let after = row(store, &stream).await;
+    assert_eq!(
+        (
+            after.seek_epoch,
+            after.owner.as_deref(),
+            after.seek_skipped.as_ref()
+        ),
+        (1, None, Some(&forward))
+    );
+    assert_eq!(
+        store.list(&stream).await.unwrap(),
+        std::slice::from_ref(&after)
+    );
+    let paged = SkippedRange {
+        from: SeekCoordinate::Start,
+        to: SeekCoordinate::End,
+        seek_epoch: 2,
+    };
+    assert!(
+        store
+            .seek(&[SeekMove {
+                progress: Some(PagedProgress::default()),
+                skipped: Some(paged.clone()),
+                ..mv(&after, Checkpoint::TrimHorizon)
+            }])
+            .await
+            .unwrap()
+    );
+    let after = row(store, &stream).await;
+    assert_eq!(after.seek_skipped, Some(paged));
+    assert_eq!(after.progress, Some(progress(None, None, 1)));
+    assert!(
+        store
+            .seek(&[mv(&after, Checkpoint::TrimHorizon)])
+            .await
+            .unwrap()
+    );
+    assert_eq!(row(store, &stream).await.seek_skipped, None, "read again");
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -1202,6 +1272,7 @@ conformance!(
     a_seek_resets_paged_progress_and_bumps_the_version,
     closed_through_moves_forward_by_compare_and_swap,
     membership_is_published_by_compare_and_swap_on_its_epoch,
+    a_seek_records_what_it_skipped_on_the_row,
     a_handoff_is_requested_once_and_passed_only_to_the_taker,
     the_roster_counts_beats_and_forgets_a_worker_only_as_seen,
 );

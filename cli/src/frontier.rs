@@ -1,14 +1,15 @@
 //! `shardwise frontier`: how far the whole stream (or paged source) is complete, read from the
 //! lease table by any process: the scalar (or why there is none), the membership epoch (an
 //! ordered counter, printed as 16 hex digits so that text order is number order), and the vector
-//! of members (a paged partition's with its checkpoint version and applied position).
+//! of members (a paged partition's with its checkpoint version and applied position), and the
+//! ranges forward seeks skipped (`skipped_by_seek`), which the scalar does not certify.
 
 use anyhow::Context;
 use aws_sdk_kinesis::primitives::{DateTime, DateTimeFormat};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
-use shardwise::frontier::{Frontier, Member, compute};
+use shardwise::frontier::{Frontier, Member, SeekCoordinate, SkippedBySeek, compute};
 use shardwise::lease::{DynamoDbLeaseStore, Lease, LeaseStore};
 use shardwise::paged::PagedProgress;
 
@@ -51,6 +52,49 @@ struct FrontierJson<'a> {
     frontier: Option<String>,
     why_none: Option<&'a str>,
     members: Vec<MemberJson<'a>>,
+    skipped_by_seek: Vec<SkippedJson<'a>>,
+}
+
+/// A range a forward seek skipped on one shard or partition: the records after `from` and before
+/// `to`, which the frontier does not say were handled.
+#[derive(Debug, Serialize)]
+struct SkippedJson<'a> {
+    shard: &'a str,
+    from: CoordinateJson<'a>,
+    to: CoordinateJson<'a>,
+    seek_epoch: u64,
+}
+
+/// A place in a shard: `"start"`, `{"time_ms": N}`, `{"checkpoint": "SEQ"}`, `"end"`.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum CoordinateJson<'a> {
+    Start,
+    TimeMs(i64),
+    Checkpoint(&'a str),
+    End,
+}
+
+impl<'a> CoordinateJson<'a> {
+    fn of(c: &'a SeekCoordinate) -> Self {
+        match c {
+            SeekCoordinate::Start => Self::Start,
+            SeekCoordinate::Time(ms) => Self::TimeMs(*ms),
+            SeekCoordinate::Checkpoint(label) => Self::Checkpoint(label),
+            SeekCoordinate::End => Self::End,
+        }
+    }
+}
+
+impl<'a> SkippedJson<'a> {
+    fn of(s: &'a SkippedBySeek) -> Self {
+        Self {
+            shard: &s.shard_id,
+            from: CoordinateJson::of(&s.range.from),
+            to: CoordinateJson::of(&s.range.to),
+            seek_epoch: s.range.seek_epoch,
+        }
+    }
 }
 
 /// One shard of the `--json` object; its fields in the (alphabetical) order they always had. A
@@ -84,6 +128,7 @@ impl<'a> FrontierJson<'a> {
                 .iter()
                 .map(|m| MemberJson::of(m, progress.get(&m.shard_id)))
                 .collect(),
+            skipped_by_seek: f.skipped_by_seek.iter().map(SkippedJson::of).collect(),
         }
     }
 }
@@ -142,9 +187,12 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
     store.prepare().await.with_context(context)?;
     let rows = store.list(&stream).await.with_context(context)?;
     let published = store.membership(&stream).await.with_context(context)?;
+    // The lease table alone: the source is not listed here, so a partition it gained that has
+    // no row yet is not seen (a worker's own frontier withholds the scalar for it).
     let mut f = compute(
         &rows.iter().map(Lease::coordinate).collect::<Vec<_>>(),
         published.as_ref(),
+        None,
     );
     let why = why_none(&rows, &f);
     if f.publish.is_some() {
@@ -174,6 +222,19 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
             if m.ended { "  (ended)" } else { "" }
         ));
     }
+    for skipped in &f.skipped_by_seek {
+        let place = |c: &SeekCoordinate| match c {
+            SeekCoordinate::Time(ms) => rfc3339(*ms),
+            other => other.to_string(),
+        };
+        lines.push(format!(
+            "skipped by seek (epoch {}): {} after {} and before {}",
+            skipped.range.seek_epoch,
+            skipped.shard_id,
+            place(&skipped.range.from),
+            place(&skipped.range.to)
+        ));
+    }
     print_lines(lines)?;
     Ok(())
 }
@@ -181,6 +242,7 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shardwise::frontier::SkippedRange;
 
     #[test]
     fn the_json_keeps_its_fields_and_order() {
@@ -196,11 +258,29 @@ mod tests {
                 member("shardId-000000000001", None, true),
             ],
             scalar: Some(1_764_452_220_123),
+            skipped_by_seek: vec![
+                SkippedBySeek {
+                    shard_id: "shardId-000000000000".into(),
+                    range: SkippedRange {
+                        from: SeekCoordinate::Time(1_764_452_100_000),
+                        to: SeekCoordinate::Time(1_764_452_200_000),
+                        seek_epoch: 2,
+                    },
+                },
+                SkippedBySeek {
+                    shard_id: "shardId-000000000001".into(),
+                    range: SkippedRange {
+                        from: SeekCoordinate::Checkpoint("4959".into()),
+                        to: SeekCoordinate::End,
+                        seek_epoch: 1,
+                    },
+                },
+            ],
             ..Frontier::default()
         };
         assert_eq!(
             serde_json::to_string(&FrontierJson::of("s", &f, None, &BTreeMap::new())).unwrap(),
-            r#"{"stream":"s","epoch":"000000000000abcd","frontier_ms":1764452220123,"frontier":"2025-11-29T21:37:00.123Z","why_none":null,"members":[{"complete_through_ms":1764452220123,"ended":false,"shard":"shardId-000000000000"},{"complete_through_ms":null,"ended":true,"shard":"shardId-000000000001"}]}"#
+            r#"{"stream":"s","epoch":"000000000000abcd","frontier_ms":1764452220123,"frontier":"2025-11-29T21:37:00.123Z","why_none":null,"members":[{"complete_through_ms":1764452220123,"ended":false,"shard":"shardId-000000000000"},{"complete_through_ms":null,"ended":true,"shard":"shardId-000000000001"}],"skipped_by_seek":[{"shard":"shardId-000000000000","from":{"time_ms":1764452100000},"to":{"time_ms":1764452200000},"seek_epoch":2},{"shard":"shardId-000000000001","from":{"checkpoint":"4959"},"to":"end","seek_epoch":1}]}"#
         );
         let none = Frontier::default();
         assert_eq!(
@@ -211,7 +291,7 @@ mod tests {
                 &BTreeMap::new()
             ))
             .unwrap(),
-            r#"{"stream":"s","epoch":"0000000000000000","frontier_ms":null,"frontier":null,"why_none":"no lease rows for this stream","members":[]}"#
+            r#"{"stream":"s","epoch":"0000000000000000","frontier_ms":null,"frontier":null,"why_none":"no lease rows for this stream","members":[],"skipped_by_seek":[]}"#
         );
     }
 }

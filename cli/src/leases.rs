@@ -208,6 +208,7 @@ mod tests {
             children: vec![],
             complete_through: Some(12),
             seek_epoch: 1,
+            seek_skipped: None,
             progress: None,
             wanted_by: None,
         }

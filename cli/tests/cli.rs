@@ -14,6 +14,7 @@ use aws_sdk_dynamodb::types::{BillingMode, PointInTimeRecoveryStatus, TableStatu
 use aws_sdk_kinesis::types::ShardIteratorType;
 use serde_json::Value;
 use shardwise::lease::{Checkpoint, DynamoDbLeaseStore, LeaseStore, NewLease};
+use shardwise::{Position, SequenceNumber};
 
 /// What one run of the binary did.
 #[derive(Debug)]
@@ -404,6 +405,110 @@ async fn leases_prints_the_rows_of_a_table() {
     }
     assert!(human.contains("worker-1"), "{human}");
     live.delete_table(&table).await;
+}
+
+/// `frontier --json` after a forward seek: the row stood complete through the arrival of its last
+/// record; a seek to an hour later skips whatever arrives in between, and the frontier reports
+/// that range (`skipped_by_seek`: the shard, from and to, the seek epoch) rather than certify it.
+#[tokio::test]
+async fn frontier_reports_the_range_a_forward_seek_skipped() {
+    use aws_sdk_kinesis::primitives::{DateTime, DateTimeFormat};
+    let live = live_or_skip!();
+    let stream = support::unique_name("cli-skip");
+    let table = support::unique_name("cli-skip-app");
+    live.create_stream(&stream, 1).await;
+    shardwise(&["put", "--stream", &stream, "--count", "3"])
+        .await
+        .ok();
+    let records = live.read_records(&stream).await;
+    let last = records.last().expect("three records");
+    let arrived = last
+        .approximate_arrival_timestamp()
+        .and_then(|t| t.to_millis().ok())
+        .expect("an arrival time");
+    let sequence = SequenceNumber::parse(last.sequence_number()).unwrap();
+    let store = DynamoDbLeaseStore::new(live.dynamodb.clone(), &table);
+    store.prepare().await.expect("prepare");
+    let shard = "shardId-000000000000";
+    let new = NewLease {
+        stream: stream.clone(),
+        shard_id: shard.into(),
+        checkpoint: Checkpoint::TrimHorizon,
+        parents: vec![],
+    };
+    assert!(store.create(&new).await.unwrap());
+    let seen = store.get(&stream, shard).await.unwrap().unwrap();
+    let held = store.take(&seen, "worker-1").await.unwrap().unwrap();
+    let held = held.ownership().unwrap();
+    store
+        .checkpoint(
+            &held,
+            &Checkpoint::At(Position::new(sequence, 0)),
+            Some(arrived),
+        )
+        .await
+        .unwrap();
+    assert!(store.release(&held).await.unwrap());
+
+    let unmoved = shardwise(&["frontier", "--app", &table, "--stream", &stream, "--json"])
+        .await
+        .json_lines();
+    assert_eq!(unmoved[0]["skipped_by_seek"], serde_json::json!([]));
+
+    let to = arrived + 3_600_000;
+    let when = DateTime::from_millis(to)
+        .fmt(DateTimeFormat::DateTime)
+        .unwrap();
+    shardwise(&[
+        "seek",
+        "--app",
+        &table,
+        "--stream",
+        &stream,
+        "--to",
+        &format!("at-timestamp:{when}"),
+    ])
+    .await
+    .ok();
+    let frontier = shardwise(&["frontier", "--app", &table, "--stream", &stream, "--json"])
+        .await
+        .json_lines();
+    assert_eq!(
+        frontier[0]["skipped_by_seek"],
+        serde_json::json!([{
+            "shard": shard,
+            "from": {"time_ms": arrived},
+            "to": {"time_ms": to},
+            "seek_epoch": 1,
+        }]),
+        "{frontier:#?}"
+    );
+    let human = shardwise(&["frontier", "--app", &table, "--stream", &stream])
+        .await
+        .ok();
+    assert!(
+        human.contains(&format!("skipped by seek (epoch 1): {shard} after ")),
+        "{human}"
+    );
+
+    // A seek back to the trim horizon reads the range again: nothing is reported skipped.
+    shardwise(&[
+        "seek",
+        "--app",
+        &table,
+        "--stream",
+        &stream,
+        "--to",
+        "trim-horizon",
+    ])
+    .await
+    .ok();
+    let frontier = shardwise(&["frontier", "--app", &table, "--stream", &stream, "--json"])
+        .await
+        .json_lines();
+    assert_eq!(frontier[0]["skipped_by_seek"], serde_json::json!([]));
+    live.delete_table(&table).await;
+    live.delete_stream(&stream).await;
 }
 
 #[tokio::test]

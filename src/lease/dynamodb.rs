@@ -4,7 +4,7 @@
 //! is named through an expression attribute name (`#owner`, `#cp`, ...), so DynamoDB's reserved
 //! words never collide with them.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use aws_sdk_dynamodb::Client;
@@ -26,7 +26,7 @@ use super::store::{
 use crate::checkpoint::{AT_TIMESTAMP, Checkpoint};
 use crate::dynamo::{Table, TableOptions, is_condition_failed, n, s};
 use crate::error::Error;
-use crate::frontier::Membership;
+use crate::frontier::{Membership, SeekCoordinate, SkippedRange};
 use crate::paged::{Cursor, PagePosition, PagedProgress};
 use crate::time::millis;
 
@@ -54,6 +54,8 @@ mod attr {
     pub(super) const MEMBERSHIP_EPOCH: &str = "membershipEpoch";
     pub(super) const MEMBERS: &str = "members";
     pub(super) const MEMBERSHIP_SEEKS: &str = "membershipSeeks";
+    pub(super) const MEMBERSHIP_SEEK_EPOCHS: &str = "membershipSeekEpochs";
+    pub(super) const SEEK_SKIPPED: &str = "seekSkipped";
     /// Prefix of a worker's beat in a roster item.
     pub(super) const BEAT: &str = "beat:";
     pub(super) const CHANGES: &str = "changes";
@@ -172,10 +174,28 @@ impl DynamoDbLeaseStore {
             .and_then(|v| v.as_n().ok())
             .and_then(|n| n.parse().ok())
             .unwrap_or(0);
+        // Absent in an item an older version stored: `compute` falls back to the sum.
+        let seek_epochs = match item.get(MEMBERSHIP_SEEK_EPOCHS) {
+            None => BTreeMap::new(),
+            Some(AttributeValue::M(epochs)) => epochs
+                .iter()
+                .map(|(shard, v)| {
+                    v.as_n()
+                        .ok()
+                        .and_then(|n| n.parse().ok())
+                        .map(|n| (shard.clone(), n))
+                        .ok_or_else(|| {
+                            corrupt(format!("{v:?} for `{shard}` in `{MEMBERSHIP_SEEK_EPOCHS}`"))
+                        })
+                })
+                .collect::<Result<_, Error>>()?,
+            Some(other) => return Err(corrupt(format!("`{MEMBERSHIP_SEEK_EPOCHS}` is {other:?}"))),
+        };
         Ok(Some(Membership {
             epoch,
             members,
             seeks,
+            seek_epochs,
         }))
     }
 
@@ -192,6 +212,15 @@ impl DynamoDbLeaseStore {
             .item(KEY, s(Self::membership_key(stream)))
             .item(MEMBERSHIP_EPOCH, n(next.epoch))
             .item(MEMBERSHIP_SEEKS, n(next.seeks))
+            .item(
+                MEMBERSHIP_SEEK_EPOCHS,
+                AttributeValue::M(
+                    next.seek_epochs
+                        .iter()
+                        .map(|(shard, epoch)| (shard.clone(), n(*epoch)))
+                        .collect(),
+                ),
+            )
             .item(
                 MEMBERS,
                 AttributeValue::L(next.members.iter().map(|m| s(m.clone())).collect()),
@@ -734,6 +763,14 @@ impl DynamoDbLeaseStore {
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
         .collect();
+        names.insert("#skipped".into(), SEEK_SKIPPED.into());
+        match &m.skipped {
+            Some(skipped) => {
+                set.push_str(", #skipped = :skipped");
+                values.insert(":skipped".into(), skipped_value(skipped));
+            }
+            None => set = set.replacen("REMOVE #owner", "REMOVE #owner, #skipped", 1),
+        }
         if let Checkpoint::AtTimestamp(t) = &m.to {
             set.push_str(", #ts = :ts");
             names.insert("#ts".into(), STARTING_TIMESTAMP.into());
@@ -1146,6 +1183,7 @@ fn parse_row(item: &Item) -> Result<Lease, Error> {
         children: row.strings(CHILDREN)?,
         complete_through: row.number(COMPLETE_THROUGH)?,
         seek_epoch: row.number(SEEK_EPOCH)?.unwrap_or(0),
+        seek_skipped: row.skipped()?,
         progress: row.progress()?,
         wanted_by: row.optional_string(WANTED_BY)?,
         stream,
@@ -1214,6 +1252,39 @@ impl Row<'_> {
         }))
     }
 
+    /// What seeks skipped on the row (`seekSkipped`: a map of `from`, `to`, `seekEpoch`); absent
+    /// on rows no seek moved forward.
+    fn skipped(&self) -> Result<Option<SkippedRange>, Error> {
+        let map = match self.item.get(SEEK_SKIPPED) {
+            None | Some(AttributeValue::Null(_)) => return Ok(None),
+            Some(AttributeValue::M(map)) => map,
+            Some(other) => {
+                return Err(self.corrupt(SEEK_SKIPPED, format!("is {}, expected M", kind(other))));
+            }
+        };
+        let coordinate = |field: &str| {
+            map.get(field)
+                .and_then(|v| v.as_s().ok())
+                .and_then(|v| SeekCoordinate::decode(v))
+                .ok_or_else(|| {
+                    self.corrupt(
+                        SEEK_SKIPPED,
+                        format!("has no readable `{field}` coordinate"),
+                    )
+                })
+        };
+        let seek_epoch = map
+            .get("seekEpoch")
+            .and_then(|v| v.as_n().ok())
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| self.corrupt(SEEK_SKIPPED, "has no number `seekEpoch`"))?;
+        Ok(Some(SkippedRange {
+            from: coordinate("from")?,
+            to: coordinate("to")?,
+            seek_epoch,
+        }))
+    }
+
     /// A list of strings (L of S, or SS); absent reads as empty.
     fn strings(&self, attribute: &str) -> Result<Vec<String>, Error> {
         match self.item.get(attribute) {
@@ -1235,6 +1306,20 @@ impl Row<'_> {
             )),
         }
     }
+}
+
+/// The stored `seekSkipped` of a row.
+fn skipped_value(skipped: &SkippedRange) -> AttributeValue {
+    AttributeValue::M(
+        [
+            ("from", s(skipped.from.encode())),
+            ("to", s(skipped.to.encode())),
+            ("seekEpoch", n(skipped.seek_epoch)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect(),
+    )
 }
 
 /// The DynamoDB type letter of a value, for messages.

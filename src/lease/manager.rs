@@ -22,7 +22,7 @@ use super::store::{LeaseStore, Renewal};
 use super::sync;
 use crate::error::{ConfigError, Error};
 use crate::frontier::{self, Frontier};
-use crate::shard::discovery::ShardLister;
+use crate::shard::discovery::{ShardInfo, ShardLister};
 
 /// Lease timing and balancing.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,7 +44,8 @@ pub struct LeaseSettings {
     /// duration whatever the number of workers. The stream frontier is recomputed on every scan.
     pub idle_scan_interval: Option<Duration>,
     /// How often the stream's shards are listed to create rows for new ones. Default 60 s (and
-    /// whenever a shard ends).
+    /// whenever a shard ends). From a listing that found a shard (or partition) without a row,
+    /// the frontier withholds its scalar until the row exists.
     pub shard_sync_interval: Duration,
     /// Balancing limits.
     pub limits: PlanLimits,
@@ -267,6 +268,9 @@ struct Inner {
     frontier: watch::Sender<Frontier>,
     /// The frontier membership as last read or published (see `publish_frontier`).
     membership: Mutex<Option<frontier::Membership>>,
+    /// The source's last listing (its shards, or a paged source's partitions), and when it was
+    /// taken: the frontier withholds its scalar while a listed id has no row.
+    listing: Mutex<Option<(frontier::Listing, Instant)>>,
     membership_scans: AtomicU64,
     /// Handoffs this worker asked for, by shard, and when.
     requests: Mutex<HashMap<String, Instant>>,
@@ -349,6 +353,7 @@ impl LeaseManager {
             taking: CancellationToken::new(),
             frontier: watch::Sender::new(Frontier::default()),
             membership: Mutex::new(None),
+            listing: Mutex::new(None),
             membership_scans: AtomicU64::new(0),
             requests: Mutex::new(HashMap::new()),
             roster: Mutex::new(RosterView::new(worker_id, silence)),
@@ -360,7 +365,8 @@ impl LeaseManager {
             last_rows: Mutex::new(None),
         });
         // The stream first: a missing stream must not leave a new lease table behind.
-        inner.shards.list_shards(&inner.stream).await?;
+        let listed = inner.shards.list_shards(&inner.stream).await?;
+        inner.listed(&listed);
         inner.store.prepare().await?;
         // Beat first, so workers starting together see each other before they plan. A worker
         // alone, or the roster's founder, syncs the shard list now; one that found others lets
@@ -515,6 +521,23 @@ impl Inner {
 
     fn roster(&self) -> MutexGuard<'_, RosterView> {
         self.roster.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The last listing of the source and when it was taken.
+    fn listing(&self) -> Option<(frontier::Listing, Instant)> {
+        self.listing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Records a listing of the source, taken just now.
+    fn listed(&self, shards: &[ShardInfo]) {
+        let listing = frontier::Listing {
+            ids: shards.iter().map(|s| s.shard_id.clone()).collect(),
+            at: crate::time::millis(crate::time::now()),
+        };
+        *self.listing.lock().unwrap_or_else(|e| e.into_inner()) = Some((listing, Instant::now()));
     }
 
     /// Something every worker should scan for happened here (rows created, a lease freed or
@@ -798,15 +821,18 @@ impl Inner {
         }
     }
 
-    /// The frontier over `rows` under the published membership, publishing a first membership or
-    /// a proven change (compare-and-swap on its epoch). When another worker publishes first, the
-    /// membership is read again; if it still differs, the scalar is withheld until a later scan.
+    /// The frontier over `rows` under the published membership and the last listing of the
+    /// source, publishing a first membership or a proven change (compare-and-swap on its epoch).
+    /// When another worker publishes first, the membership is read again; if it still differs, the
+    /// scalar is withheld until a later scan.
     ///
     /// The membership read is cached: the store is read again only when the computed members
     /// differ from the cached ones, and every 30th scan (another worker may have published
     /// changes that came back to the same members), so a steady table costs no extra request.
     async fn publish_frontier(&self, rows: &[Lease]) -> Result<Frontier, Error> {
         let coordinates: Vec<_> = rows.iter().map(Lease::coordinate).collect();
+        let listing = self.listing().map(|(listing, _)| listing);
+        let listing = listing.as_ref();
         let scans = self
             .membership_scans
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -816,7 +842,7 @@ impl Inner {
             .unwrap_or_else(|e| e.into_inner())
             .clone();
         if let Some(cached) = cached.filter(|_| !scans.is_multiple_of(30)) {
-            let latest = frontier::compute(&coordinates, Some(&cached));
+            let latest = frontier::compute(&coordinates, Some(&cached), listing);
             if latest.publish.is_none() && latest.unproven.is_empty() {
                 return Ok(latest);
             }
@@ -824,7 +850,7 @@ impl Inner {
         for _ in 0..2 {
             let published = self.store.membership(&self.stream).await?;
             *self.membership.lock().unwrap_or_else(|e| e.into_inner()) = published.clone();
-            let mut latest = frontier::compute(&coordinates, published.as_ref());
+            let mut latest = frontier::compute(&coordinates, published.as_ref(), listing);
             let Some(next) = latest.publish.take() else {
                 return Ok(latest);
             };
@@ -840,7 +866,7 @@ impl Inner {
             }
         }
         let published = self.store.membership(&self.stream).await?;
-        let mut latest = frontier::compute(&coordinates, published.as_ref());
+        let mut latest = frontier::compute(&coordinates, published.as_ref(), listing);
         latest.publish = None;
         latest.scalar = None;
         latest
@@ -857,6 +883,16 @@ impl Inner {
         let now = Instant::now();
         match self.publish_frontier(&rows).await {
             Ok(latest) => {
+                // Rows read a scan interval after a listing still lack some it found (their
+                // creation failed, or was left to a worker that has not done it): list and create
+                // them now rather than at the next periodic sync.
+                let listed_at = self.listing().map(|(_, at)| at);
+                if !latest.listed_without_row.is_empty()
+                    && listed_at.is_some_and(|at| now >= at + self.settings.scan_interval)
+                {
+                    debug!(stream = %self.stream, missing = ?latest.listed_without_row, "listed partitions still have no rows: syncing now");
+                    self.sync_now.notify_one();
+                }
                 self.frontier.send_if_modified(|f| {
                     let changed = *f != latest;
                     *f = latest;
@@ -1070,6 +1106,9 @@ impl Inner {
     /// periodic sync: a row created since makes a create that is refused, never a wrong row).
     async fn sync_shards(&self, fresh: bool) -> Result<(), Error> {
         let shards = self.shards.list_shards(&self.stream).await?;
+        // Before any row is created: from now on the frontier names what this listing found
+        // without a row, until the row exists.
+        self.listed(&shards);
         let cached = match fresh {
             true => None,
             false => self

@@ -252,6 +252,7 @@ impl LeaseStore for MemoryLeaseStore {
                 children: Vec::new(),
                 complete_through: None,
                 seek_epoch: 0,
+                seek_skipped: None,
                 progress: None,
                 wanted_by: None,
             };
@@ -371,6 +372,7 @@ impl LeaseStore for MemoryLeaseStore {
                         });
                     }
                     row.seek_epoch += 1;
+                    row.seek_skipped = m.skipped.clone();
                     row.owner_epoch += 1;
                     row.owner = None;
                     row.counter += 1;

@@ -310,6 +310,7 @@ mod tests {
             children: vec![],
             complete_through: None,
             seek_epoch: 0,
+            seek_skipped: None,
             progress: None,
             wanted_by: None,
         }

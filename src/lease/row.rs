@@ -1,6 +1,7 @@
 //! The lease row and the values it carries.
 
 pub use crate::checkpoint::{Checkpoint, InitialPosition};
+use crate::frontier::SkippedRange;
 use crate::paged::PagedProgress;
 
 /// One lease row as read from the store.
@@ -26,6 +27,9 @@ pub struct Lease {
     pub complete_through: Option<i64>,
     /// +1 on every seek.
     pub seek_epoch: u64,
+    /// What forward seeks skipped on this row, once one did (`seekSkipped`; absent on rows no
+    /// seek moved forward, and on rows written before it existed).
+    pub seek_skipped: Option<SkippedRange>,
     /// A paged partition's progress (`None` for a Kinesis shard, and for a partition that has
     /// written none yet: it reads from its first page).
     pub progress: Option<PagedProgress>,
@@ -50,9 +54,11 @@ impl Lease {
             },
             ended: self.checkpoint.is_shard_end(),
             children: &self.children,
+            parents: &self.parents,
             paged: self.progress.is_some(),
             from_start: self.seek_epoch == 0 || !self.parents.is_empty(),
             seek_epoch: self.seek_epoch,
+            skipped: self.seek_skipped.as_ref(),
         }
     }
 

@@ -7,7 +7,7 @@ use futures::future::BoxFuture;
 
 use super::row::{Checkpoint, Lease, NewLease, Ownership};
 use crate::error::Error;
-use crate::frontier::Membership;
+use crate::frontier::{Membership, SkippedRange};
 use crate::paged::PagedProgress;
 
 /// What a fenced checkpoint write did.
@@ -68,6 +68,11 @@ pub struct SeekMove {
     /// the stored one + 1 (whatever this says), so a page fetched before the seek cannot pass its
     /// barrier.
     pub progress: Option<PagedProgress>,
+    /// What the row records as skipped by seeks once this one is written (`seekSkipped`): the
+    /// range this seek skips when it moves the row forward (widened over an earlier one it does
+    /// not read again), the earlier one when it does not move forward, `None` once nothing
+    /// skipped is left unread. [`seek`](crate::seek) decides it; the store writes it as given.
+    pub skipped: Option<SkippedRange>,
 }
 
 /// Whether a paged progress write holds on a row whose stored progress is `stored`: the stored
@@ -174,7 +179,8 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
     /// is (one transaction), each conditioned on the seek epoch of the row as seen. Each moved row
     /// gets its seek epoch and ownership epoch bumped and its owner removed, so the worker reading
     /// the shard loses the lease (and no settlement read before the seek can write), and the next
-    /// owner reads from the new place. `false`: a row changed seek epoch since it was seen, and
+    /// owner reads from the new place. Each moved row's `seekSkipped` becomes its move's
+    /// `skipped` (removed when `None`). `false`: a row changed seek epoch since it was seen, and
     /// nothing was written.
     fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>>;
 

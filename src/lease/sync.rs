@@ -245,6 +245,7 @@ mod tests {
             children: children.iter().map(|c| c.to_string()).collect(),
             complete_through: Some(1),
             seek_epoch: 0,
+            seek_skipped: None,
             progress: None,
             wanted_by: None,
         }
