@@ -87,6 +87,24 @@ struct Inner {
     event: Option<EventId>,
     /// A paged event's position (its `position` is then zero).
     page_position: Option<PagePosition>,
+    replayable: Replayable,
+}
+
+/// Whether the source can hand an event out again after a restart, past what its checkpoint
+/// shows (a source read by timestamp re-reads its open groups and audits; a backfilling source
+/// re-reads positions at or below its applied prefix), and so what a receipt ledger does for it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum Replayable {
+    /// Its checkpoint shows what is done: nothing more.
+    #[default]
+    No,
+    /// Every outcome leaves a terminal receipt (an ack or a drop too), so a later attempt can
+    /// recognise it without the handler.
+    Recorded,
+    /// Recorded, and an earlier attempt may have handled it: its receipt is read on its lane
+    /// before the handler runs, and a terminal one settles it as a replay, unless it was recorded
+    /// before this time (ms): the partition's last seek, which asked for the event again.
+    Checked(Option<i64>),
 }
 
 impl Delivery {
@@ -119,6 +137,7 @@ impl Delivery {
             lane: 0,
             event: None,
             page_position: None,
+            replayable: Replayable::No,
         }
     }
 
@@ -252,6 +271,11 @@ impl Delivery {
         self.inner.lane
     }
 
+    /// Whether the source can hand it out again after a restart (see [`Replayable`]).
+    pub(crate) fn replayable(&self) -> Replayable {
+        self.inner.replayable
+    }
+
     /// The same delivery on another lane.
     pub(crate) fn on_lane(&self, lane: usize) -> Delivery {
         let i = &self.inner;
@@ -269,6 +293,7 @@ impl Delivery {
                 lane,
                 event: i.event.clone(),
                 page_position: i.page_position.clone(),
+                replayable: i.replayable,
             }),
         }
     }
@@ -292,6 +317,7 @@ impl Delivery {
                 lane: i.lane,
                 event: i.event.clone(),
                 page_position: i.page_position.clone(),
+                replayable: i.replayable,
             }),
         }
     }
@@ -378,6 +404,7 @@ pub struct DeliveryBuilder {
     lane: usize,
     event: Option<EventId>,
     page_position: Option<PagePosition>,
+    replayable: Replayable,
 }
 
 /// A delivery's place, as messages show it.
@@ -439,6 +466,12 @@ impl DeliveryBuilder {
         self
     }
 
+    /// Sets whether the source can hand it out again after a restart.
+    pub(crate) fn replayable(mut self, replayable: Replayable) -> Self {
+        self.replayable = replayable;
+        self
+    }
+
     /// Sets the lane that runs the delivery.
     pub fn lane(mut self, lane: usize) -> Self {
         self.lane = lane;
@@ -480,6 +513,7 @@ impl DeliveryBuilder {
                 lane: self.lane,
                 event: self.event,
                 page_position: self.page_position,
+                replayable: self.replayable,
             }),
         }
     }

@@ -1162,6 +1162,11 @@ async fn a_seek_records_what_it_skipped_on_the_row(store: &dyn LeaseStore) {
     let (_, _me) = held(store, &stream, "w1").await;
     let seen = row(store, &stream).await;
     assert_eq!(seen.seek_skipped, None, "a row no seek moved");
+    assert_eq!(seen.sought_at, None, "a row no seek moved");
+    let before = std::time::SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
     let forward = SkippedRange {
         from: SeekCoordinate::Checkpoint(SEQ_56.into()),
         to: SeekCoordinate::Time(1_764_452_220_123),
@@ -1185,6 +1190,12 @@ async fn a_seek_records_what_it_skipped_on_the_row(store: &dyn LeaseStore) {
             after.seek_skipped.as_ref()
         ),
         (1, None, Some(&forward))
+    );
+    // When it was moved: receipts recorded before it are of events the seek asked for again.
+    assert!(
+        after.sought_at.is_some_and(|t| t >= before - 1_000),
+        "{:?}",
+        after.sought_at
     );
     assert_eq!(
         store.list(&stream).await.unwrap(),

@@ -956,3 +956,120 @@ async fn a_seek_to_a_time_needs_a_source_that_can_start_at_one() {
     let _ = Cursor::new("unused");
     let _: Option<Running> = None;
 }
+
+/// Issue 23, item 2: a source read by timestamp reads its open groups again after a restart (here
+/// a one-hour lateness bound keeps every group open, as 14 days would). With a ledger every
+/// outcome leaves a receipt (an ack and a drop too), so the next attempt recognises what an
+/// earlier one finished without calling the handler: the new owner handles only the new event.
+#[tokio::test]
+async fn after_a_restart_no_event_an_earlier_attempt_finished_reaches_the_handler_again() {
+    use shardwise::paged::{Finality, Timestamps, Traversal};
+    let api = EventApi::new(SOURCE).contract(Contract::default().timestamps(Timestamps::new(
+        Traversal::Complete,
+        Finality::Lateness(Duration::from_secs(3_600)),
+    )));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    for n in 1..=6 {
+        api.push_at("p", &format!("p-{n}"), now - 60_000 + n * 1_000, "e");
+    }
+    let store = MemoryLeaseStore::new();
+    let receipts = MemoryReceipts::new().table("counts", &["id"]);
+    let calls = Calls::default();
+    let answer = |d: &Delivery| {
+        let id = d
+            .event_id()
+            .as_str()
+            .rsplit('/')
+            .next()
+            .unwrap()
+            .to_string();
+        match id.as_str() {
+            "p-2" => Outcome::Drop,
+            "p-3" => Outcome::Apply(
+                Effect::update("counts", key("id", id.as_str()))
+                    .add("count", 1)
+                    .into(),
+            ),
+            _ => Outcome::Ack,
+        }
+    };
+    let first = builder(&api, &store, "w1", handler("w1", &calls, answer))
+        .receipts(Arc::new(receipts.clone()))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("six receipts", Duration::from_secs(20), || {
+        receipts.receipts().len() == 6
+    })
+    .await;
+    first.shutdown(Duration::from_secs(2)).await;
+    assert_eq!(calls.of("w1").len(), 6, "{:?}", calls.all());
+    assert!(
+        receipts
+            .receipts()
+            .iter()
+            .all(|r| r.disposition == Disposition::Applied),
+        "an ack and a drop leave an applied receipt with no effects"
+    );
+
+    api.push_at("p", "p-7", now, "e");
+    let second = builder(&api, &store, "w2", handler("w2", &calls, answer))
+        .receipts(Arc::new(receipts.clone()))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("the new event handled", Duration::from_secs(20), || {
+        calls.count("p-7") == 1
+    })
+    .await;
+    // Long enough for two more polls of the open groups.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    second.shutdown(Duration::from_secs(2)).await;
+    assert_eq!(
+        calls.of("w2"),
+        ["p-7"],
+        "the second owner handles only what the first did not finish"
+    );
+    assert_eq!(
+        receipts.number("counts", &key("id", "p-3"), "count"),
+        Some(1)
+    );
+
+    // A seek asks for the events again: receipts recorded before it do not stop them (the row
+    // says when it was sought), and effects still apply once.
+    let an_hour_ago = std::time::SystemTime::now() - Duration::from_secs(3_600);
+    let moved = shardwise::seek::seek_paged(
+        &store,
+        &api,
+        &shardwise::seek::SeekTarget::Timestamp(an_hour_ago),
+    )
+    .await
+    .unwrap();
+    assert_eq!(moved.moved, ["p"]);
+    let third = builder(&api, &store, "w3", handler("w3", &calls, answer))
+        .receipts(Arc::new(receipts.clone()))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("every event handled again", Duration::from_secs(20), || {
+        calls.of("w3").len() == 7
+    })
+    .await;
+    third.shutdown(Duration::from_secs(2)).await;
+    let mut again = calls.of("w3");
+    again.sort();
+    assert_eq!(again, ["p-1", "p-2", "p-3", "p-4", "p-5", "p-6", "p-7"]);
+    assert_eq!(
+        receipts.number("counts", &key("id", "p-3"), "count"),
+        Some(1)
+    );
+}

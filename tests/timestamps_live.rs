@@ -582,6 +582,16 @@ async fn crash_case(tables: Arc<Tables>, label: String, at: CrashAt) -> String {
     .await
     .unwrap();
     wait_closed(&tables, &name, T10_02).await;
+    // F (10:03) stays open: nothing waits for it but its receipt.
+    wait_for(
+        &format!("{name}: F's receipt"),
+        Duration::from_secs(30),
+        || {
+            let (tables, event) = (&tables, EventId::paged(&name, "p", "F"));
+            async move { tables.receipts.seen(&event).await.unwrap() }
+        },
+    )
+    .await;
     second.shutdown(Duration::from_secs(5)).await;
     stop.store(true, Ordering::SeqCst);
     assert!(watcher.await.expect("the watcher's checks held") >= 1);

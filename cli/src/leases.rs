@@ -209,6 +209,7 @@ mod tests {
             complete_through: Some(12),
             seek_epoch: 1,
             seek_skipped: None,
+            sought_at: None,
             progress: None,
             wanted_by: None,
         }

@@ -18,7 +18,9 @@ use tokio::task::JoinSet;
 use tracing::{Instrument, error, info_span, warn};
 
 use super::config::{Ordering, Settings};
-use crate::handler::{Delivery, Handler, Outcome};
+use crate::backoff::Backoff;
+use crate::handler::{Delivery, Handler, Outcome, Replayable};
+use crate::receipts::ReceiptStore;
 
 /// A delivery a lane is done with, and how.
 #[derive(Debug)]
@@ -34,20 +36,26 @@ pub(crate) enum Done {
     Handled(Outcome),
     /// Not handed to the handler: it arrived this long ago, longer than `max_record_age`.
     Expired(Duration),
+    /// Not handed to the handler: an earlier attempt handled it (its receipt is terminal).
+    Replayed,
 }
 
 /// What the lanes need of the consumer's settings.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct LaneSettings {
     pub(crate) handler_timeout: Option<Duration>,
     pub(crate) max_record_age: Option<Duration>,
+    /// The receipt ledger, read before the handler runs for a delivery an earlier attempt may
+    /// have handled ([`Replayable::Checked`]).
+    pub(crate) receipts: Option<Arc<dyn ReceiptStore>>,
 }
 
 impl LaneSettings {
-    pub(crate) fn of(settings: &Settings) -> Self {
+    pub(crate) fn of(settings: &Settings, receipts: Option<Arc<dyn ReceiptStore>>) -> Self {
         Self {
             handler_timeout: settings.handler_timeout,
             max_record_age: settings.max_record_age,
+            receipts,
         }
     }
 }
@@ -83,7 +91,7 @@ impl Lanes {
                         Arc::new(Mutex::new(rx)),
                         handler.clone(),
                         finished.clone(),
-                        settings,
+                        settings.clone(),
                     ));
                 }
             }
@@ -96,7 +104,7 @@ impl Lanes {
                         shared.clone(),
                         handler.clone(),
                         finished.clone(),
-                        settings,
+                        settings.clone(),
                     ));
                 }
             }
@@ -202,15 +210,28 @@ async fn run_lane<H: Handler>(
             }
             batch
         };
-        // Too old for the handler: answered at once.
+        // Too old for the handler, or handled by an earlier attempt: answered at once.
         let mut young = Vec::with_capacity(batch.len());
         for delivery in batch {
-            match settings
+            let done = match settings
                 .max_record_age
                 .and_then(|max| age_past(&delivery, max))
             {
-                Some(age) => {
-                    let done = Done::Expired(age);
+                Some(age) => Some(Done::Expired(age)),
+                None => match &settings.receipts {
+                    Some(store) => match delivery.replayable() {
+                        Replayable::Checked(sought_at) => {
+                            done_before(&**store, &delivery, sought_at)
+                                .await
+                                .then_some(Done::Replayed)
+                        }
+                        Replayable::No | Replayable::Recorded => None,
+                    },
+                    None => None,
+                },
+            };
+            match done {
+                Some(done) => {
                     if finished.send(Finished { delivery, done }).is_err() {
                         return;
                     }
@@ -222,11 +243,44 @@ async fn run_lane<H: Handler>(
         if batch.is_empty() {
             continue;
         }
-        let outcomes = run(&*handler, batching.is_some(), batch.clone(), settings).await;
+        let outcomes = run(&*handler, batching.is_some(), batch.clone(), &settings).await;
         for (delivery, outcome) in batch.into_iter().zip(outcomes) {
             let done = Done::Handled(outcome);
             if finished.send(Finished { delivery, done }).is_err() {
                 return;
+            }
+        }
+    }
+}
+
+/// Whether an earlier attempt left `delivery` a terminal receipt since the partition's last seek
+/// (`sought_at`, ms: an older receipt is of an event the seek asked for again). Read on the lane,
+/// so the deliveries of a key keep their order; a failed (or panicking) read is read again with
+/// backoff.
+async fn done_before(
+    store: &dyn ReceiptStore,
+    delivery: &Delivery,
+    sought_at: Option<i64>,
+) -> bool {
+    let event = delivery.event_id();
+    let mut failures = Backoff::new(Duration::from_secs(5));
+    loop {
+        match AssertUnwindSafe(store.get(&event)).catch_unwind().await {
+            Ok(Ok(receipt)) => {
+                return receipt.is_some_and(|r| {
+                    r.disposition.is_terminal()
+                        && sought_at.is_none_or(|s| crate::time::millis(r.recorded_at) >= s)
+                });
+            }
+            Ok(Err(e)) => {
+                let wait = failures.next();
+                warn!(%event, error = &e as &dyn std::error::Error, ?wait, "reading a receipt before handling failed; reading it again");
+                tokio::time::sleep(wait).await;
+            }
+            Err(_) => {
+                let wait = failures.next();
+                error!(%event, ?wait, "the receipt store panicked while reading a receipt before handling; reading it again");
+                tokio::time::sleep(wait).await;
             }
         }
     }
@@ -245,7 +299,7 @@ async fn run<H: Handler>(
     handler: &H,
     batched: bool,
     batch: Vec<Delivery>,
-    settings: LaneSettings,
+    settings: &LaneSettings,
 ) -> Vec<Outcome> {
     let n = batch.len();
     let first = batch[0].clone();
@@ -347,6 +401,7 @@ mod tests {
         let settings = LaneSettings {
             handler_timeout: None,
             max_record_age: None,
+            receipts: None,
         };
         let mut lanes = Lanes::start(3, Ordering::PerKey, handler, tx, settings);
         let a = lanes.assign("a");

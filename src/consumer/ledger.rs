@@ -230,6 +230,10 @@ impl Ledger {
         for ((id, d, effects), answer) in batch.into_iter().zip(answers) {
             let stream = d.stream().to_string();
             match answer {
+                // No effects: the receipt of an ack (a source that can hand it out again).
+                Committed::Applied if effects.is_empty() => {
+                    events.push(LedgerEvent::Settle(id, d, Settled::Acked));
+                }
                 Committed::Applied => {
                     metrics::counter!("shardwise_effects_applied_total", "stream" => stream)
                         .increment(1);

@@ -45,6 +45,13 @@ pub(crate) fn resolve(
     metrics::counter!("shardwise_records_total", "stream" => settings.stream.clone(), "outcome" => outcome.label()).increment(1);
     let d = delivery;
     match outcome {
+        // A source that can hand the event out again after a restart: with a ledger, an ack or a
+        // drop leaves a receipt too (no effects), so a later attempt knows it without the handler.
+        Outcome::Ack | Outcome::Drop
+            if receipts && d.replayable() != crate::handler::Replayable::No =>
+        {
+            return Resolved::Apply(id, d, crate::receipts::Effects::new());
+        }
         Outcome::Ack => return Resolved::Settle(id, d, Settled::Acked),
         Outcome::Drop => return Resolved::Settle(id, d, Settled::Dropped),
         Outcome::Apply(_) | Outcome::Quarantine(_) | Outcome::Hold(_) if !receipts => {

@@ -27,7 +27,7 @@ use super::pipeline::{Pipeline, PipelineContext, Retries};
 use super::shard::ShardExit;
 use crate::checkpoint::Checkpoint;
 use crate::error::Error;
-use crate::handler::{Delivery, Handler};
+use crate::handler::{Delivery, Handler, Replayable};
 use crate::lease::{CheckpointWrite, HeldLease, LeaseStore, Ownership};
 use crate::paged::reader::{PageMessage, PageReader};
 use crate::paged::{
@@ -112,6 +112,13 @@ pub(crate) async fn run_partition<H: Handler>(
         "partition started"
     );
     let contract = ctx.source.contract();
+    // A backfilling source hands out events at or below its applied prefix again: with a ledger,
+    // every outcome leaves a receipt, which is what tells such an event is done (see `Verdict`).
+    let replayable = if contract.backfill {
+        Replayable::Recorded
+    } else {
+        Replayable::No
+    };
     let mut order = Order::new(contract, durable.applied_position.clone());
     let mut pipeline: Pipeline<H, PagePosition> =
         Pipeline::new(ctx.pipeline.clone(), ownership.epoch, Retries::InPlace);
@@ -203,6 +210,7 @@ pub(crate) async fn run_partition<H: Handler>(
                                 let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
                                     .id(id)
                                     .lane(lane)
+                                    .replayable(replayable)
                                     .build();
                                 pipeline.dispatch(delivery);
                             }
@@ -210,6 +218,7 @@ pub(crate) async fn run_partition<H: Handler>(
                                 let id = pipeline.track_only(event.position.clone());
                                 let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
                                     .id(id)
+                                    .replayable(replayable)
                                     .build();
                                 pipeline.dispatch_unless_done(delivery, None);
                             }

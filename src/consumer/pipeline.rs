@@ -120,7 +120,7 @@ impl<H: Handler, E> Pipeline<H, E> {
             settings.ordering,
             ctx.handler.clone(),
             finished_tx,
-            LaneSettings::of(settings),
+            LaneSettings::of(settings, ctx.receipts.clone()),
         );
         let (write_tx, write_rx) = mpsc::unbounded_channel();
         let worker: Arc<str> = Arc::from(settings.worker_id.as_str());
@@ -305,6 +305,14 @@ impl<H: Handler, E> Pipeline<H, E> {
                 match done.done {
                     Done::Handled(outcome) => self.resolve(done.delivery, outcome),
                     Done::Expired(age) => self.expire(done.delivery, age),
+                    Done::Replayed => {
+                        let d = done.delivery;
+                        metrics::counter!("shardwise_replays_total", "stream" => d.stream().to_string())
+                            .increment(1);
+                        tracing::debug!(stream = d.stream(), shard = d.shard(), seq = %d.locator(), event = %d.event_id(), "replay: an earlier attempt left a terminal receipt; not handled again");
+                        d.id()
+                            .and_then(|id| self.settle(id, &d, &Settled::Replayed))
+                    }
                 }
             }
             Event::Write(event) => match event {

@@ -27,7 +27,7 @@ use super::partition::{PartitionContext, ReadBack, read_back};
 use super::pipeline::{Pipeline, Retries};
 use super::shard::ShardExit;
 use crate::error::Error;
-use crate::handler::{Delivery, Handler};
+use crate::handler::{Delivery, Handler, Replayable};
 use crate::lease::{CheckpointWrite, HeldLease, Ownership};
 use crate::paged::reader::{PollMessage, PollReader};
 use crate::paged::{Groups, PagePosition, PagedProgress, Seen, Timestamps};
@@ -35,6 +35,10 @@ use crate::paged::{Groups, PagePosition, PagedProgress, Seen, Timestamps};
 /// Events found at or before `closed_through` without a terminal receipt: the source broke the
 /// finality contract that closed their group.
 const LATE_EVENTS: &str = "shardwise_paged_late_events_total";
+/// How far ahead of the local clock a source may date an event (CloudWatch Logs takes events up
+/// to two hours ahead): an event dated later than the attempt's start by more cannot have been
+/// handed out by an earlier attempt.
+const AHEAD_MS: i64 = 2 * 60 * 60 * 1000;
 
 /// Every this many polls, one reads again the last `AUDIT_MS` behind `closed_through`, to find
 /// late events.
@@ -124,6 +128,10 @@ pub(crate) async fn run_timestamp_partition<H: Handler>(
     if !contracts.can_close() {
         warn!(source = %source_name, partition = %partition, traversal = ?contracts.traversal, finality = ?contracts.finality, "the source's contracts cannot prove a timestamp group complete: nothing will ever be closed, and every poll reads the open groups again (receipts make the replays harmless; shardwise_paged_replays_total counts them)");
     }
+    // Events dated up to here may have been handled by an earlier attempt (the open groups after
+    // `closed_through` are read again): with a ledger, their receipts are read before the handler.
+    let earlier_attempts_through = crate::time::millis(crate::time::now()) + AHEAD_MS;
+    let sought_at = held.lease.sought_at;
     let (after_tx, after_rx) = watch::channel(durable.closed_through);
     let mut attempt = Attempt {
         groups: Groups::new(
@@ -217,9 +225,15 @@ pub(crate) async fn run_timestamp_partition<H: Handler>(
                                 let key = event.key.as_deref().unwrap_or(&event.id);
                                 let (id, lane) = pipeline.track(event.position.clone(), key);
                                 pending.insert(id.index(), (timestamp, event.id.clone()));
+                                let replayable = if timestamp <= earlier_attempts_through {
+                                    Replayable::Checked(sought_at)
+                                } else {
+                                    Replayable::Recorded
+                                };
                                 let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
                                     .id(id)
                                     .lane(lane)
+                                    .replayable(replayable)
                                     .build();
                                 pipeline.dispatch(delivery);
                             }
@@ -233,6 +247,7 @@ pub(crate) async fn run_timestamp_partition<H: Handler>(
                                 let id = pipeline.track_only(event.position.clone());
                                 let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
                                     .id(id)
+                                    .replayable(Replayable::Recorded)
                                     .build();
                                 pipeline.dispatch_unless_done(delivery, Some(LATE_EVENTS));
                             }

@@ -56,6 +56,7 @@ mod attr {
     pub(super) const MEMBERSHIP_SEEKS: &str = "membershipSeeks";
     pub(super) const MEMBERSHIP_SEEK_EPOCHS: &str = "membershipSeekEpochs";
     pub(super) const SEEK_SKIPPED: &str = "seekSkipped";
+    pub(super) const SOUGHT_AT: &str = "soughtAt";
     /// Prefix of a worker's beat in a roster item.
     pub(super) const BEAT: &str = "beat:";
     pub(super) const CHANGES: &str = "changes";
@@ -739,7 +740,8 @@ impl DynamoDbLeaseStore {
     fn seek_update(m: &SeekMove) -> (String, HashMap<String, String>, Item) {
         let mut set = String::from(
             "REMOVE #owner SET #cp = :cp, #sub = :sub, #cpKey = :cpKey, \
-             #seek = #seek + :one, #epoch = #epoch + :one, #counter = #counter + :one",
+             #seek = #seek + :one, #epoch = #epoch + :one, #counter = #counter + :one, \
+             #soughtAt = :soughtAt",
         );
         let mut names: HashMap<String, String> = [
             ("#owner", OWNER),
@@ -749,11 +751,13 @@ impl DynamoDbLeaseStore {
             ("#cp", CHECKPOINT),
             ("#sub", SUB),
             ("#cpKey", CHECKPOINT_KEY),
+            ("#soughtAt", SOUGHT_AT),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect();
         let mut values: Item = [
+            (":soughtAt", n(millis(crate::time::now()))),
             (":seenSeek", n(m.seen.seek_epoch)),
             (":one", n(1u64)),
             (":cp", s(m.to.label())),
@@ -1184,6 +1188,7 @@ fn parse_row(item: &Item) -> Result<Lease, Error> {
         complete_through: row.number(COMPLETE_THROUGH)?,
         seek_epoch: row.number(SEEK_EPOCH)?.unwrap_or(0),
         seek_skipped: row.skipped()?,
+        sought_at: row.number(SOUGHT_AT)?,
         progress: row.progress()?,
         wanted_by: row.optional_string(WANTED_BY)?,
         stream,

@@ -253,6 +253,7 @@ impl LeaseStore for MemoryLeaseStore {
                 complete_through: None,
                 seek_epoch: 0,
                 seek_skipped: None,
+                sought_at: None,
                 progress: None,
                 wanted_by: None,
             };
@@ -373,6 +374,7 @@ impl LeaseStore for MemoryLeaseStore {
                     }
                     row.seek_epoch += 1;
                     row.seek_skipped = m.skipped.clone();
+                    row.sought_at = Some(crate::time::millis(crate::time::now()));
                     row.owner_epoch += 1;
                     row.owner = None;
                     row.counter += 1;

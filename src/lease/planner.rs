@@ -311,6 +311,7 @@ mod tests {
             complete_through: None,
             seek_epoch: 0,
             seek_skipped: None,
+            sought_at: None,
             progress: None,
             wanted_by: None,
         }

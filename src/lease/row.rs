@@ -30,6 +30,10 @@ pub struct Lease {
     /// What forward seeks skipped on this row, once one did (`seekSkipped`; absent on rows no
     /// seek moved forward, and on rows written before it existed).
     pub seek_skipped: Option<SkippedRange>,
+    /// When the last seek moved the row (ms since the epoch, by the seeking host's clock;
+    /// `soughtAt`): a terminal receipt recorded before it is of an event the seek asked to read
+    /// again, so it does not stop the event from being handled.
+    pub sought_at: Option<i64>,
     /// A paged partition's progress (`None` for a Kinesis shard, and for a partition that has
     /// written none yet: it reads from its first page).
     pub progress: Option<PagedProgress>,

@@ -246,6 +246,7 @@ mod tests {
             complete_through: Some(1),
             seek_epoch: 0,
             seek_skipped: None,
+            sought_at: None,
             progress: None,
             wanted_by: None,
         }

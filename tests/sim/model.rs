@@ -658,10 +658,14 @@ impl Model {
     // The frontier
 
     pub fn frontier(&mut self, at_ms: u64, worker: &str, frontier: &Frontier) {
+        // A withheld scalar (`None`: a member without a coordinate, a partition listed before its
+        // row) claims nothing; the next scalar of the epoch must not be below the last one.
         let now = (frontier.epoch, frontier.scalar);
-        if let Some((epoch, scalar)) = self.frontiers.get(worker).copied()
+        let last = self.frontiers.get(worker).copied();
+        if let Some((epoch, scalar)) = last
             && epoch == now.0
             && scalar.is_some()
+            && now.1.is_some()
             && now.1 < scalar
         {
             self.violation(
@@ -672,7 +676,11 @@ impl Model {
                 ),
             );
         }
-        self.frontiers.insert(worker.to_string(), now);
+        let kept = match last {
+            Some((epoch, scalar)) if epoch == now.0 && now.1.is_none() => (epoch, scalar),
+            _ => now,
+        };
+        self.frontiers.insert(worker.to_string(), kept);
     }
 
     pub fn forget_worker(&mut self, worker: &str) {

@@ -4,7 +4,9 @@
 //! empty pages with new tokens, unchanged tokens, lost answers, throttling), events arriving while
 //! the partitions are read, faults in the lease store and the ledger, handler outcomes (acks,
 //! drops, retries in place, and with receipts effects, quarantines and holds an operator settles).
-//! A failing event fails (answers `Retry` or `RetryAfter`, or panics) for up to five attempts;
+//! A failing event fails (answers `Retry` or `RetryAfter`, panics, or with a ledger answers
+//! effects whose condition does not hold) for up to five attempts, and with a ledger some events
+//! answer effects that can never be committed (spent at once, quarantined);
 //! with a ledger, half the seeds cap attempts at 3 and three in ten time handlers out at 30 ms, so
 //! spent events are quarantined by receipt; without one nothing is capped and every event runs
 //! again in place until it succeeds.
@@ -37,7 +39,9 @@ use rand::{Rng, SeedableRng};
 use shardwise::consumer::Settled;
 use shardwise::lease::{Change, LeaseSettings, MemoryLeaseStore};
 use shardwise::paged::{Contract, Finality, PagedSource, Timestamps, Traversal};
-use shardwise::receipts::{Disposition, Effect, MemoryReceipts, ReceiptStore, key};
+use shardwise::receipts::{
+    Disposition, Effect, Effects, Expect, MemoryReceipts, ReceiptStore, key,
+};
 use shardwise::seek::SeekTarget;
 use shardwise::testing::{EventApi, Faults, Script, Ties};
 use shardwise::{Consumer, Delivery, Outcome, Running};
@@ -181,6 +185,18 @@ fn decide(seed: u64, id: &str, attempt: u32, receipts: bool) -> (Answer, Duratio
         0..=7 if attempt < fails_until => Outcome::Retry,
         8..=11 if attempt < fails_until => Outcome::RetryAfter(Duration::from_millis(300)),
         12..=14 => Outcome::Drop,
+        // A condition that does not hold (the ledger refuses the commit): the retry way.
+        25..=27 if receipts && attempt < fails_until => Outcome::Apply(
+            Effects::new()
+                .with(Effect::update(COUNTS, key("id", id)).add("count", 1))
+                .with(Effect::check(COUNTS, key("id", "never"), Expect::Exists)),
+        ),
+        // Effects the ledger can never commit (two writes of one item): spent, quarantined.
+        28 if receipts && attempt == 1 => Outcome::Apply(
+            Effects::new()
+                .with(Effect::update(COUNTS, key("id", id)).add("count", 1))
+                .with(Effect::delete(COUNTS, key("id", id))),
+        ),
         15..=18 if receipts => Outcome::Quarantine("bad".into()),
         19..=21 if receipts && attempt == 1 => Outcome::Hold("review".into()),
         _ if receipts => {
@@ -585,7 +601,9 @@ impl World {
         for running in self.workers.iter_mut().filter_map(Option::take) {
             running.shutdown(Duration::from_secs(2)).await;
         }
-        // No effect twice: every counter at most 1, and exactly 1 for an applied receipt.
+        // No effect twice: every counter at most 1, and exactly 1 for an applied receipt (read by
+        // timestamp, an ack leaves an applied receipt too: then 1 only with an applied receipt).
+        let acks_recorded = self.by_time.is_some();
         if let Some(ledger) = &self.ledger {
             let applied: BTreeSet<String> = ledger
                 .receipts()
@@ -597,7 +615,12 @@ impl World {
                 for event in self.api.events(partition) {
                     let count = ledger.number(COUNTS, &key("id", event.id.as_str()), "count");
                     let expected = applied.contains(&event.id).then_some(1);
-                    if count != expected {
+                    let wrong = if acks_recorded {
+                        count.is_some() && count != expected
+                    } else {
+                        count != expected
+                    };
+                    if wrong {
                         let what =
                             format!("{}: counter {count:?}, expected {expected:?}", event.id);
                         self.model.lock().unwrap().violations.push(what);
