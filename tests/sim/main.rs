@@ -101,6 +101,12 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 fn main() {
+    // scripts/test runs the simulation's binary itself, beside the other test binaries, and
+    // tells the run of `cargo test` to leave it out.
+    if std::env::var_os("SHARDWISE_SIM_ELSEWHERE").is_some() {
+        println!("sim: run beside the other tests by scripts/test (SHARDWISE_SIM_ELSEWHERE)");
+        return;
+    }
     let args = args();
     // Simulated handler panics are part of the workload: keep them out of the output. Any other
     // panic is a bug in shardwise: the seed that ran it on this thread fails.
