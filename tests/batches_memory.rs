@@ -1,10 +1,14 @@
 //! Batch handlers, handler timeouts and the maximum record age, on the in-memory stream and lease
 //! store: the real lanes, tracker and checkpoints.
 
+#[path = "support/wait.rs"]
+mod wait;
+
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
+use wait::wait_for;
 
 use shardwise::envelope;
 use shardwise::lease::{Checkpoint, LeaseSettings, LeaseStore, MemoryLeaseStore};
@@ -36,14 +40,6 @@ fn consumer<H: Handler>(
         .record_source(Arc::new(stream.clone()))
         .shard_lister(Arc::new(stream.clone()))
         .record_sink(Arc::new(sink.clone()))
-}
-
-async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let start = tokio::time::Instant::now();
-    while !done() {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn id_of(d: &Delivery) -> u64 {

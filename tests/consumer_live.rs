@@ -7,6 +7,7 @@ mod support;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use support::wait::wait_for;
 
 use aws_sdk_dynamodb::types::AttributeValue;
 use aws_sdk_kinesis::primitives::Blob;
@@ -44,14 +45,6 @@ fn record(seen: &Seen, d: &Delivery) {
         d.sub_sequence(),
         d.attempt(),
     ));
-}
-
-async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 async fn put_blob(live: &Live, stream: &str, key: &str, blob: Bytes) -> String {

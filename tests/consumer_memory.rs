@@ -1,9 +1,13 @@
 //! The consumer end to end on the in-memory stream and lease store: real dispatcher, lanes, tracker,
 //! lease manager and fenced checkpoints, without the network.
 
+#[path = "support/wait.rs"]
+mod wait;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use wait::wait_for;
 
 use rand::Rng;
 use shardwise::lease::{Checkpoint, LeaseSettings, MemoryLeaseStore};
@@ -77,17 +81,6 @@ where
         .run()
         .await
         .expect("starts")
-}
-
-async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + limit;
-    while !done() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Every key's ids were handled in increasing order.

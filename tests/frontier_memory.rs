@@ -10,9 +10,13 @@
 //! The lease table is tampered with behind the worker's back where nothing in shardwise would do
 //! it (a row deleted or put back by hand), through [`Tampered`].
 
+#[path = "support/wait.rs"]
+mod wait;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, UNIX_EPOCH};
+use wait::wait_for;
 
 use futures::future::BoxFuture;
 use shardwise::frontier::{Frontier, Membership, SeekCoordinate, SkippedRange};
@@ -273,14 +277,6 @@ async fn throughout(running: &Running, span: Duration, holds: impl Fn(&Frontier)
     }
 }
 
-async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// The live observation (A at 130 under epoch 1 while C held an event at 50), closed: C
 /// appears in the source with an event older than the scalar, and its row's creation is held
 /// back. From the listing that found C on, no scalar is published (and no membership without
@@ -299,7 +295,7 @@ async fn a_partition_listed_before_its_row_exists_holds_the_scalar_below_its_eve
 
     store.with(|t| t.held_back.insert("C".into()));
     api.push_at("C", "c1", t(50), "c1");
-    wait_for("a listing that found C", || {
+    wait_for("a listing that found C", Duration::from_secs(10), || {
         store.with(|t| t.asked.contains("C"))
     })
     .await;
@@ -449,7 +445,7 @@ async fn a_member_added_without_coverage_beside_a_seek_withholds_the_scalar() {
     let f = frontier_where(&running, "Z joins", |f| f.members.len() == 3).await;
     assert_eq!(f.scalar, None, "{f:?}");
     // A and B close again to their watermarks; Z still proves nothing.
-    wait_for("A and B closed again", || {
+    wait_for("A and B closed again", Duration::from_secs(10), || {
         let closed = |p: &str| store.stored(p).and_then(|r| r.progress?.closed_through);
         closed("A") == Some(t(120)) && closed("B") == Some(t(90))
     })

@@ -9,11 +9,15 @@
 #[path = "support/recorder.rs"]
 mod recorder;
 
+#[path = "support/wait.rs"]
+mod wait;
+
 use shardwise::paged::PagedProgress;
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
+use wait::wait_for;
 
 use futures::future::BoxFuture;
 use shardwise::lease::{
@@ -49,14 +53,6 @@ where
         .lease_store(store.clone())
         .record_source(Arc::new(stream.clone()))
         .shard_lister(Arc::new(stream.clone()))
-}
-
-async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// Payloads handled, in the order handlers started.

@@ -21,6 +21,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use support::wait::wait_for_async;
 
 use futures::StreamExt;
 use logs::{logs_client, put_logs};
@@ -46,7 +47,7 @@ fn logs() -> &'static recorder::Logs {
 impl Tables {
     /// Waits until partition `p` of `source` has applied through position `n`.
     async fn wait_applied(&self, source: &str, n: u64, limit: Duration) {
-        wait_for(&format!("{source}: applied {n}"), limit, || async move {
+        wait_for_async(&format!("{source}: applied {n}"), limit, || async move {
             applied(&self.progress(source, "p").await) == n
         })
         .await;
@@ -119,18 +120,6 @@ fn builder<H: shardwise::Handler>(
         .lease_settings(settings())
         .lease_store(tables.leases.clone())
         .receipts(tables.receipts.clone())
-}
-
-async fn wait_for<F: Future<Output = bool>>(
-    what: &str,
-    limit: Duration,
-    mut done: impl FnMut() -> F,
-) {
-    let deadline = Instant::now() + limit;
-    while !done().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
 }
 
 /// Watches a partition's row while a case runs: the applied position and the version never go
@@ -677,7 +666,7 @@ async fn a_stale_attempt_with_the_same_version_rereads_and_never_overwrites_newe
         .run()
         .await
         .unwrap();
-    wait_for("p-2 handed out", Duration::from_secs(20), || {
+    wait_for_async("p-2 handed out", Duration::from_secs(20), || {
         let calls = calls.clone();
         async move { calls.count("p-2") == 1 }
     })
@@ -778,7 +767,7 @@ async fn a_reversible_hold_blocks_the_barrier_until_it_is_made_terminal() {
         .await
         .unwrap();
     let p3 = EventId::paged(&name, "p", "p-3");
-    wait_for("the hold and p-4", Duration::from_secs(20), || {
+    wait_for_async("the hold and p-4", Duration::from_secs(20), || {
         let (tables, p3, calls) = (&tables, &p3, calls.clone());
         async move { calls.count("p-4") == 1 && tables.receipts.get(p3).await.unwrap().is_some() }
     })
@@ -909,7 +898,7 @@ async fn a_cloudwatch_log_group_is_read_stream_by_stream_without_skipping() {
     let wait_all = |n: usize| {
         let seen = seen.clone();
         async move {
-            wait_for(&format!("{n} events"), Duration::from_secs(30), || {
+            wait_for_async(&format!("{n} events"), Duration::from_secs(30), || {
                 let seen = seen.clone();
                 async move { seen.len() >= n }
             })
@@ -961,7 +950,7 @@ async fn a_cloudwatch_log_group_is_read_stream_by_stream_without_skipping() {
     );
     put_logs(&logs, &group, "web", base + 200, "o", 0..6).await;
     let w2 = run("w2").await.unwrap();
-    wait_for("o0..o5 after the crash", Duration::from_secs(30), || {
+    wait_for_async("o0..o5 after the crash", Duration::from_secs(30), || {
         let seen = seen.clone();
         async move { (0..6).all(|i| seen.messages("web").contains(&format!("o{i}"))) }
     })
@@ -979,7 +968,7 @@ async fn a_cloudwatch_log_group_is_read_stream_by_stream_without_skipping() {
     .await
     .unwrap();
     assert_eq!(report.moved.len(), 2);
-    wait_for("the reread", Duration::from_secs(30), || {
+    wait_for_async("the reread", Duration::from_secs(30), || {
         let seen = seen.clone();
         async move {
             let again = &seen.0.lock().unwrap()[before..];

@@ -3,10 +3,14 @@
 //! crashes at each point of a page's life, overlapping, replayed, empty and stuck pages, lost
 //! answers, order violations that stop a partition, retries in place, and seeks.
 
+#[path = "support/wait.rs"]
+mod wait;
+
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use wait::wait_for;
 
 use futures::future::BoxFuture;
 use shardwise::lease::{Checkpoint, Lease, LeaseSettings, LeaseStore, MemoryLeaseStore, NewLease};
@@ -91,14 +95,6 @@ fn handler(
 
 fn acks(worker: &str, calls: &Calls) -> Handler {
     handler(worker, calls, |_| Outcome::Ack)
-}
-
-async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 fn row(store: &MemoryLeaseStore, partition: &str) -> Lease {

@@ -4,10 +4,14 @@
 //! released, crashes and lost answers around every receipt write, and effects that cannot be
 //! committed.
 
+#[path = "support/wait.rs"]
+mod wait;
+
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use wait::wait_for;
 
 use futures::future::BoxFuture;
 use shardwise::consumer::Settled;
@@ -51,14 +55,6 @@ where
         .shard_lister(Arc::new(stream.clone()))
         .record_sink(Arc::new(stream.clone()))
         .receipts(receipts)
-}
-
-async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// Every handler call: (worker, payload, attempt).

@@ -1,9 +1,13 @@
 //! Retries and dead letters on the in-memory streams: counted copies, delays, dead letters, and a
 //! failing write that holds the checkpoint until it goes through.
 
+#[path = "support/wait.rs"]
+mod wait;
+
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use wait::wait_for;
 
 use shardwise::envelope::{self, Format};
 use shardwise::lease::{Checkpoint, LeaseSettings, MemoryLeaseStore};
@@ -37,14 +41,6 @@ where
         .record_source(Arc::new(stream.clone()))
         .shard_lister(Arc::new(stream.clone()))
         .record_sink(Arc::new(sink.clone()))
-}
-
-async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn recorder(

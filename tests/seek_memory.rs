@@ -1,8 +1,12 @@
 //! Seek and the frontier on the in-memory stream and lease store.
 
+#[path = "support/wait.rs"]
+mod wait;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use wait::wait_for;
 
 use shardwise::lease::{Checkpoint, LeaseSettings, MemoryLeaseStore};
 use shardwise::seek::SeekTarget;
@@ -68,14 +72,6 @@ async fn start(
         b = b.caught_up_frontier(skew);
     }
     b.build().unwrap().run().await.unwrap()
-}
-
-async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 fn key(cp: &Checkpoint) -> String {

@@ -21,7 +21,8 @@ mod tables;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use support::wait::wait_for_async;
 
 use futures::StreamExt;
 use logs::{logs_client, put_logs};
@@ -148,24 +149,12 @@ fn builder<H: shardwise::Handler>(
         .receipts(tables.receipts.clone())
 }
 
-async fn wait_for<F: Future<Output = bool>>(
-    what: &str,
-    limit: Duration,
-    mut done: impl FnMut() -> F,
-) {
-    let deadline = Instant::now() + limit;
-    while !done().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
 async fn closed(tables: &Tables, source: &str) -> Option<i64> {
     tables.progress(source, "p").await.closed_through
 }
 
 async fn wait_closed(tables: &Tables, source: &str, through: i64) {
-    wait_for(
+    wait_for_async(
         &format!("{source}: closed through {through}"),
         Duration::from_secs(30),
         || async move { closed(tables, source).await == Some(through) },
@@ -336,7 +325,7 @@ async fn the_retry_example_closed_through_10_00_a_b_crash_c_d() {
     .unwrap();
     wait_closed(&tables, &name, T10_01).await;
     let polls_at_close = api.polls("p").len();
-    wait_for("two more polls", Duration::from_secs(10), || {
+    wait_for_async("two more polls", Duration::from_secs(10), || {
         let api = api.clone();
         async move { api.polls("p").len() >= polls_at_close + 2 }
     })
@@ -399,13 +388,13 @@ async fn a_tie_group_larger_than_a_page_closes_only_after_a_later_timestamp() {
     .run()
     .await
     .unwrap();
-    wait_for("every tied event handled", Duration::from_secs(20), || {
+    wait_for_async("every tied event handled", Duration::from_secs(20), || {
         let calls = calls.clone();
         async move { ids.iter().all(|id| calls.count(id) == 1) }
     })
     .await;
     let polls = api.polls("p").len();
-    wait_for("three more polls", Duration::from_secs(10), || {
+    wait_for_async("three more polls", Duration::from_secs(10), || {
         let api = api.clone();
         async move { api.polls("p").len() >= polls + 3 }
     })
@@ -467,13 +456,13 @@ async fn a_tie_order_that_changes_between_offset_requests_never_skips_c() {
     .run()
     .await
     .unwrap();
-    wait_for("C handled", Duration::from_secs(20), || {
+    wait_for_async("C handled", Duration::from_secs(20), || {
         let calls = calls.clone();
         async move { calls.count("C") == 1 }
     })
     .await;
     let polls = api.polls("p").len();
-    wait_for("two more polls", Duration::from_secs(10), || {
+    wait_for_async("two more polls", Duration::from_secs(10), || {
         let api = api.clone();
         async move { api.polls("p").len() >= polls + 2 }
     })
@@ -583,7 +572,7 @@ async fn crash_case(tables: Arc<Tables>, label: String, at: CrashAt) -> String {
     .unwrap();
     wait_closed(&tables, &name, T10_02).await;
     // F (10:03) stays open: nothing waits for it but its receipt.
-    wait_for(
+    wait_for_async(
         &format!("{name}: F's receipt"),
         Duration::from_secs(30),
         || {
@@ -709,7 +698,7 @@ async fn concurrent_stale_retries_never_lower_or_replace_closed_through() {
     .run()
     .await
     .unwrap();
-    wait_for("A handed out", Duration::from_secs(20), || {
+    wait_for_async("A handed out", Duration::from_secs(20), || {
         let calls = calls.clone();
         async move { calls.count("A") == 1 }
     })
@@ -806,7 +795,7 @@ async fn a_late_event_at_the_closed_timestamp_is_counted_or_kept_open_by_the_bou
     .unwrap();
     wait_closed(&tables, &name, T10_01).await;
     api.push_at("p", "E", T10_01, "late");
-    wait_for("the late E handled", Duration::from_secs(20), || {
+    wait_for_async("the late E handled", Duration::from_secs(20), || {
         let calls = calls.clone();
         async move { calls.count("E") == 1 }
     })
@@ -842,7 +831,7 @@ async fn a_late_event_at_the_closed_timestamp_is_counted_or_kept_open_by_the_bou
     .run()
     .await
     .unwrap();
-    wait_for("A handled", Duration::from_secs(20), || {
+    wait_for_async("A handled", Duration::from_secs(20), || {
         let calls = calls.clone();
         async move { calls.count("A") == 1 }
     })
@@ -895,7 +884,7 @@ async fn a_late_event_at_the_closed_timestamp_is_counted_or_kept_open_by_the_bou
 }
 
 async fn wait_closed_at_least(tables: &Tables, source: &str, through: i64) {
-    wait_for(
+    wait_for_async(
         &format!("{source}: closed through {through} or later"),
         Duration::from_secs(30),
         || async move { closed(tables, source).await.is_some_and(|c| c >= through) },
@@ -971,7 +960,7 @@ async fn a_log_group_read_by_timestamp_with_filter_log_events_skips_nothing() {
         .flat_map(|i| [format!("w{i}"), format!("k{i}")])
         .collect();
     expected.sort();
-    wait_for("the 50 events", Duration::from_secs(20), || {
+    wait_for_async("the 50 events", Duration::from_secs(20), || {
         let seen = seen.clone();
         let n = expected.len();
         async move { seen.lock().unwrap().len() >= n }
@@ -979,7 +968,7 @@ async fn a_log_group_read_by_timestamp_with_filter_log_events_skips_nothing() {
     .await;
     let last = base + 24 / 3;
     let closed_through = || async { tables.progress(&name, &group).await.closed_through };
-    wait_for(
+    wait_for_async(
         "closed through the last put",
         Duration::from_secs(30),
         || async { closed_through().await.is_some_and(|c| c >= last) },
@@ -1002,7 +991,7 @@ async fn a_log_group_read_by_timestamp_with_filter_log_events_skips_nothing() {
         expected.push(m.to_string());
     }
     expected.sort();
-    wait_for(
+    wait_for_async(
         "the new events and the late one",
         Duration::from_secs(20),
         || {
@@ -1012,7 +1001,7 @@ async fn a_log_group_read_by_timestamp_with_filter_log_events_skips_nothing() {
         },
     )
     .await;
-    wait_for(
+    wait_for_async(
         "closed through the new events",
         Duration::from_secs(30),
         || async { closed_through().await.is_some_and(|c| c > now) },
@@ -1119,7 +1108,7 @@ async fn the_reasoned_example_a_120_b_90_then_110_and_a_membership_change() {
     api.push_at("A", "a4", t(135), "a4");
     api.watermark("A", t(140));
     api.watermark("B", t(130));
-    wait_for("A through 140", Duration::from_secs(20), || {
+    wait_for_async("A through 140", Duration::from_secs(20), || {
         let tables = tables.clone();
         let name = name.clone();
         async move { tables.progress(&name, "A").await.closed_through == Some(t(140)) }
@@ -1194,7 +1183,7 @@ async fn page_watermarks_are_promoted_by_the_barrier_and_never_made_up() {
     .run()
     .await
     .unwrap();
-    wait_for("P-1 in its handler", Duration::from_secs(20), || {
+    wait_for_async("P-1 in its handler", Duration::from_secs(20), || {
         let calls = calls.clone();
         async move { calls.count("P-1") == 1 }
     })
@@ -1206,7 +1195,7 @@ async fn page_watermarks_are_promoted_by_the_barrier_and_never_made_up() {
         "fetched with the watermark, but its first page has not passed the barrier"
     );
     open.send(true).unwrap();
-    wait_for("P through 10:01", Duration::from_secs(20), || {
+    wait_for_async("P through 10:01", Duration::from_secs(20), || {
         let tables = tables.clone();
         let name = name.clone();
         async move { tables.progress(&name, "P").await.closed_through == Some(T10_01) }
@@ -1221,7 +1210,7 @@ async fn page_watermarks_are_promoted_by_the_barrier_and_never_made_up() {
     api.push("Q", "q6");
     let f = frontier_where(&running, "min(P, Q)", |f| f.scalar == Some(T10_02)).await;
     assert_eq!(f.epoch, 1);
-    wait_for("P through 10:03", Duration::from_secs(20), || {
+    wait_for_async("P through 10:03", Duration::from_secs(20), || {
         let tables = tables.clone();
         let name = name.clone();
         async move { tables.progress(&name, "P").await.closed_through == Some(T10_03) }

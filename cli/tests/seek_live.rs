@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
+use support::wait::wait_for;
 
 use aws_sdk_kinesis::primitives::{Blob, DateTime, DateTimeFormat};
 use aws_sdk_kinesis::types::PutRecordsRequestEntry;
@@ -123,14 +124,6 @@ fn cli(args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).unwrap()
-}
-
-async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test]

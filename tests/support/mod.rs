@@ -6,6 +6,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod wait;
+
 use std::net::ToSocketAddrs;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
