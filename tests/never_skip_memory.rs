@@ -12,7 +12,6 @@ mod recorder;
 #[path = "support/wait.rs"]
 mod wait;
 
-use shardwise::paged::PagedProgress;
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -21,11 +20,10 @@ use wait::wait_for;
 
 use futures::future::BoxFuture;
 use shardwise::lease::{
-    Checkpoint, CheckpointWrite, InitialPosition, Lease, LeaseSettings, LeaseStore,
-    MemoryLeaseStore, NewLease, Ownership, SeekMove,
+    Checkpoint, InitialPosition, Lease, LeaseSettings, LeaseStore, MemoryLeaseStore,
 };
 use shardwise::seek::SeekTarget;
-use shardwise::testing::MemoryStream;
+use shardwise::testing::{Call, Layer, Layered, MemoryStream};
 use shardwise::{Consumer, ConsumerBuilder, Delivery, Error, Outcome, Position, Running};
 
 fn fast_leases() -> LeaseSettings {
@@ -342,130 +340,21 @@ async fn a_closed_parent_that_aged_out_is_ended_and_its_children_start() {
 /// A lease store that takes its time over each seek write, as a remote table would: a seek that
 /// moves shards one by one leaves a window between them.
 #[derive(Debug)]
-struct SlowSeeks(MemoryLeaseStore);
+struct SlowSeeks;
 
-impl LeaseStore for SlowSeeks {
-    fn prepare(&self) -> BoxFuture<'_, Result<(), Error>> {
-        self.0.prepare()
-    }
-    fn list<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<Lease>, Error>> {
-        self.0.list(stream)
-    }
-    fn get<'a>(
+impl Layer for SlowSeeks {
+    fn around<'a, T: Send + 'a>(
         &'a self,
-        stream: &'a str,
-        shard_id: &'a str,
-    ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
-        self.0.get(stream, shard_id)
-    }
-    fn create<'a>(&'a self, lease: &'a NewLease) -> BoxFuture<'a, Result<bool, Error>> {
-        self.0.create(lease)
-    }
-    fn take<'a>(
-        &'a self,
-        seen: &'a Lease,
-        owner: &'a str,
-    ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
-        self.0.take(seen, owner)
-    }
-    fn renew<'a>(
-        &'a self,
-        held: &'a Ownership,
-    ) -> BoxFuture<'a, Result<shardwise::lease::Renewal, Error>> {
-        self.0.renew(held)
-    }
-    fn checkpoint<'a>(
-        &'a self,
-        held: &'a Ownership,
-        to: &'a Checkpoint,
-        complete_through: Option<i64>,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        self.0.checkpoint(held, to, complete_through)
-    }
-    fn paged_checkpoint<'a>(
-        &'a self,
-        held: &'a Ownership,
-        expected: &'a PagedProgress,
-        to: &'a PagedProgress,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        self.0.paged_checkpoint(held, expected, to)
-    }
-    fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
-        self.0.release(held)
-    }
-    fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        if !matches!(call, Call::Seek(_)) {
+            return forward;
+        }
         Box::pin(async move {
             tokio::time::sleep(Duration::from_millis(300)).await;
-            self.0.seek(moves).await
+            forward.await
         })
-    }
-    fn advance_frontier<'a>(
-        &'a self,
-        held: &'a Ownership,
-        ct: i64,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        self.0.advance_frontier(held, ct)
-    }
-    fn delete<'a>(&'a self, seen: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
-        self.0.delete(seen)
-    }
-    fn set_children<'a>(
-        &'a self,
-        stream: &'a str,
-        shard_id: &'a str,
-        children: &'a [String],
-    ) -> BoxFuture<'a, Result<(), Error>> {
-        self.0.set_children(stream, shard_id, children)
-    }
-
-    fn request<'a>(
-        &'a self,
-        seen: &'a shardwise::lease::Lease,
-        taker: &'a str,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.0.request(seen, taker)
-    }
-
-    fn pass<'a>(
-        &'a self,
-        held: &'a shardwise::lease::Ownership,
-        taker: &'a str,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.0.pass(held, taker)
-    }
-
-    fn membership<'a>(
-        &'a self,
-        stream: &'a str,
-    ) -> BoxFuture<'a, Result<Option<shardwise::frontier::Membership>, Error>> {
-        self.0.membership(stream)
-    }
-
-    fn publish_membership<'a>(
-        &'a self,
-        stream: &'a str,
-        expected: Option<u64>,
-        next: &'a shardwise::frontier::Membership,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.0.publish_membership(stream, expected, next)
-    }
-
-    fn beat<'a>(
-        &'a self,
-        stream: &'a str,
-        worker: &'a str,
-        announce: bool,
-    ) -> BoxFuture<'a, Result<shardwise::lease::Roster, Error>> {
-        self.0.beat(stream, worker, announce)
-    }
-
-    fn forget<'a>(
-        &'a self,
-        stream: &'a str,
-        worker: &'a str,
-        seen: Option<u64>,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.0.forget(stream, worker, seen)
     }
 }
 
@@ -584,7 +473,7 @@ fn assert_no_violation(violations: &Violations) {
 async fn a_seek_of_a_parent_to_a_record_while_its_children_are_read_resets_the_children_with_it() {
     let stream = MemoryStream::new("orders", 1);
     let memory = MemoryLeaseStore::new();
-    let store: Arc<dyn LeaseStore> = Arc::new(SlowSeeks(memory.clone()));
+    let store: Arc<dyn LeaseStore> = Arc::new(Layered::new(Arc::new(memory.clone()), SlowSeeks));
     let (log, violations) = (Log::default(), Violations::default());
     let (running, parent, positions) =
         split_and_read_children(&stream, &memory, &store, &log, &violations).await;
@@ -632,7 +521,7 @@ async fn a_seek_of_a_parent_to_a_record_while_its_children_are_read_resets_the_c
 async fn a_stream_wide_seek_while_children_are_read_never_reopens_a_parent_under_them() {
     let stream = MemoryStream::new("orders", 1);
     let memory = MemoryLeaseStore::new();
-    let store: Arc<dyn LeaseStore> = Arc::new(SlowSeeks(memory.clone()));
+    let store: Arc<dyn LeaseStore> = Arc::new(Layered::new(Arc::new(memory.clone()), SlowSeeks));
     let (log, violations) = (Log::default(), Violations::default());
     let (running, _parent, _) =
         split_and_read_children(&stream, &memory, &store, &log, &violations).await;

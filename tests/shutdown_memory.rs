@@ -4,159 +4,32 @@
 #[path = "support/recorder.rs"]
 mod recorder;
 
-use shardwise::paged::PagedProgress;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
 use shardwise::consumer::SHUTDOWN_GRACE;
-use shardwise::lease::{
-    Checkpoint, CheckpointWrite, Lease, LeaseSettings, LeaseStore, MemoryLeaseStore, NewLease,
-    Ownership, SeekMove,
-};
-use shardwise::testing::MemoryStream;
+use shardwise::lease::{LeaseSettings, LeaseStore, MemoryLeaseStore};
+use shardwise::testing::{Call, Layer, Layered, MemoryStream};
 use shardwise::{Consumer, Delivery, Error, Outcome, Running};
 
-/// A lease store whose writes stop answering once `hang` is set (a table that hangs).
+/// A lease store whose calls stop answering once `hang` is set (a table that hangs); `prepare`
+/// always answers.
 #[derive(Debug, Clone)]
-struct Hanging {
-    inner: MemoryLeaseStore,
-    hang: Arc<AtomicBool>,
-}
+struct Hanging(Arc<AtomicBool>);
 
-impl Hanging {
-    fn gate<'a, T: Send + 'a>(
+impl Layer for Hanging {
+    fn around<'a, T: Send + 'a>(
         &'a self,
-        f: BoxFuture<'a, Result<T, Error>>,
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
     ) -> BoxFuture<'a, Result<T, Error>> {
-        if self.hang.load(Ordering::SeqCst) {
+        if !matches!(call, Call::Prepare) && self.0.load(Ordering::SeqCst) {
             Box::pin(futures::future::pending())
         } else {
-            f
+            forward
         }
-    }
-}
-
-impl LeaseStore for Hanging {
-    fn prepare(&self) -> BoxFuture<'_, Result<(), Error>> {
-        self.inner.prepare()
-    }
-    fn list<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<Lease>, Error>> {
-        self.gate(self.inner.list(stream))
-    }
-    fn get<'a>(
-        &'a self,
-        stream: &'a str,
-        shard_id: &'a str,
-    ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
-        self.gate(self.inner.get(stream, shard_id))
-    }
-    fn create<'a>(&'a self, lease: &'a NewLease) -> BoxFuture<'a, Result<bool, Error>> {
-        self.gate(self.inner.create(lease))
-    }
-    fn take<'a>(
-        &'a self,
-        seen: &'a Lease,
-        owner: &'a str,
-    ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
-        self.gate(self.inner.take(seen, owner))
-    }
-    fn renew<'a>(
-        &'a self,
-        held: &'a Ownership,
-    ) -> BoxFuture<'a, Result<shardwise::lease::Renewal, Error>> {
-        self.gate(self.inner.renew(held))
-    }
-    fn checkpoint<'a>(
-        &'a self,
-        held: &'a Ownership,
-        to: &'a Checkpoint,
-        complete_through: Option<i64>,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        self.gate(self.inner.checkpoint(held, to, complete_through))
-    }
-    fn paged_checkpoint<'a>(
-        &'a self,
-        held: &'a Ownership,
-        expected: &'a PagedProgress,
-        to: &'a PagedProgress,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        self.gate(self.inner.paged_checkpoint(held, expected, to))
-    }
-    fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
-        self.gate(self.inner.release(held))
-    }
-    fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
-        self.gate(self.inner.seek(moves))
-    }
-    fn advance_frontier<'a>(
-        &'a self,
-        held: &'a Ownership,
-        complete_through: i64,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        self.gate(self.inner.advance_frontier(held, complete_through))
-    }
-    fn delete<'a>(&'a self, seen: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
-        self.gate(self.inner.delete(seen))
-    }
-    fn set_children<'a>(
-        &'a self,
-        stream: &'a str,
-        shard_id: &'a str,
-        children: &'a [String],
-    ) -> BoxFuture<'a, Result<(), Error>> {
-        self.gate(self.inner.set_children(stream, shard_id, children))
-    }
-
-    fn request<'a>(
-        &'a self,
-        seen: &'a shardwise::lease::Lease,
-        taker: &'a str,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.gate(self.inner.request(seen, taker))
-    }
-
-    fn pass<'a>(
-        &'a self,
-        held: &'a shardwise::lease::Ownership,
-        taker: &'a str,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.gate(self.inner.pass(held, taker))
-    }
-
-    fn membership<'a>(
-        &'a self,
-        stream: &'a str,
-    ) -> BoxFuture<'a, Result<Option<shardwise::frontier::Membership>, Error>> {
-        self.gate(self.inner.membership(stream))
-    }
-
-    fn publish_membership<'a>(
-        &'a self,
-        stream: &'a str,
-        expected: Option<u64>,
-        next: &'a shardwise::frontier::Membership,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.gate(self.inner.publish_membership(stream, expected, next))
-    }
-
-    fn beat<'a>(
-        &'a self,
-        stream: &'a str,
-        worker: &'a str,
-        announce: bool,
-    ) -> BoxFuture<'a, Result<shardwise::lease::Roster, Error>> {
-        self.gate(self.inner.beat(stream, worker, announce))
-    }
-
-    fn forget<'a>(
-        &'a self,
-        stream: &'a str,
-        worker: &'a str,
-        seen: Option<u64>,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.gate(self.inner.forget(stream, worker, seen))
     }
 }
 
@@ -209,10 +82,7 @@ async fn shutdown_returns_within_the_deadline_and_the_grace_even_when_the_table_
     }
     let memory = MemoryLeaseStore::new();
     let hang = Arc::new(AtomicBool::new(false));
-    let store = Hanging {
-        inner: memory.clone(),
-        hang: hang.clone(),
-    };
+    let store = Layered::new(Arc::new(memory.clone()), Hanging(hang.clone()));
     let running = start(&stream, Arc::new(store), "3").await;
     until(|| {
         memory.snapshot().first().is_some_and(|r| {

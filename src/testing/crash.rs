@@ -28,9 +28,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures::future::BoxFuture;
 use tokio::sync::Notify;
 
+use super::layer::{Call, Layer, Layered};
 use crate::error::Error;
-use crate::lease::{Checkpoint, CheckpointWrite, Lease, LeaseStore, NewLease, Ownership, SeekMove};
-use crate::paged::{PagePosition, PagedProgress};
+use crate::lease::LeaseStore;
+use crate::paged::PagePosition;
 use crate::receipts::{Apply, Committed, Disposition, EventId, Receipt, ReceiptStore, Recorded};
 
 /// The kind of write a crash waits for.
@@ -165,10 +166,7 @@ impl Crash {
 
     /// The lease store, through this crash.
     pub fn leases(&self, store: Arc<dyn LeaseStore>) -> Arc<dyn LeaseStore> {
-        Arc::new(CrashingLeases {
-            store,
-            crash: self.clone(),
-        })
+        Arc::new(Layered::new(store, CrashingLeases(self.clone())))
     }
 
     /// The receipt ledger, through this crash.
@@ -246,171 +244,32 @@ impl Crash {
     }
 }
 
+/// The lease store through a crash: every call passes the crash's gate, and the writes of a
+/// checkpoint and of paged progress are its crash points.
 #[derive(Debug)]
-struct CrashingLeases {
-    store: Arc<dyn LeaseStore>,
-    crash: Crash,
-}
+struct CrashingLeases(Crash);
 
-impl LeaseStore for CrashingLeases {
-    fn prepare(&self) -> BoxFuture<'_, Result<(), Error>> {
-        Box::pin(self.crash.gate(None, self.store.prepare()))
-    }
-
-    fn list<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<Lease>, Error>> {
-        Box::pin(self.crash.gate(None, self.store.list(stream)))
-    }
-
-    fn get<'a>(
+impl Layer for CrashingLeases {
+    fn around<'a, T: Send + 'a>(
         &'a self,
-        stream: &'a str,
-        shard_id: &'a str,
-    ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
-        Box::pin(self.crash.gate(None, self.store.get(stream, shard_id)))
-    }
-
-    fn create<'a>(&'a self, lease: &'a NewLease) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(self.crash.gate(None, self.store.create(lease)))
-    }
-
-    fn take<'a>(
-        &'a self,
-        seen: &'a Lease,
-        owner: &'a str,
-    ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
-        Box::pin(self.crash.gate(None, self.store.take(seen, owner)))
-    }
-
-    fn renew<'a>(
-        &'a self,
-        held: &'a Ownership,
-    ) -> BoxFuture<'a, Result<crate::lease::Renewal, Error>> {
-        Box::pin(self.crash.gate(None, self.store.renew(held)))
-    }
-
-    fn checkpoint<'a>(
-        &'a self,
-        held: &'a Ownership,
-        to: &'a Checkpoint,
-        complete_through: Option<i64>,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        Box::pin(self.crash.gate(
-            Some(CrashPoint::Checkpoint),
-            self.store.checkpoint(held, to, complete_through),
-        ))
-    }
-
-    fn paged_checkpoint<'a>(
-        &'a self,
-        held: &'a Ownership,
-        expected: &'a PagedProgress,
-        to: &'a PagedProgress,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        let kind = if to.checkpoint_version == expected.checkpoint_version {
-            CrashPoint::Progress
-        } else {
-            CrashPoint::Barrier
-        };
-        Box::pin(self.crash.gate_events(
-            Some(kind),
-            &[],
-            to.applied_position.as_ref(),
-            self.store.paged_checkpoint(held, expected, to),
-        ))
-    }
-
-    fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(self.crash.gate(None, self.store.release(held)))
-    }
-
-    fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(self.crash.gate(None, self.store.seek(moves)))
-    }
-
-    fn advance_frontier<'a>(
-        &'a self,
-        held: &'a Ownership,
-        complete_through: i64,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        Box::pin(
-            self.crash
-                .gate(None, self.store.advance_frontier(held, complete_through)),
-        )
-    }
-
-    fn delete<'a>(&'a self, seen: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(self.crash.gate(None, self.store.delete(seen)))
-    }
-
-    fn set_children<'a>(
-        &'a self,
-        stream: &'a str,
-        shard_id: &'a str,
-        children: &'a [String],
-    ) -> BoxFuture<'a, Result<(), Error>> {
-        Box::pin(
-            self.crash
-                .gate(None, self.store.set_children(stream, shard_id, children)),
-        )
-    }
-
-    fn request<'a>(
-        &'a self,
-        seen: &'a Lease,
-        taker: &'a str,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(self.crash.gate(None, self.store.request(seen, taker)))
-    }
-
-    fn pass<'a>(
-        &'a self,
-        held: &'a Ownership,
-        taker: &'a str,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(self.crash.gate(None, self.store.pass(held, taker)))
-    }
-
-    fn membership<'a>(
-        &'a self,
-        stream: &'a str,
-    ) -> BoxFuture<'a, Result<Option<crate::frontier::Membership>, Error>> {
-        Box::pin(self.crash.gate(None, self.store.membership(stream)))
-    }
-
-    fn publish_membership<'a>(
-        &'a self,
-        stream: &'a str,
-        expected: Option<u64>,
-        next: &'a crate::frontier::Membership,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(
-            self.crash
-                .gate(None, self.store.publish_membership(stream, expected, next)),
-        )
-    }
-
-    fn beat<'a>(
-        &'a self,
-        stream: &'a str,
-        worker: &'a str,
-        announce: bool,
-    ) -> BoxFuture<'a, Result<crate::lease::Roster, Error>> {
-        Box::pin(
-            self.crash
-                .gate(None, self.store.beat(stream, worker, announce)),
-        )
-    }
-
-    fn forget<'a>(
-        &'a self,
-        stream: &'a str,
-        worker: &'a str,
-        seen: Option<u64>,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(
-            self.crash
-                .gate(None, self.store.forget(stream, worker, seen)),
-        )
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        match call {
+            Call::Checkpoint { .. } => Box::pin(self.0.gate(Some(CrashPoint::Checkpoint), forward)),
+            Call::PagedCheckpoint { expected, to, .. } => {
+                let kind = if to.checkpoint_version == expected.checkpoint_version {
+                    CrashPoint::Progress
+                } else {
+                    CrashPoint::Barrier
+                };
+                Box::pin(
+                    self.0
+                        .gate_events(Some(kind), &[], to.applied_position.as_ref(), forward),
+                )
+            }
+            _ => Box::pin(self.0.gate(None, forward)),
+        }
     }
 }
 

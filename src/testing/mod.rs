@@ -16,12 +16,14 @@ mod crash;
 mod event_server;
 mod events;
 pub(crate) mod faults;
+mod layer;
 mod stream;
 
 pub use crash::{Crash, CrashPoint, When};
 pub use event_server::{EventServer, HttpEvents};
 pub use events::{EventApi, Script, ScriptedEvent, Ties};
 pub use faults::{Fault, Faults};
+pub use layer::{Call, Layer, Layered};
 pub use stream::{MemoryStream, MemoryStreams, StoredRecord};
 
 /// Makes shardwise deterministic on this thread, for tests on paused Tokio time

@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use shardwise::lease::{Change, InitialPosition, LeaseSettings, LeaseStore, MemoryLeaseStore};
 use shardwise::receipts::{Disposition, Effect, Effects, MemoryReceipts, ReceiptStore, key};
 use shardwise::seek::SeekTarget;
-use shardwise::testing::{Faults, MemoryStream, MemoryStreams};
+use shardwise::testing::{Faults, Layered, MemoryStream, MemoryStreams};
 use shardwise::{
     Batched, Batching, Consumer, Delivery, Handler, Outcome, Position, Running, ShutdownReport,
 };
@@ -375,12 +375,14 @@ impl World {
         }
         let worker = format!("w{slot}");
         let gate = Gate::new();
-        let store = Arc::new(Store {
-            inner: self.store.clone(),
-            gate: gate.clone(),
-            worker: worker.clone(),
-            model: self.model.clone(),
-        });
+        let store = Arc::new(Layered::new(
+            Arc::new(self.store.clone()),
+            Store {
+                gate: gate.clone(),
+                worker: worker.clone(),
+                model: self.model.clone(),
+            },
+        ));
         let stream = Arc::new(Stream {
             inner: self.stream.clone(),
             sink: self.sink.clone(),
@@ -433,7 +435,7 @@ impl World {
         handler: H,
         worker: &str,
         gate: &Gate,
-        store: Arc<Store>,
+        store: Arc<Layered<Store>>,
         stream: Arc<Stream>,
     ) -> Result<Running, shardwise::Error> {
         let s = &self.scenario;

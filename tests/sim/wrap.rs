@@ -2,23 +2,20 @@
 //! simulation can cut a worker off (a partition, or a pause longer than a lease) and let it back;
 //! copies and dead letters it writes, and its receipt commits, are reported to the model.
 
-use shardwise::paged::PagedProgress;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use shardwise::Error;
 use shardwise::envelope;
-use shardwise::lease::{
-    Checkpoint, CheckpointWrite, Lease, LeaseStore, MemoryLeaseStore, NewLease, Ownership, SeekMove,
-};
+
 use shardwise::producer::{RecordSink, Written};
 use shardwise::receipts::{
     Apply, Committed, Disposition, EventId, MemoryReceipts, Receipt, ReceiptStore, Recorded,
 };
 use shardwise::shard::discovery::{ShardInfo, ShardLister};
 use shardwise::shard::source::{Page, ReadError, RecordSource, StartAt};
-use shardwise::testing::{MemoryStream, MemoryStreams};
+use shardwise::testing::{Call, Layer, MemoryStream, MemoryStreams};
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::Notify;
 
@@ -55,8 +52,8 @@ impl Gate {
     }
 }
 
+/// The lease store as one worker reaches it (behind `Layered`): every call waits at the gate.
 pub struct Store {
-    pub inner: MemoryLeaseStore,
     pub gate: Gate,
     pub worker: String,
     pub model: Arc<Mutex<Model>>,
@@ -82,200 +79,16 @@ impl Store {
     }
 }
 
-impl LeaseStore for Store {
-    fn prepare(&self) -> BoxFuture<'_, Result<(), Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("prepare");
-            self.inner.prepare().await
-        })
-    }
-    fn list<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<Lease>, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("list");
-            self.inner.list(stream).await
-        })
-    }
-    fn get<'a>(
+impl Layer for Store {
+    fn around<'a, T: Send + 'a>(
         &'a self,
-        stream: &'a str,
-        shard_id: &'a str,
-    ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
+    ) -> BoxFuture<'a, Result<T, Error>> {
         Box::pin(async move {
             self.gate.pass().await;
-            self.calls("get");
-            self.inner.get(stream, shard_id).await
-        })
-    }
-    fn create<'a>(&'a self, lease: &'a NewLease) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("create");
-            self.inner.create(lease).await
-        })
-    }
-    fn take<'a>(
-        &'a self,
-        seen: &'a Lease,
-        owner: &'a str,
-    ) -> BoxFuture<'a, Result<Option<Lease>, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("take");
-            self.inner.take(seen, owner).await
-        })
-    }
-    fn renew<'a>(
-        &'a self,
-        held: &'a Ownership,
-    ) -> BoxFuture<'a, Result<shardwise::lease::Renewal, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("renew");
-            self.inner.renew(held).await
-        })
-    }
-    fn checkpoint<'a>(
-        &'a self,
-        held: &'a Ownership,
-        to: &'a Checkpoint,
-        complete_through: Option<i64>,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("checkpoint");
-            self.inner.checkpoint(held, to, complete_through).await
-        })
-    }
-    fn paged_checkpoint<'a>(
-        &'a self,
-        held: &'a Ownership,
-        expected: &'a PagedProgress,
-        to: &'a PagedProgress,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("paged_checkpoint");
-            self.inner.paged_checkpoint(held, expected, to).await
-        })
-    }
-    fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("release");
-            self.inner.release(held).await
-        })
-    }
-    fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("seek");
-            self.inner.seek(moves).await
-        })
-    }
-    fn advance_frontier<'a>(
-        &'a self,
-        held: &'a Ownership,
-        complete_through: i64,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("advance_frontier");
-            self.inner.advance_frontier(held, complete_through).await
-        })
-    }
-    fn delete<'a>(&'a self, seen: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("delete");
-            self.inner.delete(seen).await
-        })
-    }
-    fn set_children<'a>(
-        &'a self,
-        stream: &'a str,
-        shard_id: &'a str,
-        children: &'a [String],
-    ) -> BoxFuture<'a, Result<(), Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("set_children");
-            self.inner.set_children(stream, shard_id, children).await
-        })
-    }
-
-    fn request<'a>(
-        &'a self,
-        seen: &'a shardwise::lease::Lease,
-        taker: &'a str,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("request");
-            self.inner.request(seen, taker).await
-        })
-    }
-
-    fn pass<'a>(
-        &'a self,
-        held: &'a shardwise::lease::Ownership,
-        taker: &'a str,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("pass");
-            self.inner.pass(held, taker).await
-        })
-    }
-
-    fn membership<'a>(
-        &'a self,
-        stream: &'a str,
-    ) -> BoxFuture<'a, Result<Option<shardwise::frontier::Membership>, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("membership");
-            self.inner.membership(stream).await
-        })
-    }
-
-    fn publish_membership<'a>(
-        &'a self,
-        stream: &'a str,
-        expected: Option<u64>,
-        next: &'a shardwise::frontier::Membership,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("publish_membership");
-            self.inner.publish_membership(stream, expected, next).await
-        })
-    }
-
-    fn beat<'a>(
-        &'a self,
-        stream: &'a str,
-        worker: &'a str,
-        announce: bool,
-    ) -> BoxFuture<'a, Result<shardwise::lease::Roster, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("beat");
-            self.inner.beat(stream, worker, announce).await
-        })
-    }
-
-    fn forget<'a>(
-        &'a self,
-        stream: &'a str,
-        worker: &'a str,
-        seen: Option<u64>,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(async move {
-            self.gate.pass().await;
-            self.calls("forget");
-            self.inner.forget(stream, worker, seen).await
+            self.calls(call.method());
+            forward.await
         })
     }
 }
