@@ -110,6 +110,17 @@ pub enum Error {
         source: BoxError,
     },
 
+    /// A task of shardwise's stopped before it answered: it panicked (a bug in shardwise, or in a
+    /// store or source it called), or the runtime is shutting down. What it was doing may or may
+    /// not have happened; the caller treats it as a failure and tries again.
+    #[error("{what} did not finish: {detail}")]
+    Interrupted {
+        /// What the task was doing, e.g. `checkpoint write`.
+        what: &'static str,
+        /// How it stopped (a panic's message).
+        detail: String,
+    },
+
     /// A value read from the store or the stream breaks shardwise's expectations.
     #[error("corrupt {what}: {detail}")]
     Corrupt {
@@ -133,6 +144,20 @@ impl Error {
                 | Error::LeaseTableSchema { .. }
                 | Error::Table { .. }
         )
+    }
+
+    /// A paged source's partition, owned as `ownership`, cannot go on: `what` happened.
+    pub(crate) fn paged(
+        ownership: &crate::lease::Ownership,
+        what: &'static str,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        Error::Paged {
+            source_name: ownership.stream.clone(),
+            partition: ownership.shard_id.clone(),
+            what,
+            source: source.into(),
+        }
     }
 
     /// A failed Kinesis call on `stream`: a missing stream reads as [`Error::StreamNotFound`].

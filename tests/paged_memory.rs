@@ -1069,3 +1069,103 @@ async fn after_a_restart_no_event_an_earlier_attempt_finished_reaches_the_handle
         Some(1)
     );
 }
+
+/// The lease store's progress writes, as a flaky network makes them: the first barrier write
+/// (the first to move the version) is applied and its answer lost; the writes after it fail without effect until one that differs from the first has
+/// failed too; then every write goes through.
+#[derive(Debug, Default, Clone)]
+struct LostThenFailed(Arc<Mutex<(Option<PagedProgress>, bool)>>);
+
+impl shardwise::testing::Layer for LostThenFailed {
+    fn around<'a, T: Send + 'a>(
+        &'a self,
+        call: shardwise::testing::Call<'a>,
+        forward: BoxFuture<'a, Result<T, shardwise::Error>>,
+    ) -> BoxFuture<'a, Result<T, shardwise::Error>> {
+        let shardwise::testing::Call::PagedCheckpoint { to, .. } = call else {
+            return forward;
+        };
+        let failed = || shardwise::Error::DynamoDb {
+            operation: "UpdateItem",
+            table: "paged-app".into(),
+            source: "connection reset".into(),
+        };
+        // What this write meets: applied with its answer lost, failed, or let through.
+        let meets = {
+            let mut state = self.0.lock().unwrap();
+            match &state.0 {
+                // Applied writes that leave the version alone go through.
+                None if to.checkpoint_version == 0 => "through",
+                None => {
+                    state.0 = Some(to.clone());
+                    "lost answer"
+                }
+                Some(_) if state.1 => "through",
+                Some(first) => {
+                    if first != to {
+                        state.1 = true;
+                    }
+                    "failed"
+                }
+            }
+        };
+        Box::pin(async move {
+            match meets {
+                "through" => forward.await,
+                "failed" => Err(failed()),
+                _ => {
+                    forward.await?;
+                    Err(failed())
+                }
+            }
+        })
+    }
+}
+
+/// A write applied with its answer lost, then a different write failing without effect: the next
+/// write is refused as not newer, and the row holds the first. The attempt keeps every write
+/// whose answer was an error in mind, so it recognises the first as stored and goes on; it does
+/// not call itself stale, give the partition back and hand its settled events out again.
+#[tokio::test]
+async fn a_write_whose_answer_was_lost_is_recognised_after_a_later_write_failed() {
+    let api = EventApi::new(SOURCE).page_size(2);
+    for _ in 0..12 {
+        api.push("a", "e");
+    }
+    let memory = MemoryLeaseStore::new();
+    let flaky = LostThenFailed::default();
+    let calls = Calls::default();
+    let slow = {
+        let calls = calls.clone();
+        Arc::new(move |d: Delivery| {
+            calls.push("w1", &d);
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                Outcome::Ack
+            }) as BoxFuture<'static, Outcome>
+        }) as Handler
+    };
+    let running = builder(&api, &memory, "w1", slow)
+        .lanes(1)
+        .lease_store(Arc::new(shardwise::testing::Layered::new(
+            Arc::new(memory.clone()),
+            flaky.clone(),
+        )))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("every event written", Duration::from_secs(20), || {
+        applied(&memory, "a") == Some(12)
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    assert!(
+        flaky.0.lock().unwrap().1,
+        "a second, different write failed"
+    );
+    let ids = calls.ids();
+    let expected: Vec<String> = (1..=12).map(|n| format!("a-{n}")).collect();
+    assert_eq!(ids, expected, "each event once, in order");
+}

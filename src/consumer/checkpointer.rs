@@ -6,46 +6,65 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::task::JoinHandle;
+use futures::future::BoxFuture;
 use tokio::time::Instant;
-use tracing::{debug, warn};
+use tracing::warn;
 
+use super::owned::{Answer, Lost};
 use crate::checkpoint::Checkpoint;
-use crate::error::Error;
 use crate::frontier::{self, ShardProgress};
 use crate::lease::{CheckpointWrite, LeaseStore, Ownership};
 use crate::position::Position;
+use crate::time::millis;
 use crate::track::Tracker;
 
 /// A tracked delivery: its position and arrival time (ms).
 pub(crate) type Entry = (Position, Option<i64>);
 
 pub(crate) struct Checkpointer {
-    pub(crate) store: Arc<dyn LeaseStore>,
-    pub(crate) ownership: Ownership,
+    store: Arc<dyn LeaseStore>,
+    ownership: Ownership,
     /// Settled through here but not yet written.
-    pub(crate) pending: Option<Position>,
-    pub(crate) in_flight: Option<InFlight>,
-    pub(crate) labels: [(&'static str, String); 2],
+    pending: Option<Position>,
     /// Frontier inputs besides the tracker (see `frontier::complete_through`).
-    pub(crate) last_settled: Option<i64>,
-    pub(crate) caught_up_at: Option<i64>,
+    last_settled: Option<i64>,
+    caught_up_at: Option<i64>,
     /// The stored `completeThrough`: what this shard's coordinate never goes below.
-    pub(crate) floor: Option<i64>,
-    pub(crate) caught_up_skew: Option<Duration>,
-    pub(crate) frontier_interval: Duration,
-    pub(crate) frontier_written_at: Option<Instant>,
-    /// This shard's slot on the health board.
-    pub(crate) health: super::health::Entry,
+    floor: Option<i64>,
+    caught_up_skew: Option<Duration>,
+    frontier_interval: Duration,
+    frontier_written_at: Option<Instant>,
 }
 
-pub(crate) struct InFlight {
+/// A checkpoint write: the position, and the frontier coordinate written with it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Write {
     pub(crate) to: Position,
     pub(crate) complete_through: Option<i64>,
-    pub(crate) handle: JoinHandle<Result<CheckpointWrite, Error>>,
 }
 
 impl Checkpointer {
+    /// The checkpoints of `ownership`'s shard, whose stored `completeThrough` is `floor`.
+    pub(crate) fn new(
+        store: Arc<dyn LeaseStore>,
+        ownership: Ownership,
+        floor: Option<i64>,
+        caught_up_skew: Option<Duration>,
+        frontier_interval: Duration,
+    ) -> Self {
+        Self {
+            store,
+            ownership,
+            pending: None,
+            last_settled: None,
+            caught_up_at: None,
+            floor,
+            caught_up_skew,
+            frontier_interval,
+            frontier_written_at: None,
+        }
+    }
+
     fn complete_through(&self, tracker: &Tracker<Entry>) -> Option<i64> {
         frontier::complete_through(
             &ShardProgress {
@@ -58,39 +77,74 @@ impl Checkpointer {
         )
     }
 
-    fn start(&mut self, to: Position, complete_through: Option<i64>) {
-        let store = self.store.clone();
-        let ownership = self.ownership.clone();
-        self.in_flight = Some(InFlight {
-            to,
-            complete_through,
-            handle: tokio::spawn(async move {
-                store
-                    .checkpoint(&ownership, &Checkpoint::At(to), complete_through)
-                    .await
-            }),
-        });
+    /// The settled prefix moved through `to`, the last settled delivery having arrived at
+    /// `arrived`.
+    pub(crate) fn settled(&mut self, (to, arrived): Entry) {
+        self.pending = Some(to);
+        if arrived.is_some() {
+            self.last_settled = arrived;
+        }
     }
 
-    /// Starts a write of the pending position if none is in flight.
-    pub(crate) fn maybe_start(&mut self, tracker: &Tracker<Entry>) {
-        if self.in_flight.is_none()
-            && let Some(to) = self.pending.take()
-        {
-            let ct = self.complete_through(tracker);
-            self.start(to, ct);
+    /// A read came back: caught up (nothing read, nothing behind) or not.
+    pub(crate) fn read(&mut self, caught_up: bool) {
+        self.caught_up_at = caught_up.then(|| millis(crate::time::now()));
+    }
+
+    /// Whether settled progress waits for a write.
+    pub(crate) fn unwritten(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// The write of the pending position, if any: taken (it is given back if the write fails).
+    pub(crate) fn propose(&mut self, tracker: &Tracker<Entry>) -> Option<Write> {
+        let to = self.pending.take()?;
+        Some(Write {
+            to,
+            complete_through: self.complete_through(tracker),
+        })
+    }
+
+    /// Makes `write`, fenced by the lease.
+    pub(crate) fn write(&self, write: Write) -> BoxFuture<'static, Answer<Write>> {
+        let store = self.store.clone();
+        let ownership = self.ownership.clone();
+        Box::pin(async move {
+            let result = store
+                .checkpoint(
+                    &ownership,
+                    &Checkpoint::At(write.to),
+                    write.complete_through,
+                )
+                .await;
+            Answer::of(write, result)
+        })
+    }
+
+    /// `write` is stored.
+    pub(crate) fn stored(&mut self, write: Write) {
+        if write.complete_through.is_some() {
+            self.floor = self.floor.max(write.complete_through);
+        }
+    }
+
+    /// `write` failed: its position is written again unless a newer one waits.
+    pub(crate) fn failed(&mut self, write: Write) {
+        if self.pending.is_none_or(|p| p < write.to) {
+            self.pending = Some(write.to);
         }
     }
 
     /// For an idle, caught-up shard: raises `completeThrough` alone, at most once per frontier
-    /// interval, and only with a clock-skew allowance configured. `Err(())`: the lease is lost.
+    /// interval, and only with a clock-skew allowance configured. `Err(Lost)`: the lease is lost.
     pub(crate) async fn maybe_advance_frontier(
         &mut self,
         tracker: &Tracker<Entry>,
-    ) -> Result<(), ()> {
+        writing: bool,
+    ) -> Result<(), Lost> {
         if self.caught_up_skew.is_none()
             || self.pending.is_some()
-            || self.in_flight.is_some()
+            || writing
             || !tracker.is_drained()
             || self
                 .frontier_written_at
@@ -111,74 +165,11 @@ impl Checkpointer {
                 Ok(())
             }
             Ok(CheckpointWrite::NotNewer) => Ok(()),
-            Ok(CheckpointWrite::Lost) => Err(()),
+            Ok(CheckpointWrite::Lost) => Err(Lost),
             Err(e) => {
                 warn!(shard = %self.ownership.shard_id, error = &e as &dyn std::error::Error, "frontier write failed; will retry");
                 Ok(())
             }
         }
-    }
-
-    /// Waits for the write in flight. `Err(())`: the lease is lost.
-    async fn finish(&mut self) -> Result<(), ()> {
-        let Some(write) = self.in_flight.take() else {
-            return Ok(());
-        };
-        let result = write.handle.await.unwrap_or_else(|e| {
-            Err(Error::Corrupt {
-                what: "checkpoint task",
-                detail: e.to_string(),
-            })
-        });
-        self.record(write.to, write.complete_through, result)
-    }
-
-    pub(crate) fn record(
-        &mut self,
-        to: Position,
-        complete_through: Option<i64>,
-        result: Result<CheckpointWrite, Error>,
-    ) -> Result<(), ()> {
-        match result {
-            Ok(CheckpointWrite::Written) => {
-                self.health.written(self.pending.is_some());
-                metrics::counter!("shardwise_checkpoint_writes_total", &self.labels).increment(1);
-                debug!(shard = %self.ownership.shard_id, checkpoint = %to, ?complete_through, "checkpoint written");
-                if complete_through.is_some() {
-                    self.floor = self.floor.max(complete_through);
-                }
-                Ok(())
-            }
-            Ok(CheckpointWrite::NotNewer) => {
-                self.health.written(self.pending.is_some());
-                debug!(shard = %self.ownership.shard_id, checkpoint = %to, "checkpoint not newer than the stored one");
-                Ok(())
-            }
-            Ok(CheckpointWrite::Lost) => Err(()),
-            Err(e) => {
-                warn!(shard = %self.ownership.shard_id, error = &e as &dyn std::error::Error, "checkpoint write failed; will retry");
-                if self.pending.is_none_or(|p| p < to) {
-                    self.pending = Some(to);
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// Writes everything settled, waiting for it. `Err(())`: the lease is lost.
-    pub(crate) async fn flush(&mut self, tracker: &Tracker<Entry>) -> Result<(), ()> {
-        self.finish().await?;
-        for _ in 0..3 {
-            let Some(to) = self.pending.take() else {
-                return Ok(());
-            };
-            let ct = self.complete_through(tracker);
-            let result = self
-                .store
-                .checkpoint(&self.ownership, &Checkpoint::At(to), ct)
-                .await;
-            self.record(to, ct, result)?;
-        }
-        Ok(())
     }
 }

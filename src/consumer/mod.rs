@@ -9,6 +9,7 @@ mod hooks;
 mod lanes;
 mod ledger;
 mod outcome;
+mod owned;
 mod partition;
 mod pipeline;
 mod shard;
@@ -46,10 +47,11 @@ use crate::seek::{SeekReport, SeekTarget};
 use crate::shard::discovery::{KinesisShards, ShardLister};
 use crate::shard::source::{KinesisRecords, RecordSource};
 use copies::StuckWrites;
-use partition::{PartitionContext, run_partition};
+use owned::{Exit, OwnedContext, run_owned};
+use partition::Pages;
 use pipeline::PipelineContext;
-use shard::{ShardContext, ShardExit, run_shard};
-use timestamps::run_timestamp_partition;
+use shard::{Shard, Shards};
+use timestamps::{Attempt, Timestamped};
 
 /// Builds a [`Consumer`]; every setting is checked by [`build`](Self::build).
 #[must_use]
@@ -65,7 +67,50 @@ pub struct ConsumerBuilder<H> {
     delivery_hooks: Option<Arc<dyn DeliveryHooks>>,
     receipts: Option<Arc<dyn ReceiptStore>>,
     seek: Option<SeekTarget>,
-    paged: Option<Arc<dyn PagedSource>>,
+    reads: Reads,
+}
+
+/// What a consumer reads: chosen once, when it is built.
+#[derive(Clone)]
+enum Reads {
+    /// The shards of a Kinesis stream.
+    Stream,
+    /// The partitions of a paged source.
+    Pages(Arc<dyn PagedSource>),
+}
+
+impl fmt::Debug for Reads {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reads::Stream => f.write_str("Stream"),
+            Reads::Pages(source) => f.debug_tuple("Pages").field(&source.name()).finish(),
+        }
+    }
+}
+
+impl Reads {
+    /// What a spent delivery becomes when no dead-letter stream takes it.
+    fn spent(&self, ledger: bool) -> crate::retry::Spent {
+        match (self, ledger) {
+            (Reads::Stream, _) => crate::retry::Spent::Drop,
+            (Reads::Pages(_), true) => crate::retry::Spent::Quarantine,
+            (Reads::Pages(_), false) => crate::retry::Spent::Hold,
+        }
+    }
+
+    /// Moves the checkpoints `target` names.
+    async fn seek(
+        &self,
+        store: &dyn LeaseStore,
+        lister: &dyn ShardLister,
+        stream: &str,
+        target: &SeekTarget,
+    ) -> Result<SeekReport, Error> {
+        match self {
+            Reads::Stream => crate::seek::seek(store, lister, stream, target).await,
+            Reads::Pages(source) => crate::seek::seek_paged(store, source.as_ref(), target).await,
+        }
+    }
 }
 
 impl<H> fmt::Debug for ConsumerBuilder<H> {
@@ -326,14 +371,10 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
-    /// Checks every setting; the error names the field and the value.
-    pub fn build(self) -> Result<Consumer<H>, ConfigError> {
-        if self.paged.is_some() {
-            self.settings.validate_paged()?;
-        } else {
-            self.settings.validate()?;
-        }
-        if self.paged.is_some() && self.settings.dead_letter.is_none() && self.receipts.is_none() {
+    /// The checks of a paged consumer's settings, besides [`Settings::validate_paged`].
+    fn check_paged(&self, source: &dyn PagedSource) -> Result<(), ConfigError> {
+        self.settings.validate_paged()?;
+        if self.settings.dead_letter.is_none() && self.receipts.is_none() {
             // Seed 003, rule 1: an event whose attempts end must get a durable terminal outcome,
             // and with neither a ledger nor a dead-letter stream nothing could record one.
             let set = &self.settings;
@@ -363,7 +404,7 @@ impl<H: Handler> ConsumerBuilder<H> {
                 ));
             }
         }
-        if let (Some(source), Some(receipts)) = (&self.paged, &self.receipts)
+        if let Some(receipts) = &self.receipts
             && let (Some(horizon), Some(retention)) =
                 (source.contract().replay_horizon(), receipts.retention())
             && retention < horizon
@@ -381,17 +422,14 @@ impl<H: Handler> ConsumerBuilder<H> {
                 ),
             ));
         }
-        if self.paged.is_some()
-            && self.settings.lease.initial_position != InitialPosition::TrimHorizon
-        {
+        if self.settings.lease.initial_position != InitialPosition::TrimHorizon {
             return Err(ConfigError::new(
                 "initial_position",
                 self.settings.lease.initial_position,
                 "a paged source's partitions start at their first page (seek to move them)",
             ));
         }
-        if let Some(source) = &self.paged
-            && let Some(contracts) = source.contract().timestamps
+        if let Some(contracts) = source.contract().timestamps
             && !contracts.can_close()
         {
             match self.settings.unproven {
@@ -415,6 +453,15 @@ impl<H: Handler> ConsumerBuilder<H> {
                 ),
             }
         }
+        Ok(())
+    }
+
+    /// Checks every setting; the error names the field and the value.
+    pub fn build(self) -> Result<Consumer<H>, ConfigError> {
+        match &self.reads {
+            Reads::Stream => self.settings.validate()?,
+            Reads::Pages(source) => self.check_paged(source.as_ref())?,
+        }
         Ok(Consumer {
             handler: Arc::new(self.handler),
             settings: Arc::new(self.settings),
@@ -427,7 +474,7 @@ impl<H: Handler> ConsumerBuilder<H> {
             delivery_hooks: self.delivery_hooks.unwrap_or_else(|| Arc::new(())),
             receipts: self.receipts,
             seek: self.seek,
-            paged: self.paged,
+            reads: self.reads,
         })
     }
 }
@@ -445,7 +492,7 @@ pub struct Consumer<H> {
     delivery_hooks: Arc<dyn DeliveryHooks>,
     receipts: Option<Arc<dyn ReceiptStore>>,
     seek: Option<SeekTarget>,
-    paged: Option<Arc<dyn PagedSource>>,
+    reads: Reads,
 }
 
 impl<H> fmt::Debug for Consumer<H> {
@@ -490,7 +537,7 @@ impl Consumer<()> {
             delivery_hooks: None,
             receipts: None,
             seek: None,
-            paged: None,
+            reads: Reads::Stream,
         }
     }
 
@@ -517,7 +564,7 @@ impl Consumer<()> {
         handler: H,
     ) -> ConsumerBuilder<H> {
         let mut builder = Self::builder(source.name().to_string(), application, handler);
-        builder.paged = Some(source);
+        builder.reads = Reads::Pages(source);
         builder
     }
 }
@@ -532,20 +579,14 @@ impl<H: Handler> Consumer<H> {
     /// missing), then takes leases and reads. Returns once started; the work runs in background
     /// tasks until [`Running::shutdown`].
     pub async fn run(self) -> Result<Running, Error> {
-        let paged = self.paged.clone();
+        let reads = self.reads.clone();
+        let stream = matches!(reads, Reads::Stream);
         // A paged consumer reads no Kinesis stream, and writes to one only with a dead-letter
         // stream.
-        let needs_sdk = match &paged {
-            None => {
-                self.store.is_none()
-                    || self.source.is_none()
-                    || self.lister.is_none()
-                    || self.sink.is_none()
-            }
-            Some(_) => {
-                self.store.is_none() || (self.sink.is_none() && self.settings.dead_letter.is_some())
-            }
-        };
+        let reads_stream = stream && (self.source.is_none() || self.lister.is_none());
+        let needs_sdk = self.store.is_none()
+            || reads_stream
+            || (self.sink.is_none() && (stream || self.settings.dead_letter.is_some()));
         let sdk = match (self.sdk, needs_sdk) {
             (Some(c), _) => Some(c),
             (None, true) => Some(aws_config::defaults(BehaviorVersion::latest()).load().await),
@@ -553,9 +594,7 @@ impl<H: Handler> Consumer<H> {
         };
         // The store, source and lister are needed at once; a Kinesis sink without a region fails at
         // its first write, as a stuck write naming the cause.
-        let reads_aws = self.store.is_none()
-            || (paged.is_none() && (self.source.is_none() || self.lister.is_none()));
-        if reads_aws
+        if (self.store.is_none() || reads_stream)
             && let Some(config) = &sdk
             && config.region().is_none()
         {
@@ -582,10 +621,12 @@ impl<H: Handler> Consumer<H> {
             (None, Some(kinesis)) => Arc::new(KinesisSink::new(kinesis.clone())),
             (None, None) => Arc::new(Unavailable),
         };
-        let lister: Arc<dyn ShardLister> = match (self.lister, &paged) {
+        let lister: Arc<dyn ShardLister> = match (self.lister, &reads) {
             (Some(l), _) => l,
-            (None, Some(source)) => Arc::new(PartitionLister(source.clone())),
-            (None, None) => Arc::new(KinesisShards::new(kinesis.clone().expect("sdk loaded"))),
+            (None, Reads::Pages(source)) => Arc::new(PartitionLister(source.clone())),
+            (None, Reads::Stream) => {
+                Arc::new(KinesisShards::new(kinesis.clone().expect("sdk loaded")))
+            }
         };
 
         let settings = self.settings;
@@ -599,15 +640,9 @@ impl<H: Handler> Consumer<H> {
             receipts.prepare().await?;
         }
         if let Some(target) = &self.seek {
-            match &paged {
-                None => {
-                    crate::seek::seek(store.as_ref(), lister.as_ref(), &settings.stream, target)
-                        .await?;
-                }
-                Some(source) => {
-                    crate::seek::seek_paged(store.as_ref(), source.as_ref(), target).await?;
-                }
-            }
+            reads
+                .seek(store.as_ref(), lister.as_ref(), &settings.stream, target)
+                .await?;
         }
         let (manager, events) = LeaseManager::start(
             store.clone(),
@@ -631,36 +666,37 @@ impl<H: Handler> Consumer<H> {
                 // one needs a durable outcome (a dead letter, else a quarantined receipt).
                 max_attempts: settings.max_attempts,
                 dead_letter: settings.dead_letter.clone(),
-                spent: match (&paged, &self.receipts) {
-                    (None, _) => crate::retry::Spent::Drop,
-                    (Some(_), Some(_)) => crate::retry::Spent::Quarantine,
-                    (Some(_), None) => crate::retry::Spent::Hold,
-                },
+                spent: reads.spent(self.receipts.is_some()),
             }),
             stuck: stuck.clone(),
             receipts: self.receipts,
             hooks: self.delivery_hooks,
             health: health_board.clone(),
         };
-        let work = match &paged {
-            None => Work::Shards(ShardContext {
-                pipeline,
+        let kind = match &reads {
+            Reads::Stream => Kind::Shards(Shards {
                 source: match self.source {
                     Some(s) => s,
                     None => Arc::new(KinesisRecords::new(kinesis.expect("sdk loaded"))),
                 },
                 lister: lister.clone(),
-                store: store.clone(),
-                stop: stop.clone(),
-                abort: abort.clone(),
             }),
-            Some(source) => Work::Partitions(PartitionContext {
+            Reads::Pages(source) => match source.contract().timestamps {
+                Some(contracts) => Kind::Timestamps(Timestamped {
+                    source: source.clone(),
+                    contracts,
+                }),
+                None => Kind::Pages(source.clone()),
+            },
+        };
+        let work = Work {
+            ctx: OwnedContext {
                 pipeline,
-                source: source.clone(),
                 store: store.clone(),
                 stop: stop.clone(),
                 abort: abort.clone(),
-            }),
+            },
+            kind,
         };
         let (held_tx, held_rx) = tokio::sync::watch::channel(Vec::new());
         let leases = manager.probe();
@@ -679,56 +715,49 @@ impl<H: Handler> Consumer<H> {
             stuck,
             store,
             lister,
-            paged,
+            reads,
             stream: settings.stream.clone(),
         })
     }
 }
 
-/// What a consumer's leases are for.
-enum Work<H> {
+/// What a consumer's leases are for: the kind of lease, chosen once, and what every lease needs.
+struct Work<H> {
+    ctx: OwnedContext<H>,
+    kind: Kind,
+}
+
+enum Kind {
     /// Kinesis shards.
-    Shards(ShardContext<H>),
+    Shards(Shards),
     /// Partitions of a paged source.
-    Partitions(PartitionContext<H>),
+    Pages(Arc<dyn PagedSource>),
+    /// Partitions of a source read by timestamp.
+    Timestamps(Timestamped),
 }
 
 impl<H: Handler> Work<H> {
-    /// Starts a shard's work. Its graceful stop and abort are its own, below the worker's: a
-    /// handoff request stops this shard alone, and aborts its handlers once the handoff timeout
-    /// has passed, so it writes its final checkpoint and is handed over.
-    fn spawn(&self, tasks: &mut JoinSet<ShardExit>, lease: HeldLease) -> tokio::task::AbortHandle {
-        let (stop, abort, settings) = match self {
-            Work::Shards(ctx) => (&ctx.stop, &ctx.abort, &ctx.pipeline.settings),
-            Work::Partitions(ctx) => (&ctx.stop, &ctx.abort, &ctx.pipeline.settings),
+    /// Starts a lease's work. Its graceful stop and abort are its own, below the worker's: a
+    /// handoff request stops this lease alone, and aborts its handlers once the handoff timeout
+    /// has passed, so it writes its final progress and is handed over.
+    fn spawn(&self, tasks: &mut JoinSet<Exit>, lease: HeldLease) -> tokio::task::AbortHandle {
+        let ctx = OwnedContext {
+            stop: self.ctx.stop.child_token(),
+            abort: self.ctx.abort.child_token(),
+            ..self.ctx.clone()
         };
-        let (stop, abort) = (stop.child_token(), abort.child_token());
         tokio::spawn(handoff(
             lease.handoff.clone(),
             lease.cancel.clone(),
-            stop.clone(),
-            abort.clone(),
-            settings.lease.handoff_timeout,
+            ctx.stop.clone(),
+            ctx.abort.clone(),
+            ctx.pipeline.settings.lease.handoff_timeout,
         ));
-        match self {
-            Work::Shards(ctx) => {
-                let ctx = ShardContext {
-                    stop,
-                    abort,
-                    ..ctx.clone()
-                };
-                tasks.spawn(run_shard(ctx, lease))
-            }
-            Work::Partitions(ctx) => {
-                let ctx = PartitionContext {
-                    stop,
-                    abort,
-                    ..ctx.clone()
-                };
-                match ctx.source.contract().timestamps {
-                    Some(contracts) => tasks.spawn(run_timestamp_partition(ctx, lease, contracts)),
-                    None => tasks.spawn(run_partition(ctx, lease)),
-                }
+        match &self.kind {
+            Kind::Shards(shards) => tasks.spawn(run_owned::<H, Shard>(ctx, shards.clone(), lease)),
+            Kind::Pages(source) => tasks.spawn(run_owned::<H, Pages>(ctx, source.clone(), lease)),
+            Kind::Timestamps(source) => {
+                tasks.spawn(run_owned::<H, Attempt>(ctx, source.clone(), lease))
             }
         }
     }
@@ -780,7 +809,7 @@ pub struct Running {
     stuck: StuckWrites,
     store: Arc<dyn LeaseStore>,
     lister: Arc<dyn ShardLister>,
-    paged: Option<Arc<dyn PagedSource>>,
+    reads: Reads,
     stream: String,
 }
 
@@ -857,20 +886,14 @@ impl Running {
     /// Cancellation safe: each shard's move is one conditional write (or one transaction with its
     /// descendants); a dropped call leaves some shards moved and others not.
     pub async fn seek(&self, target: &SeekTarget) -> Result<SeekReport, Error> {
-        match &self.paged {
-            None => {
-                crate::seek::seek(
-                    self.store.as_ref(),
-                    self.lister.as_ref(),
-                    &self.stream,
-                    target,
-                )
-                .await
-            }
-            Some(source) => {
-                crate::seek::seek_paged(self.store.as_ref(), source.as_ref(), target).await
-            }
-        }
+        self.reads
+            .seek(
+                self.store.as_ref(),
+                self.lister.as_ref(),
+                &self.stream,
+                target,
+            )
+            .await
     }
 
     /// Stops at once, as a crash (`kill -9`) would: running handlers are dropped, nothing more is
@@ -951,13 +974,10 @@ async fn supervise<H: Handler>(
     held: tokio::sync::watch::Sender<Vec<Ownership>>,
     progress: Arc<Mutex<ShutdownReport>>,
 ) -> ShutdownReport {
-    let mut shards: JoinSet<ShardExit> = JoinSet::new();
+    let mut shards: JoinSet<Exit> = JoinSet::new();
     // Each shard task's lease, to release it if the task panics.
     let mut tasks: HashMap<tokio::task::Id, Ownership> = HashMap::new();
-    let stop = match &work {
-        Work::Shards(ctx) => ctx.stop.clone(),
-        Work::Partitions(ctx) => ctx.stop.clone(),
-    };
+    let stop = work.ctx.stop.clone();
     loop {
         tokio::select! {
             biased;
@@ -989,7 +1009,7 @@ async fn supervise<H: Handler>(
 }
 
 async fn on_exit(
-    exit: Result<(tokio::task::Id, ShardExit), tokio::task::JoinError>,
+    exit: Result<(tokio::task::Id, Exit), tokio::task::JoinError>,
     tasks: &mut HashMap<tokio::task::Id, Ownership>,
     manager: &LeaseManager,
     progress: &Mutex<ShutdownReport>,
@@ -1001,26 +1021,26 @@ async fn on_exit(
     };
     let ownership = tasks.remove(&task);
     match exit.map(|(_, exit)| exit) {
-        Ok(ShardExit::Ended(o)) => {
+        Ok(Exit::Ended(o)) => {
             if let Err(e) = manager.shard_ended(&o).await {
                 warn!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "releasing an ended shard failed; it will expire");
             }
         }
-        Ok(ShardExit::Stopped(o)) if !stopping => {
+        Ok(Exit::Stopped(o)) if !stopping => {
             // Stopped alone: a handoff. The final checkpoint is written: pass the lease.
             if let Err(e) = manager.release(&o).await {
                 warn!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "handing a lease over failed; it will expire");
             }
         }
-        Ok(ShardExit::Stopped(o)) => {
+        Ok(Exit::Stopped(o)) => {
             info!(shard = %o.shard_id, "shard stopped");
             progress
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .shards_stopped += 1;
         }
-        Ok(ShardExit::Lost(o)) => info!(shard = %o.shard_id, "shard given up: lease lost"),
-        Ok(ShardExit::Failed(o, e)) => {
+        Ok(Exit::Lost(o)) => info!(shard = %o.shard_id, "shard given up: lease lost"),
+        Ok(Exit::Failed(o, e)) => {
             error!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "shard failed; releasing its lease");
             let _ = manager.release(&o).await;
         }
