@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use shardwise::{Consumer, Delivery, Ordering, Outcome};
+use shardwise::{Consumer, Delivery, DeliveryOrder, Outcome};
 
 /// `N` from a `{"id":N}` payload.
 fn id(payload: &[u8]) -> Option<u64> {
@@ -71,7 +71,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let running = Consumer::builder(stream, "ordered-lanes", handler)
         .lanes(8)
-        .ordering(Ordering::PerKey) // the default, spelled out; Ordering::None: any idle lane
+        .ordering(DeliveryOrder::PerKey) // the default, spelled out; DeliveryOrder::None: any idle lane
         .build()?
         .run()
         .await?;

@@ -151,6 +151,7 @@ pub enum Format {
 
 /// A decoded blob: headers (possibly none), the payload, and the form it was read in.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Decoded {
     /// The headers; empty for a plain payload.
     pub headers: Headers,

@@ -18,7 +18,7 @@
 //!
 //! # States, and what each publication is conditioned on
 //!
-//! [`compute`] sees the lease rows, the published membership and the last listing, and is in
+//! The computation sees the lease rows, the published membership and the last listing, and is in
 //! exactly one of these states (checked in this order):
 //!
 //! | state | when | scalar | membership published |
@@ -46,7 +46,7 @@
 //! old the listing is), and from that listing on the scalar is withheld until the partition's
 //! row exists, however far the other members got.
 //!
-//! All of this is pure: [`complete_through`] for one shard, [`compute`] over the lease rows, the
+//! All of this is pure: [`complete_through`] for one shard, `compute` over the lease rows ([`from_rows`] for a reader of the lease table alone), the
 //! published membership and the last listing.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -118,7 +118,7 @@ pub struct Membership {
     pub seeks: u64,
     /// Each row's seek epoch when it was published (rows at 0 left out): a row whose seek epoch
     /// rose since was moved by a seek, which may change its membership. Empty in a membership
-    /// stored by an older version (see [`compute`]).
+    /// stored by an older version (see the module doc).
     pub seek_epochs: BTreeMap<String, u64>,
 }
 
@@ -131,6 +131,7 @@ impl Membership {
 
 /// The partitions (or shards) a listing of the source found, and when.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct Listing {
     /// The ids listed.
     pub ids: BTreeSet<String>,
@@ -249,32 +250,42 @@ impl Frontier {
 
 /// One shard as the frontier needs it: read from its lease row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ShardCoordinate<'a> {
+pub(crate) struct ShardCoordinate<'a> {
     /// The shard.
-    pub shard_id: &'a str,
+    pub(crate) shard_id: &'a str,
     /// Its stored `completeThrough`, if any.
-    pub complete_through: Option<i64>,
+    pub(crate) complete_through: Option<i64>,
     /// Whether it is at SHARD_END.
-    pub ended: bool,
+    pub(crate) ended: bool,
     /// Its children, once known.
-    pub children: &'a [String],
+    pub(crate) children: &'a [String],
     /// Its parents (a split child has one, a merge child two).
-    pub parents: &'a [String],
+    pub(crate) parents: &'a [String],
     /// A paged partition (it has no children: at SHARD_END it is sealed and leaves).
-    pub paged: bool,
+    pub(crate) paged: bool,
     /// It was read from its own start (never moved by a seek), or it is a child shard (read from
     /// its start after its parents): it covers every time before any earlier frontier.
-    pub from_start: bool,
+    pub(crate) from_start: bool,
     /// Its seek epoch (+1 on every seek).
-    pub seek_epoch: u64,
+    pub(crate) seek_epoch: u64,
     /// What seeks skipped on it, if anything.
-    pub skipped: Option<&'a SkippedRange>,
+    pub(crate) skipped: Option<&'a SkippedRange>,
+}
+
+/// The frontier as a reader of the lease table alone sees it: from the stream's lease `rows` and
+/// the membership `published` in the table (`None`: none yet). The source is not listed, so a
+/// shard or partition it gained that has no row yet is not seen (a worker's own frontier, from
+/// [`Running::frontier`](crate::Running::frontier), withholds the scalar for it).
+pub fn from_rows(rows: &[crate::lease::Lease], published: Option<&Membership>) -> Frontier {
+    let coordinates: Vec<ShardCoordinate<'_>> =
+        rows.iter().map(crate::lease::Lease::coordinate).collect();
+    compute(&coordinates, published, None)
 }
 
 /// The frontier of the stream whose shards are `rows` (one per lease row), under the membership
 /// `published` in the lease table (`None`: none yet), with the source's last `listing` (`None`:
 /// none known; a reader of the lease table alone). See the module doc for the states.
-pub fn compute(
+pub(crate) fn compute(
     rows: &[ShardCoordinate<'_>],
     published: Option<&Membership>,
     listing: Option<&Listing>,

@@ -73,6 +73,7 @@ pub struct Delivery {
     inner: Arc<Inner>,
 }
 
+#[derive(Clone)]
 struct Inner {
     stream: Arc<str>,
     shard: Arc<str>,
@@ -87,6 +88,8 @@ struct Inner {
     event: Option<EventId>,
     /// A paged event's position (its `position` is then zero).
     page_position: Option<PagePosition>,
+    /// A paged event's own identity, as its source gave it.
+    paged_id: Option<String>,
     replayable: Replayable,
 }
 
@@ -137,6 +140,7 @@ impl Delivery {
             lane: 0,
             event: None,
             page_position: None,
+            paged_id: None,
             replayable: Replayable::No,
         }
     }
@@ -174,6 +178,7 @@ impl Delivery {
             .set_arrived_at(event.timestamp)
             .event_id(id);
         builder.page_position = Some(event.position.clone());
+        builder.paged_id = Some(event.id.clone());
         builder
     }
 
@@ -212,6 +217,13 @@ impl Delivery {
     /// Where a paged event stands in its partition; `None` for a Kinesis record.
     pub fn page_position(&self) -> Option<&PagePosition> {
         self.inner.page_position.as_ref()
+    }
+
+    /// A paged event's own identity as its source gave it (a CloudWatch Logs `eventId`, say);
+    /// `None` for a Kinesis record. [`event_id`](Self::event_id) is the identity receipts are
+    /// kept under, which also names the source and the partition.
+    pub fn paged_event_id(&self) -> Option<&str> {
+        self.inner.paged_id.as_deref()
     }
 
     /// Where the delivery stands, for messages: a record's sequence number (and sub-sequence), a
@@ -278,46 +290,22 @@ impl Delivery {
 
     /// The same delivery on another lane.
     pub(crate) fn on_lane(&self, lane: usize) -> Delivery {
-        let i = &self.inner;
         Delivery {
             inner: Arc::new(Inner {
-                stream: i.stream.clone(),
-                shard: i.shard.clone(),
-                position: i.position,
-                partition_key: i.partition_key.clone(),
-                explicit_hash_key: i.explicit_hash_key.clone(),
-                payload: i.payload.clone(),
-                headers: i.headers.clone(),
-                arrived_at: i.arrived_at,
-                id: i.id,
                 lane,
-                event: i.event.clone(),
-                page_position: i.page_position.clone(),
-                replayable: i.replayable,
+                ..Inner::clone(&self.inner)
             }),
         }
     }
 
     /// The same delivery as the next attempt (a paged event retried in place).
     pub(crate) fn next_attempt(&self) -> Delivery {
-        let i = &self.inner;
-        let mut headers = i.headers.clone();
+        let mut headers = self.inner.headers.clone();
         headers.insert(envelope::RETRY_COUNT_HEADER, self.attempt().to_string());
         Delivery {
             inner: Arc::new(Inner {
-                stream: i.stream.clone(),
-                shard: i.shard.clone(),
-                position: i.position,
-                partition_key: i.partition_key.clone(),
-                explicit_hash_key: i.explicit_hash_key.clone(),
-                payload: i.payload.clone(),
                 headers,
-                arrived_at: i.arrived_at,
-                id: i.id,
-                lane: i.lane,
-                event: i.event.clone(),
-                page_position: i.page_position.clone(),
-                replayable: i.replayable,
+                ..Inner::clone(&self.inner)
             }),
         }
     }
@@ -404,6 +392,7 @@ pub struct DeliveryBuilder {
     lane: usize,
     event: Option<EventId>,
     page_position: Option<PagePosition>,
+    paged_id: Option<String>,
     replayable: Replayable,
 }
 
@@ -461,7 +450,13 @@ impl DeliveryBuilder {
     }
 
     /// Sets the id the delivery settles with (the runtime sets it when it tracks the delivery).
-    pub fn id(mut self, id: DeliveryId) -> Self {
+    /// For tests that drive the tracker and the lanes by hand.
+    #[cfg(feature = "testing")]
+    pub fn id(self, id: DeliveryId) -> Self {
+        self.set_id(id)
+    }
+
+    pub(crate) fn set_id(mut self, id: DeliveryId) -> Self {
         self.id = Some(id);
         self
     }
@@ -472,8 +467,14 @@ impl DeliveryBuilder {
         self
     }
 
-    /// Sets the lane that runs the delivery.
-    pub fn lane(mut self, lane: usize) -> Self {
+    /// Sets the lane that runs the delivery (the runtime picks it from the partition key). For
+    /// tests.
+    #[cfg(feature = "testing")]
+    pub fn lane(self, lane: usize) -> Self {
+        self.set_lane(lane)
+    }
+
+    pub(crate) fn set_lane(mut self, lane: usize) -> Self {
         self.lane = lane;
         self
     }
@@ -513,6 +514,7 @@ impl DeliveryBuilder {
                 lane: self.lane,
                 event: self.event,
                 page_position: self.page_position,
+                paged_id: self.paged_id,
                 replayable: self.replayable,
             }),
         }

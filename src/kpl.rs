@@ -100,8 +100,7 @@ pub enum Deaggregated {
     /// No KPL magic: an ordinary record.
     Plain,
     /// The KPL magic, but the aggregate does not check out; the caller should count and warn.
-    /// The reason is one of the `CORRUPT_*` constants of this module (short, stable text, fit for
-    /// a log field or a metric label).
+    /// The reason is short, stable text, fit for a log field or a metric label.
     Corrupt(&'static str),
     /// A valid aggregate: its sub-records in order (at least one), sub-record `i` with
     /// sub-sequence `i`.
@@ -123,18 +122,26 @@ impl Deaggregated {
     }
 }
 
-/// [`Deaggregated::Corrupt`] reason: shorter than the magic and the 16-byte digest.
-pub const CORRUPT_TRUNCATED: &str = "shorter than magic and digest";
-/// [`Deaggregated::Corrupt`] reason: the MD5 digest does not match the protobuf bytes.
-pub const CORRUPT_DIGEST: &str = "md5 digest mismatch";
-/// [`Deaggregated::Corrupt`] reason: the protobuf bytes do not parse as an `AggregatedRecord`.
-pub const CORRUPT_PROTOBUF: &str = "protobuf does not parse";
-/// [`Deaggregated::Corrupt`] reason: a partition key index is outside the partition key table.
-pub const CORRUPT_PARTITION_KEY_INDEX: &str = "partition key index out of range";
-/// [`Deaggregated::Corrupt`] reason: an explicit hash key index is outside its table.
-pub const CORRUPT_EXPLICIT_HASH_KEY_INDEX: &str = "explicit hash key index out of range";
-/// [`Deaggregated::Corrupt`] reason: the aggregate holds no records.
-pub const CORRUPT_EMPTY: &str = "no records";
+/// The reasons a [`Deaggregated::Corrupt`] gives: public for tests that check them.
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
+mod reasons {
+    /// [`Deaggregated::Corrupt`](super::Deaggregated::Corrupt) reason: shorter than the magic and the 16-byte digest.
+    pub const CORRUPT_TRUNCATED: &str = "shorter than magic and digest";
+    /// [`Deaggregated::Corrupt`](super::Deaggregated::Corrupt) reason: the MD5 digest does not match the protobuf bytes.
+    pub const CORRUPT_DIGEST: &str = "md5 digest mismatch";
+    /// [`Deaggregated::Corrupt`](super::Deaggregated::Corrupt) reason: the protobuf bytes do not parse as an `AggregatedRecord`.
+    pub const CORRUPT_PROTOBUF: &str = "protobuf does not parse";
+    /// [`Deaggregated::Corrupt`](super::Deaggregated::Corrupt) reason: a partition key index is outside the partition key table.
+    pub const CORRUPT_PARTITION_KEY_INDEX: &str = "partition key index out of range";
+    /// [`Deaggregated::Corrupt`](super::Deaggregated::Corrupt) reason: an explicit hash key index is outside its table.
+    pub const CORRUPT_EXPLICIT_HASH_KEY_INDEX: &str = "explicit hash key index out of range";
+    /// [`Deaggregated::Corrupt`](super::Deaggregated::Corrupt) reason: the aggregate holds no records.
+    pub const CORRUPT_EMPTY: &str = "no records";
+}
+#[cfg(feature = "testing")]
+pub use reasons::*;
+#[cfg(not(feature = "testing"))]
+use reasons::*;
 
 /// Whether `blob` starts with [`KPL_MAGIC`] (it may still be a corrupt aggregate).
 pub fn has_magic(blob: &[u8]) -> bool {

@@ -5,14 +5,26 @@
 //! letter), and every checkpoint write is fenced by the lease table, so a crash, a lost lease or a
 //! late acknowledgement can repeat records but never lose one.
 //!
-//! The pieces, bottom up:
+//! The pieces, bottom up (every public module):
 //! - [`envelope`]: the header envelope records carry on the wire.
+//! - [`kpl`]: KPL aggregates, read (sub-records, with their sub-sequence numbers) and written.
+//! - [`position`] ([`Position`], [`SequenceNumber`]): positions in a shard and their sortable
+//!   checkpoint key.
 //! - [`Delivery`], [`Outcome`], [`Handler`]: what application code sees and returns.
-//! - [`track::Tracker`]: where a shard's checkpoint may stand, given settlements in any order.
-//! - [`Position`], [`SequenceNumber`]: positions in a shard and their sortable checkpoint key.
-//! - [`Checkpoint`]: where a shard's reading stands, as the lease table stores it.
+//! - [`lease`]: the lease table ([`lease::Checkpoint`] is where a shard's reading stands, as the
+//!   table stores it), its stores ([`DynamoDbLeaseStore`], [`MemoryLeaseStore`]) and settings.
+//! - [`shard`]: reading a Kinesis shard (record sources, shard listings, reader settings).
+//! - [`paged`]: paged event APIs as sources (CloudWatch Logs among them), and their contracts.
+//! - [`producer`]: writing records (retry copies, dead letters, `shardwise put`).
+//! - [`retry`]: what a retry writes, and the policy that decides it.
+//! - [`receipts`]: the receipt ledger, for effects applied exactly once.
+//! - [`seek`]: moving checkpoints, to a time or a place.
+//! - [`frontier`]: how far the whole stream is complete.
+//! - [`consumer`]: the [`Consumer`] that runs all of the above, its settings and its health.
+//! - `testing` (feature `testing`): in-memory streams and stores with faults, the scripted event
+//!   API, and the pieces the consumer runs inside (the tracker, `track`; the lease manager) for
+//!   tests that drive them alone.
 
-//!
 //! ## The AWS SDK in the public API
 //!
 //! Four SDK types appear in shardwise's signatures, all to hand it clients you configured:
@@ -27,7 +39,7 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 mod backoff;
-pub mod checkpoint;
+mod checkpoint;
 pub mod consumer;
 mod dynamo;
 pub mod envelope;
@@ -46,7 +58,12 @@ pub mod shard;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 mod time;
+/// The tracker runs inside every shard; it is public for tests and benchmarks that drive it.
+#[cfg(feature = "testing")]
 pub mod track;
+#[cfg(not(feature = "testing"))]
+#[allow(unreachable_pub, dead_code)]
+mod track;
 
 /// The README's Rust examples, compiled with the doctests so they cannot rot.
 #[cfg(doctest)]
@@ -58,12 +75,12 @@ pub use aws_config;
 pub use aws_sdk_cloudwatchlogs;
 pub use aws_sdk_dynamodb;
 pub use aws_sdk_kinesis;
-pub use consumer::{Consumer, ConsumerBuilder, Ordering, Running, ShutdownReport, Unproven};
+pub use consumer::{Consumer, ConsumerBuilder, DeliveryOrder, Running, ShutdownReport, Unproven};
 pub use error::{AckError, BoxError, ConfigError, Error};
 pub use handler::{BatchHandler, Batched, Batching, Delivery, DeliveryBuilder, Handler, Outcome};
 pub use lease::{
-    Checkpoint, CheckpointWrite, DynamoDbLeaseStore, InitialPosition, Lease, LeaseStore,
-    MemoryLeaseStore, NewLease, Ownership,
+    CheckpointWrite, DynamoDbLeaseStore, InitialPosition, Lease, LeaseStore, MemoryLeaseStore,
+    NewLease, Ownership,
 };
 pub use position::{InvalidSequenceNumber, Position, SequenceNumber};
-pub use track::{DeliveryId, Settlement, Tracker};
+pub use track::DeliveryId;

@@ -42,6 +42,7 @@ impl DeliveryId {
 
 /// What a settlement did.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Settlement<P> {
     /// Nothing: the delivery was already settled, belongs to an older epoch, or was never tracked.
     Ignored,

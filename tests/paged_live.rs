@@ -75,12 +75,7 @@ fn applied(progress: &PagedProgress) -> u64 {
 }
 
 fn id_of(d: &Delivery) -> String {
-    d.event_id()
-        .as_str()
-        .rsplit('/')
-        .next()
-        .unwrap()
-        .to_string()
+    d.paged_event_id().unwrap().to_string()
 }
 
 /// Every handler call, by event id.

@@ -29,12 +29,7 @@ impl Calls {
     fn push(&self, worker: &str, d: &Delivery) {
         self.0.lock().unwrap().push((
             worker.to_string(),
-            d.event_id()
-                .as_str()
-                .rsplit('/')
-                .next()
-                .unwrap()
-                .to_string(),
+            d.paged_event_id().unwrap().to_string(),
             d.attempt(),
         ));
     }
@@ -844,13 +839,7 @@ async fn effects_apply_once_across_crashes_before_and_after_commits_and_barriers
     let calls = Calls::default();
     let counting = |worker: &str| {
         handler(worker, &calls, |d| {
-            let id = d
-                .event_id()
-                .as_str()
-                .rsplit('/')
-                .next()
-                .unwrap()
-                .to_string();
+            let id = d.paged_event_id().unwrap().to_string();
             Outcome::Apply(
                 Effect::update("counts", key("id", id))
                     .add("count", 1)
@@ -975,13 +964,7 @@ async fn after_a_restart_no_event_an_earlier_attempt_finished_reaches_the_handle
     let receipts = MemoryReceipts::new().table("counts", &["id"]);
     let calls = Calls::default();
     let answer = |d: &Delivery| {
-        let id = d
-            .event_id()
-            .as_str()
-            .rsplit('/')
-            .next()
-            .unwrap()
-            .to_string();
+        let id = d.paged_event_id().unwrap().to_string();
         match id.as_str() {
             "p-2" => Outcome::Drop,
             "p-3" => Outcome::Apply(

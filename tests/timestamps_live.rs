@@ -77,12 +77,7 @@ async fn serve(
 }
 
 fn id_of(d: &Delivery) -> String {
-    d.event_id()
-        .as_str()
-        .rsplit('/')
-        .next()
-        .unwrap()
-        .to_string()
+    d.paged_event_id().unwrap().to_string()
 }
 
 /// Every handler call, by event id.

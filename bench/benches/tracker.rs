@@ -8,7 +8,8 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
-use shardwise::{DeliveryId, Position, SequenceNumber, Tracker};
+use shardwise::track::Tracker;
+use shardwise::{DeliveryId, Position, SequenceNumber};
 
 /// A tracker holding `n` unsettled deliveries with realistic 56-digit positions.
 fn filled(n: usize, rng: &mut SmallRng) -> (Tracker<Position>, Vec<DeliveryId>) {

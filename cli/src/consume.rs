@@ -6,7 +6,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, bail};
@@ -19,7 +19,7 @@ use shardwise::lease::{Billing, InitialPosition, LeaseSettings, TableOptions};
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
 use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, key};
 use shardwise::{
-    Batching, ConfigError, Consumer, ConsumerBuilder, Delivery, Handler, Ordering, Outcome,
+    Batching, ConfigError, Consumer, ConsumerBuilder, Delivery, DeliveryOrder, Handler, Outcome,
     ShutdownReport,
 };
 use tokio::signal::unix::{SignalKind, signal};
@@ -85,7 +85,7 @@ pub(crate) struct Args {
 
     /// Order between lanes: per partition key, or none.
     #[arg(long, value_name = "per-key|none", default_value = "per-key", value_parser = parse_ordering)]
-    ordering: Ordering,
+    ordering: DeliveryOrder,
 
     /// Time each delivery takes in the handler.
     #[arg(long, value_name = "MS", default_value_t = 0)]
@@ -355,10 +355,10 @@ fn source_of(setting: &str) -> Option<Source> {
     Some(Source::Flag(flag))
 }
 
-fn parse_ordering(s: &str) -> std::result::Result<Ordering, String> {
+fn parse_ordering(s: &str) -> std::result::Result<DeliveryOrder, String> {
     match s {
-        "per-key" => Ok(Ordering::PerKey),
-        "none" => Ok(Ordering::None),
+        "per-key" => Ok(DeliveryOrder::PerKey),
+        "none" => Ok(DeliveryOrder::None),
         other => Err(format!("`{other}`: expected per-key or none")),
     }
 }
@@ -748,7 +748,7 @@ struct Printer {
 
 impl Printer {
     fn handled(&self, d: &Delivery, outcome: &Outcome) {
-        self.handled.fetch_add(1, AtomicOrdering::Relaxed);
+        self.handled.fetch_add(1, Ordering::Relaxed);
         if self.print
             && let Some(text) = json_line(d, &self.worker, outcome_name(outcome), None)
         {
@@ -848,7 +848,7 @@ async fn consume<H: Handler>(
     let report = running
         .shutdown(Duration::from_millis(args.shutdown_deadline_ms))
         .await;
-    let handled = printer.handled.load(AtomicOrdering::Relaxed);
+    let handled = printer.handled.load(Ordering::Relaxed);
     eprintln!(
         "{}",
         serde_json::to_string(&shutdown_line(&worker, handled, &report))?

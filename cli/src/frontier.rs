@@ -9,7 +9,7 @@ use aws_sdk_kinesis::primitives::{DateTime, DateTimeFormat};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
-use shardwise::frontier::{Frontier, Member, SeekCoordinate, SkippedBySeek, compute};
+use shardwise::frontier::{Frontier, Member, SeekCoordinate, SkippedBySeek, from_rows};
 use shardwise::lease::{DynamoDbLeaseStore, Lease, LeaseStore};
 use shardwise::paged::PagedProgress;
 
@@ -189,11 +189,7 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
     let published = store.membership(&stream).await.with_context(context)?;
     // The lease table alone: the source is not listed here, so a partition it gained that has
     // no row yet is not seen (a worker's own frontier withholds the scalar for it).
-    let mut f = compute(
-        &rows.iter().map(Lease::coordinate).collect::<Vec<_>>(),
-        published.as_ref(),
-        None,
-    );
+    let mut f = from_rows(&rows, published.as_ref());
     let why = why_none(&rows, &f);
     if f.publish.is_some() {
         // The scalar holds only once a worker has published the membership it stands on.

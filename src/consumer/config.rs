@@ -10,13 +10,17 @@ use crate::shard::reader::ReaderSettings;
 /// How deliveries of one shard are spread over its lanes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
-pub enum Ordering {
+pub enum DeliveryOrder {
     /// Deliveries with the same partition key run one at a time, in shard order (key hash -> lane).
     #[default]
     PerKey,
     /// Any idle lane takes the next delivery: most parallel, no order between deliveries.
     None,
 }
+
+/// The old name of [`DeliveryOrder`], which shadowed `std::cmp::Ordering` in a glob import.
+#[deprecated(since = "0.2.0", note = "renamed `DeliveryOrder`")]
+pub type Ordering = DeliveryOrder;
 
 /// Everything a consumer runs with besides its handler and clients.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,8 +39,8 @@ pub struct Settings {
     pub worker_id: String,
     /// Lanes per shard.
     pub lanes: usize,
-    /// Ordering between lanes.
-    pub ordering: Ordering,
+    /// DeliveryOrder between lanes.
+    pub ordering: DeliveryOrder,
     /// Deliveries held per shard between the checkpoint and the newest read, at most (the reader
     /// pauses at this bound; one GetRecords page may overshoot it).
     pub max_in_flight: usize,
@@ -105,7 +109,7 @@ impl Settings {
             lease_table_options: TableOptions::default(),
             worker_id: default_worker_id(),
             lanes: 1,
-            ordering: Ordering::PerKey,
+            ordering: DeliveryOrder::PerKey,
             max_in_flight: 10_000,
             reader: ReaderSettings::default(),
             checkpoint_interval: Duration::from_secs(1),

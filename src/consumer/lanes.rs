@@ -17,7 +17,7 @@ use tokio::sync::{Mutex, mpsc};
 use tokio::task::JoinSet;
 use tracing::{Instrument, error, info_span, warn};
 
-use super::config::{Ordering, Settings};
+use super::config::{DeliveryOrder, Settings};
 use crate::backoff::Backoff;
 use crate::handler::{Delivery, Handler, Outcome, Replayable};
 use crate::receipts::ReceiptStore;
@@ -64,7 +64,7 @@ impl LaneSettings {
 #[derive(Debug)]
 pub(crate) struct Lanes {
     senders: Vec<mpsc::UnboundedSender<Delivery>>,
-    ordering: Ordering,
+    ordering: DeliveryOrder,
     tasks: JoinSet<()>,
     /// Per-key ordering: the lane of each key with deliveries in flight, and how many.
     active: HashMap<String, (usize, usize)>,
@@ -75,7 +75,7 @@ pub(crate) struct Lanes {
 impl Lanes {
     pub(crate) fn start<H: Handler>(
         count: usize,
-        ordering: Ordering,
+        ordering: DeliveryOrder,
         handler: Arc<H>,
         finished: mpsc::UnboundedSender<Finished>,
         settings: LaneSettings,
@@ -83,7 +83,7 @@ impl Lanes {
         let mut tasks = JoinSet::new();
         let mut senders = Vec::new();
         match ordering {
-            Ordering::PerKey => {
+            DeliveryOrder::PerKey => {
                 for _ in 0..count {
                     let (tx, rx) = mpsc::unbounded_channel();
                     senders.push(tx);
@@ -95,7 +95,7 @@ impl Lanes {
                     ));
                 }
             }
-            Ordering::None => {
+            DeliveryOrder::None => {
                 let (tx, rx) = mpsc::unbounded_channel();
                 senders.push(tx);
                 let shared = Arc::new(Mutex::new(rx));
@@ -122,8 +122,8 @@ impl Lanes {
     /// key's lane while it has deliveries in flight, otherwise the least loaded lane.
     pub(crate) fn assign(&mut self, partition_key: &str) -> usize {
         let lane = match self.ordering {
-            Ordering::None => 0,
-            Ordering::PerKey => match self.active.get_mut(partition_key) {
+            DeliveryOrder::None => 0,
+            DeliveryOrder::PerKey => match self.active.get_mut(partition_key) {
                 Some((lane, n)) => {
                     *n += 1;
                     *lane
@@ -167,8 +167,8 @@ impl Lanes {
     /// aborted, also once the shard reads no more: a held delivery released then runs again.
     pub(crate) fn dispatch(&self, delivery: Delivery) {
         let lane = match self.ordering {
-            Ordering::PerKey => delivery.lane(),
-            Ordering::None => 0,
+            DeliveryOrder::PerKey => delivery.lane(),
+            DeliveryOrder::None => 0,
         };
         // No lane means the shard is being torn down; the delivery stays unsettled.
         if let Some(sender) = self.senders.get(lane) {
@@ -390,7 +390,7 @@ mod tests {
             Position::new(SequenceNumber::parse("1").unwrap(), 0),
         )
         .partition_key(key)
-        .lane(lane)
+        .set_lane(lane)
         .build()
     }
 
@@ -403,7 +403,7 @@ mod tests {
             max_record_age: None,
             receipts: None,
         };
-        let mut lanes = Lanes::start(3, Ordering::PerKey, handler, tx, settings);
+        let mut lanes = Lanes::start(3, DeliveryOrder::PerKey, handler, tx, settings);
         let a = lanes.assign("a");
         assert_eq!(lanes.assign("a"), a, "in flight: same lane");
         let b = lanes.assign("b");

@@ -27,7 +27,9 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-pub use config::{DEFAULT_LATEST_MARGIN, Ordering, Settings, Unproven, default_worker_id};
+#[allow(deprecated)]
+pub use config::Ordering;
+pub use config::{DEFAULT_LATEST_MARGIN, DeliveryOrder, Settings, Unproven, default_worker_id};
 pub use copies::StuckWrite;
 pub use health::{Health, HealthLimits, RetryingEvent, ShardHealth};
 pub use hooks::{DeliveryHooks, Settled};
@@ -135,7 +137,7 @@ impl<H: Handler> ConsumerBuilder<H> {
     }
 
     /// Ordering between lanes (default: per partition key).
-    pub fn ordering(mut self, ordering: Ordering) -> Self {
+    pub fn ordering(mut self, ordering: DeliveryOrder) -> Self {
         self.settings.ordering = ordering;
         self
     }

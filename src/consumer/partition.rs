@@ -202,8 +202,8 @@ impl Pages {
                     let key = event.key.as_deref().unwrap_or(&event.id);
                     let (id, lane) = pipeline.track(event.position.clone(), key);
                     let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
-                        .id(id)
-                        .lane(lane)
+                        .set_id(id)
+                        .set_lane(lane)
                         .replayable(self.replayable)
                         .build();
                     pipeline.dispatch(delivery);
@@ -211,7 +211,7 @@ impl Pages {
                 Verdict::Backfill => {
                     let id = pipeline.track_only(event.position.clone());
                     let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
-                        .id(id)
+                        .set_id(id)
                         .replayable(self.replayable)
                         .build();
                     pipeline.dispatch_unless_done(delivery, None);

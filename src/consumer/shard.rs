@@ -183,8 +183,8 @@ impl Progress for Shard {
                     )
                     .set_arrived_at(r.arrived_at)
                     .set_explicit_hash_key(r.explicit_hash_key)
-                    .id(id)
-                    .lane(lane)
+                    .set_id(id)
+                    .set_lane(lane)
                     .build();
                     pipeline.dispatch(delivery);
                 }

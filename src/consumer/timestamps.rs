@@ -246,8 +246,8 @@ impl Attempt {
                         Replayable::Recorded
                     };
                     let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
-                        .id(id)
-                        .lane(lane)
+                        .set_id(id)
+                        .set_lane(lane)
                         .replayable(replayable)
                         .build();
                     pipeline.dispatch(delivery);
@@ -261,7 +261,7 @@ impl Attempt {
                     debug!(source = %source_name, partition = %partition, id = %event.id, timestamp, closed_through = ?self.groups.query_after(), "an event at or before closed_through: handled unless its receipt shows it done");
                     let id = pipeline.track_only(event.position.clone());
                     let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
-                        .id(id)
+                        .set_id(id)
                         .replayable(Replayable::Recorded)
                         .build();
                     pipeline.dispatch_unless_done(delivery, Some(LATE_EVENTS));

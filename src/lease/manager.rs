@@ -231,6 +231,7 @@ pub struct HeldLease {
 
 /// What the manager tells the consumer.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum LeaseEvent {
     /// Start reading this shard from its checkpoint.
     Acquired(Box<HeldLease>),

@@ -6,9 +6,10 @@
 //! under the same ownership epoch and only forward.
 
 mod dynamodb;
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub, dead_code))]
 mod manager;
 mod memory;
-pub mod planner;
+mod planner;
 mod roster;
 mod row;
 mod store;
@@ -17,9 +18,15 @@ pub(crate) use sync::new_leases;
 
 pub use crate::dynamo::{Billing, TableOptions};
 pub use dynamodb::DynamoDbLeaseStore;
-pub use manager::{HeldLease, LeaseEvent, LeaseHooks, LeaseManager, LeaseProbe, LeaseSettings};
+/// The lease manager runs inside every consumer; it is public for tests that drive it alone.
+#[cfg(feature = "testing")]
+pub use manager::{HeldLease, LeaseEvent, LeaseManager, LeaseProbe};
+#[cfg(not(feature = "testing"))]
+pub(crate) use manager::{HeldLease, LeaseEvent, LeaseManager, LeaseProbe};
+pub use manager::{LeaseHooks, LeaseSettings};
 pub use memory::MemoryLeaseStore;
 #[cfg(any(test, feature = "testing"))]
 pub use memory::{Change, Observer};
+pub use planner::PlanLimits;
 pub use row::{Checkpoint, InitialPosition, Lease, NewLease, Ownership};
 pub use store::{CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, Renewal, Roster, SeekMove};

@@ -36,17 +36,17 @@ impl Default for PlanLimits {
 
 /// One lease as the planner sees it.
 #[derive(Debug, Clone, Copy)]
-pub struct Seen<'a> {
+pub(crate) struct Seen<'a> {
     /// The row from the scan.
-    pub lease: &'a Lease,
+    pub(crate) lease: &'a Lease,
     /// An owned lease: its owner has not renewed it for a lease duration, or is dead by the
     /// roster (local clock). An unowned one: no worker took it for a lease duration.
-    pub expired: bool,
+    pub(crate) expired: bool,
 }
 
 /// A conditional take the manager should attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Take {
+pub(crate) enum Take {
     /// An unowned or expired lease that falls to this worker, or one recorded as ours that this
     /// process does not hold.
     Free(String),
@@ -69,22 +69,22 @@ pub enum Take {
 
 /// The summary the plan was made from, for logs and metrics.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Plan {
+pub(crate) struct Plan {
     /// What to take, in order.
-    pub takes: Vec<Take>,
+    pub(crate) takes: Vec<Take>,
     /// Leases that may be read now (not ended, parents ended).
-    pub active: usize,
+    pub(crate) active: usize,
     /// Live workers, this one included.
-    pub workers: usize,
+    pub(crate) workers: usize,
     /// ceil(active / workers), capped by `max_leases`.
-    pub target: usize,
+    pub(crate) target: usize,
     /// Something is moving: this plan takes or asks for leases, or free leases fell to other
     /// workers that have yet to take them. Keep scanning often until a plan finds nothing to do.
-    pub settling: bool,
+    pub(crate) settling: bool,
 }
 
 /// Whether every parent of `lease` is at SHARD_END (a parent with no row has aged out of the stream).
-pub fn parents_ended(lease: &Lease, by_shard: &HashMap<&str, &Lease>) -> bool {
+pub(crate) fn parents_ended(lease: &Lease, by_shard: &HashMap<&str, &Lease>) -> bool {
     lease.parents.iter().all(|p| {
         by_shard
             .get(p.as_str())
@@ -96,7 +96,7 @@ pub fn parents_ended(lease: &Lease, by_shard: &HashMap<&str, &Lease>) -> bool {
 /// `requests` the handoffs it asked for and still waits for (`true`: the wait is over, the owner
 /// did not hand over in time); `roster` the workers alive by their beats (they count toward the
 /// share even while they hold nothing).
-pub fn plan(
+pub(crate) fn plan(
     me: &str,
     seen: &[Seen<'_>],
     held: &HashSet<String>,

@@ -49,7 +49,7 @@ impl Lease {
     }
 
     /// The shard as the stream frontier sees it.
-    pub fn coordinate(&self) -> crate::frontier::ShardCoordinate<'_> {
+    pub(crate) fn coordinate(&self) -> crate::frontier::ShardCoordinate<'_> {
         crate::frontier::ShardCoordinate {
             shard_id: &self.shard_id,
             complete_through: match &self.progress {

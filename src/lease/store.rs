@@ -12,6 +12,7 @@ use crate::paged::PagedProgress;
 
 /// What a fenced checkpoint write did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum CheckpointWrite {
     /// Stored.
     Written,
@@ -25,6 +26,7 @@ pub enum CheckpointWrite {
 
 /// What a renewal found.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Renewal {
     /// The heartbeat moved; the lease is still ours. `wanted_by` is the row's handoff request as
     /// written (the store returns the row with the write, so noticing a request costs no read).
@@ -46,6 +48,7 @@ impl Renewal {
 /// The workers of one stream as their beats tell (the item `~workers#<stream>`, see
 /// `docs/leases.md`): each worker's beat counter, and a counter raised when rows were added.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Roster {
     /// Beat counter by worker id.
     pub beats: BTreeMap<String, u64>,

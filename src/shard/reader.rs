@@ -61,7 +61,7 @@ pub struct ReadRecord {
 
 /// What the reader task sends.
 #[derive(Debug)]
-pub enum ReaderMessage {
+pub(crate) enum ReaderMessage {
     /// Records in shard order (possibly none, to report lag).
     Records {
         /// The records.
@@ -78,7 +78,7 @@ pub enum ReaderMessage {
 /// Where to start reading a shard with this checkpoint, and what to skip once there: the
 /// checkpointed position itself and, for a partly handled KPL aggregate, its handled sub-records.
 /// `None` when the shard is already at its end.
-pub fn resume_point(checkpoint: &Checkpoint) -> Option<(StartAt, Option<Position>)> {
+pub(crate) fn resume_point(checkpoint: &Checkpoint) -> Option<(StartAt, Option<Position>)> {
     Some(match checkpoint {
         Checkpoint::TrimHorizon => (StartAt::TrimHorizon, None),
         Checkpoint::Latest => (StartAt::Latest, None),
@@ -96,7 +96,7 @@ pub fn resume_point(checkpoint: &Checkpoint) -> Option<(StartAt, Option<Position
 
 /// Reads a shard, starting from `checkpoint`, until its end, `cancel`, or the receiver is dropped.
 #[derive(Debug)]
-pub struct ShardReader {
+pub(crate) struct ShardReader {
     source: Arc<dyn RecordSource>,
     stream: String,
     shard: String,
@@ -108,7 +108,7 @@ pub struct ShardReader {
 
 impl ShardReader {
     /// A reader resuming from `checkpoint`; `None` if the shard already ended.
-    pub fn new(
+    pub(crate) fn new(
         source: Arc<dyn RecordSource>,
         stream: &str,
         shard: &str,
@@ -127,7 +127,7 @@ impl ShardReader {
     }
 
     /// Reads until the end, cancellation, or a dropped receiver.
-    pub async fn run(mut self, out: mpsc::Sender<ReaderMessage>, cancel: CancellationToken) {
+    pub(crate) async fn run(mut self, out: mpsc::Sender<ReaderMessage>, cancel: CancellationToken) {
         let msg = tokio::select! {
             biased;
             _ = cancel.cancelled() => return,

@@ -14,6 +14,7 @@ use crate::position::SequenceNumber;
 
 /// Where to open a shard iterator.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StartAt {
     /// The oldest retained record.
     TrimHorizon,
@@ -42,6 +43,7 @@ pub struct RawRecord {
 
 /// One GetRecords answer.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Page {
     /// The records, in shard order.
     pub records: Vec<RawRecord>,

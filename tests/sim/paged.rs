@@ -671,12 +671,7 @@ fn push_at(
 
 /// The event's identity in the source (`p0-7`).
 fn event_name(d: &Delivery) -> String {
-    d.event_id()
-        .as_str()
-        .rsplit('/')
-        .next()
-        .unwrap_or_default()
-        .to_string()
+    d.paged_event_id().unwrap_or_default().to_string()
 }
 
 /// Runs one paged seed on a fresh current-thread runtime with paused time.
