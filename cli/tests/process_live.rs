@@ -7,755 +7,19 @@
 //! Run with the emulators up:
 //! `envs=$(scripts/emulators start) && eval "$envs" && SHARDWISE_LIVE=require cargo test --test process_live -- --test-threads=2`
 
+mod process;
 #[path = "../../tests/support/mod.rs"]
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::fs::File;
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use aws_sdk_dynamodb::types::AttributeValue;
-use aws_sdk_kinesis::types::ShardIteratorType;
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_shardwise");
-
-/// Short lease settings that keep the tests quick (3 s lease, 1 s renew, 500 ms scan).
-const FAST: &[&str] = &[
-    "--lease-duration-ms",
-    "3000",
-    "--scan-interval-ms",
-    "500",
-    "--checkpoint-interval-ms",
-    "200",
-    "--poll-interval-ms",
-    "200",
-];
-
-/// The emulators are shared by the tests of this file, two of which run at a time. A test that
-/// loads them heavily (moto's transactions copy whole tables under Python's lock, stalling every
-/// other request for seconds) takes them alone (`write`), so the lease timings of the others
-/// (3 s leases in `FAST`) are not judged against a stalled emulator; every other test takes its
-/// turn alongside one more (`read`).
-static EMULATORS: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
-
-// ---------------------------------------------------------------------------------------------
-// The handled-record log
-
-/// One handled delivery, as a worker printed it, with the time this test read the line.
-#[derive(Debug, Clone)]
-struct Handled {
-    at: Instant,
-    worker: String,
-    shard: String,
-    sequence: String,
-    key: String,
-    id: u64,
-    /// The outcome the line names (with receipts, how the delivery settled).
-    outcome: String,
-    /// With receipts: settled from an existing receipt (its effects were not applied again).
-    replay: bool,
-}
-
-/// Every line every worker of a test printed, in the order this test read them (each worker's
-/// lines keep that worker's order).
-#[derive(Clone)]
-struct Log {
-    t0: Instant,
-    lines: Arc<Mutex<Vec<Handled>>>,
-    garbage: Arc<Mutex<Vec<String>>>,
-}
-
-impl Default for Log {
-    fn default() -> Self {
-        Log {
-            t0: Instant::now(),
-            lines: Arc::default(),
-            garbage: Arc::default(),
-        }
-    }
-}
-
-impl Log {
-    fn push_raw(&self, line: &str, at: Instant) {
-        match parse_line(line, at) {
-            Some(h) => self.lines.lock().unwrap().push(h),
-            None => self.garbage.lock().unwrap().push(line.to_owned()),
-        }
-    }
-
-    fn len(&self) -> usize {
-        self.lines.lock().unwrap().len()
-    }
-
-    fn snapshot(&self) -> Vec<Handled> {
-        self.lines.lock().unwrap().clone()
-    }
-
-    fn distinct_ids(&self) -> usize {
-        let lines = self.lines.lock().unwrap();
-        lines.iter().map(|h| h.id).collect::<HashSet<_>>().len()
-    }
-
-    fn count_of(&self, worker: &str) -> usize {
-        let lines = self.lines.lock().unwrap();
-        lines.iter().filter(|h| h.worker == worker).count()
-    }
-
-    /// Writes every line (ms since the log was made, worker, shard, sequence, key, id) to a file next
-    /// to the workers' stderr, for investigation.
-    fn dump(&self, name: &str) {
-        let t0 = self.t0;
-        use std::fmt::Write as _;
-        let mut text = String::new();
-        for h in self.lines.lock().unwrap().iter() {
-            let _ = writeln!(
-                text,
-                "{} {} {} {} {} {}",
-                h.at.saturating_duration_since(t0).as_millis(),
-                h.worker,
-                h.shard,
-                h.sequence,
-                h.key,
-                h.id
-            );
-        }
-        let path = log_dir().join(format!("{name}.log"));
-        std::fs::write(&path, text).expect("write the log");
-        eprintln!("log of handled records: {}", path.display());
-    }
-
-    /// Asserts every stdout line was a delivery line.
-    fn assert_no_garbage(&self) {
-        let garbage = self.garbage.lock().unwrap();
-        assert!(
-            garbage.is_empty(),
-            "stdout lines that are not deliveries: {:?}",
-            &garbage[..garbage.len().min(5)]
-        );
-    }
-}
-
-fn parse_line(line: &str, at: Instant) -> Option<Handled> {
-    let v: Value = serde_json::from_str(line).ok()?;
-    let data: Value = serde_json::from_str(v["data"].as_str()?).ok()?;
-    Some(Handled {
-        at,
-        worker: v["worker"].as_str()?.to_owned(),
-        shard: v["shard"].as_str()?.to_owned(),
-        sequence: v["sequence"].as_str()?.to_owned(),
-        key: v["partition_key"].as_str()?.to_owned(),
-        replay: v["replay"].as_bool().unwrap_or(false),
-        outcome: v["outcome"].as_str()?.to_owned(),
-        id: data["id"].as_u64()?,
-    })
-}
-
-// ---------------------------------------------------------------------------------------------
-// Workers
-
-/// Where worker stderr files and dumped logs go.
-fn log_dir() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("process_live");
-    std::fs::create_dir_all(&dir).expect("a directory for worker logs");
-    dir
-}
-
-/// A `shardwise consume` child. Dropping it kills the process (so a failing test leaves none).
-struct Worker {
-    id: String,
-    child: Child,
-    reader: Option<std::thread::JoinHandle<()>>,
-    stderr: PathBuf,
-    exit: Option<ExitStatus>,
-}
-
-impl Worker {
-    fn spawn(stream: &str, app: &str, id: &str, args: &[&str], log: &Log) -> Worker {
-        let dir = log_dir();
-        let stderr = dir.join(format!("{app}-{id}.stderr"));
-        let file = File::create(&stderr).expect("a worker stderr file");
-        let mut child = Command::new(BIN)
-            .args([
-                "consume",
-                "--stream",
-                stream,
-                "--app",
-                app,
-                "--worker-id",
-                id,
-            ])
-            .args(args)
-            .env("RUST_LOG", "shardwise=info,warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(file)
-            .spawn()
-            .expect("spawn shardwise consume");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let log = log.clone();
-        let reader = std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let at = Instant::now();
-                match line {
-                    Ok(line) => log.push_raw(&line, at),
-                    Err(_) => return,
-                }
-            }
-        });
-        eprintln!(
-            "worker {id}: pid {}, stderr {}",
-            child.id(),
-            stderr.display()
-        );
-        Worker {
-            id: id.to_owned(),
-            child,
-            reader: Some(reader),
-            stderr,
-            exit: None,
-        }
-    }
-
-    /// Asks for a graceful shutdown.
-    fn terminate(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -TERM {} failed", self.child.id());
-    }
-
-    /// SIGKILL; returns the instant the signal was sent.
-    async fn kill9(&mut self) -> Instant {
-        self.child.kill().expect("SIGKILL");
-        let at = Instant::now();
-        self.wait_exit(Duration::from_secs(10)).await;
-        at
-    }
-
-    /// Waits for the process to exit (and its stdout to be read to the end); returns its status
-    /// and the instant the exit was noticed (within ~10 ms).
-    async fn wait_exit(&mut self, timeout: Duration) -> (ExitStatus, Instant) {
-        let deadline = Instant::now() + timeout;
-        let (status, at) = loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                break (status, Instant::now());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "worker {} did not exit within {timeout:?}; stderr: {}",
-                self.id,
-                self.stderr_tail()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        };
-        self.exit = Some(status);
-        if let Some(reader) = self.reader.take() {
-            let _ = reader.join();
-        }
-        (status, at)
-    }
-
-    /// SIGTERM, then asserts a zero exit status within `timeout`.
-    async fn stop_gracefully(&mut self, timeout: Duration) -> Instant {
-        self.terminate();
-        let (status, at) = self.wait_exit(timeout).await;
-        assert!(
-            status.success(),
-            "worker {} exited with {status} after SIGTERM; stderr: {}",
-            self.id,
-            self.stderr_tail()
-        );
-        at
-    }
-
-    fn stderr_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        if self.exit.is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Other commands
-
-/// Runs `shardwise` to completion and returns stdout (asserting success).
-async fn shardwise(args: &[&str]) -> String {
-    let out = tokio::process::Command::new(BIN)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .await
-        .expect("run shardwise");
-    assert!(
-        out.status.success(),
-        "shardwise {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 stdout")
-}
-
-/// `shardwise put`: ids `start..start + count`, key `key-{id % keys}`.
-async fn put(stream: &str, count: u64, keys: u64, start: u64) {
-    shardwise(&[
-        "put",
-        "--stream",
-        stream,
-        "--count",
-        &count.to_string(),
-        "--keys",
-        &keys.to_string(),
-        "--start-id",
-        &start.to_string(),
-    ])
-    .await;
-}
-
-/// A background writer putting `batch` records every `every`, ids increasing from `start`.
-struct Trickle {
-    stop: Arc<AtomicBool>,
-    next: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Trickle {
-    fn start(stream: &str, keys: u64, start: u64, batch: u64, every: Duration) -> Trickle {
-        let stop = Arc::new(AtomicBool::new(false));
-        let next = Arc::new(AtomicU64::new(start));
-        let (s, n, stream) = (stop.clone(), next.clone(), stream.to_owned());
-        let task = tokio::spawn(async move {
-            while !s.load(AtomicOrdering::SeqCst) {
-                let from = n.load(AtomicOrdering::SeqCst);
-                let began = Instant::now();
-                put(&stream, batch, keys, from).await;
-                n.store(from + batch, AtomicOrdering::SeqCst);
-                tokio::time::sleep(every.saturating_sub(began.elapsed())).await;
-            }
-        });
-        Trickle { stop, next, task }
-    }
-
-    /// Stops writing; returns the end of the ids written (`start..end`).
-    async fn stop(self) -> u64 {
-        self.stop.store(true, AtomicOrdering::SeqCst);
-        self.task.await.expect("trickle task");
-        self.next.load(AtomicOrdering::SeqCst)
-    }
-}
-
-/// Polls `cond` every 20 ms until it holds; panics with `what` after `timeout`.
-async fn eventually(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) -> Instant {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if cond() {
-            return Instant::now();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out ({timeout:?}) waiting: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Polls `progress` every 20 ms until it reaches `goal`, for as long as it keeps moving: panics
-/// with `what` once it has not moved for `stall`. A wait that follows the work it waits for, so
-/// a slow machine (or a slow emulator) makes the test slower, not red, while a stuck consumer
-/// still fails within `stall`. Returns the largest gap between two moves, for the report.
-async fn while_progressing(
-    what: &str,
-    goal: u64,
-    stall: Duration,
-    mut progress: impl FnMut() -> u64,
-) -> Duration {
-    let (mut last, mut moved) = (progress(), Instant::now());
-    let mut longest = Duration::ZERO;
-    while last < goal {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        let now = progress();
-        if now != last {
-            longest = longest.max(moved.elapsed());
-            (last, moved) = (now, Instant::now());
-        }
-        assert!(
-            moved.elapsed() < stall,
-            "no progress for {stall:?} waiting: {what} ({last} of {goal})"
-        );
-    }
-    longest
-}
-
-// ---------------------------------------------------------------------------------------------
-// The lease table
-
-/// One lease row, read raw from DynamoDB.
-#[derive(Debug, Clone)]
-struct Row {
-    shard: String,
-    owner: Option<String>,
-    counter: u64,
-    checkpoint: String,
-    sub: u64,
-    parents: Vec<String>,
-    children: Vec<String>,
-}
-
-/// A checkpoint's order: start sentinels, then sequence numbers by (length, digits), sub-sequence,
-/// then SHARD_END.
-fn checkpoint_order(checkpoint: &str, sub: u64) -> (u8, usize, String, u64) {
-    if checkpoint == "SHARD_END" {
-        (2, 0, String::new(), 0)
-    } else if !checkpoint.is_empty() && checkpoint.bytes().all(|b| b.is_ascii_digit()) {
-        (1, checkpoint.len(), checkpoint.to_owned(), sub)
-    } else {
-        (0, 0, String::new(), 0)
-    }
-}
-
-/// Sequence numbers compared as numbers.
-fn seq_order(sequence: &str) -> (usize, &str) {
-    (sequence.len(), sequence)
-}
-
-fn attr_s(item: &HashMap<String, AttributeValue>, name: &str) -> Option<String> {
-    match item.get(name) {
-        Some(AttributeValue::S(s)) => Some(s.clone()),
-        _ => None,
-    }
-}
-
-fn attr_n(item: &HashMap<String, AttributeValue>, name: &str) -> u64 {
-    match item.get(name) {
-        Some(AttributeValue::N(n)) => n.parse().unwrap_or(0),
-        _ => 0,
-    }
-}
-
-fn attr_list(item: &HashMap<String, AttributeValue>, name: &str) -> Vec<String> {
-    let mut out: Vec<String> = match item.get(name) {
-        Some(AttributeValue::L(l)) => l.iter().filter_map(|v| v.as_s().ok().cloned()).collect(),
-        Some(AttributeValue::Ss(s)) => s.clone(),
-        _ => Vec::new(),
-    };
-    out.sort();
-    out
-}
-
-/// The stream's rows of the application's lease table (consistent Scan); empty while the table
-/// does not exist yet.
-async fn try_rows(live: &support::Live, app: &str, stream: &str) -> Result<Vec<Row>, String> {
-    let mut rows = Vec::new();
-    let mut start = None;
-    loop {
-        let out = live
-            .dynamodb
-            .scan()
-            .table_name(app)
-            .consistent_read(true)
-            .set_exclusive_start_key(start.take())
-            .send()
-            .await;
-        let out = match out {
-            Ok(out) => out,
-            Err(e)
-                if e.as_service_error()
-                    .is_some_and(|e| e.is_resource_not_found_exception()) =>
-            {
-                return Ok(Vec::new());
-            }
-            Err(e) => return Err(format!("{e:?}")),
-        };
-        for item in out.items() {
-            if attr_s(item, "streamName").as_deref() != Some(stream) {
-                continue;
-            }
-            rows.push(Row {
-                shard: attr_s(item, "shardId").unwrap_or_default(),
-                owner: attr_s(item, "leaseOwner"),
-                counter: attr_n(item, "leaseCounter"),
-                checkpoint: attr_s(item, "checkpoint").unwrap_or_default(),
-                sub: attr_n(item, "checkpointSub"),
-                parents: attr_list(item, "parentShardIds"),
-                children: attr_list(item, "childShardIds"),
-            });
-        }
-        match out.last_evaluated_key {
-            Some(key) if !key.is_empty() => start = Some(key),
-            _ => break,
-        }
-    }
-    rows.sort_by(|a, b| a.shard.cmp(&b.shard));
-    Ok(rows)
-}
-
-async fn rows(live: &support::Live, app: &str, stream: &str) -> Vec<Row> {
-    try_rows(live, app, stream)
-        .await
-        .expect("scan the lease table")
-}
-
-/// Leases per owner (unowned rows and ended shards are not counted).
-fn load(rows: &[Row]) -> BTreeMap<String, usize> {
-    let mut load = BTreeMap::new();
-    for r in rows {
-        if let Some(owner) = &r.owner
-            && r.checkpoint != "SHARD_END"
-        {
-            *load.entry(owner.clone()).or_insert(0) += 1;
-        }
-    }
-    load
-}
-
-/// Polls the table until `cond` holds; returns the rows that satisfied it.
-async fn wait_rows(
-    live: &support::Live,
-    app: &str,
-    stream: &str,
-    what: &str,
-    timeout: Duration,
-    cond: impl Fn(&[Row]) -> bool,
-) -> Vec<Row> {
-    let deadline = Instant::now() + timeout;
-    let mut last = Vec::new();
-    loop {
-        if let Ok(rows) = try_rows(live, app, stream).await {
-            if cond(&rows) {
-                return rows;
-            }
-            last = rows;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out ({timeout:?}) waiting for the lease table: {what}; last rows: {last:#?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// One read of the lease table: `began` before the Scan was sent, `at` once it answered, so
-/// every write the rows show happened before `at`, and every write they do not show happened
-/// after `began`.
-#[derive(Debug, Clone)]
-struct Sample {
-    began: Instant,
-    at: Instant,
-    rows: Vec<Row>,
-}
-
-type Samples = Vec<Sample>;
-
-/// Samples the lease table in the background and checks that no checkpoint moves backwards.
-struct Watcher {
-    samples: Arc<Mutex<Samples>>,
-    regressions: Arc<Mutex<Vec<String>>>,
-    stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Watcher {
-    fn start(live: &support::Live, app: &str, stream: &str, every: Duration) -> Watcher {
-        let samples: Arc<Mutex<Samples>> = Arc::default();
-        let regressions: Arc<Mutex<Vec<String>>> = Arc::default();
-        let stop = Arc::new(AtomicBool::new(false));
-        let (live, app, stream) = (live.clone(), app.to_owned(), stream.to_owned());
-        let (s, r, st) = (samples.clone(), regressions.clone(), stop.clone());
-        let task = tokio::spawn(async move {
-            let mut last: HashMap<String, (String, u64)> = HashMap::new();
-            while !st.load(AtomicOrdering::SeqCst) {
-                let began = Instant::now();
-                if let Ok(rows) = try_rows(&live, &app, &stream).await {
-                    let at = Instant::now();
-                    for row in &rows {
-                        if let Some((cp, sub)) = last.get(&row.shard)
-                            && checkpoint_order(&row.checkpoint, row.sub)
-                                < checkpoint_order(cp, *sub)
-                        {
-                            r.lock().unwrap().push(format!(
-                                "{}: checkpoint went back from {cp}.{sub} to {}.{} (owner {:?})",
-                                row.shard, row.checkpoint, row.sub, row.owner
-                            ));
-                        }
-                        last.insert(row.shard.clone(), (row.checkpoint.clone(), row.sub));
-                    }
-                    s.lock().unwrap().push(Sample { began, at, rows });
-                }
-                tokio::time::sleep(every.saturating_sub(began.elapsed())).await;
-            }
-        });
-        Watcher {
-            samples,
-            regressions,
-            stop,
-            task,
-        }
-    }
-
-    /// Stops sampling, asserts no checkpoint went backwards, and returns the samples.
-    async fn finish(self) -> Samples {
-        self.stop.store(true, AtomicOrdering::SeqCst);
-        self.task.await.expect("watcher task");
-        let regressions = self.regressions.lock().unwrap().clone();
-        let samples = std::mem::take(&mut *self.samples.lock().unwrap());
-        assert!(
-            !samples.is_empty(),
-            "the lease table was never sampled during the run"
-        );
-        assert!(
-            regressions.is_empty(),
-            "checkpoints moved backwards: {regressions:#?}"
-        );
-        samples
-    }
-
-    fn samples(&self) -> Samples {
-        self.samples.lock().unwrap().clone()
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Checks on the log
-
-/// Asserts every id in `0..n` was handled at least once (and nothing else was).
-fn assert_nothing_skipped(lines: &[Handled], n: u64) {
-    let seen: BTreeSet<u64> = lines.iter().map(|h| h.id).collect();
-    let missing: Vec<u64> = (0..n).filter(|id| !seen.contains(id)).collect();
-    assert!(
-        missing.is_empty(),
-        "{} of {n} ids were never handled (skipped): first {:?}",
-        missing.len(),
-        &missing[..missing.len().min(20)]
-    );
-    let unknown: Vec<u64> = seen.iter().copied().filter(|id| *id >= n).collect();
-    assert!(unknown.is_empty(), "ids never written: {unknown:?}");
-}
-
-/// Ids handled more than once, with their counts.
-fn duplicates(lines: &[Handled]) -> BTreeMap<u64, usize> {
-    let mut counts: BTreeMap<u64, usize> = BTreeMap::new();
-    for h in lines {
-        *counts.entry(h.id).or_insert(0) += 1;
-    }
-    counts.retain(|_, c| *c > 1);
-    counts
-}
-
-/// Extra deliveries (lines beyond the first of each id).
-fn extra_deliveries(lines: &[Handled]) -> usize {
-    duplicates(lines).values().map(|c| c - 1).sum()
-}
-
-/// Per-key order: within `lines` (in log order), each key's ids strictly increase. Also checks that
-/// the key matches the id (`key-{id % keys}`).
-fn order_violations<'a>(lines: impl IntoIterator<Item = &'a Handled>, keys: u64) -> Vec<String> {
-    let mut last: HashMap<&str, &Handled> = HashMap::new();
-    let mut out = Vec::new();
-    for h in lines {
-        if h.key != format!("key-{}", h.id % keys) {
-            out.push(format!("id {} came with key {}", h.id, h.key));
-        }
-        if let Some(before) = last.get(h.key.as_str())
-            && before.id >= h.id
-        {
-            out.push(format!(
-                "{}: id {} ({} {} seq {}) after id {} ({} {} seq {})",
-                h.key,
-                h.id,
-                h.worker,
-                h.shard,
-                h.sequence,
-                before.id,
-                before.worker,
-                before.shard,
-                before.sequence
-            ));
-        }
-        last.insert(h.key.as_str(), h);
-    }
-    out
-}
-
-fn assert_order(lines: &[Handled], keys: u64, what: &str) {
-    let violations = order_violations(lines, keys);
-    assert!(
-        violations.is_empty(),
-        "per-key order broken ({what}): {} violations, first: {:#?}",
-        violations.len(),
-        &violations[..violations.len().min(10)]
-    );
-}
-
-fn assert_order_per_worker(lines: &[Handled], keys: u64) {
-    let workers: BTreeSet<&str> = lines.iter().map(|h| h.worker.as_str()).collect();
-    for w in workers {
-        let mine: Vec<Handled> = lines.iter().filter(|h| h.worker == w).cloned().collect();
-        assert_order(&mine, keys, &format!("worker {w}"));
-    }
-}
-
-fn secs(d: Duration) -> f64 {
-    d.as_secs_f64()
-}
-
-/// Every record of one shard in order: (sequence, id).
-async fn read_shard(live: &support::Live, stream: &str, shard: &str) -> Vec<(String, u64)> {
-    let mut iterator = live
-        .kinesis
-        .get_shard_iterator()
-        .stream_name(stream)
-        .shard_id(shard)
-        .shard_iterator_type(ShardIteratorType::TrimHorizon)
-        .send()
-        .await
-        .expect("GetShardIterator")
-        .shard_iterator
-        .expect("an iterator");
-    let mut out = Vec::new();
-    loop {
-        let page = live
-            .kinesis
-            .get_records()
-            .shard_iterator(&iterator)
-            .limit(10_000)
-            .send()
-            .await
-            .expect("GetRecords");
-        for r in page.records() {
-            let data: Value = serde_json::from_slice(r.data().as_ref()).expect("JSON data");
-            out.push((
-                r.sequence_number().to_owned(),
-                data["id"].as_u64().expect("an id"),
-            ));
-        }
-        if page.records().is_empty() && page.millis_behind_latest() == Some(0) {
-            return out;
-        }
-        match page.next_shard_iterator {
-            Some(next) => iterator = next,
-            None => return out,
-        }
-    }
-}
-
-async fn cleanup(live: &support::Live, stream: &str, app: &str) {
-    live.delete_stream(stream).await;
-    live.delete_table(app).await;
-}
+use process::*;
+use support::wait::wait_for;
 
 // ---------------------------------------------------------------------------------------------
 // Tests
@@ -790,7 +54,7 @@ async fn graceful_restart_handles_everything_once() {
         let stream = stream.clone();
         async move { put(&stream, n, keys, 0).await }
     });
-    eventually("A handled half", Duration::from_secs(60), || {
+    wait_for("A handled half", Duration::from_secs(60), || {
         log.len() as u64 >= n / 2
     })
     .await;
@@ -804,7 +68,7 @@ async fn graceful_restart_handles_everything_once() {
 
     let mut b = Worker::spawn(&stream, &app, "B", &args, &log);
     writer.await.expect("put");
-    eventually("every id handled", Duration::from_secs(60), || {
+    wait_for("every id handled", Duration::from_secs(60), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -900,7 +164,7 @@ async fn kill_9_scenario(
         let stream = stream.clone();
         async move { put(&stream, n, keys, 0).await }
     });
-    eventually("a third handled", Duration::from_secs(60), || {
+    wait_for("a third handled", Duration::from_secs(60), || {
         log.len() as u64 >= n / 3
     })
     .await;
@@ -929,7 +193,7 @@ async fn kill_9_scenario(
     )
     .await;
     assert_eq!(taken.len(), 4);
-    eventually("every id handled", Duration::from_secs(90), || {
+    wait_for("every id handled", Duration::from_secs(90), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -1066,22 +330,6 @@ async fn kill_9_failover_with_default_settings() {
     .await;
 }
 
-/// Per shard and worker, the spans in which the worker printed lines for the shard: runs of its
-/// lines with gaps below `gap`.
-fn spans(lines: &[Handled], gap: Duration) -> BTreeMap<(String, String), Vec<(Instant, Instant)>> {
-    let mut out: BTreeMap<(String, String), Vec<(Instant, Instant)>> = BTreeMap::new();
-    for h in lines {
-        let spans = out.entry((h.shard.clone(), h.worker.clone())).or_default();
-        match spans.last_mut() {
-            Some((_, end)) if h.at.saturating_duration_since(*end) < gap => {
-                *end = (*end).max(h.at);
-            }
-            _ => spans.push((h.at, h.at)),
-        }
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_workers_converge_and_never_share_a_shard_while_handlers_are_slow() {
     let _turn = EMULATORS.read().await;
@@ -1110,7 +358,7 @@ async fn three_workers_converge_and_never_share_a_shard_while_handlers_are_slow(
     let run = Duration::from_secs(25);
     tokio::time::sleep(run.saturating_sub(started.elapsed())).await;
     let n = trickle.stop().await;
-    eventually("every id handled", Duration::from_secs(60), || {
+    wait_for("every id handled", Duration::from_secs(60), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -1236,7 +484,7 @@ async fn graceful_shutdown_hands_off_within_one_scan() {
     )
     .await;
     let trickle = Trickle::start(&stream, keys, 0, 16, Duration::from_millis(250));
-    eventually("A handles records", Duration::from_secs(30), || {
+    wait_for("A handles records", Duration::from_secs(30), || {
         log.count_of("A") > 0
     })
     .await;
@@ -1263,7 +511,7 @@ async fn graceful_shutdown_hands_off_within_one_scan() {
     let handed: Vec<Instant> = {
         let mut out = Vec::new();
         for shard in &a_shards {
-            eventually(
+            wait_for(
                 &format!("B handles {shard}"),
                 Duration::from_secs(20),
                 || {
@@ -1289,7 +537,7 @@ async fn graceful_shutdown_hands_off_within_one_scan() {
         out
     };
     let n = trickle.stop().await;
-    eventually("every id handled", Duration::from_secs(30), || {
+    wait_for("every id handled", Duration::from_secs(30), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -1338,7 +586,7 @@ async fn split_and_merge_during_consumption_keep_per_key_order() {
     .await;
 
     put(&stream, 600, keys, 0).await;
-    eventually("W is consuming", Duration::from_secs(30), || log.len() > 0).await;
+    wait_for("W is consuming", Duration::from_secs(30), || log.len() > 0).await;
     let parent = "shardId-000000000001";
     shardwise(&["stream", "split", &stream, parent]).await;
     put(&stream, 600, keys, 600).await;
@@ -1357,7 +605,7 @@ async fn split_and_merge_during_consumption_keep_per_key_order() {
     let merged_out = shardwise(&["stream", "merge", &stream, &children[0], &children[1]]).await;
     put(&stream, 600, keys, 1200).await;
     let n = 1800u64;
-    eventually("every id handled", Duration::from_secs(90), || {
+    wait_for("every id handled", Duration::from_secs(90), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -1628,7 +876,7 @@ async fn a_refused_retry_holds_the_checkpoint_below_it() {
     let mut args: Vec<&str> = FAST.to_vec();
     args.extend(["--lanes", "8", "--fail-keys", "key-5"]);
     let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
-    eventually("W handled every id", Duration::from_secs(60), || {
+    wait_for("W handled every id", Duration::from_secs(60), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -1651,7 +899,7 @@ async fn a_refused_retry_holds_the_checkpoint_below_it() {
 
     // The next owner reads everything after the held checkpoint again: ids 5.. (in order).
     let mut b = Worker::spawn(&stream, &app, "B", FAST, &log);
-    eventually(
+    wait_for(
         "B reread every id from 5 on",
         Duration::from_secs(60),
         || log.count_of("B") as u64 >= n - 5,
@@ -1715,7 +963,7 @@ async fn kill_9_during_a_retry_after_delay_replays_the_original() {
         "retry-after:6000",
     ]);
     let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
-    eventually("W handled every id once", Duration::from_secs(30), || {
+    wait_for("W handled every id once", Duration::from_secs(30), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -1737,11 +985,11 @@ async fn kill_9_during_a_retry_after_delay_replays_the_original() {
     // The next owner reads the original again: nothing was lost.
     let by_w = log.len();
     let mut b = Worker::spawn(&stream, &app, "B", FAST, &log);
-    eventually("B handled id 1 again", Duration::from_secs(30), || {
+    wait_for("B handled id 1 again", Duration::from_secs(30), || {
         log.snapshot()[by_w..].iter().any(|h| h.id == 1)
     })
     .await;
-    eventually("B reached the last record", Duration::from_secs(30), || {
+    wait_for("B reached the last record", Duration::from_secs(30), || {
         log.snapshot()[by_w..].iter().any(|h| h.id == n - 1)
     })
     .await;
@@ -1815,7 +1063,7 @@ async fn a_latest_start_killed_before_its_first_checkpoint_skips_nothing() {
             .collect::<Vec<_>>(),
         &log,
     );
-    eventually("B handled all 20", Duration::from_secs(30), || {
+    wait_for("B handled all 20", Duration::from_secs(30), || {
         let seen: BTreeSet<u64> = log.snapshot().iter().map(|h| h.id).collect();
         (first..first + n).all(|id| seen.contains(&id))
     })
@@ -1966,35 +1214,6 @@ async fn kill_9_with_receipts_applies_every_effect_exactly_once() {
     live.delete_table(&counts).await;
 }
 
-/// Runs `shardwise` expecting it to fail, and returns stderr.
-async fn shardwise_fails(args: &[&str]) -> String {
-    let out = tokio::process::Command::new(BIN)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .await
-        .expect("run shardwise");
-    assert!(
-        !out.status.success(),
-        "shardwise {args:?} succeeded: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8(out.stderr).expect("utf-8 stderr")
-}
-
-/// The receipts `shardwise receipts --json` lists for `app` (restricted to `id` if given).
-async fn receipts_of(app: &str, id: Option<&str>) -> Vec<serde_json::Value> {
-    let mut args = vec!["receipts", "--app", app, "--json"];
-    if let Some(id) = id {
-        args.extend(["--id", id]);
-    }
-    shardwise(&args)
-        .await
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a JSON receipt"))
-        .collect()
-}
-
 /// A held record is the operator's: it holds the checkpoint below it, `shardwise receipts` lists
 /// it, `--release` has the worker handle it again, and `--quarantine` settles it so the
 /// checkpoint passes it. Every other record settles meanwhile.
@@ -2026,7 +1245,7 @@ async fn a_held_record_waits_for_the_operator_and_settles_when_quarantined() {
         "hold:check the price",
     ]);
     let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
-    eventually(
+    wait_for(
         "every other record settled",
         Duration::from_secs(60),
         || log.distinct_ids() as u64 >= n - 1,
@@ -2084,7 +1303,7 @@ async fn a_held_record_waits_for_the_operator_and_settles_when_quarantined() {
     ])
     .await;
     assert_eq!(out.trim(), format!("quarantined {held_event}"));
-    eventually("the held record settled", Duration::from_secs(30), || {
+    wait_for("the held record settled", Duration::from_secs(30), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -2177,13 +1396,13 @@ async fn two_workers_and_a_sigterm_handle_every_record_exactly_once() {
     });
     let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
     let mut b = Worker::spawn(&stream, &app, "B", &args, &log);
-    eventually("half handled", Duration::from_secs(60), || {
+    wait_for("half handled", Duration::from_secs(60), || {
         log.len() as u64 >= n / 2
     })
     .await;
     b.stop_gracefully(Duration::from_secs(30)).await;
     writer.await.expect("put");
-    eventually("every id handled", Duration::from_secs(60), || {
+    wait_for("every id handled", Duration::from_secs(60), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -2249,7 +1468,7 @@ async fn a_worker_joining_busy_ones_takes_leases_over_without_duplicates() {
         let stream = stream.clone();
         async move { put(&stream, n, keys, 0).await }
     });
-    eventually("A busy", Duration::from_secs(60), || {
+    wait_for("A busy", Duration::from_secs(60), || {
         log.len() as u64 >= n / 8
     })
     .await;
@@ -2263,7 +1482,7 @@ async fn a_worker_joining_busy_ones_takes_leases_over_without_duplicates() {
         |r| load(r).get("A") == Some(&2) && load(r).get("B") == Some(&2),
     )
     .await;
-    eventually("a quarter more handled", Duration::from_secs(60), || {
+    wait_for("a quarter more handled", Duration::from_secs(60), || {
         log.len() as u64 >= n / 2
     })
     .await;
@@ -2278,7 +1497,7 @@ async fn a_worker_joining_busy_ones_takes_leases_over_without_duplicates() {
     )
     .await;
     writer.await.expect("put");
-    eventually("every id handled", Duration::from_secs(90), || {
+    wait_for("every id handled", Duration::from_secs(90), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -2359,7 +1578,7 @@ async fn an_owner_paused_past_the_handoff_timeout_is_stolen_from_and_fenced() {
     )
     .await;
     put(&stream, n / 2, keys, 0).await;
-    eventually("A handled the first half", Duration::from_secs(60), || {
+    wait_for("A handled the first half", Duration::from_secs(60), || {
         log.distinct_ids() as u64 >= n / 2
     })
     .await;
@@ -2392,7 +1611,7 @@ async fn an_owner_paused_past_the_handoff_timeout_is_stolen_from_and_fenced() {
          expire (20 s) instead of stealing when its handoff patience (8.2 s) ran out"
     );
     signal("-CONT", a.child.id());
-    eventually("every id handled", Duration::from_secs(90), || {
+    wait_for("every id handled", Duration::from_secs(90), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -2466,7 +1685,7 @@ async fn a_rolling_restart_of_three_workers_handles_every_record_once() {
     });
     for (i, id) in names.iter().enumerate() {
         let mark = log.len() as u64 + n / 10;
-        eventually(
+        wait_for(
             "progress before the restart",
             Duration::from_secs(60),
             || log.len() as u64 >= mark.min(n * 9 / 10),
@@ -2485,7 +1704,7 @@ async fn a_rolling_restart_of_three_workers_handles_every_record_once() {
         .await;
     }
     writer.await.expect("put");
-    eventually("every id handled", Duration::from_secs(120), || {
+    wait_for("every id handled", Duration::from_secs(120), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -2539,33 +1758,6 @@ async fn a_rolling_restart_of_three_workers_handles_every_record_once() {
     cleanup(&live, &stream, &app).await;
 }
 
-// ---------------------------------------------------------------------------------------------
-// A production worker: any program as the handler, metrics and health
-
-/// The examples' Python handler, as `--exec` runs it, with `delay_ms` of work per record.
-fn python_handler(delay_ms: u64) -> String {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/exec_handler.py");
-    format!("HANDLER_DELAY_MS={delay_ms} python3 -u {script}")
-}
-
-/// The process ids of `pid`'s children (Linux: `/proc/PID/task/*/children`).
-fn children_of(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
-        for task in tasks.flatten() {
-            if let Ok(text) = std::fs::read_to_string(task.path().join("children")) {
-                out.extend(
-                    text.split_whitespace()
-                        .filter_map(|p| p.parse::<u32>().ok()),
-                );
-            }
-        }
-    }
-    out.sort_unstable();
-    out.dedup();
-    out
-}
-
 /// A Python handler behind `--exec` (batches of 20, two programs per worker) consumes the
 /// stream; one of its programs is killed with SIGKILL mid-run, and later the worker itself.
 /// The program is replaced and gets its unanswered deliveries again; the second worker takes the
@@ -2604,7 +1796,7 @@ async fn a_python_handler_survives_its_own_kill_and_the_workers_losing_nothing()
         let stream = stream.clone();
         async move { put(&stream, n, keys, 0).await }
     });
-    eventually("A handles a quarter", Duration::from_secs(90), || {
+    wait_for("A handles a quarter", Duration::from_secs(90), || {
         log.count_of("A") as u64 >= n / 4
     })
     .await;
@@ -2615,17 +1807,17 @@ async fn a_python_handler_survives_its_own_kill_and_the_workers_losing_nothing()
         .status()
         .expect("run kill");
     assert!(status.success());
-    eventually("A replaced the program", Duration::from_secs(20), || {
+    wait_for("A replaced the program", Duration::from_secs(20), || {
         let now = children_of(a.child.id());
         now.len() == 2 && !now.contains(&programs[0])
     })
     .await;
-    eventually("A handles another quarter", Duration::from_secs(90), || {
+    wait_for("A handles another quarter", Duration::from_secs(90), || {
         log.count_of("A") as u64 >= n / 2
     })
     .await;
     let mut b = Worker::spawn(&stream, &app, "B", &args, &log);
-    eventually("B handles records", Duration::from_secs(60), || {
+    wait_for("B handles records", Duration::from_secs(60), || {
         log.count_of("B") > 0
     })
     .await;
@@ -2636,7 +1828,7 @@ async fn a_python_handler_survives_its_own_kill_and_the_workers_losing_nothing()
     );
     a.kill9().await;
     writer.await.expect("put");
-    eventually("every id handled", Duration::from_secs(120), || {
+    wait_for("every id handled", Duration::from_secs(120), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
@@ -2675,48 +1867,6 @@ async fn a_python_handler_survives_its_own_kill_and_the_workers_losing_nothing()
         "handler programs left running: {orphans:?}"
     );
     cleanup(&live, &stream, &app).await;
-}
-
-/// A free TCP port on the loopback.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
-
-/// A plain HTTP/1.1 GET: the status code and the body.
-async fn http_get(port: u16, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect to the metrics address");
-    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
-    conn.write_all(request.as_bytes()).await.expect("write");
-    let mut response = String::new();
-    conn.read_to_string(&mut response).await.expect("read");
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map_or(String::new(), |(_, b)| b.to_owned());
-    (status, body)
-}
-
-/// The value of the Prometheus sample `name{labels}` whose labels include every `want`.
-fn sample(text: &str, name: &str, want: &[&str]) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.rsplit_once(' '))
-        .find(|(series, _)| {
-            (series == &name || series.starts_with(&format!("{name}{{")))
-                && want.iter().all(|w| series.contains(w))
-        })
-        .and_then(|(_, v)| v.parse().ok())
 }
 
 /// `--metrics-addr`: `/metrics` counts what the handled log shows, has the handler-duration
@@ -2758,7 +1908,7 @@ async fn the_metrics_endpoint_agrees_with_the_handled_log_and_drops_shards_that_
     )
     .await;
     put(&stream, n, keys, 0).await;
-    eventually("every id handled", Duration::from_secs(90), || {
+    wait_for("every id handled", Duration::from_secs(90), || {
         log.distinct_ids() as u64 >= n
     })
     .await;
