@@ -21,6 +21,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use support::calls::{Calls, id_of};
 use support::wait::wait_for_async;
 
 use futures::StreamExt;
@@ -72,26 +73,6 @@ fn applied(progress: &PagedProgress) -> u64 {
         .as_ref()
         .and_then(PagePosition::as_u64)
         .unwrap_or(0)
-}
-
-fn id_of(d: &Delivery) -> String {
-    d.paged_event_id().unwrap().to_string()
-}
-
-/// Every handler call, by event id.
-#[derive(Debug, Default, Clone)]
-struct Calls(Arc<Mutex<Vec<String>>>);
-
-impl Calls {
-    fn push(&self, d: &Delivery) {
-        self.0.lock().unwrap().push(id_of(d));
-    }
-    fn all(&self) -> Vec<String> {
-        self.0.lock().unwrap().clone()
-    }
-    fn count(&self, id: &str) -> usize {
-        self.all().iter().filter(|i| *i == id).count()
-    }
 }
 
 fn settings() -> LeaseSettings {
@@ -159,7 +140,7 @@ fn counting(counts: String, case: String, calls: Calls) -> impl shardwise::Handl
     move |d: Delivery| {
         let (counts, case, calls) = (counts.clone(), case.clone(), calls.clone());
         async move {
-            calls.push(&d);
+            calls.push("", &d);
             let slow = d
                 .page_position()
                 .and_then(|p| p.as_u64())
@@ -323,7 +304,7 @@ fn failing_at_5(
         let (counts, case, calls) = (counts.clone(), case.clone(), calls.clone());
         let first_call = first_call.clone();
         async move {
-            calls.push(&d);
+            calls.push("", &d);
             if id_of(&d) == "p-5" {
                 let since = *first_call.lock().unwrap().get_or_insert_with(Instant::now);
                 if down_for.is_none_or(|down| since.elapsed() < down) {
@@ -449,7 +430,7 @@ async fn an_effect_the_store_refuses_as_a_whole_is_quarantined_and_its_batch_com
     let handler = move |d: Delivery| {
         let (counts, case, calls) = (counts.clone(), case.clone(), seen.clone());
         async move {
-            calls.push(&d);
+            calls.push("", &d);
             let id = id_of(&d);
             let mut effects = shardwise::receipts::Effects::new()
                 .with(Effect::update(&counts, key("id", format!("{case}/{id}"))).add("count", 1));
@@ -519,7 +500,7 @@ async fn serve(
 
 fn acking(calls: Calls) -> impl shardwise::Handler {
     move |d: Delivery| {
-        calls.push(&d);
+        calls.push("", &d);
         async { Outcome::Ack }
     }
 }
@@ -593,7 +574,7 @@ async fn a_lost_barrier_answer_is_found_stored_and_the_partition_goes_on() {
     let slow = {
         let calls = calls.clone();
         move |d: Delivery| {
-            calls.push(&d);
+            calls.push("", &d);
             let late = d.page_position().and_then(PagePosition::as_u64) > Some(4);
             async move {
                 if late {
@@ -645,7 +626,7 @@ async fn a_stale_attempt_with_the_same_version_rereads_and_never_overwrites_newe
     let handler = {
         let calls = calls.clone();
         move |d: Delivery| {
-            calls.push(&d);
+            calls.push("", &d);
             let mut opened = opened.clone();
             async move {
                 if id_of(&d) == "p-2" {
@@ -743,7 +724,7 @@ async fn a_reversible_hold_blocks_the_barrier_until_it_is_made_terminal() {
     let handler = {
         let calls = calls.clone();
         move |d: Delivery| {
-            calls.push(&d);
+            calls.push("", &d);
             let held = id_of(&d) == "p-3";
             async move {
                 if held {

@@ -3,9 +3,12 @@
 //! crashes at each point of a page's life, overlapping, replayed, empty and stuck pages, lost
 //! answers, order violations that stop a partition, retries in place, and seeks.
 
+#[path = "support/calls.rs"]
+mod calls;
 #[path = "support/wait.rs"]
 mod wait;
 
+use calls::Calls;
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
@@ -20,36 +23,6 @@ use shardwise::testing::{EventApi, Script, ScriptedEvent};
 use shardwise::{Consumer, ConsumerBuilder, Delivery, Outcome, Running};
 
 const SOURCE: &str = "events";
-
-/// Every handler call: (worker, event id, attempt).
-#[derive(Debug, Default, Clone)]
-struct Calls(Arc<Mutex<Vec<(String, String, u32)>>>);
-
-impl Calls {
-    fn push(&self, worker: &str, d: &Delivery) {
-        self.0.lock().unwrap().push((
-            worker.to_string(),
-            d.paged_event_id().unwrap().to_string(),
-            d.attempt(),
-        ));
-    }
-    fn all(&self) -> Vec<(String, String, u32)> {
-        self.0.lock().unwrap().clone()
-    }
-    fn ids(&self) -> Vec<String> {
-        self.all().into_iter().map(|(_, id, _)| id).collect()
-    }
-    fn of(&self, worker: &str) -> Vec<String> {
-        self.all()
-            .into_iter()
-            .filter(|(w, ..)| w == worker)
-            .map(|(_, id, _)| id)
-            .collect()
-    }
-    fn count(&self, id: &str) -> usize {
-        self.ids().iter().filter(|i| *i == id).count()
-    }
-}
 
 type Handler = Arc<dyn Fn(Delivery) -> BoxFuture<'static, Outcome> + Send + Sync>;
 

@@ -4,9 +4,12 @@
 //! released, crashes and lost answers around every receipt write, and effects that cannot be
 //! committed.
 
+#[path = "support/calls.rs"]
+mod calls;
 #[path = "support/wait.rs"]
 mod wait;
 
+use calls::Calls;
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
@@ -55,31 +58,6 @@ where
         .shard_lister(Arc::new(stream.clone()))
         .record_sink(Arc::new(stream.clone()))
         .receipts(receipts)
-}
-
-/// Every handler call: (worker, payload, attempt).
-#[derive(Debug, Default, Clone)]
-struct Calls(Arc<Mutex<Vec<(String, String, u32)>>>);
-
-impl Calls {
-    fn push(&self, worker: &str, d: &Delivery) {
-        self.0.lock().unwrap().push((
-            worker.to_string(),
-            String::from_utf8_lossy(d.payload()).into_owned(),
-            d.attempt(),
-        ));
-    }
-    fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
-    }
-    fn of(&self, payload: &str) -> usize {
-        self.0
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|c| c.1 == payload)
-            .count()
-    }
 }
 
 /// A handler that counts each record id once into the `counts` table, taking `took` a record.
@@ -239,7 +217,7 @@ async fn a_retry_copy_of_an_applied_event_is_a_replay_by_its_origin() {
         (original, Settled::Replayed),
         "the copy has the original's identity"
     );
-    assert_eq!(calls.of("7"), 2, "the handler ran for both");
+    assert_eq!(calls.count("7"), 2, "the handler ran for both");
     assert_eq!(counts(&receipts, [7]), BTreeMap::from([(7, Some(1))]));
 }
 
@@ -250,7 +228,7 @@ fn holding(
 ) -> impl Fn(Delivery) -> BoxFuture<'static, Outcome> + Clone + use<> {
     let calls = calls.clone();
     move |d: Delivery| {
-        let first = calls.of(held) == 0;
+        let first = calls.count(held) == 0;
         calls.push("w1", &d);
         let hold = d.payload().as_ref() == held.as_bytes() && first;
         Box::pin(async move {
@@ -321,7 +299,7 @@ async fn a_held_event_holds_the_checkpoint_until_it_is_made_terminal() {
     .await;
     running.shutdown(Duration::from_secs(2)).await;
     assert_eq!(
-        calls.of("held"),
+        calls.count("held"),
         1,
         "a terminal receipt settles it without handling it again"
     );
@@ -364,7 +342,7 @@ async fn a_released_hold_is_handled_again() {
     .await;
     running.shutdown(Duration::from_secs(2)).await;
     assert_eq!(
-        calls.of("held"),
+        calls.count("held"),
         2,
         "released: handled a second time (acked then)"
     );
@@ -416,7 +394,7 @@ async fn a_hold_released_after_the_shard_was_read_to_its_end_is_handled_and_the_
     wait_for(
         "the parent ended and a child read",
         Duration::from_secs(10),
-        || calls.of("after the split") == 1,
+        || calls.count("after the split") == 1,
     )
     .await;
     let rows = store.snapshot();
@@ -430,7 +408,7 @@ async fn a_hold_released_after_the_shard_was_read_to_its_end_is_handled_and_the_
             .any(|r| r.shard_id == left || r.shard_id == right)
     );
     running.shutdown(Duration::from_secs(2)).await;
-    assert_eq!(calls.of("held"), 2, "released: handled a second time");
+    assert_eq!(calls.count("held"), 2, "released: handled a second time");
 }
 
 /// A ledger whose commits can be held back (a crash before the receipt write).

@@ -22,6 +22,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
+use support::calls::{Calls, id_of};
 use support::wait::wait_for_async;
 
 use futures::StreamExt;
@@ -76,20 +77,6 @@ async fn serve(
     (api, server, source)
 }
 
-fn id_of(d: &Delivery) -> String {
-    d.paged_event_id().unwrap().to_string()
-}
-
-/// Every handler call, by event id.
-#[derive(Debug, Default, Clone)]
-struct Calls(Arc<Mutex<Vec<String>>>);
-
-impl Calls {
-    fn count(&self, id: &str) -> usize {
-        self.0.lock().unwrap().iter().filter(|i| *i == id).count()
-    }
-}
-
 /// Each event adds 1 to its counter, with its receipt; `slow` events take 300 ms, `gate` holds
 /// the events it names until it opens.
 fn counting(
@@ -105,7 +92,7 @@ fn counting(
             (counts.clone(), case.clone(), calls.clone(), gate.clone());
         async move {
             let id = id_of(&d);
-            calls.0.lock().unwrap().push(id.clone());
+            calls.push("", &d);
             if let Some((gated, mut open)) = gate
                 && gated == id
             {

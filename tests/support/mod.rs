@@ -6,6 +6,7 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod calls;
 pub mod wait;
 
 use std::net::ToSocketAddrs;
