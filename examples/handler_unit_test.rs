@@ -96,9 +96,7 @@ async fn consumer_test() {
         .worker_id("test-worker")
         .lanes(4)
         .max_attempts(NonZeroU32::new(3).unwrap()) // lets Retry write counted copies
-        .lease_store(Arc::new(store.clone()))
-        .record_source(Arc::new(stream.clone()))
-        .shard_lister(Arc::new(stream.clone()))
+        .in_memory(&stream, &store)
         .record_sink(Arc::new(stream.clone())) // retry copies go back to the same stream
         // Fast timings: a test should not wait seconds for a lease scan or a checkpoint.
         .lease_settings(LeaseSettings::default().scan_interval(Duration::from_millis(100)))

@@ -36,9 +36,7 @@ fn consumer<H: Handler>(
                 .lease_duration(Duration::from_millis(1500))
                 .scan_interval(Duration::from_millis(100)),
         )
-        .lease_store(Arc::new(store.clone()))
-        .record_source(Arc::new(stream.clone()))
-        .shard_lister(Arc::new(stream.clone()))
+        .in_memory(stream, store)
         .record_sink(Arc::new(sink.clone()))
 }
 

@@ -53,9 +53,7 @@ where
                 .lease_duration(Duration::from_millis(900))
                 .scan_interval(Duration::from_millis(50)),
         )
-        .lease_store(Arc::new(store.clone()))
-        .record_source(Arc::new(stream.clone()))
-        .shard_lister(Arc::new(stream.clone()))
+        .in_memory(stream, store)
         .record_sink(Arc::new(stream.clone()))
         .receipts(receipts)
 }
@@ -630,9 +628,7 @@ async fn receipt_outcomes_without_a_ledger_hold_the_checkpoint() {
             .lease_duration(Duration::from_millis(900))
             .scan_interval(Duration::from_millis(50)),
     )
-    .lease_store(Arc::new(store.clone()))
-    .record_source(Arc::new(stream.clone()))
-    .shard_lister(Arc::new(stream.clone()))
+    .in_memory(&stream, &store)
     .record_sink(Arc::new(stream.clone()))
     .build()
     .unwrap()

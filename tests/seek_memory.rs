@@ -65,9 +65,7 @@ async fn start(
             .lease_duration(Duration::from_millis(900))
             .scan_interval(Duration::from_millis(100)),
     )
-    .lease_store(Arc::new(store.clone()))
-    .record_source(Arc::new(stream.clone()))
-    .shard_lister(Arc::new(stream.clone()));
+    .in_memory(stream, store);
     if let Some(skew) = skew {
         b = b.caught_up_frontier(skew);
     }
@@ -210,9 +208,7 @@ async fn a_seek_to_a_captured_position_rereads_from_that_record() {
             .lease_duration(Duration::from_millis(900))
             .scan_interval(Duration::from_millis(100)),
     )
-    .lease_store(Arc::new(store.clone()))
-    .record_source(Arc::new(stream.clone()))
-    .shard_lister(Arc::new(stream.clone()))
+    .in_memory(&stream, &store)
     .build()
     .unwrap()
     .run()

@@ -67,9 +67,7 @@ async fn consume_memory(stream: &MemoryStream, count: u64, lanes: usize, delay: 
     .lanes(lanes)
     .poll_interval(Duration::from_millis(200))
     .lease_settings(lease())
-    .lease_store(Arc::new(MemoryLeaseStore::new()))
-    .record_source(Arc::new(stream.clone()))
-    .shard_lister(Arc::new(stream.clone()))
+    .in_memory(stream, &MemoryLeaseStore::new())
     .build()
     .expect("settings")
     .run()
@@ -164,9 +162,7 @@ async fn receipts_memory(scale: &Scale) {
             .lanes(4)
             .poll_interval(Duration::from_millis(200))
             .lease_settings(lease())
-            .lease_store(Arc::new(MemoryLeaseStore::new()))
-            .record_source(Arc::new(stream.clone()))
-            .shard_lister(Arc::new(stream.clone()))
+            .in_memory(&stream, &MemoryLeaseStore::new())
             .receipts(ledger);
         rates.push(settled_rate(builder, n).await);
     }

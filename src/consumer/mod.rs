@@ -319,6 +319,22 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
+    /// Reads `stream` and keeps leases in `store`, both in memory: for tests (feature `testing`).
+    /// The same as [`record_source`](Self::record_source) and
+    /// [`shard_lister`](Self::shard_lister) with `stream` and [`lease_store`](Self::lease_store)
+    /// with `store`. Retry copies and dead letters still go to Kinesis unless
+    /// [`record_sink`](Self::record_sink) sends them elsewhere.
+    #[cfg(feature = "testing")]
+    pub fn in_memory(
+        self,
+        stream: &crate::testing::MemoryStream,
+        store: &crate::lease::MemoryLeaseStore,
+    ) -> Self {
+        self.record_source(Arc::new(stream.clone()))
+            .shard_lister(Arc::new(stream.clone()))
+            .lease_store(Arc::new(store.clone()))
+    }
+
     /// Where retry copies and dead letters are written, other than Kinesis (tests, simulations).
     pub fn record_sink(mut self, sink: Arc<dyn RecordSink>) -> Self {
         self.sink = Some(sink);
