@@ -59,7 +59,7 @@ async fn checkpointed_through_the_end(stream: &MemoryStream, store: &MemoryLease
 /// A batch handler gets batches of at most `max_size` deliveries of one lane of one shard, in
 /// shard order; every record is handled once, the order per key holds across batches, and the
 /// checkpoints end at each shard's last record.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn batches_hold_one_lanes_deliveries_in_order_up_to_the_size() {
     let stream = MemoryStream::new("orders", 2);
     let sink = MemoryStreams::new([stream.clone()]);
@@ -134,7 +134,7 @@ async fn batches_hold_one_lanes_deliveries_in_order_up_to_the_size() {
 /// As Lambda's batch item failures: the outcomes say which deliveries of a batch to retry, and a
 /// batch answered with fewer outcomes than deliveries retries the ones left out. Retried records
 /// come back as counted copies (attempt 2) and the checkpoint still reaches the end.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_batch_answer_retries_what_it_says_and_what_it_leaves_out() {
     let stream = MemoryStream::new("orders", 1);
     let sink = MemoryStreams::new([stream.clone()]);

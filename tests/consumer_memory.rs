@@ -99,7 +99,7 @@ fn checkpoints(store: &MemoryLeaseStore) -> BTreeMap<String, Checkpoint> {
         .collect()
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn every_record_is_handled_once_and_checkpoints_reach_each_shards_last_record() {
     let stream = MemoryStream::new("orders", 4);
     let store = MemoryLeaseStore::new();
@@ -143,7 +143,7 @@ async fn every_record_is_handled_once_and_checkpoints_reach_each_shards_last_rec
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn eight_lanes_with_random_delays_keep_per_key_order_and_never_checkpoint_past_unsettled() {
     let stream = MemoryStream::new("orders", 2);
     let store = MemoryLeaseStore::new();
@@ -194,7 +194,7 @@ async fn eight_lanes_with_random_delays_keep_per_key_order_and_never_checkpoint_
     assert_per_key_order(&all);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_refused_retry_holds_the_checkpoint_and_the_next_owner_rereads_it() {
     let stream = MemoryStream::new("orders", 1);
     let store = MemoryLeaseStore::new();
@@ -245,7 +245,7 @@ async fn a_refused_retry_holds_the_checkpoint_and_the_next_owner_rereads_it() {
     assert_eq!(ids.len(), 70);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_panicking_handler_is_treated_as_a_retry_and_holds_the_checkpoint() {
     let stream = MemoryStream::new("orders", 1);
     let store = MemoryLeaseStore::new();
@@ -273,7 +273,7 @@ async fn a_panicking_handler_is_treated_as_a_retry_and_holds_the_checkpoint() {
     running.shutdown(Duration::from_secs(2)).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_graceful_restart_loses_nothing_and_repeats_nothing() {
     let stream = MemoryStream::new("orders", 2);
     let store = MemoryLeaseStore::new();
@@ -307,7 +307,7 @@ async fn a_graceful_restart_loses_nothing_and_repeats_nothing() {
     assert_eq!(all.len(), 3000, "nothing repeated after a graceful stop");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn split_and_merge_while_consuming_keep_per_key_order_across_parents_and_children() {
     let stream = MemoryStream::new("orders", 2);
     let store = MemoryLeaseStore::new();
@@ -357,7 +357,7 @@ async fn split_and_merge_while_consuming_keep_per_key_order_across_parents_and_c
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_missing_stream_fails_at_start_with_a_clear_error() {
     let stream = MemoryStream::new("orders", 1);
     let err = Consumer::builder("no-such-stream", "memory-app", |_d: Delivery| async {
@@ -390,7 +390,7 @@ fn invalid_settings_fail_at_build_naming_the_field() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn expired_iterators_and_throttling_lose_and_repeat_nothing() {
     let stream = MemoryStream::new("orders", 2);
     let store = MemoryLeaseStore::new();
@@ -588,7 +588,7 @@ async fn random_crashes_restarts_and_splits_never_skip_a_record_or_move_a_checkp
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn the_row_of_an_ended_shard_that_aged_out_is_deleted_once_its_children_started() {
     let stream = MemoryStream::new("orders", 1);
     let store = MemoryLeaseStore::new();

@@ -109,7 +109,7 @@ fn names(prefix: &str, n: usize) -> Vec<String> {
 /// The scenario of the report: one shard, a LATEST start, one lane; the first worker takes the
 /// lease and starts reading, 20 records are written, and it dies while its handler holds the first
 /// one (so no checkpoint was ever written). The next owner must handle all 20.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_latest_start_killed_before_its_first_checkpoint_skips_nothing() {
     let stream = MemoryStream::new("orders", 1);
     let store: Arc<dyn LeaseStore> = Arc::new(MemoryLeaseStore::new());
@@ -159,7 +159,7 @@ async fn a_latest_start_killed_before_its_first_checkpoint_skips_nothing() {
 
 /// An AT_TIMESTAMP start is already a fixed place: a worker that dies before its first checkpoint
 /// leaves the next owner reading from the same time.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_at_timestamp_start_killed_before_its_first_checkpoint_skips_nothing() {
     let stream = MemoryStream::new("orders", 1);
     let store: Arc<dyn LeaseStore> = Arc::new(MemoryLeaseStore::new());
@@ -212,7 +212,7 @@ async fn an_at_timestamp_start_killed_before_its_first_checkpoint_skips_nothing(
 
 /// A seek to latest, then the worker that retakes the shard dies before its first checkpoint: the
 /// records written after the seek are all handled by the next owner.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_seek_to_latest_followed_by_a_crash_skips_nothing_written_after_the_seek() {
     let stream = MemoryStream::new("orders", 1);
     let store: Arc<dyn LeaseStore> = Arc::new(MemoryLeaseStore::new());
@@ -260,7 +260,7 @@ async fn a_seek_to_latest_followed_by_a_crash_skips_nothing_written_after_the_se
 
 /// A closed parent whose unread records were trimmed by retention (it is no longer listed) is
 /// ended with a warning naming what was lost, so its children start instead of waiting forever.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_closed_parent_that_aged_out_is_ended_and_its_children_start() {
     let logs = recorder::Logs::default();
     let _logs = tracing::subscriber::set_default(logs.clone());
@@ -469,7 +469,7 @@ fn assert_no_violation(violations: &Violations) {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_seek_of_a_parent_to_a_record_while_its_children_are_read_resets_the_children_with_it() {
     let stream = MemoryStream::new("orders", 1);
     let memory = MemoryLeaseStore::new();
@@ -517,7 +517,7 @@ async fn a_seek_of_a_parent_to_a_record_while_its_children_are_read_resets_the_c
     assert_no_violation(&violations);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_stream_wide_seek_while_children_are_read_never_reopens_a_parent_under_them() {
     let stream = MemoryStream::new("orders", 1);
     let memory = MemoryLeaseStore::new();

@@ -123,7 +123,7 @@ async fn start_at(store: &MemoryLeaseStore, partition: &str, progress: &PagedPro
     assert!(store.release(&held).await.unwrap());
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn every_event_of_every_partition_is_handled_once_and_the_cursor_follows() {
     let api = EventApi::new(SOURCE).page_size(7);
     for partition in ["a", "b", "c"] {
@@ -175,7 +175,7 @@ async fn every_event_of_every_partition_is_handled_once_and_the_cursor_follows()
 /// fetching C7 returns 104, 106 and 107, then C8. The worker applies 106, records 106, and
 /// crashes before 107. The cursor is still C7; the next worker recognises 104 and 106 as complete,
 /// applies 107 only, and only then replaces C7 with C8.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn the_c7_walkthrough_crash_before_107_then_retry() {
     let api = EventApi::new(SOURCE).contract(Contract::default());
     for (id, position) in [("e104", 104), ("e106", 106), ("e107", 107)] {
@@ -260,7 +260,7 @@ async fn the_c7_walkthrough_crash_before_107_then_retry() {
 /// durable, 211 is only held (a reversible hold, not terminal): the applied position stays at 210
 /// and the next cursor stays pending. Once a durable quarantine receipt binds 211 to a final
 /// disposition, the prefix extends through 212 and the barrier passes.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn the_quarantine_boundary_210_211_212() {
     let api = EventApi::new(SOURCE).contract(Contract::default());
     for position in [210, 211, 212] {
@@ -343,7 +343,7 @@ async fn the_quarantine_boundary_210_211_212() {
 /// Overlapping pages, a page served twice, empty pages with advancing tokens, a token that does
 /// not advance, lost answers and throttling, all while the traversal runs: every event is handled
 /// once (overlaps are skipped, nothing is lost) and the barrier ends at the last event.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn misbehaving_pages_neither_lose_nor_repeat_events() {
     let api = EventApi::new(SOURCE).page_size(5);
     for n in 0..60 {
@@ -384,7 +384,7 @@ async fn misbehaving_pages_neither_lose_nor_repeat_events() {
 
 /// Caught up, the API keeps answering with the request's token: the reader backs off for the poll
 /// interval instead of spinning.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_token_that_does_not_advance_is_fetched_again_after_the_poll_interval_only() {
     let api = EventApi::new(SOURCE);
     api.push("p", "only");
@@ -411,6 +411,8 @@ async fn a_token_that_does_not_advance_is_fetched_again_after_the_poll_interval_
 /// A page that breaks the source's order stops the partition's attempt: nothing of it is
 /// handled, the progress stays before it, and the lease is given back (the next attempt stops
 /// there too, for investigation; it never skips).
+// On real time: under paused time the released partition is taken and read again without the
+// clock ever going idle, so the wait never ends (not looked into yet).
 #[tokio::test]
 async fn order_violations_stop_the_partition_without_skipping() {
     type Case = (&'static str, Vec<ScriptedEvent>);
@@ -459,7 +461,7 @@ async fn order_violations_stop_the_partition_without_skipping() {
 /// A retry runs the event again in place, as the next attempt, holding the barrier meanwhile;
 /// once a declared cap is spent the event gets a `quarantined` receipt (with the reason and its
 /// attempts) before it settles: never a drop.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn retries_run_in_place_and_a_spent_event_is_quarantined_by_receipt() {
     let api = EventApi::new(SOURCE);
     for n in 0..5 {
@@ -521,7 +523,7 @@ async fn retries_run_in_place_and_a_spent_event_is_quarantined_by_receipt() {
 /// runs again in place with a backoff for as long as it fails, holds the page barrier
 /// (`appliedPosition` never passes it), and the consumer's health names it with its attempts;
 /// once the downstream is back it is handled, and only then does the barrier pass.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn with_no_cap_a_failing_event_retries_in_place_until_it_succeeds() {
     let api = EventApi::new(SOURCE);
     for n in 0..5 {
@@ -612,7 +614,7 @@ async fn with_no_cap_a_failing_event_retries_in_place_until_it_succeeds() {
 /// With a cap and a dead-letter stream, a spent event is written to the stream (with its
 /// partition, position, identity, timestamp, attempts and reason) before it settles; a dead
 /// letter that cannot be written yet holds the barrier until it is.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_spent_event_goes_to_the_dead_letter_stream_before_it_settles() {
     use shardwise::envelope;
     use shardwise::retry::{
@@ -801,7 +803,7 @@ fn receipts_kept_shorter_than_the_sources_replays_are_refused_at_build() {
 /// Effects with receipts across crashes at each point: before a commit (the handler ran), after it
 /// (the receipt is durable but the barrier is not), and after the barrier. Whatever the crash
 /// point, every counter ends at exactly 1 and nothing is skipped.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn effects_apply_once_across_crashes_before_and_after_commits_and_barriers() {
     let api = EventApi::new(SOURCE).page_size(4);
     for n in 0..12 {
@@ -860,7 +862,7 @@ async fn effects_apply_once_across_crashes_before_and_after_commits_and_barriers
 
 /// A seek to the trim horizon reads every partition again from its first page; a page fetched
 /// before the seek cannot pass its barrier after it (the version moved).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_seek_reads_the_partitions_again_from_their_first_page() {
     let api = EventApi::new(SOURCE).page_size(3);
     for n in 0..9 {
@@ -898,7 +900,7 @@ async fn a_seek_reads_the_partitions_again_from_their_first_page() {
 
 /// Starting from a cursor the source gives for a time is what a seek to a time does; a source
 /// without one refuses it, naming the source.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_seek_to_a_time_needs_a_source_that_can_start_at_one() {
     let api = EventApi::new(SOURCE);
     api.push("p", "x");
@@ -919,7 +921,7 @@ async fn a_seek_to_a_time_needs_a_source_that_can_start_at_one() {
 /// a one-hour lateness bound keeps every group open, as 14 days would). With a ledger every
 /// outcome leaves a receipt (an ack and a drop too), so the next attempt recognises what an
 /// earlier one finished without calling the handler: the new owner handles only the new event.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn after_a_restart_no_event_an_earlier_attempt_finished_reaches_the_handler_again() {
     use shardwise::paged::{Finality, Timestamps, Traversal};
     let api = EventApi::new(SOURCE).contract(Contract::default().timestamps(Timestamps::new(
@@ -1082,7 +1084,7 @@ impl shardwise::testing::Layer for LostThenFailed {
 /// write is refused as not newer, and the row holds the first. The attempt keeps every write
 /// whose answer was an error in mind, so it recognises the first as stored and goes on; it does
 /// not call itself stale, give the partition back and hand its settled events out again.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_write_whose_answer_was_lost_is_recognised_after_a_later_write_failed() {
     let api = EventApi::new(SOURCE).page_size(2);
     for _ in 0..12 {

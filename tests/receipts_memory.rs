@@ -97,7 +97,7 @@ fn assert_each_counted_once(receipts: &MemoryReceipts, n: u64) {
     assert!(wrong.is_empty(), "counters not exactly 1: {wrong:?}");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn effects_are_applied_once_across_a_crash_while_the_handler_runs_twice() {
     let stream = MemoryStream::new("orders", 2);
     let store = MemoryLeaseStore::new();
@@ -167,7 +167,7 @@ async fn effects_are_applied_once_across_a_crash_while_the_handler_runs_twice() 
     assert_eq!(receipts.writes(), n, "one effect write per record, no more");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_retry_copy_of_an_applied_event_is_a_replay_by_its_origin() {
     let stream = MemoryStream::new("orders", 1);
     let store = MemoryLeaseStore::new();
@@ -243,7 +243,7 @@ fn checkpoint(store: &MemoryLeaseStore) -> Checkpoint {
     store.snapshot()[0].checkpoint.clone()
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_held_event_holds_the_checkpoint_until_it_is_made_terminal() {
     let stream = MemoryStream::new("orders", 1);
     let store = MemoryLeaseStore::new();
@@ -303,7 +303,7 @@ async fn a_held_event_holds_the_checkpoint_until_it_is_made_terminal() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_released_hold_is_handled_again() {
     let stream = MemoryStream::new("orders", 1);
     let store = MemoryLeaseStore::new();
@@ -354,7 +354,7 @@ async fn a_released_hold_is_handled_again() {
 /// A hold released after its shard was split (read to its end, reading no more): the record is
 /// handled again, the parent then ends and its children are read. (Found by the simulation, seed
 /// 94: the redelivery went to lanes closed at the shard's end and the shard task panicked.)
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_hold_released_after_the_shard_was_read_to_its_end_is_handled_and_the_shard_ends() {
     let stream = MemoryStream::new("orders", 1);
     let store = MemoryLeaseStore::new();
@@ -449,7 +449,7 @@ impl ReceiptStore for Gated {
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn crashes_before_and_after_the_receipt_write_lose_nothing_and_apply_nothing_twice() {
     let stream = MemoryStream::new("orders", 1);
     let store = MemoryLeaseStore::new();
@@ -538,7 +538,7 @@ async fn crashes_before_and_after_the_receipt_write_lose_nothing_and_apply_nothi
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn effects_that_can_never_commit_are_dead_lettered_with_the_reason_and_nothing_is_written() {
     let stream = MemoryStream::new("orders", 1);
     let dlq = MemoryStream::new("orders-dlq", 1);
@@ -610,7 +610,7 @@ async fn effects_that_can_never_commit_are_dead_lettered_with_the_reason_and_not
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn receipt_outcomes_without_a_ledger_hold_the_checkpoint() {
     let stream = MemoryStream::new("orders", 1);
     let store = MemoryLeaseStore::new();

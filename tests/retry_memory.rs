@@ -60,7 +60,7 @@ fn recorder(
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn attempts_are_counted_over_copies_up_to_the_cap_then_the_record_is_dead_lettered() {
     let stream = MemoryStream::new("orders", 1);
     let dlq = MemoryStream::new("orders-dlq", 1);
@@ -138,6 +138,7 @@ async fn attempts_are_counted_over_copies_up_to_the_cap_then_the_record_is_dead_
     );
 }
 
+// On real time: it measures the delay with the recorder's std::time::Instant.
 #[tokio::test]
 async fn retry_after_writes_the_copy_no_earlier_than_the_delay_and_holds_the_checkpoint_meanwhile()
 {
@@ -189,7 +190,7 @@ async fn retry_after_writes_the_copy_no_earlier_than_the_delay_and_holds_the_che
     running.shutdown(Duration::from_secs(5)).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_missing_dead_letter_stream_fails_at_start_naming_it() {
     let stream = MemoryStream::new("orders", 1);
     let sink = MemoryStreams::new([stream.clone()]);
@@ -213,7 +214,7 @@ async fn a_missing_dead_letter_stream_fails_at_start_naming_it() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_dead_letter_stream_lost_while_running_holds_the_checkpoint_visibly_until_it_exists_again()
  {
     let stream = MemoryStream::new("orders", 1);
@@ -273,7 +274,7 @@ async fn a_dead_letter_stream_lost_while_running_holds_the_checkpoint_visibly_un
     running.shutdown(Duration::from_secs(2)).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_retry_copy_too_large_for_a_record_goes_the_dead_letter_way_and_never_loops() {
     let stream = MemoryStream::new("orders", 1);
     let dlq = MemoryStream::new("orders-dlq", 1);
@@ -330,7 +331,7 @@ async fn a_retry_copy_too_large_for_a_record_goes_the_dead_letter_way_and_never_
     running.shutdown(Duration::from_secs(2)).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn retry_after_without_a_declared_cap_stops_copying_a_poison_record_at_the_default_cap() {
     let stream = MemoryStream::new("orders", 1);
     let sink = MemoryStreams::new([stream.clone()]);
@@ -383,7 +384,7 @@ async fn retry_after_without_a_declared_cap_stops_copying_a_poison_record_at_the
     running.shutdown(Duration::from_secs(2)).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn records_from_other_producers_arrive_as_plain_payloads_at_attempt_one() {
     let stream = MemoryStream::new("orders", 1);
     let sink = MemoryStreams::new([stream.clone()]);

@@ -76,7 +76,7 @@ fn key(cp: &Checkpoint) -> String {
     cp.sort_key()
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn seeking_back_to_the_trim_horizon_redelivers_everything_and_late_acks_move_nothing() {
     let stream = MemoryStream::new("orders", 2);
     let store = MemoryLeaseStore::new();
@@ -146,7 +146,7 @@ async fn seeking_back_to_the_trim_horizon_redelivers_everything_and_late_acks_mo
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn seeking_to_a_timestamp_redelivers_the_records_that_arrived_since() {
     let stream = MemoryStream::new("orders", 2);
     let store = MemoryLeaseStore::new();
@@ -183,7 +183,7 @@ async fn seeking_to_a_timestamp_redelivers_the_records_that_arrived_since() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_seek_to_a_captured_position_rereads_from_that_record() {
     let stream = MemoryStream::new("orders", 1);
     let store = MemoryLeaseStore::new();
@@ -234,7 +234,7 @@ async fn a_seek_to_a_captured_position_rereads_from_that_record() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn the_frontier_agrees_with_the_handled_log_and_reaches_the_tip_when_caught_up() {
     let stream = MemoryStream::new("orders", 3);
     let store = MemoryLeaseStore::new();
