@@ -222,12 +222,31 @@ impl Drop for InFlightGauge {
     }
 }
 
-/// One lease's metric labels.
-pub(crate) fn labels(ownership: &Ownership) -> [(&'static str, String); 2] {
-    [
-        ("stream", ownership.stream.clone()),
-        ("shard", ownership.shard_id.clone()),
-    ]
+/// The lease a progress runs under: who holds it (every write is fenced by it), where it is
+/// stored, its names as deliveries carry them, and its metric labels.
+pub(crate) struct Leased {
+    pub(crate) ownership: Ownership,
+    pub(crate) store: Arc<dyn LeaseStore>,
+    /// The stream, or the paged source.
+    pub(crate) stream: Arc<str>,
+    /// The shard, or the partition.
+    pub(crate) shard: Arc<str>,
+    pub(crate) labels: [(&'static str, String); 2],
+}
+
+impl Leased {
+    pub(crate) fn new(ownership: &Ownership, store: &Arc<dyn LeaseStore>) -> Self {
+        Self {
+            ownership: ownership.clone(),
+            store: store.clone(),
+            stream: Arc::from(ownership.stream.as_str()),
+            shard: Arc::from(ownership.shard_id.as_str()),
+            labels: [
+                ("stream", ownership.stream.clone()),
+                ("shard", ownership.shard_id.clone()),
+            ],
+        }
+    }
 }
 
 /// Runs one owned lease until it ends, is stopped, fails, or is lost.
@@ -253,15 +272,16 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
     };
     let mut owned = Owned {
         health: ctx.pipeline.health.enter(&ownership.shard_id),
-        labels: labels(&ownership),
-        store: ctx.store.clone(),
-        ownership,
+        lease: Leased::new(&ownership, &ctx.store),
         in_flight: None,
     };
-    let gauge = InFlightGauge(owned.labels.clone());
+    let gauge = InFlightGauge(owned.lease.labels.clone());
     let settings = &ctx.pipeline.settings;
-    let mut pipeline: Pipeline<H, P::Entry> =
-        Pipeline::new(ctx.pipeline.clone(), owned.ownership.epoch, P::RETRIES);
+    let mut pipeline: Pipeline<H, P::Entry> = Pipeline::new(
+        ctx.pipeline.clone(),
+        owned.lease.ownership.epoch,
+        P::RETRIES,
+    );
     let mut tick = tokio::time::interval(settings.checkpoint_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut aborted = false;
@@ -335,7 +355,7 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
     };
 
     pipeline.abort();
-    let ownership = owned.ownership.clone();
+    let ownership = owned.lease.ownership.clone();
     match halt {
         Halt::Lost => {
             info!(stream = %ownership.stream, shard = %ownership.shard_id, "lease lost: stopped, nothing more written");
@@ -353,6 +373,7 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
             }
             if matches!(halt, Halt::End) && progress.ends() {
                 match owned
+                    .lease
                     .store
                     .checkpoint(&ownership, &Checkpoint::ShardEnd, None)
                     .await
@@ -381,9 +402,7 @@ enum Stale {
 
 /// The loop's own state besides the progress: the lease, its health slot, the write in flight.
 struct Owned<W> {
-    ownership: Ownership,
-    store: Arc<dyn LeaseStore>,
-    labels: [(&'static str, String); 2],
+    lease: Leased,
     health: health::Entry,
     in_flight: Option<InFlight<W>>,
 }
@@ -409,10 +428,11 @@ impl<W: Clone + Send + std::fmt::Debug + 'static> Owned<W> {
         write: W,
         answer: Answer<W>,
     ) -> Result<bool, Stale> {
-        let (stream, shard) = (&self.ownership.stream, &self.ownership.shard_id);
+        let (stream, shard) = (&self.lease.ownership.stream, &self.lease.ownership.shard_id);
         match answer {
             Answer::Stored(stored) => {
-                metrics::counter!("shardwise_checkpoint_writes_total", &self.labels).increment(1);
+                metrics::counter!("shardwise_checkpoint_writes_total", &self.lease.labels)
+                    .increment(1);
                 debug!(%stream, %shard, write = ?stored, "written");
                 progress.stored(stored);
                 self.health.written(progress.unwritten());
@@ -460,7 +480,7 @@ impl<W: Clone + Send + std::fmt::Debug + 'static> Owned<W> {
             if !self.answered(progress, write, answer)? {
                 failures += 1;
                 if failures == FLUSH_FAILURES {
-                    warn!(stream = %self.ownership.stream, shard = %self.ownership.shard_id, failures, "the final writes keep failing: what is stored stays, and the next owner reads again from it");
+                    warn!(stream = %self.lease.ownership.stream, shard = %self.lease.ownership.shard_id, failures, "the final writes keep failing: what is stored stays, and the next owner reads again from it");
                     return Ok(());
                 }
             }

@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::owned::{self, Answer, Exit, OwnedContext, Prepared, Progress, Read};
+use super::owned::{Answer, Exit, Leased, OwnedContext, Prepared, Progress, Read};
 use super::pipeline::{Advance, Pipeline, Retries};
 use crate::error::Error;
 use crate::handler::{Delivery, Handler, Replayable};
@@ -34,11 +34,7 @@ use crate::track::Tracker;
 
 /// One owned partition's progress.
 pub(crate) struct Pages {
-    ownership: Ownership,
-    store: Arc<dyn LeaseStore>,
-    source_name: Arc<str>,
-    partition: Arc<str>,
-    labels: [(&'static str, String); 2],
+    lease: Leased,
     /// Whether an event at or below the applied prefix may come again (a backfilling source).
     replayable: Replayable,
     order: Order,
@@ -90,10 +86,7 @@ impl Progress for Pages {
         });
         Ok(Prepared {
             progress: Pages {
-                store: ctx.store.clone(),
-                source_name: Arc::from(ownership.stream.as_str()),
-                partition: Arc::from(ownership.shard_id.as_str()),
-                labels: owned::labels(&ownership),
+                lease: Leased::new(&ownership, &ctx.store),
                 // A backfilling source hands out events at or below its applied prefix again:
                 // with a ledger, every outcome leaves a receipt, which is what tells such an event
                 // is done (see `Verdict`).
@@ -106,7 +99,6 @@ impl Progress for Pages {
                 // The tracker starts at arrival index 0.
                 barrier: Barrier::new(durable, 0),
                 uncertain: Uncertain::default(),
-                ownership,
             },
             reader: messages,
         })
@@ -124,7 +116,7 @@ impl Progress for Pages {
                 watermark,
             } => self.page(pipeline, &events, next, watermark),
             PageMessage::Failed(error) => {
-                Read::Failed(Error::paged(&self.ownership, "fetch failed", error))
+                Read::Failed(Error::paged(&self.lease.ownership, "fetch failed", error))
             }
         }
     }
@@ -151,8 +143,8 @@ impl Progress for Pages {
             .filter_map(|w| Some((w.clone(), w.progress()?.clone())))
             .collect();
         compare_and_swap(
-            self.store.clone(),
-            self.ownership.clone(),
+            self.lease.store.clone(),
+            self.lease.ownership.clone(),
             self.barrier.durable().clone(),
             (write.clone(), to),
             earlier,
@@ -185,14 +177,18 @@ impl Pages {
         next: Option<crate::paged::Cursor>,
         watermark: Option<i64>,
     ) -> Read {
-        let (source_name, partition) = (&self.source_name, &self.partition);
+        let (source_name, partition) = (&self.lease.stream, &self.lease.shard);
         let verdicts = match self.order.classify(events) {
             Ok(verdicts) => verdicts,
             Err(violation) => {
-                metrics::counter!("shardwise_paged_order_violations_total", &self.labels)
+                metrics::counter!("shardwise_paged_order_violations_total", &self.lease.labels)
                     .increment(1);
                 warn!(source = %source_name, partition = %partition, error = &violation as &dyn std::error::Error, "the page breaks the source's order: the partition's attempt stops (the lease is released; the next owner reads again from the durable cursor)");
-                return Read::Failed(Error::paged(&self.ownership, "order violation", violation));
+                return Read::Failed(Error::paged(
+                    &self.lease.ownership,
+                    "order violation",
+                    violation,
+                ));
             }
         };
         let before = pipeline.tracker().next_index();
@@ -217,7 +213,8 @@ impl Pages {
                     pipeline.dispatch_unless_done(delivery, None);
                 }
                 Verdict::Replay => {
-                    metrics::counter!("shardwise_paged_replays_total", &self.labels).increment(1);
+                    metrics::counter!("shardwise_paged_replays_total", &self.lease.labels)
+                        .increment(1);
                     debug!(source = %source_name, partition = %partition, position = %event.position, id = %event.id, "replay: at or below the applied prefix; not handed to the handler");
                 }
                 Verdict::Overlap => {

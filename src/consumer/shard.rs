@@ -30,13 +30,13 @@ use tracing::{info, warn};
 
 use super::checkpointer::{Checkpointer, Entry, Write};
 use super::ending::Reading;
-use super::owned::{self, Answer, Exit, Lost, OwnedContext, Prepared, Progress, Read};
+use super::owned::{Answer, Exit, Leased, Lost, OwnedContext, Prepared, Progress, Read};
 use super::pipeline::{Advance, Pipeline, Retries};
 use crate::backoff::Backoff;
 use crate::checkpoint::Checkpoint;
 use crate::error::Error;
 use crate::handler::{Delivery, Handler};
-use crate::lease::{CheckpointWrite, HeldLease, Ownership};
+use crate::lease::{CheckpointWrite, HeldLease};
 use crate::position::Position;
 use crate::shard::discovery::ShardLister;
 use crate::shard::reader::{ReaderMessage, ShardReader};
@@ -89,9 +89,7 @@ impl Drop for Lag {
 
 /// One owned shard's progress.
 pub(crate) struct Shard {
-    ownership: Ownership,
-    stream: Arc<str>,
-    shard: Arc<str>,
+    lease: Leased,
     lister: Arc<dyn ShardLister>,
     checkpointer: Checkpointer,
     lag: Lag,
@@ -137,15 +135,14 @@ impl Progress for Shard {
             tokio::spawn(shard_reader.run(reader_tx, reader));
             reader_rx
         }); // None: already at SHARD_END
+        let lease = Leased::new(&ownership, &ctx.store);
         Ok(Prepared {
             progress: Shard {
-                stream: Arc::from(ownership.stream.as_str()),
-                shard: Arc::from(ownership.shard_id.as_str()),
                 lag: Lag {
-                    labels: owned::labels(&ownership),
+                    labels: lease.labels.clone(),
                     behind: 0,
                 },
-                ownership,
+                lease,
                 lister: source.lister.clone(),
                 checkpointer,
                 start,
@@ -175,8 +172,8 @@ impl Progress for Shard {
                     let (id, lane) =
                         pipeline.track((r.position, r.arrived_at.map(millis)), &r.partition_key);
                     let delivery = Delivery::from_blob(
-                        self.stream.clone(),
-                        self.shard.clone(),
+                        self.lease.stream.clone(),
+                        self.lease.shard.clone(),
                         r.position,
                         r.partition_key,
                         r.data,
@@ -236,15 +233,17 @@ impl Shard {
     /// The reader cannot find the shard: it aged out of retention (the stream no longer lists
     /// it), or the stream is gone.
     async fn gone(&self) -> Read {
-        let listed = match self.lister.list_shards(&self.ownership.stream).await {
-            Ok(shards) => shards.iter().any(|s| s.shard_id == self.ownership.shard_id),
+        let listed = match self.lister.list_shards(&self.lease.ownership.stream).await {
+            Ok(shards) => shards
+                .iter()
+                .any(|s| s.shard_id == self.lease.ownership.shard_id),
             Err(e) => return Read::Failed(e),
         };
         if listed {
             return Read::Failed(Error::Kinesis {
                 operation: "GetRecords",
-                stream: self.ownership.stream.clone(),
-                shard: Some(self.ownership.shard_id.clone()),
+                stream: self.lease.ownership.stream.clone(),
+                shard: Some(self.lease.ownership.shard_id.clone()),
                 source: Box::new(ReadError::NotFound),
             });
         }
@@ -252,18 +251,14 @@ impl Shard {
             .last_read
             .map_or_else(|| self.start.to_string(), |p| p.to_string());
         warn!(
-            stream = %self.stream,
-            shard = %self.shard,
+            stream = %self.lease.stream,
+            shard = %self.lease.shard,
             read_through = %read_through,
             "shard aged out of the stream's retention before it was read to its end: \
              its records after {read_through} were trimmed unread; ending it (SHARD_END \
              once what was read settles) so its children start"
         );
-        metrics::counter!(
-            "shardwise_shards_aged_out_total",
-            &owned::labels(&self.ownership)
-        )
-        .increment(1);
+        metrics::counter!("shardwise_shards_aged_out_total", &self.lease.labels).increment(1);
         Read::Over(Reading::AgedOut)
     }
 }

@@ -23,12 +23,12 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::owned::{self, Answer, Exit, OwnedContext, Prepared, Progress, Read};
+use super::owned::{Answer, Exit, Leased, OwnedContext, Prepared, Progress, Read};
 use super::partition::{Uncertain, compare_and_swap};
 use super::pipeline::{Advance, Pipeline, Retries};
 use crate::error::Error;
 use crate::handler::{Delivery, Handler, Replayable};
-use crate::lease::{HeldLease, LeaseStore, Ownership};
+use crate::lease::HeldLease;
 use crate::paged::reader::{PollMessage, PollReader};
 use crate::paged::{
     Groups, PagePosition, PagedEvent, PagedProgress, PagedSource, Seen, Timestamps,
@@ -58,11 +58,7 @@ pub(crate) struct Timestamped {
 /// One owned partition's progress: the groups, the durable progress, and the write whose answer
 /// was lost.
 pub(crate) struct Attempt {
-    ownership: Ownership,
-    store: Arc<dyn LeaseStore>,
-    source_name: Arc<str>,
-    partition: Arc<str>,
-    labels: [(&'static str, String); 2],
+    lease: Leased,
     groups: Groups,
     durable: PagedProgress,
     /// Closes whose answers were errors since the last one known stored.
@@ -122,10 +118,7 @@ impl Progress for Attempt {
         tokio::spawn(poll_reader.run(polls_tx, reader));
         Ok(Prepared {
             progress: Attempt {
-                store: ctx.store.clone(),
-                source_name: Arc::from(ownership.stream.as_str()),
-                partition: Arc::from(ownership.shard_id.as_str()),
-                labels: owned::labels(&ownership),
+                lease: Leased::new(&ownership, &ctx.store),
                 groups: Groups::new(
                     contracts.traversal,
                     contracts.finality,
@@ -139,7 +132,6 @@ impl Progress for Attempt {
                 pending: BTreeMap::new(),
                 earlier_attempts_through: crate::time::millis(crate::time::now()) + AHEAD_MS,
                 sought_at: held.lease.sought_at,
-                ownership,
             },
             reader: Some(polls_rx),
         })
@@ -160,7 +152,7 @@ impl Progress for Attempt {
                 Read::Note
             }
             PollMessage::Failed(error) => {
-                Read::Failed(Error::paged(&self.ownership, "fetch failed", error))
+                Read::Failed(Error::paged(&self.lease.ownership, "fetch failed", error))
             }
         }
     }
@@ -184,8 +176,8 @@ impl Progress for Attempt {
 
     fn write(&self, to: &PagedProgress) -> BoxFuture<'static, Answer<PagedProgress>> {
         compare_and_swap(
-            self.store.clone(),
-            self.ownership.clone(),
+            self.lease.store.clone(),
+            self.lease.ownership.clone(),
             self.durable.clone(),
             (to.clone(), to.clone()),
             self.uncertain
@@ -197,7 +189,7 @@ impl Progress for Attempt {
 
     fn stored(&mut self, to: PagedProgress) {
         let through = to.closed_through.expect("a close");
-        debug!(source = %self.source_name, partition = %self.partition, closed_through = through, version = to.checkpoint_version, "closed");
+        debug!(source = %self.lease.stream, partition = %self.lease.shard, closed_through = through, version = to.checkpoint_version, "closed");
         self.groups.closed(through, to.checkpoint_version);
         self.durable = to;
         self.uncertain.clear();
@@ -221,12 +213,12 @@ impl Attempt {
         pipeline: &mut Pipeline<H, PagePosition>,
         events: &[PagedEvent],
     ) -> Read {
-        let (source_name, partition) = (&self.source_name, &self.partition);
+        let (source_name, partition) = (&self.lease.stream, &self.lease.shard);
         for event in events {
             let Some(timestamp) = event.timestamp.map(crate::time::millis) else {
                 warn!(source = %source_name, partition = %partition, id = %event.id, "an event without a timestamp from a source read by timestamp: the partition's attempt stops");
                 return Read::Failed(Error::paged(
-                    &self.ownership,
+                    &self.lease.ownership,
                     "event without a timestamp",
                     format!(
                         "event `{}` has no timestamp, and the source is read by timestamp",
@@ -253,7 +245,8 @@ impl Attempt {
                     pipeline.dispatch(delivery);
                 }
                 Seen::Again => {
-                    metrics::counter!("shardwise_paged_replays_total", &self.labels).increment(1);
+                    metrics::counter!("shardwise_paged_replays_total", &self.lease.labels)
+                        .increment(1);
                 }
                 Seen::Late => {
                     // Done by an earlier attempt (its receipt says so), or late: the receipt check
