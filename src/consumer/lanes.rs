@@ -18,7 +18,7 @@ use tokio::task::JoinSet;
 use tracing::{Instrument, error, info_span, warn};
 
 use super::config::{DeliveryOrder, Settings};
-use crate::backoff::Backoff;
+use super::ledger::read_receipt;
 use crate::handler::{Delivery, Handler, Outcome, Replayable};
 use crate::receipts::ReceiptStore;
 
@@ -262,28 +262,11 @@ async fn done_before(
     delivery: &Delivery,
     sought_at: Option<i64>,
 ) -> bool {
-    let event = delivery.event_id();
-    let mut failures = Backoff::new(Duration::from_secs(5));
-    loop {
-        match AssertUnwindSafe(store.get(&event)).catch_unwind().await {
-            Ok(Ok(receipt)) => {
-                return receipt.is_some_and(|r| {
-                    r.disposition.is_terminal()
-                        && sought_at.is_none_or(|s| crate::time::millis(r.recorded_at) >= s)
-                });
-            }
-            Ok(Err(e)) => {
-                let wait = failures.next();
-                warn!(%event, error = &e as &dyn std::error::Error, ?wait, "reading a receipt before handling failed; reading it again");
-                tokio::time::sleep(wait).await;
-            }
-            Err(_) => {
-                let wait = failures.next();
-                error!(%event, ?wait, "the receipt store panicked while reading a receipt before handling; reading it again");
-                tokio::time::sleep(wait).await;
-            }
-        }
-    }
+    let receipt = read_receipt(store, &delivery.event_id(), "before handling").await;
+    receipt.is_some_and(|r| {
+        r.disposition.is_terminal()
+            && sought_at.is_none_or(|s| crate::time::millis(r.recorded_at) >= s)
+    })
 }
 
 /// How long ago `delivery` arrived, when that is longer than `max`.

@@ -351,6 +351,32 @@ impl Ledger {
     }
 }
 
+/// Reads `event`'s receipt until the store answers: a failed read, and a store that panics, are
+/// read again with backoff (the delivery waiting on it must be handed out or settled, not left by
+/// a dead task). `why` says what the read is for, in the log.
+pub(crate) async fn read_receipt(
+    store: &dyn ReceiptStore,
+    event: &crate::receipts::EventId,
+    why: &str,
+) -> Option<Receipt> {
+    let mut failures = Backoff::new(Duration::from_secs(5));
+    loop {
+        match AssertUnwindSafe(store.get(event)).catch_unwind().await {
+            Ok(Ok(receipt)) => return receipt,
+            Ok(Err(e)) => {
+                let wait = failures.next();
+                warn!(%event, error = &e as &dyn std::error::Error, ?wait, "reading a receipt {why} failed; reading it again");
+                tokio::time::sleep(wait).await;
+            }
+            Err(_) => {
+                let wait = failures.next();
+                error!(%event, ?wait, "the receipt store panicked while reading a receipt {why}; reading it again");
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+}
+
 /// Records a quarantine or hold receipt for a delivery, until it is durable (backing off between
 /// failures), and reports it: a quarantine (or an existing terminal receipt) settles it, a hold
 /// makes it wait.

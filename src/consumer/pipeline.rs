@@ -18,7 +18,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::FutureExt;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tracing::info;
@@ -183,36 +182,15 @@ impl<H: Handler, E> Pipeline<H, E> {
                 let events = self.write_tx.clone();
                 self.tasks.spawn(async move {
                     let event = delivery.event_id();
-                    let mut failures = crate::backoff::Backoff::new(Duration::from_secs(5));
-                    loop {
-                        // A store that panics is a failed read, tried again (the delivery is
-                        // tracked: it must be handed out or settled, not left by a dead task).
-                        let read = std::panic::AssertUnwindSafe(store.get(&event))
-                            .catch_unwind()
-                            .await;
-                        let Ok(read) = read else {
-                            let wait = failures.next();
-                            tracing::error!(%event, ?wait, "the receipt store panicked while reading a receipt; reading it again");
-                            tokio::time::sleep(wait).await;
-                            continue;
-                        };
-                        match read {
-                            Ok(Some(r)) if r.disposition.is_terminal() => {
-                                metrics::counter!("shardwise_replays_total", "stream" => delivery.stream().to_string())
-                                    .increment(1);
-                                let _ = events.send(WriteEvent::Durable(id, delivery, Settled::Replayed));
-                                return;
-                            }
-                            Ok(_) => {
-                                count(&delivery);
-                                let _ = events.send(WriteEvent::Redeliver(delivery));
-                                return;
-                            }
-                            Err(e) => {
-                                let wait = failures.next();
-                                tracing::warn!(%event, error = &e as &dyn std::error::Error, ?wait, "reading a receipt failed; reading it again");
-                                tokio::time::sleep(wait).await;
-                            }
+                    match ledger::read_receipt(store.as_ref(), &event, "of a backfilled or late event").await {
+                        Some(r) if r.disposition.is_terminal() => {
+                            metrics::counter!("shardwise_replays_total", "stream" => delivery.stream().to_string())
+                                .increment(1);
+                            let _ = events.send(WriteEvent::Durable(id, delivery, Settled::Replayed));
+                        }
+                        _ => {
+                            count(&delivery);
+                            let _ = events.send(WriteEvent::Redeliver(delivery));
                         }
                     }
                 });
