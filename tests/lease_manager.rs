@@ -2,7 +2,6 @@
 //! and paused tokio time. Dropping a manager without `shutdown` is a crash (kill -9): its tasks stop
 //! and nothing is released.
 
-use shardwise::paged::PagedProgress;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,6 +12,7 @@ use shardwise::lease::{
     MemoryLeaseStore,
 };
 use shardwise::shard::discovery::{ShardInfo, ShardLister};
+use shardwise::testing::{Call, Layer, Layered};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::Instant;
 
@@ -256,40 +256,23 @@ async fn invalid_settings_are_refused_naming_the_field() {
 }
 
 /// Counts every store call by method (each is one DynamoDB request for the DynamoDB store; a Scan
-/// of a small table is one page).
-#[derive(Debug)]
+/// of a small table is one page), and the conditional takes and creates the store refused; fails
+/// every beat while `beats_fail` is set (the roster item is unreachable for this worker).
+#[derive(Debug, Default)]
 struct Counting {
-    inner: MemoryLeaseStore,
     calls: Mutex<std::collections::BTreeMap<&'static str, u64>>,
-    /// Conditional takes and creates the store refused.
     refused: std::sync::atomic::AtomicU64,
-    /// While set, every beat fails (the roster item is unreachable for this worker).
     beats_fail: std::sync::atomic::AtomicBool,
 }
 
-impl Counting {
-    fn new(inner: MemoryLeaseStore) -> Self {
-        Self {
-            inner,
-            calls: Mutex::default(),
-            refused: Default::default(),
-            beats_fail: Default::default(),
-        }
-    }
+/// The memory store behind a [`Counting`] layer.
+fn counting(memory: MemoryLeaseStore) -> Arc<Layered<Counting>> {
+    Arc::new(Layered::new(Arc::new(memory), Counting::default()))
+}
 
+impl Counting {
     fn refused(&self) -> u64 {
         self.refused.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    fn refuse(&self, refused: bool) {
-        if refused {
-            self.refused
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
-    fn call(&self, method: &'static str) {
-        *self.calls.lock().unwrap().entry(method).or_default() += 1;
     }
 
     fn count(&self, method: &str) -> u64 {
@@ -301,190 +284,71 @@ impl Counting {
     }
 }
 
-impl LeaseStore for Counting {
-    fn prepare(&self) -> BoxFuture<'_, Result<(), Error>> {
-        self.call("prepare");
-        self.inner.prepare()
-    }
-    fn list<'a>(
+impl Layer for Counting {
+    fn around<'a, T: Send + 'static>(
         &'a self,
-        stream: &'a str,
-    ) -> BoxFuture<'a, Result<Vec<shardwise::lease::Lease>, Error>> {
-        self.call("list");
-        self.inner.list(stream)
-    }
-    fn get<'a>(
-        &'a self,
-        stream: &'a str,
-        shard_id: &'a str,
-    ) -> BoxFuture<'a, Result<Option<shardwise::lease::Lease>, Error>> {
-        self.call("get");
-        self.inner.get(stream, shard_id)
-    }
-    fn create<'a>(
-        &'a self,
-        lease: &'a shardwise::lease::NewLease,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.call("create");
-        Box::pin(async move {
-            let created = self.inner.create(lease).await?;
-            self.refuse(!created);
-            Ok(created)
-        })
-    }
-    fn take<'a>(
-        &'a self,
-        seen: &'a shardwise::lease::Lease,
-        owner: &'a str,
-    ) -> BoxFuture<'a, Result<Option<shardwise::lease::Lease>, Error>> {
-        self.call("take");
-        Box::pin(async move {
-            let taken = self.inner.take(seen, owner).await?;
-            self.refuse(taken.is_none());
-            Ok(taken)
-        })
-    }
-    fn renew<'a>(
-        &'a self,
-        held: &'a shardwise::lease::Ownership,
-    ) -> BoxFuture<'a, Result<shardwise::lease::Renewal, Error>> {
-        self.call("renew");
-        self.inner.renew(held)
-    }
-    fn checkpoint<'a>(
-        &'a self,
-        held: &'a shardwise::lease::Ownership,
-        to: &'a Checkpoint,
-        complete_through: Option<i64>,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        self.call("checkpoint");
-        self.inner.checkpoint(held, to, complete_through)
-    }
-    fn paged_checkpoint<'a>(
-        &'a self,
-        held: &'a shardwise::lease::Ownership,
-        expected: &'a PagedProgress,
-        to: &'a PagedProgress,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        self.call("paged_checkpoint");
-        self.inner.paged_checkpoint(held, expected, to)
-    }
-    fn release<'a>(
-        &'a self,
-        held: &'a shardwise::lease::Ownership,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.call("release");
-        self.inner.release(held)
-    }
-    fn seek<'a>(
-        &'a self,
-        moves: &'a [shardwise::lease::SeekMove],
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.call("seek");
-        self.inner.seek(moves)
-    }
-    fn advance_frontier<'a>(
-        &'a self,
-        held: &'a shardwise::lease::Ownership,
-        ct: i64,
-    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        self.call("advance_frontier");
-        self.inner.advance_frontier(held, ct)
-    }
-    fn delete<'a>(
-        &'a self,
-        seen: &'a shardwise::lease::Lease,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.call("delete");
-        self.inner.delete(seen)
-    }
-    fn set_children<'a>(
-        &'a self,
-        stream: &'a str,
-        shard_id: &'a str,
-        children: &'a [String],
-    ) -> BoxFuture<'a, Result<(), Error>> {
-        self.call("set_children");
-        self.inner.set_children(stream, shard_id, children)
-    }
-
-    fn request<'a>(
-        &'a self,
-        seen: &'a shardwise::lease::Lease,
-        taker: &'a str,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.call("request");
-        self.inner.request(seen, taker)
-    }
-
-    fn pass<'a>(
-        &'a self,
-        held: &'a shardwise::lease::Ownership,
-        taker: &'a str,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.call("pass");
-        self.inner.pass(held, taker)
-    }
-
-    fn membership<'a>(
-        &'a self,
-        stream: &'a str,
-    ) -> BoxFuture<'a, Result<Option<shardwise::frontier::Membership>, Error>> {
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        *self.calls.lock().unwrap().entry(call.method()).or_default() += 1;
+        if matches!(call, Call::Beat { .. })
+            && self.beats_fail.load(std::sync::atomic::Ordering::Relaxed)
         {
-            self.call("membership");
-            self.inner.membership(stream)
+            return Box::pin(async {
+                Err(Error::Config(shardwise::ConfigError::new(
+                    "beat",
+                    "unreachable",
+                    "injected",
+                )))
+            });
         }
-    }
-
-    fn publish_membership<'a>(
-        &'a self,
-        stream: &'a str,
-        expected: Option<u64>,
-        next: &'a shardwise::frontier::Membership,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        {
-            self.call("publish_membership");
-            self.inner.publish_membership(stream, expected, next)
-        }
-    }
-
-    fn beat<'a>(
-        &'a self,
-        stream: &'a str,
-        worker: &'a str,
-        announce: bool,
-    ) -> BoxFuture<'a, Result<shardwise::lease::Roster, Error>> {
-        {
-            self.call("beat");
-            if self.beats_fail.load(std::sync::atomic::Ordering::Relaxed) {
-                return Box::pin(async {
-                    Err(Error::Config(shardwise::ConfigError::new(
-                        "beat",
-                        "unreachable",
-                        "injected",
-                    )))
-                });
+        Box::pin(async move {
+            let answer = forward.await;
+            if let Ok(answer) = &answer {
+                let answer = answer as &dyn std::any::Any;
+                let refused = match call {
+                    Call::Create { .. } => answer.downcast_ref::<bool>() == Some(&false),
+                    Call::Take { .. } => answer
+                        .downcast_ref::<Option<shardwise::Lease>>()
+                        .is_some_and(Option::is_none),
+                    _ => false,
+                };
+                if refused {
+                    self.refused
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
             }
-            self.inner.beat(stream, worker, announce)
-        }
+            answer
+        })
     }
+}
 
-    fn forget<'a>(
-        &'a self,
-        stream: &'a str,
-        worker: &'a str,
-        seen: Option<u64>,
-    ) -> BoxFuture<'a, Result<bool, Error>> {
-        {
-            self.call("forget");
-            self.inner.forget(stream, worker, seen)
-        }
-    }
+/// The counting layer itself: a create of a row that exists and a take of a row someone else
+/// took are counted as refused (the fleet test below asserts there are none).
+#[tokio::test]
+async fn the_counting_layer_counts_a_refused_create_and_a_refused_take() {
+    let store = counting(MemoryLeaseStore::new());
+    let new = shardwise::NewLease {
+        stream: STREAM.into(),
+        shard_id: "shardId-000000000000".into(),
+        checkpoint: Checkpoint::TrimHorizon,
+        parents: vec![],
+    };
+    assert!(store.create(&new).await.unwrap());
+    assert!(!store.create(&new).await.unwrap());
+    let seen = store.get(STREAM, &new.shard_id).await.unwrap().unwrap();
+    assert!(store.take(&seen, "a").await.unwrap().is_some());
+    assert!(store.take(&seen, "b").await.unwrap().is_none());
+    assert_eq!(store.layer().refused(), 2);
+    assert_eq!(
+        (store.layer().count("create"), store.layer().count("take")),
+        (2, 2)
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn an_idle_worker_costs_about_34_store_requests_per_held_lease_per_minute() {
-    let store = Arc::new(Counting::new(MemoryLeaseStore::new()));
+    let store = counting(MemoryLeaseStore::new());
     let shards = Shards::open(4);
     let (manager, _events) = LeaseManager::start(
         store.clone(),
@@ -497,9 +361,9 @@ async fn an_idle_worker_costs_about_34_store_requests_per_held_lease_per_minute(
     .await
     .unwrap();
     until(Duration::from_secs(10), || manager.held().len() == 4).await;
-    let (before, scans) = (store.total(), store.count("list"));
+    let (before, scans) = (store.layer().total(), store.layer().count("list"));
     tokio::time::sleep(Duration::from_secs(600)).await;
-    let calls = store.total() - before;
+    let calls = store.layer().total() - before;
     let per_lease_minute = calls as f64 / 4.0 / 10.0;
     eprintln!(
         "idle: {calls} store requests in 10 min for 4 leases = {per_lease_minute:.1} per held lease per minute"
@@ -511,7 +375,7 @@ async fn an_idle_worker_costs_about_34_store_requests_per_held_lease_per_minute(
         (34.0..=35.0).contains(&per_lease_minute),
         "{per_lease_minute}"
     );
-    let scans = (store.count("list") - scans) as f64 / 10.0;
+    let scans = (store.layer().count("list") - scans) as f64 / 10.0;
     assert!(
         (5.7..=6.3).contains(&scans),
         "one quiet scan every 10 s (20 % either way): {scans} a minute"
@@ -524,7 +388,7 @@ async fn an_idle_worker_costs_about_34_store_requests_per_held_lease_per_minute(
 #[tokio::test(start_paused = true)]
 async fn balanced_workers_read_the_table_about_once_per_lease_duration_whatever_their_number() {
     for workers in [1usize, 2, 4, 8] {
-        let store = Arc::new(Counting::new(MemoryLeaseStore::new()));
+        let store = counting(MemoryLeaseStore::new());
         let shards = Shards::open(16);
         let mut running = Vec::new();
         for w in 0..workers {
@@ -550,15 +414,15 @@ async fn balanced_workers_read_the_table_about_once_per_lease_duration_whatever_
             while events.try_recv().is_ok() {}
         }
         let (scans, renewals, beats) = (
-            store.count("list"),
-            store.count("renew"),
-            store.count("beat"),
+            store.layer().count("list"),
+            store.layer().count("renew"),
+            store.layer().count("beat"),
         );
         tokio::time::sleep(Duration::from_secs(600)).await;
         let per_minute = |now: u64, before: u64| (now - before) as f64 / 10.0;
-        let scans = per_minute(store.count("list"), scans);
-        let renewals = per_minute(store.count("renew"), renewals);
-        let beats = per_minute(store.count("beat"), beats);
+        let scans = per_minute(store.layer().count("list"), scans);
+        let renewals = per_minute(store.layer().count("renew"), renewals);
+        let beats = per_minute(store.layer().count("beat"), beats);
         eprintln!(
             "{workers} workers on 16 shards: {scans:.1} scans, {renewals:.1} renewals, {beats:.1} beats a minute"
         );
@@ -664,7 +528,7 @@ async fn a_worker_joining_three_balanced_ones_on_200_shards_reaches_its_share_wi
 #[tokio::test(start_paused = true)]
 async fn four_workers_starting_together_share_200_new_shards_without_a_refused_write() {
     let memory = MemoryLeaseStore::new();
-    let store = Arc::new(Counting::new(memory.clone()));
+    let store = counting(memory.clone());
     let shards = Shards::open(200);
     let names = ["a", "b", "c", "d"];
     let started = futures::future::join_all(names.iter().map(|name| {
@@ -681,9 +545,13 @@ async fn four_workers_starting_together_share_200_new_shards_without_a_refused_w
     })
     .await;
     eprintln!("balanced in {took:?}");
-    assert_eq!(store.count("create"), 200, "each row created once");
-    assert_eq!(store.refused(), 0, "a take or create was refused");
-    assert_eq!(store.count("request"), 0, "nothing had to move by handoff");
+    assert_eq!(store.layer().count("create"), 200, "each row created once");
+    assert_eq!(store.layer().refused(), 0, "a take or create was refused");
+    assert_eq!(
+        store.layer().count("request"),
+        0,
+        "nothing had to move by handoff"
+    );
     drop(started);
 }
 
@@ -693,7 +561,7 @@ async fn four_workers_starting_together_share_200_new_shards_without_a_refused_w
 async fn a_worker_whose_beat_fails_gives_up_its_leases_and_the_others_take_them() {
     let memory = MemoryLeaseStore::new();
     let shards = Shards::open(8);
-    let failing = Arc::new(Counting::new(memory.clone()));
+    let failing = counting(memory.clone());
     let (a, _a_events) = worker(&memory, &shards, "a").await;
     let (b, _b_events) = LeaseManager::start(
         failing.clone(),
@@ -708,6 +576,7 @@ async fn a_worker_whose_beat_fails_gives_up_its_leases_and_the_others_take_them(
     until(Duration::from_secs(60), || b.held().len() == 4).await;
 
     failing
+        .layer()
         .beats_fail
         .store(true, std::sync::atomic::Ordering::Relaxed);
     let settings = LeaseSettings::default();

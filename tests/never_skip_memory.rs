@@ -343,7 +343,7 @@ async fn a_closed_parent_that_aged_out_is_ended_and_its_children_start() {
 struct SlowSeeks;
 
 impl Layer for SlowSeeks {
-    fn around<'a, T: Send + 'a>(
+    fn around<'a, T: Send + 'static>(
         &'a self,
         call: Call<'a>,
         forward: BoxFuture<'a, Result<T, Error>>,

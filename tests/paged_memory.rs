@@ -1035,7 +1035,7 @@ async fn after_a_restart_no_event_an_earlier_attempt_finished_reaches_the_handle
 struct LostThenFailed(Arc<Mutex<(Option<PagedProgress>, bool)>>);
 
 impl shardwise::testing::Layer for LostThenFailed {
-    fn around<'a, T: Send + 'a>(
+    fn around<'a, T: Send + 'static>(
         &'a self,
         call: shardwise::testing::Call<'a>,
         forward: BoxFuture<'a, Result<T, shardwise::Error>>,

@@ -20,7 +20,7 @@ use shardwise::{Consumer, Delivery, Error, Outcome, Running};
 struct Hanging(Arc<AtomicBool>);
 
 impl Layer for Hanging {
-    fn around<'a, T: Send + 'a>(
+    fn around<'a, T: Send + 'static>(
         &'a self,
         call: Call<'a>,
         forward: BoxFuture<'a, Result<T, Error>>,

@@ -250,7 +250,7 @@ impl Crash {
 struct CrashingLeases(Crash);
 
 impl Layer for CrashingLeases {
-    fn around<'a, T: Send + 'a>(
+    fn around<'a, T: Send + 'static>(
         &'a self,
         call: Call<'a>,
         forward: BoxFuture<'a, Result<T, Error>>,

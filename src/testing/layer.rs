@@ -15,7 +15,7 @@
 //! struct Scans(AtomicU64);
 //!
 //! impl Layer for Scans {
-//!     fn around<'a, T: Send + 'a>(
+//!     fn around<'a, T: Send + 'static>(
 //!         &'a self,
 //!         call: Call<'a>,
 //!         forward: BoxFuture<'a, Result<T, shardwise::Error>>,
@@ -146,8 +146,9 @@ impl Call<'_> {
 /// nothing.
 pub trait Layer: Send + Sync + fmt::Debug + 'static {
     /// Runs `forward` (the same call on the store behind) for `call`: as it is by default; a
-    /// layer may wait first, count, never finish, fail instead, or look at the answer.
-    fn around<'a, T: Send + 'a>(
+    /// layer may wait first, count, never finish, fail instead, or look at the answer (`T` is the
+    /// method's answer type: downcast it through `&dyn Any` to read it).
+    fn around<'a, T: Send + 'static>(
         &'a self,
         call: Call<'a>,
         forward: BoxFuture<'a, Result<T, Error>>,

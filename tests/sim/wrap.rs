@@ -80,7 +80,7 @@ impl Store {
 }
 
 impl Layer for Store {
-    fn around<'a, T: Send + 'a>(
+    fn around<'a, T: Send + 'static>(
         &'a self,
         call: Call<'a>,
         forward: BoxFuture<'a, Result<T, Error>>,
