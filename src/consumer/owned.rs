@@ -319,23 +319,22 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
                 }
                 gauge.set(pipeline.unsettled());
             }
-            message = messages.recv(), if reading == Reading::Open && room => {
-                let Some(message) = message else {
-                    reading = Reading::Stopped;
-                    continue;
-                };
-                match progress.read(message, &mut pipeline).await {
-                    Read::Page => owned.health.read(),
-                    Read::LastPage => {
-                        owned.health.read();
-                        reading = Reading::Closed;
+            message = messages.recv(), if reading == Reading::Open && room => match message {
+                None => reading = Reading::Stopped,
+                Some(message) => {
+                    match progress.read(message, &mut pipeline).await {
+                        Read::Page => owned.health.read(),
+                        Read::LastPage => {
+                            owned.health.read();
+                            reading = Reading::Closed;
+                        }
+                        Read::Note => {}
+                        Read::Over(over) => reading = over,
+                        Read::Failed(e) => break Halt::Failed(e),
                     }
-                    Read::Note => {}
-                    Read::Over(over) => reading = over,
-                    Read::Failed(e) => break Halt::Failed(e),
+                    gauge.set(pipeline.unsettled());
                 }
-                gauge.set(pipeline.unsettled());
-            }
+            },
             _ = tick.tick() => {
                 gauge.set(pipeline.unsettled());
                 pipeline.tick();
