@@ -6,13 +6,15 @@
 //! TAKEN ──► READING ──stop──► DRAINING ──drained, or only held deliveries left, or deadline──► FINAL WRITES ──► Stopped
 //!              │
 //!              ├──page without a next cursor, every delivery settled──► SHARD_END ──► Ended
-//!              └──order violation, partition gone, cursor refused──► Failed (lease released)
-//! any state ──lease lost, or a write refused as Lost or as a stale attempt──► Lost (nothing more written)
+//!              └──order violation, partition gone, cursor refused, a stale attempt──► Failed (lease released)
+//! any state ──lease lost, or a write refused as Lost──► Lost (nothing more written)
 //! ```
 //!
 //! A write refused as not newer is not retried blindly: the row is read back. If it holds what
-//! the write meant to store, an earlier attempt of the same write went through and its answer was
-//! lost. Anything else means this attempt is stale, and it stops.
+//! the write meant to store, an earlier try of the same write went through and its answer was
+//! lost; if it holds one of the writes whose answers were errors since the last one known stored
+//! (`Uncertain`), that one went through. Anything else means this attempt is stale, and it
+//! stops.
 
 use std::sync::Arc;
 

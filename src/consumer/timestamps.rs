@@ -6,14 +6,15 @@
 //!
 //! ```text
 //! TAKEN ──► POLLING ──stop──► DRAINING ──drained, or only held deliveries left, or deadline──► FINAL CLOSE ──► Stopped
-//!              └──partition gone, poll refused, an event without a timestamp──► Failed (lease released)
-//! any state ──lease lost, or a close refused as Lost or as a stale attempt──► Lost (nothing more written)
+//!              └──partition gone, poll refused, an event without a timestamp, a stale attempt──► Failed (lease released)
+//! any state ──lease lost, or a close refused as Lost──► Lost (nothing more written)
 //! ```
 //!
 //! Every write is `closed_through: c -> c'` (c' > c) with `checkpoint_version: g -> g + 1`,
-//! conditioned on the owner, the epoch, and the row still holding `c` and `g`. A write refused as not newer reads the row back: if it holds what this attempt wrote
-//! (now or by an earlier write whose answer was lost) the attempt goes on from it; anything else
-//! means the attempt is stale, and it stops.
+//! conditioned on the owner, the epoch, and the row still holding `c` and `g`. A write refused as
+//! not newer reads the row back: if it holds what this attempt wrote (now, or by an earlier write
+//! whose answer was lost) the attempt goes on from it; anything else means the attempt is stale,
+//! and it stops.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -55,8 +56,8 @@ pub(crate) struct Timestamped {
     pub(crate) contracts: Timestamps,
 }
 
-/// One owned partition's progress: the groups, the durable progress, and the write whose answer
-/// was lost.
+/// One owned partition's progress: the groups, the durable progress, and the writes whose answers
+/// were lost.
 pub(crate) struct Attempt {
     lease: Leased,
     groups: Groups,
