@@ -288,14 +288,19 @@ impl Drop for Worker {
 // ---------------------------------------------------------------------------------------------
 // Other commands
 
-/// Runs `shardwise` to completion and returns stdout (asserting success).
-pub async fn shardwise(args: &[&str]) -> String {
-    let out = tokio::process::Command::new(BIN)
+/// Runs `shardwise` with `args` to completion (warnings logged only).
+async fn run(args: &[&str]) -> std::process::Output {
+    tokio::process::Command::new(BIN)
         .args(args)
         .env("RUST_LOG", "warn")
         .output()
         .await
-        .expect("run shardwise");
+        .expect("run shardwise")
+}
+
+/// Runs `shardwise` to completion and returns stdout (asserting success).
+pub async fn shardwise(args: &[&str]) -> String {
+    let out = run(args).await;
     assert!(
         out.status.success(),
         "shardwise {args:?} failed: {}",
@@ -760,12 +765,7 @@ pub fn spans(
 
 /// Runs `shardwise` expecting it to fail, and returns stderr.
 pub async fn shardwise_fails(args: &[&str]) -> String {
-    let out = tokio::process::Command::new(BIN)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .await
-        .expect("run shardwise");
+    let out = run(args).await;
     assert!(
         !out.status.success(),
         "shardwise {args:?} succeeded: {}",
