@@ -413,7 +413,7 @@ async fn a_token_that_does_not_advance_is_fetched_again_after_the_poll_interval_
 /// there too, for investigation; it never skips).
 // On real time: under paused time it does not finish (not looked into yet; on real time the
 // failed partition is taken again twice in 3 s, so it is no tight loop).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn order_violations_stop_the_partition_without_skipping() {
     type Case = (&'static str, Vec<ScriptedEvent>);
     let cases: Vec<Case> = vec![
@@ -1126,4 +1126,87 @@ async fn a_write_whose_answer_was_lost_is_recognised_after_a_later_write_failed(
     let ids = calls.ids();
     let expected: Vec<String> = (1..=12).map(|n| format!("a-{n}")).collect();
     assert_eq!(ids, expected, "each event once, in order");
+}
+
+/// The lease store as the workers reach it, with every `take` counted and taking a simulated
+/// millisecond (past the 50th, a second): a loop of takes lets paused time run, rather than hold
+/// it still for ever.
+#[derive(Debug, Default)]
+struct SlowTakes {
+    takes: std::sync::atomic::AtomicU32,
+}
+
+impl shardwise::testing::Layer for SlowTakes {
+    fn around<'a, T: Send + 'static>(
+        &'a self,
+        call: shardwise::testing::Call<'a>,
+        forward: BoxFuture<'a, Result<T, shardwise::Error>>,
+    ) -> BoxFuture<'a, Result<T, shardwise::Error>> {
+        Box::pin(async move {
+            if call.method() == "take" {
+                let before = self.takes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                // Past 50 takes, a second each: a loop fails the test soon instead of running on.
+                let pause = if before < 50 { 1 } else { 1_000 };
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+            }
+            forward.await
+        })
+    }
+}
+
+/// A partition whose work fails for good (here its stored cursor is refused) is released and
+/// taken again after waits that double up to `FAILED_LEASE_MAX_WAIT`: a handful of attempts a
+/// minute, not a loop of take, fetch and release as fast as the table and the source answer
+/// (without the waits: 110 takes in the minute here, paced only by `SlowTakes`; with the memory
+/// store alone, paused time never moved again).
+#[tokio::test(start_paused = true)]
+async fn a_partition_that_fails_for_good_is_taken_again_after_growing_waits() {
+    let api = EventApi::new(SOURCE);
+    api.push("p", "a");
+    let memory = MemoryLeaseStore::new();
+    let refused = PagedProgress {
+        resume_cursor: Some(Cursor::new("a token the source never made")),
+        checkpoint_version: 1,
+        ..PagedProgress::default()
+    };
+    start_at(&memory, "p", &refused).await;
+    let store = Arc::new(shardwise::testing::Layered::new(
+        Arc::new(memory.clone()),
+        SlowTakes::default(),
+    ));
+    let calls = Calls::default();
+    let running = builder(&api, &memory, "w1", acks("w1", &calls))
+        .lease_store(store.clone())
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let takes = store
+        .layer()
+        .takes
+        .load(std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(300)).await;
+    let later = store
+        .layer()
+        .takes
+        .load(std::sync::atomic::Ordering::SeqCst);
+    running.shutdown(Duration::from_secs(2)).await;
+    // Waits of 0.1, 0.2, 0.4 ... 25.6 s (each plus up to itself in jitter): at most 10 in the
+    // first minute; then one per wait of up to 5 minutes (plus jitter).
+    assert!(
+        (3..=10).contains(&takes),
+        "{takes} takes in the first minute"
+    );
+    assert!(
+        (1..=8).contains(&(later - takes)),
+        "{} takes in the next five minutes",
+        later - takes
+    );
+    assert!(
+        calls.ids().is_empty(),
+        "nothing was read: the cursor is refused"
+    );
+    assert_eq!(progress(&memory, "p"), refused, "the row is as it was");
 }

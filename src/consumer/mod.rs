@@ -1060,7 +1060,7 @@ async fn on_exit(
         Ok(Exit::Lost(o)) => info!(shard = %o.shard_id, "shard given up: lease lost"),
         Ok(Exit::Failed(o, e)) => {
             error!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "shard failed; releasing its lease");
-            let _ = manager.release(&o).await;
+            let _ = manager.release_failed(&o).await;
         }
         Err(e) => {
             // A bug in shardwise: the shard is given back rather than held with nothing reading it.
@@ -1070,7 +1070,7 @@ async fn on_exit(
                 "shard task panicked; releasing its lease"
             );
             if let Some(o) = ownership {
-                let _ = manager.release(&o).await;
+                let _ = manager.release_failed(&o).await;
             }
         }
     }

@@ -20,6 +20,7 @@ use super::roster::RosterView;
 use super::row::{InitialPosition, Lease, Ownership};
 use super::store::{LeaseStore, Renewal};
 use super::sync;
+use crate::backoff::Backoff;
 use crate::error::{ConfigError, Error};
 use crate::frontier::{self, Frontier};
 use crate::shard::discovery::{ShardInfo, ShardLister};
@@ -248,6 +249,16 @@ struct Held {
     last_renewed: Instant,
 }
 
+/// The longest a worker waits before taking again a lease whose work keeps failing here.
+pub const FAILED_LEASE_MAX_WAIT: Duration = Duration::from_secs(300);
+
+/// A lease whose work failed on this worker: the waits between its attempts, and when the
+/// current one is over.
+struct Failing {
+    waits: Backoff,
+    until: Instant,
+}
+
 struct Observation {
     counter: u64,
     owner: Option<String>,
@@ -275,6 +286,8 @@ struct Inner {
     membership_scans: AtomicU64,
     /// Handoffs this worker asked for, by shard, and when.
     requests: Mutex<HashMap<String, Instant>>,
+    /// Leases whose work failed here, by shard: not taken again by this worker until `until`.
+    failing: Mutex<HashMap<String, Failing>>,
     /// The workers of the stream as their beats tell.
     roster: Mutex<RosterView>,
     /// When this worker's own beat was last written.
@@ -357,6 +370,7 @@ impl LeaseManager {
             listing: Mutex::new(None),
             membership_scans: AtomicU64::new(0),
             requests: Mutex::new(HashMap::new()),
+            failing: Mutex::new(HashMap::new()),
             roster: Mutex::new(RosterView::new(worker_id, silence)),
             last_beat: Mutex::new(Instant::now()),
             silent: AtomicBool::new(false),
@@ -440,6 +454,35 @@ impl LeaseManager {
         self.inner.release(ownership).await
     }
 
+    /// Gives back a lease whose work failed (a refused cursor, a partition that is gone, a bug),
+    /// and keeps this worker from taking it again for a while: 100 ms after a first failure,
+    /// doubling with jitter up to [`FAILED_LEASE_MAX_WAIT`] while its work keeps failing. Another
+    /// worker may take it meanwhile. Without the wait a failure that repeats (a cursor refused
+    /// for good) would be a loop of take, fail and release with no pause, writing the lease
+    /// table and calling the source as fast as they answer.
+    pub async fn release_failed(&self, ownership: &Ownership) -> Result<bool, Error> {
+        let now = Instant::now();
+        let wait = {
+            let mut failing = self.inner.failing();
+            let entry = failing
+                .entry(ownership.shard_id.clone())
+                .or_insert_with(|| Failing {
+                    waits: Backoff::new(FAILED_LEASE_MAX_WAIT),
+                    until: now,
+                });
+            // A lease that worked for a while since its last failure starts again from the shortest wait.
+            if now >= entry.until + FAILED_LEASE_MAX_WAIT {
+                entry.waits.reset();
+            }
+            let wait = entry.waits.next();
+            entry.until = now + wait;
+            wait
+        };
+        metrics::counter!("shardwise_lease_failures_total", &self.inner.labels()).increment(1);
+        warn!(stream = %self.inner.stream, shard = %ownership.shard_id, ?wait, "work on the lease failed; releasing it and not taking it again before the wait is over");
+        self.inner.release(ownership).await
+    }
+
     /// Records that a held shard reached SHARD_END: releases the lease, runs the hook and syncs
     /// the shard list so its children get rows (announced to every worker by the next beat).
     pub async fn shard_ended(&self, ownership: &Ownership) -> Result<(), Error> {
@@ -518,6 +561,15 @@ impl Inner {
     /// Forgets the held lease `ownership` names; `None` if it is not held under that epoch.
     fn requests(&self) -> MutexGuard<'_, HashMap<String, Instant>> {
         self.requests.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn failing(&self) -> MutexGuard<'_, HashMap<String, Failing>> {
+        self.failing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether this worker waits before taking `shard` again (its work failed here).
+    fn cooling(&self, shard: &str, now: Instant) -> bool {
+        self.failing().get(shard).is_some_and(|f| now < f.until)
     }
 
     fn roster(&self) -> MutexGuard<'_, RosterView> {
@@ -989,6 +1041,7 @@ impl Inner {
             &roster,
             self.settings.limits,
         );
+        let mut cooling = false;
         let settling = plan.settling || !requests.is_empty() || !taken_from_us.is_empty();
         if !plan.takes.is_empty() {
             debug!(stream = %self.stream, active = plan.active, workers = plan.workers, target = plan.target, takes = plan.takes.len(), "lease plan");
@@ -996,6 +1049,15 @@ impl Inner {
         let by_shard: HashMap<&str, &Lease> =
             rows.iter().map(|r| (r.shard_id.as_str(), r)).collect();
         for take in plan.takes {
+            let planned = match &take {
+                Take::Free(s) => s,
+                Take::Steal { shard_id, .. } | Take::Request { shard_id, .. } => shard_id,
+            };
+            if self.cooling(planned, now) {
+                debug!(shard = %planned, "work on this lease failed here a moment ago: not taking it yet");
+                cooling = true;
+                continue;
+            }
             let (shard, stolen) = match &take {
                 Take::Free(s) => (s.as_str(), false),
                 Take::Steal { shard_id, .. } => (shard_id.as_str(), true),
@@ -1037,7 +1099,8 @@ impl Inner {
                 ),
             }
         }
-        Ok(settling)
+        // A lease skipped while its wait runs is taken at a scan soon after.
+        Ok(settling || cooling)
     }
 
     fn acquired(&self, lease: Lease, stolen: bool) {

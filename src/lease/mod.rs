@@ -18,12 +18,12 @@ pub(crate) use sync::new_leases;
 
 pub use crate::dynamo::{Billing, TableOptions};
 pub use dynamodb::DynamoDbLeaseStore;
+pub use manager::{FAILED_LEASE_MAX_WAIT, LeaseHooks, LeaseSettings};
 /// The lease manager runs inside every consumer; it is public for tests that drive it alone.
 #[cfg(feature = "testing")]
 pub use manager::{HeldLease, LeaseEvent, LeaseManager, LeaseProbe};
 #[cfg(not(feature = "testing"))]
 pub(crate) use manager::{HeldLease, LeaseEvent, LeaseManager, LeaseProbe};
-pub use manager::{LeaseHooks, LeaseSettings};
 pub use memory::MemoryLeaseStore;
 #[cfg(any(test, feature = "testing"))]
 pub use memory::{Change, Observer};
