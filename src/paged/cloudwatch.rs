@@ -15,6 +15,14 @@
 //! reads them. At the end of a stream the service returns the request's token again: the cursor
 //! comes back unchanged and the reader backs off.
 //!
+//! Tokens expire: "The token expires after 24 hours" (GetLogEvents), and the token handed back at
+//! the end of a stream keeps its age, so a stream quiet for a day (or a fleet down for one) holds
+//! an expired token. A token the service refuses (`InvalidParameterException`) is recovered from
+//! the cursor's last event: the stream is read again from that event's timestamp, from the head,
+//! with no token. What comes back at or before that event was handed out already and is
+//! recognised as such (a replay below the applied prefix, or an overlap of this attempt); the rest
+//! is new. Each recovery is logged and counted (`shardwise_paged_cursor_recoveries_total`).
+//!
 //! The contract: empty pages with a new token are zero-item pages; positions are not dense; and a
 //! forward traversal never goes back (no backfill): `GetLogEvents` returns a stream's events in
 //! order from the token's place, so an event at or below the applied prefix is one already read (a
@@ -33,10 +41,11 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aws_sdk_cloudwatchlogs::Client;
-use aws_sdk_cloudwatchlogs::error::{ProvideErrorMetadata, SdkError};
-use aws_sdk_cloudwatchlogs::operation::get_log_events::GetLogEventsError;
+use aws_sdk_cloudwatchlogs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_cloudwatchlogs::operation::get_log_events::{GetLogEventsError, GetLogEventsOutput};
 use bytes::Bytes;
 use futures::future::BoxFuture;
+use tracing::warn;
 
 use super::{Contract, Cursor, FetchError, Page, PagePosition, PagedEvent, PagedSource};
 use crate::error::Error;
@@ -147,6 +156,14 @@ fn millis(time: SystemTime) -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
+/// Whether the service refused the request's parameters (an expired token is one).
+fn refused(e: &SdkError<GetLogEventsError>) -> bool {
+    matches!(
+        e.as_service_error(),
+        Some(GetLogEventsError::InvalidParameterException(_))
+    )
+}
+
 fn fetch_error(e: SdkError<GetLogEventsError>) -> FetchError {
     match e.as_service_error() {
         Some(GetLogEventsError::ResourceNotFoundException(_)) => FetchError::NotFound,
@@ -157,6 +174,25 @@ fn fetch_error(e: SdkError<GetLogEventsError>) -> FetchError {
             FetchError::Throttled
         }
         _ => FetchError::Other(Box::new(e)),
+    }
+}
+
+impl CloudWatchLogs {
+    async fn get_log_events(
+        &self,
+        partition: &str,
+        at: &LogCursor,
+    ) -> Result<GetLogEventsOutput, SdkError<GetLogEventsError>> {
+        self.client
+            .get_log_events()
+            .log_group_name(self.group.as_ref())
+            .log_stream_name(partition)
+            .start_from_head(true)
+            .limit(self.limit)
+            .set_start_time(at.start)
+            .set_next_token(at.token.clone())
+            .send()
+            .await
     }
 }
 
@@ -199,22 +235,28 @@ impl PagedSource for CloudWatchLogs {
         cursor: Option<&'a Cursor>,
     ) -> BoxFuture<'a, Result<Page, FetchError>> {
         Box::pin(async move {
-            let at = match cursor {
+            let mut at = match cursor {
                 Some(c) => LogCursor::decode(c).map_err(|e| FetchError::InvalidCursor(e.into()))?,
                 None => LogCursor::default(),
             };
-            let output = self
-                .client
-                .get_log_events()
-                .log_group_name(self.group.as_ref())
-                .log_stream_name(partition)
-                .start_from_head(true)
-                .limit(self.limit)
-                .set_start_time(at.start)
-                .set_next_token(at.token.clone())
-                .send()
-                .await
-                .map_err(fetch_error)?;
+            let output = match self.get_log_events(partition, &at).await {
+                Err(e) if at.token.is_some() && refused(&e) => {
+                    // An expired (or otherwise refused) token: read again from the last event's
+                    // time, from the head; what was handed out already is recognised as such.
+                    let from = at.last.map(|(timestamp, _, _)| timestamp).or(at.start);
+                    warn!(source = %self.name, partition, from, error = %DisplayErrorContext(&e), "the service refused the cursor's token; reading the stream again from the last event's time");
+                    metrics::counter!("shardwise_paged_cursor_recoveries_total", "source" => self.name.to_string()).increment(1);
+                    at = LogCursor {
+                        start: from,
+                        token: None,
+                        // Counting occurrences starts again with the first event read.
+                        last: None,
+                    };
+                    self.get_log_events(partition, &at).await
+                }
+                answer => answer,
+            }
+            .map_err(fetch_error)?;
             let mut last = at.last;
             let mut events = Vec::with_capacity(output.events().len());
             for event in output.events() {

@@ -1,0 +1,537 @@
+//! CloudWatch Logs as the simulation's world serves it: one account's log group in memory, behind
+//! the real SDK client (an HTTP connector that answers the SDK's JSON requests), on the
+//! simulation's clock. The real sources (`paged::CloudWatchLogs`, `paged::CloudWatchLogsFilter`)
+//! read it as they read the service.
+//!
+//! What it models, each from the CloudWatch Logs API reference (one line each, to check):
+//! - GetLogEvents: "nextForwardToken ... The token expires after 24 hours. If you have reached the
+//!   end of the stream, it returns the same token you passed in." An expired token is refused with
+//!   `InvalidParameterException`.
+//! - GetLogEvents: "returns as many log events as can fit in a response size of 1 MB (up to 10,000
+//!   log events)"; an event's size is its UTF-8 message plus 26 bytes (PutLogEvents).
+//! - GetLogEvents returns a stream's events in timestamp order; a token marks a place in that
+//!   order, so an event put later with an earlier timestamp is behind every token issued past it.
+//! - FilterLogEvents: "nextToken ... The token expires after 24 hours"; events of every stream of
+//!   the group between startTime and endTime, in timestamp order.
+//! - PutLogEvents: "None of the log events in the batch can be more than 14 days in the past" or
+//!   "more than 2 hours in the future" (the world never puts such events; `put` refuses them).
+//! - Events are searchable (FilterLogEvents) after an ingestion delay; GetLogEvents sees a stream's
+//!   events in the order they were ingested.
+//! - Quotas (Service Quotas, per account and Region): GetLogEvents 25 requests/s, FilterLogEvents
+//!   5 requests/s, DescribeLogStreams 5 requests/s; past them `ThrottlingException`.
+//! - DeleteLogStream removes a stream and its events: reads of it answer
+//!   `ResourceNotFoundException`.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use aws_sdk_cloudwatchlogs::Client;
+use aws_smithy_runtime_api::client::http::{
+    HttpClient, HttpConnector, HttpConnectorFuture, HttpConnectorSettings, SharedHttpClient,
+    SharedHttpConnector,
+};
+use aws_smithy_runtime_api::client::orchestrator::{HttpRequest, HttpResponse};
+use aws_smithy_runtime_api::client::runtime_components::RuntimeComponents;
+use aws_smithy_types::body::SdkBody;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+/// How long a token is good for.
+pub const TOKEN_LIFETIME: Duration = Duration::from_secs(24 * 3600);
+/// How old an event PutLogEvents accepts.
+pub const MAX_AGE: Duration = Duration::from_secs(14 * 24 * 3600);
+/// A page's size at most, and its events at most.
+const PAGE_BYTES: usize = 1_048_576;
+const PAGE_EVENTS: usize = 10_000;
+/// An event's size over its message.
+const EVENT_OVERHEAD: usize = 26;
+
+/// Requests per second per account, by operation.
+fn quota(operation: &str) -> Option<usize> {
+    match operation {
+        "GetLogEvents" => Some(25),
+        "FilterLogEvents" | "DescribeLogStreams" => Some(5),
+        _ => None,
+    }
+}
+
+/// One stored event.
+#[derive(Debug, Clone)]
+pub struct LogEvent {
+    /// The name the GetLogEvents source gives it: `timestamp-ingestion-k`.
+    pub id: String,
+    pub stream: String,
+    pub timestamp: i64,
+    pub ingestion: i64,
+    /// Its occurrence among the stream's events with the same timestamp and ingestion time.
+    pub k: u64,
+    /// When FilterLogEvents finds it.
+    pub searchable: i64,
+    /// The service's `eventId` (what the FilterLogEvents source names it by).
+    pub event_id: String,
+    pub message: String,
+}
+
+impl LogEvent {
+    fn key(&self) -> (i64, i64, u64) {
+        (self.timestamp, self.ingestion, self.k)
+    }
+    fn size(&self) -> usize {
+        self.message.len() + EVENT_OVERHEAD
+    }
+}
+
+#[derive(Debug)]
+enum Token {
+    /// GetLogEvents: the events of `stream` after `after` (and at or after `start`).
+    Forward {
+        stream: String,
+        start: Option<i64>,
+        after: Option<(i64, i64, u64)>,
+        issued: i64,
+    },
+    /// FilterLogEvents: the query's events after `after` (timestamp, stream, k).
+    Filter {
+        streams: Option<Vec<String>>,
+        start: Option<i64>,
+        end: Option<i64>,
+        after: (i64, String, i64, u64),
+        issued: i64,
+    },
+}
+
+#[derive(Debug, Default)]
+struct State {
+    group: String,
+    /// Stream name -> its events in timestamp order (timestamp, ingestion, k).
+    streams: BTreeMap<String, Vec<LogEvent>>,
+    created: BTreeMap<String, i64>,
+    tokens: HashMap<String, Token>,
+    minted: u64,
+    events_put: u64,
+    /// Request times of the last second, by operation.
+    recent: BTreeMap<String, VecDeque<i64>>,
+    /// Until when every read is throttled (a lasting throttle of the account).
+    throttled_until: i64,
+    counts: Counts,
+}
+
+/// What the service answered, counted.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    pub requests: u64,
+    pub throttled: u64,
+    pub expired_tokens: u64,
+    pub not_found: u64,
+}
+
+/// The service. Clones share it.
+#[derive(Debug, Clone)]
+pub struct LogsService {
+    state: Arc<Mutex<State>>,
+    base_ms: i64,
+    start: Instant,
+}
+
+/// An answer: a status and a JSON body.
+type Answer = (u16, Value);
+
+fn error(kind: &str, message: &str) -> Answer {
+    (400, json!({ "__type": kind, "message": message }))
+}
+
+impl LogsService {
+    /// A service whose clock reads `base_ms` now, with an empty log group `group`.
+    pub fn new(group: &str, base_ms: i64) -> Self {
+        Self {
+            state: Arc::new(Mutex::new(State {
+                group: group.to_string(),
+                ..State::default()
+            })),
+            base_ms,
+            start: Instant::now(),
+        }
+    }
+
+    /// The service's clock (ms since the epoch): the simulation's.
+    pub fn now(&self) -> i64 {
+        self.base_ms + (Instant::now() - self.start).as_millis() as i64
+    }
+
+    /// A client of the real SDK that reaches this service.
+    pub fn client(&self) -> Client {
+        use aws_sdk_cloudwatchlogs::config::{
+            BehaviorVersion, Credentials, Region, StalledStreamProtectionConfig,
+        };
+        let config = aws_sdk_cloudwatchlogs::Config::builder()
+            .behavior_version(BehaviorVersion::latest())
+            .region(Region::new("us-east-1"))
+            .credentials_provider(Credentials::new("sim", "sim", None, None, "sim"))
+            .endpoint_url("http://logs.sim")
+            .http_client(SharedHttpClient::new(Connector(self.clone())))
+            .retry_config(aws_sdk_cloudwatchlogs::config::retry::RetryConfig::disabled())
+            .stalled_stream_protection(StalledStreamProtectionConfig::disabled())
+            .build();
+        Client::from_conf(config)
+    }
+
+    pub fn create_stream(&self, stream: &str) {
+        let now = self.now();
+        let mut state = self.state.lock().unwrap();
+        state.streams.entry(stream.to_string()).or_default();
+        state.created.entry(stream.to_string()).or_insert(now);
+    }
+
+    /// Deletes a stream and its events; returns the events it held.
+    pub fn delete_stream(&self, stream: &str) -> Vec<LogEvent> {
+        let mut state = self.state.lock().unwrap();
+        state.created.remove(stream);
+        state.streams.remove(stream).unwrap_or_default()
+    }
+
+    /// PutLogEvents of one batch: `(timestamp, message)` each, ingested now, searchable after
+    /// `delay`. Refuses (returns `None`) what the service refuses: a missing stream, an event more
+    /// than 14 days old or 2 hours ahead.
+    pub fn put(
+        &self,
+        stream: &str,
+        batch: &[(i64, String)],
+        delay: Duration,
+    ) -> Option<Vec<LogEvent>> {
+        let now = self.now();
+        let mut state = self.state.lock().unwrap();
+        if batch
+            .iter()
+            .any(|(t, _)| *t < now - MAX_AGE.as_millis() as i64 || *t > now + 2 * 3600 * 1000)
+        {
+            return None;
+        }
+        let mut stored = Vec::new();
+        for (timestamp, message) in batch {
+            state.events_put += 1;
+            let event_id = format!("{:020}", state.events_put);
+            let events = state.streams.get_mut(stream)?;
+            let k = events
+                .iter()
+                .filter(|e| (e.timestamp, e.ingestion) == (*timestamp, now))
+                .count() as u64;
+            let event = LogEvent {
+                id: format!("{timestamp}-{now}-{k}"),
+                stream: stream.to_string(),
+                timestamp: *timestamp,
+                ingestion: now,
+                k,
+                searchable: now + delay.as_millis() as i64,
+                event_id,
+                message: message.clone(),
+            };
+            let at = events.partition_point(|e| e.key() <= event.key());
+            events.insert(at, event.clone());
+            stored.push(event);
+        }
+        Some(stored)
+    }
+
+    /// Every read is throttled until `until` (ms).
+    pub fn throttle_until(&self, until: i64) {
+        self.state.lock().unwrap().throttled_until = until;
+    }
+
+    pub fn streams(&self) -> Vec<String> {
+        self.state.lock().unwrap().streams.keys().cloned().collect()
+    }
+
+    /// The events of `stream`, in the service's order (tests/cloudwatch_memory.rs reads them).
+    #[allow(dead_code)]
+    pub fn events(&self, stream: &str) -> Vec<LogEvent> {
+        self.state
+            .lock()
+            .unwrap()
+            .streams
+            .get(stream)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    pub fn counts(&self) -> Counts {
+        self.state.lock().unwrap().counts
+    }
+
+    fn answer(&self, operation: &str, request: &Value) -> Answer {
+        let now = self.now();
+        let mut state = self.state.lock().unwrap();
+        state.counts.requests += 1;
+        if let Some(limit) = quota(operation) {
+            let throttled = now < state.throttled_until;
+            let recent = state.recent.entry(operation.to_string()).or_default();
+            while recent.front().is_some_and(|t| *t <= now - 1_000) {
+                recent.pop_front();
+            }
+            if recent.len() >= limit || throttled {
+                state.counts.throttled += 1;
+                return error("ThrottlingException", "Rate exceeded");
+            }
+            recent.push_back(now);
+        }
+        if request["logGroupName"].as_str() != Some(state.group.as_str()) {
+            state.counts.not_found += 1;
+            return error(
+                "ResourceNotFoundException",
+                "The specified log group does not exist.",
+            );
+        }
+        match operation {
+            "GetLogEvents" => state.get_log_events(request, now),
+            "FilterLogEvents" => state.filter_log_events(request, now),
+            "DescribeLogStreams" => state.describe_log_streams(request),
+            other => error(
+                "InvalidAction",
+                &format!("the simulated service does not serve {other}"),
+            ),
+        }
+    }
+}
+
+impl State {
+    fn mint(&mut self, token: Token, prefix: &str) -> String {
+        self.minted += 1;
+        let name = format!("{prefix}/{:056}", self.minted);
+        self.tokens.insert(name.clone(), token);
+        name
+    }
+
+    fn expired(&mut self) -> Answer {
+        self.counts.expired_tokens += 1;
+        error(
+            "InvalidParameterException",
+            "The specified nextToken has expired.",
+        )
+    }
+
+    fn get_log_events(&mut self, request: &Value, now: i64) -> Answer {
+        let Some(stream) = request["logStreamName"].as_str().map(str::to_string) else {
+            return error("InvalidParameterException", "logStreamName is required");
+        };
+        if request["startFromHead"].as_bool() != Some(true) {
+            return error(
+                "InvalidParameterException",
+                "the simulated service reads forward only (startFromHead)",
+            );
+        }
+        let limit = request["limit"]
+            .as_u64()
+            .map_or(PAGE_EVENTS, |l| (l as usize).min(PAGE_EVENTS));
+        let given = request["nextToken"].as_str().map(str::to_string);
+        let (start, after) = match &given {
+            None => (request["startTime"].as_i64(), None),
+            Some(name) => match self.tokens.get(name) {
+                Some(Token::Forward {
+                    stream: s,
+                    start,
+                    after,
+                    issued,
+                }) if *s == stream => {
+                    if now - issued >= TOKEN_LIFETIME.as_millis() as i64 {
+                        return self.expired();
+                    }
+                    (*start, *after)
+                }
+                _ => {
+                    return error(
+                        "InvalidParameterException",
+                        "The specified nextToken is invalid.",
+                    );
+                }
+            },
+        };
+        let Some(events) = self.streams.get(&stream) else {
+            self.counts.not_found += 1;
+            return error(
+                "ResourceNotFoundException",
+                "The specified log stream does not exist.",
+            );
+        };
+        let mut page = Vec::new();
+        let mut bytes = 0;
+        for event in events {
+            if after.is_some_and(|a| event.key() <= a) || start.is_some_and(|s| event.timestamp < s)
+            {
+                continue;
+            }
+            if page.len() == limit || bytes + event.size() > PAGE_BYTES {
+                break;
+            }
+            bytes += event.size();
+            page.push(event.clone());
+        }
+        let forward = match (page.last(), given) {
+            // The end of the stream: the token passed in comes back (it keeps its age).
+            (None, Some(given)) => given,
+            (last, _) => self.mint(
+                Token::Forward {
+                    stream,
+                    start,
+                    after: last.map(LogEvent::key).or(after),
+                    issued: now,
+                },
+                "f",
+            ),
+        };
+        let events: Vec<Value> = page
+            .iter()
+            .map(|e| {
+                json!({ "timestamp": e.timestamp, "message": e.message, "ingestionTime": e.ingestion })
+            })
+            .collect();
+        (
+            200,
+            json!({ "events": events, "nextForwardToken": forward, "nextBackwardToken": "b/0" }),
+        )
+    }
+
+    fn filter_log_events(&mut self, request: &Value, now: i64) -> Answer {
+        let limit = request["limit"]
+            .as_u64()
+            .map_or(PAGE_EVENTS, |l| (l as usize).min(PAGE_EVENTS));
+        let (streams, start, end, after) = match request["nextToken"].as_str() {
+            None => (
+                request["logStreamNames"].as_array().map(|names| {
+                    names
+                        .iter()
+                        .filter_map(|n| n.as_str().map(str::to_string))
+                        .collect::<Vec<_>>()
+                }),
+                request["startTime"].as_i64(),
+                request["endTime"].as_i64(),
+                None,
+            ),
+            Some(name) => match self.tokens.get(name) {
+                Some(Token::Filter {
+                    streams,
+                    start,
+                    end,
+                    after,
+                    issued,
+                }) => {
+                    if now - issued >= TOKEN_LIFETIME.as_millis() as i64 {
+                        return self.expired();
+                    }
+                    (streams.clone(), *start, *end, Some(after.clone()))
+                }
+                _ => {
+                    return error(
+                        "InvalidParameterException",
+                        "The specified nextToken is invalid.",
+                    );
+                }
+            },
+        };
+        let mut found: Vec<&LogEvent> = self
+            .streams
+            .iter()
+            .filter(|(name, _)| streams.as_ref().is_none_or(|s| s.contains(name)))
+            .flat_map(|(_, events)| events)
+            .filter(|e| {
+                e.searchable <= now
+                    && start.is_none_or(|s| e.timestamp >= s)
+                    && end.is_none_or(|t| e.timestamp <= t)
+            })
+            .collect();
+        let order = |e: &LogEvent| (e.timestamp, e.stream.clone(), e.ingestion, e.k);
+        found.sort_by_key(|e| order(e));
+        found.retain(|e| after.as_ref().is_none_or(|a| order(e) > *a));
+        let mut page = Vec::new();
+        let mut bytes = 0;
+        for event in &found {
+            if page.len() == limit || bytes + event.size() > PAGE_BYTES {
+                break;
+            }
+            bytes += event.size();
+            page.push((*event).clone());
+        }
+        let next = (page.len() < found.len()).then(|| {
+            let last = page.last().expect("a page before the rest");
+            self.mint(
+                Token::Filter {
+                    streams,
+                    start,
+                    end,
+                    after: order(last),
+                    issued: now,
+                },
+                "n",
+            )
+        });
+        let events: Vec<Value> = page
+            .iter()
+            .map(|e| {
+                json!({
+                    "logStreamName": e.stream,
+                    "timestamp": e.timestamp,
+                    "message": e.message,
+                    "ingestionTime": e.ingestion,
+                    "eventId": e.event_id,
+                })
+            })
+            .collect();
+        let mut body = json!({ "events": events, "searchedLogStreams": [] });
+        if let Some(next) = next {
+            body["nextToken"] = json!(next);
+        }
+        (200, body)
+    }
+
+    fn describe_log_streams(&mut self, _request: &Value) -> Answer {
+        let streams: Vec<Value> = self
+            .streams
+            .keys()
+            .map(|name| {
+                json!({
+                    "logStreamName": name,
+                    "creationTime": self.created.get(name).copied().unwrap_or_default(),
+                })
+            })
+            .collect();
+        (200, json!({ "logStreams": streams }))
+    }
+}
+
+/// The SDK's HTTP client, answered by the service in memory.
+#[derive(Debug, Clone)]
+struct Connector(LogsService);
+
+impl HttpConnector for Connector {
+    fn call(&self, request: HttpRequest) -> HttpConnectorFuture {
+        let operation = request
+            .headers()
+            .get("x-amz-target")
+            .and_then(|t| t.strip_prefix("Logs_20140328."))
+            .unwrap_or_default()
+            .to_string();
+        let body: Value = request
+            .body()
+            .bytes()
+            .and_then(|b| serde_json::from_slice(b).ok())
+            .unwrap_or(Value::Null);
+        let (status, answer) = self.0.answer(&operation, &body);
+        let mut response = HttpResponse::new(
+            status.try_into().expect("a status"),
+            SdkBody::from(answer.to_string()),
+        );
+        response
+            .headers_mut()
+            .insert("content-type", "application/x-amz-json-1.1");
+        HttpConnectorFuture::ready(Ok(response))
+    }
+}
+
+impl HttpClient for Connector {
+    fn http_connector(
+        &self,
+        _: &HttpConnectorSettings,
+        _: &RuntimeComponents,
+    ) -> SharedHttpConnector {
+        SharedHttpConnector::new(self.clone())
+    }
+}
