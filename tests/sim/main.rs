@@ -21,6 +21,8 @@
 //! the same hash. A
 //! failing seed prints its replay command and the last events before the violation.
 
+mod logs;
+mod long;
 mod model;
 mod paged;
 mod world;
@@ -48,6 +50,8 @@ const REGRESSIONS: &[(u64, &str)] = &[
 
 /// Seeds run twice at the start, to check that a seed always gives the same trace.
 const DETERMINISM_CHECKS: u64 = 20;
+/// Long seeds run twice at the start.
+const LONG_DETERMINISM_CHECKS: u64 = 2;
 
 struct Args {
     seeds: u64,
@@ -56,6 +60,8 @@ struct Args {
     from: u64,
     trace: bool,
     threads: usize,
+    /// Long seeds (`sim/long.rs`: simulated days) instead of the short worlds.
+    long: bool,
 }
 
 fn args() -> Args {
@@ -71,6 +77,7 @@ fn args() -> Args {
         paged: env("SHARDWISE_SIM_PAGED_SEEDS", seeds / 5),
         from: env("SHARDWISE_SIM_FROM", 0),
         trace: false,
+        long: false,
         threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
     };
     let mut it = std::env::args().skip(1);
@@ -89,6 +96,7 @@ fn args() -> Args {
             "--from" => args.from = number("--from"),
             "--threads" => args.threads = number("--threads") as usize,
             "--trace" => args.trace = true,
+            "--long" => args.long = true,
             // What `cargo test` may pass to every test binary.
             _ => {}
         }
@@ -117,6 +125,25 @@ fn main() {
             report(info);
         }
     }));
+    if args.long {
+        let mut failed = false;
+        for seed in args.from..args.from + args.seeds.min(LONG_DETERMINISM_CHECKS) {
+            let (a, b) = (long::run_seed(seed), long::run_seed(seed));
+            if a.hash != b.hash {
+                failed = true;
+                eprintln!(
+                    "long seed {seed} is not deterministic: traces {} and {}",
+                    hex(&a.hash),
+                    hex(&b.hash)
+                );
+            }
+        }
+        failed |= run_world(&args, "long ", args.seeds, long::run_seed);
+        if failed {
+            std::process::exit(1);
+        }
+        return;
+    }
     let mut failed = false;
     for (seed, bug) in REGRESSIONS {
         let r = world::run_seed(*seed);
@@ -201,6 +228,11 @@ fn run_world(args: &Args, world: &str, count: u64, run: fn(u64) -> world::SeedRe
             }
             if world.is_empty() {
                 eprintln!("  replay: scripts/sim --seeds 1 --from {} --trace", r.seed);
+            } else if world == "long " {
+                eprintln!(
+                    "  replay: scripts/sim --long --seeds 1 --from {} --trace",
+                    r.seed
+                );
             } else {
                 eprintln!(
                     "  replay: scripts/sim --seeds 0 --paged-seeds 1 --from {} --trace",

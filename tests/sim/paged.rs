@@ -642,7 +642,7 @@ impl World {
     }
 }
 
-fn base_ms() -> i64 {
+pub fn base_ms() -> i64 {
     millis(crate::world::base())
 }
 

@@ -1,0 +1,530 @@
+//! A long seed: seven simulated days of one log group, read by the real `paged::CloudWatchLogs`
+//! source (GetLogEvents) through the real SDK client from the simulated service (`sim/logs.rs`),
+//! with the real consumer and the memory lease store under paused time.
+//!
+//! The seed lays out the week as phases: bursts of `PutLogEvents` batches into the group's streams,
+//! quiet hours and quiet days, outages of the whole fleet (up to 30 hours), workers that crash,
+//! stop and start, streams created and deleted, batches of late events (timestamps up to 13 days
+//! old), and account-wide throttling that lasts minutes. The service's tokens expire after 24
+//! hours, pages stop at 10,000 events or 1 MB, and GetLogEvents is throttled past 25 requests/s.
+//!
+//! Checked at every write of the lease store: a stream's applied position never goes down, and
+//! every event at or below it, bar the late ones the source's contract cannot see, has settled.
+//! At the end, after a quiet phase of two hours with a worker up, every event of every stream
+//! that still exists, bar those late ones, has settled. Late events the source never handed out
+//! are counted (the GetLogEvents source declares no backfill: they are outside its contract) and
+//! reported beside the seed's result.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use md5::{Digest, Md5};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use shardwise::consumer::Settled;
+use shardwise::lease::{Change, LeaseSettings, MemoryLeaseStore};
+use shardwise::paged::{CloudWatchLogs, PagePosition};
+use shardwise::testing::{Call, Layer, Layered};
+use shardwise::{Consumer, Delivery, Error, Outcome, Running};
+use tokio::time::Instant;
+
+use crate::logs::{LogEvent, LogsService};
+use crate::world::SeedResult;
+
+const GROUP: &str = "/sim/app";
+const HOUR: u64 = 3_600;
+/// How long a long seed runs before its quiet phase: a week (`SHARDWISE_SIM_DAYS` days).
+fn week() -> Duration {
+    let days = std::env::var("SHARDWISE_SIM_DAYS")
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(7);
+    Duration::from_secs(days * 24 * HOUR)
+}
+/// How long the quiet phase may take.
+const QUIET: Duration = Duration::from_secs(2 * HOUR);
+
+/// What the checks see.
+#[derive(Default)]
+struct Model {
+    /// Settled events, `stream/id`.
+    settled: BTreeSet<String>,
+    /// Events put behind one already stored with a later place: `stream/id`.
+    late: BTreeSet<String>,
+    /// Every event put, by stream (the service deletes a stream's events with it).
+    put: BTreeMap<String, Vec<LogEvent>>,
+    violations: Vec<String>,
+    hasher: Md5,
+    tail: Vec<String>,
+    events: u64,
+    invocations: u64,
+}
+
+impl Model {
+    fn event(&mut self, at: Instant, start: Instant, what: String) {
+        let line = format!("{:>10.1}s {what}", (at - start).as_secs_f64());
+        self.hasher.update(line.as_bytes());
+        self.events += 1;
+        self.tail.push(line);
+        if self.tail.len() > crate::model::trace_tail() {
+            self.tail.remove(0);
+        }
+    }
+
+    fn violation(&mut self, at: Instant, start: Instant, what: String) {
+        self.event(at, start, format!("VIOLATION {what}"));
+        self.violations.push(what);
+    }
+
+    /// A write of the lease store, checked. (Only the events a move of the applied position
+    /// passes: the ones below it were checked when it passed them.)
+    fn change(&self, change: &Change) -> Option<String> {
+        let after = change.after.as_ref()?;
+        let applied = after.progress.as_ref()?.applied_position.clone()?;
+        let before = change
+            .before
+            .as_ref()
+            .and_then(|b| b.progress.as_ref()?.applied_position.clone());
+        if before.as_ref() == Some(&applied) {
+            return None;
+        }
+        if change.operation != "seek"
+            && let Some(before) = &before
+            && applied < *before
+        {
+            return Some(format!(
+                "{}: applied position went down from {before} to {applied} ({})",
+                after.shard_id, change.operation
+            ));
+        }
+        let stream = &after.shard_id;
+        for event in self.put.get(stream).into_iter().flatten() {
+            let at = position(event);
+            if at > applied || before.as_ref().is_some_and(|b| at <= *b) {
+                continue;
+            }
+            let name = format!("{stream}/{}", event.id);
+            if !self.settled.contains(&name) && !self.late.contains(&name) {
+                return Some(format!(
+                    "{stream}: applied position {applied} passes {}, which has not settled ({})",
+                    event.id, change.operation
+                ));
+            }
+        }
+        None
+    }
+}
+
+/// The lease store as the workers reach it: a call is counted, and past 2,000 calls in one
+/// simulated second (a loop that writes the table as fast as it answers, which paused time
+/// would never leave) the seed fails and every further call waits a second, so the week goes on.
+struct Watchdog {
+    model: Arc<Mutex<Model>>,
+    start: Instant,
+    /// (the simulated second, calls in it, tripped)
+    calls: Mutex<(u64, u32, bool)>,
+}
+
+impl std::fmt::Debug for Watchdog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watchdog").finish_non_exhaustive()
+    }
+}
+
+impl Layer for Watchdog {
+    fn around<'a, T: Send + 'static>(
+        &'a self,
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let second = (now - self.start).as_secs();
+            let tripped = {
+                let mut calls = self.calls.lock().unwrap();
+                if calls.0 != second {
+                    *calls = (second, 0, calls.2);
+                }
+                calls.1 += 1;
+                if calls.1 > 2_000 && !calls.2 {
+                    calls.2 = true;
+                    let what = format!(
+                        "livelock: over 2,000 lease store calls in one simulated second (the last {})",
+                        call.method()
+                    );
+                    self.model.lock().unwrap().violation(now, self.start, what);
+                }
+                calls.2
+            };
+            if tripped {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            forward.await
+        })
+    }
+}
+
+/// The position the GetLogEvents source gives an event.
+fn position(e: &LogEvent) -> PagePosition {
+    PagePosition::from_parts(&[e.timestamp as u64, e.ingestion as u64, e.k])
+}
+
+struct World {
+    seed: u64,
+    rng: StdRng,
+    service: LogsService,
+    store: Arc<Layered<Watchdog>>,
+    model: Arc<Mutex<Model>>,
+    start: Instant,
+    workers: Vec<Option<Running>>,
+    lanes: usize,
+    poll: Duration,
+    streams: u32,
+}
+
+impl World {
+    fn new(seed: u64) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x1009_0007);
+        let start = Instant::now();
+        let service = LogsService::new(GROUP, crate::paged::base_ms());
+        let store = MemoryLeaseStore::new();
+        let model = Arc::new(Mutex::new(Model::default()));
+        let observer = model.clone();
+        store.observe(Arc::new(move |change: &Change| {
+            let mut model = observer.lock().unwrap();
+            let now = Instant::now();
+            if let Some(violation) = model.change(change) {
+                model.violation(now, start, violation);
+            }
+            if let Some(after) = &change.after {
+                let applied = after
+                    .progress
+                    .as_ref()
+                    .and_then(|p| p.applied_position.clone());
+                let line = format!(
+                    "store {} {} owner={:?} applied={applied:?}",
+                    change.operation, after.shard_id, after.owner
+                );
+                model.event(now, start, line);
+            }
+        }));
+        let watchdog = Watchdog {
+            model: model.clone(),
+            start,
+            calls: Mutex::new((0, 0, false)),
+        };
+        let store = Arc::new(Layered::new(Arc::new(store), watchdog));
+        let workers = rng.random_range(1..=3);
+        let mut world = Self {
+            seed,
+            lanes: rng.random_range(1..=4),
+            poll: Duration::from_secs(rng.random_range(2..=30)),
+            rng,
+            service,
+            store,
+            model,
+            start,
+            workers: (0..workers).map(|_| None).collect(),
+            streams: 0,
+        };
+        for _ in 0..world.rng.random_range(1..=3) {
+            world.create_stream();
+        }
+        world
+    }
+
+    fn event(&self, what: String) {
+        self.model
+            .lock()
+            .unwrap()
+            .event(Instant::now(), self.start, what);
+    }
+
+    fn create_stream(&mut self) {
+        let name = format!("s{}", self.streams);
+        self.streams += 1;
+        self.service.create_stream(&name);
+        self.event(format!("create {name}"));
+    }
+
+    /// Puts a batch of 1 to 5 events into a random stream; `late` ms before now when given.
+    fn put(&mut self, late: Option<i64>) {
+        let streams = self.service.streams();
+        if streams.is_empty() {
+            return;
+        }
+        let stream = streams[self.rng.random_range(0..streams.len())].clone();
+        let now = self.service.now();
+        let newest = late.map_or(now, |l| now - l);
+        let mut batch: Vec<(i64, String)> = (0..self.rng.random_range(1..=5))
+            .map(|_| {
+                let t = newest - self.rng.random_range(0..2_000);
+                // One event in twenty is large: pages also end at 1 MB.
+                let size = if self.rng.random_ratio(1, 20) {
+                    30_000
+                } else {
+                    200
+                };
+                (t, "x".repeat(size))
+            })
+            .collect();
+        batch.sort_by_key(|(t, _)| *t);
+        let delay = Duration::from_millis(self.rng.random_range(200..120_000));
+        let Some(stored) = self.service.put(&stream, &batch, delay) else {
+            self.event(format!("put {stream} refused"));
+            return;
+        };
+        let mut guard = self.model.lock().unwrap();
+        let model = &mut *guard;
+        let line = format!(
+            "put {stream} {:?}{}",
+            stored.iter().map(|e| e.id.as_str()).collect::<Vec<_>>(),
+            if late.is_some() { " late" } else { "" }
+        );
+        model.event(Instant::now(), self.start, line);
+        let events = model.put.entry(stream.clone()).or_default();
+        for event in stored {
+            // Behind an event already stored: a forward token issued past that one never returns
+            // it (it may still be read, if no reader has passed that place yet).
+            if events.iter().any(|e| position(e) > position(&event)) {
+                model.late.insert(format!("{stream}/{}", event.id));
+            }
+            events.push(event);
+        }
+    }
+
+    async fn start_worker(&mut self, n: usize) {
+        let worker = format!("w{n}");
+        let (model, start, seed) = (self.model.clone(), self.start, self.seed);
+        let w = worker.clone();
+        let handler = move |d: Delivery| {
+            let name = format!("{}/{}", d.shard(), d.paged_event_id().unwrap_or_default());
+            let mut h = Md5::new();
+            h.update(seed.to_le_bytes());
+            h.update(name.as_bytes());
+            h.update(d.attempt().to_le_bytes());
+            let roll = h.finalize();
+            let outcome = if roll[0] % 100 < 5 && d.attempt() < 3 {
+                Outcome::Retry
+            } else {
+                Outcome::Ack
+            };
+            let took = Duration::from_millis(u64::from(roll[1] % 50));
+            {
+                let mut model = model.lock().unwrap();
+                model.invocations += 1;
+                let line = format!(
+                    "call {w} {name} attempt={} -> {}",
+                    d.attempt(),
+                    outcome.label()
+                );
+                model.event(Instant::now(), start, line);
+            }
+            async move {
+                tokio::time::sleep(took).await;
+                outcome
+            }
+        };
+        let settled = self.model.clone();
+        let source = CloudWatchLogs::new(self.service.client(), GROUP);
+        let running = Consumer::paged(Arc::new(source), "sim", handler)
+            .worker_id(&worker)
+            .lanes(self.lanes)
+            .poll_interval(self.poll)
+            .checkpoint_interval(Duration::from_secs(1))
+            .lease_settings(
+                LeaseSettings::default()
+                    .lease_duration(Duration::from_secs(30))
+                    .scan_interval(Duration::from_secs(10)),
+            )
+            .lease_store(self.store.clone())
+            .delivery_hooks(move |d: &Delivery, how: &Settled| {
+                let name = format!("{}/{}", d.shard(), d.paged_event_id().unwrap_or_default());
+                let mut model = settled.lock().unwrap();
+                model.settled.insert(name.clone());
+                model.event(Instant::now(), start, format!("settled {name} {how:?}"));
+            })
+            .build()
+            .expect("settings")
+            .run()
+            .await;
+        match running {
+            Ok(running) => {
+                self.event(format!("start {worker}"));
+                self.workers[n] = Some(running);
+            }
+            Err(e) => self.event(format!("start {worker} failed: {e}")),
+        }
+    }
+
+    async fn crash(&mut self, n: usize) {
+        if let Some(running) = self.workers[n].take() {
+            self.event(format!("crash w{n}"));
+            running.abort();
+        }
+    }
+
+    /// What remains owed: events of live streams that have not settled and are not late.
+    fn unsettled(&self) -> Vec<String> {
+        let live: BTreeSet<String> = self.service.streams().into_iter().collect();
+        let model = self.model.lock().unwrap();
+        model
+            .put
+            .iter()
+            .filter(|(stream, _)| live.contains(*stream))
+            .flat_map(|(stream, events)| events.iter().map(move |e| format!("{stream}/{}", e.id)))
+            .filter(|name| !model.settled.contains(name) && !model.late.contains(name))
+            .collect()
+    }
+
+    async fn run(mut self) -> SeedResult {
+        for n in 0..self.workers.len() {
+            self.start_worker(n).await;
+        }
+        let end = self.start + week();
+        while Instant::now() < end {
+            match self.rng.random_range(0..100) {
+                // A burst: a batch every 1 to 10 s for 2 to 30 minutes.
+                0..=39 => {
+                    let until =
+                        Instant::now() + Duration::from_secs(self.rng.random_range(120..1_800));
+                    self.event("burst".into());
+                    while Instant::now() < until {
+                        self.put(None);
+                        let gap = Duration::from_secs(self.rng.random_range(1..=10));
+                        tokio::time::sleep(gap).await;
+                    }
+                }
+                // Quiet hours, or a quiet day and more.
+                40..=59 => {
+                    let hours = if self.rng.random_bool(0.3) {
+                        self.rng.random_range(24..=30)
+                    } else {
+                        self.rng.random_range(1..=8)
+                    };
+                    self.event(format!("quiet {hours} h"));
+                    tokio::time::sleep(Duration::from_secs(hours * HOUR)).await;
+                }
+                // The whole fleet down for 1 to 30 hours.
+                60..=66 => {
+                    let hours = self.rng.random_range(1..=30);
+                    self.event(format!("outage {hours} h"));
+                    for n in 0..self.workers.len() {
+                        self.crash(n).await;
+                    }
+                    tokio::time::sleep(Duration::from_secs(hours * HOUR)).await;
+                    for n in 0..self.workers.len() {
+                        self.start_worker(n).await;
+                    }
+                }
+                // Late events: timestamps a minute to 13 days old.
+                67..=74 => {
+                    let late = self.rng.random_range(60_000..13 * 24 * HOUR as i64 * 1_000);
+                    self.put(Some(late));
+                }
+                // A worker crashes, stops, or starts.
+                75..=84 => {
+                    let n = self.rng.random_range(0..self.workers.len());
+                    if self.workers[n].is_none() {
+                        self.start_worker(n).await;
+                    } else if self.rng.random_bool(0.5) {
+                        self.crash(n).await;
+                    } else if let Some(running) = self.workers[n].take() {
+                        self.event(format!("stop w{n}"));
+                        running.shutdown(Duration::from_secs(5)).await;
+                    }
+                }
+                85..=89 => self.create_stream(),
+                90..=91 => {
+                    let streams = self.service.streams();
+                    if streams.len() > 1 {
+                        let stream = streams[self.rng.random_range(0..streams.len())].clone();
+                        let gone = self.service.delete_stream(&stream);
+                        self.event(format!("delete {stream} ({} events)", gone.len()));
+                    }
+                }
+                // Account-wide throttling for 2 to 20 minutes.
+                _ => {
+                    let minutes = self.rng.random_range(2..=20);
+                    self.event(format!("throttled {minutes} min"));
+                    self.service
+                        .throttle_until(self.service.now() + minutes as i64 * 60_000);
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(self.rng.random_range(1..=60))).await;
+        }
+
+        // Quiet: a worker up, no throttling, until everything owed has settled.
+        self.service.throttle_until(0);
+        if self.workers.iter().all(Option::is_none) {
+            self.start_worker(0).await;
+        }
+        let quiet_end = Instant::now() + QUIET;
+        loop {
+            let owed = self.unsettled();
+            if owed.is_empty() {
+                break;
+            }
+            if Instant::now() >= quiet_end {
+                let what = format!(
+                    "not done two hours after the week: {} events unsettled, first {:?}",
+                    owed.len(),
+                    &owed[..owed.len().min(5)]
+                );
+                let mut model = self.model.lock().unwrap();
+                model.violation(Instant::now(), self.start, what);
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(10)).await;
+        }
+        for running in self.workers.iter_mut().filter_map(Option::take) {
+            running.shutdown(Duration::from_secs(5)).await;
+        }
+        let counts = self.service.counts();
+        let mut model = std::mem::take(&mut *self.model.lock().unwrap());
+        let late_unread = model
+            .late
+            .iter()
+            .filter(|name| !model.settled.contains(*name))
+            .count();
+        let summary = format!(
+            "end: {} requests, {} throttled, {} expired tokens, {} late events ({late_unread} never handed out)",
+            counts.requests,
+            counts.throttled,
+            counts.expired_tokens,
+            model.late.len()
+        );
+        model.event(Instant::now(), self.start, summary);
+        let mut hash = [0u8; 16];
+        hash.copy_from_slice(&model.hasher.finalize());
+        SeedResult {
+            seed: self.seed,
+            hash,
+            violations: model.violations,
+            trace: model.tail,
+            events: model.events,
+            invocations: model.invocations,
+        }
+    }
+}
+
+/// Runs one long seed on a fresh current-thread runtime with paused time.
+pub fn run_seed(seed: u64) -> SeedResult {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async move {
+        let _deterministic = shardwise::testing::simulate(crate::world::base(), seed);
+        let mut result = World::new(seed).run().await;
+        for panic in crate::world::take_panics() {
+            result
+                .violations
+                .push(format!("shardwise panicked: {panic}"));
+        }
+        result
+    })
+}
