@@ -1,8 +1,26 @@
 //! In-memory Kinesis: a stream with shards, records, splits, merges and retention, serving the
 //! [`RecordSource`], [`ShardLister`] and [`RecordSink`](crate::producer::RecordSink) traits.
+//!
+//! [`MemoryStream::service_limits`] makes it keep the service's documented limits and clocks, each
+//! from the Kinesis API reference:
+//! - GetRecords: "A shard iterator expires 5 minutes after it is returned to the requester"
+//!   (`ExpiredIteratorException`).
+//! - GetRecords: "Each data record can be up to 1 MiB in size, and each shard can read up to 2 MiB
+//!   per second"; "each shard can support up to five read transactions per second", shared by
+//!   every reader of the shard; past either, `ProvisionedThroughputExceededException`. A call
+//!   returns at most 10,000 records or 10 MiB, and a call that returned much makes the next ones
+//!   within 5 seconds throttled (modelled: more than 10 MiB served in the last 5 s throttles).
+//! - Retention: records older than the retention period (24 hours by default) are trimmed;
+//!   TRIM_HORIZON is "the oldest data record in the shard", and a position before it reads from
+//!   there (as the API reference documents for an AT_TIMESTAMP older than the trim horizon).
+//! - GetShardIterator AT_TIMESTAMP: "If a record with this exact time stamp does not exist, the
+//!   iterator returned is for the next (later) record": the iterator returns only records that
+//!   arrived at or after the time stamp, also when the time stamp is in the future (a host clock
+//!   ahead), so records put before it are not returned by that iterator.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -20,6 +38,11 @@ struct Shard {
     /// Inclusive hash range on a u128 ring.
     range: (u128, u128),
     records: Vec<RawRecord>,
+    /// Records before this index are trimmed (past the retention period).
+    trimmed: usize,
+    /// GetRecords calls served in the last second, and (time, bytes) served in the last 5 s (ms).
+    recent_calls: VecDeque<i64>,
+    recent_bytes: VecDeque<(i64, usize)>,
     closed: bool,
     /// Past the retention period: no longer listed or readable.
     aged_out: bool,
@@ -36,6 +59,8 @@ struct State {
     expire_every: u64,
     /// Every n-th GetRecords call is throttled (0: never).
     throttle_every: u64,
+    /// The service's limits and clocks (see the module docs), with this retention period.
+    limits: Option<Duration>,
 }
 
 /// An in-memory stream. Cloning shares it.
@@ -70,6 +95,7 @@ impl MemoryStream {
             reads: 0,
             expire_every: 0,
             throttle_every: 0,
+            limits: None,
         };
         let width = u128::MAX / shards as u128;
         for i in 0..shards {
@@ -192,6 +218,30 @@ impl MemoryStream {
             .collect()
     }
 
+    /// Keeps the service's documented limits and clocks from now on (see the module docs):
+    /// iterators that expire after 5 minutes, 5 GetRecords calls and 2 MiB per second per shard
+    /// shared by every reader, and records trimmed after `retention` (the service's default is
+    /// 24 hours). Times are [`simulate`](super::simulate)'s wall clock in a simulation.
+    pub fn service_limits(&self, retention: Duration) {
+        self.state().limits = Some(retention);
+    }
+
+    /// The records trimmed so far (past the retention period), shard by shard.
+    pub fn trimmed(&self) -> Vec<StoredRecord> {
+        let mut state = self.state();
+        state.trim();
+        state
+            .shards
+            .values()
+            .flat_map(|s| {
+                s.records[..s.trimmed].iter().map(|r| StoredRecord {
+                    shard_id: s.id.clone(),
+                    record: r.clone(),
+                })
+            })
+            .collect()
+    }
+
     /// Makes every `n`-th GetRecords call fail with an expired iterator (0 turns it off).
     pub fn expire_iterators_every(&self, n: u64) {
         self.state().expire_every = n;
@@ -228,7 +278,86 @@ impl MemoryStream {
     }
 }
 
+/// How long an iterator is good for, with the service's limits.
+const ITERATOR_LIFETIME: Duration = Duration::from_secs(300);
+/// GetRecords calls per second per shard.
+const CALLS_PER_SECOND: usize = 5;
+/// Bytes served per shard in any 5 s before the next calls are throttled (2 MiB/s).
+const BYTES_PER_5_SECONDS: usize = 10 * 1024 * 1024;
+/// What one GetRecords call returns at most.
+const CALL_RECORDS: usize = 10_000;
+const CALL_BYTES: usize = 10 * 1024 * 1024;
+
+fn now_ms() -> i64 {
+    crate::time::millis(crate::time::now())
+}
+
+/// An iterator: the shard, the index of the next record, and with the service's limits when it
+/// was issued and the arrival time before which records are not returned (AT_TIMESTAMP).
+#[derive(Debug, PartialEq, Eq)]
+struct ShardIterator<'a> {
+    shard: &'a str,
+    index: usize,
+    issued: Option<i64>,
+    not_before: Option<i64>,
+}
+
+impl<'a> ShardIterator<'a> {
+    /// `shard/index`, or with the service's limits `shard/index/issued/not-before` (`-`: none).
+    fn encode(&self) -> String {
+        match self.issued {
+            None => format!("{}/{}", self.shard, self.index),
+            Some(issued) => format!(
+                "{}/{}/{issued}/{}",
+                self.shard,
+                self.index,
+                self.not_before.map_or("-".into(), |t| t.to_string())
+            ),
+        }
+    }
+
+    fn parse(it: &'a str) -> Option<Self> {
+        let mut parts = it.split('/');
+        let shard = parts.next()?;
+        let index = parts.next()?.parse().ok()?;
+        let issued = match parts.next() {
+            None => None,
+            Some(t) => Some(t.parse().ok()?),
+        };
+        let not_before = match parts.next() {
+            None | Some("-") => None,
+            Some(t) => Some(t.parse().ok()?),
+        };
+        Some(Self {
+            shard,
+            index,
+            issued,
+            not_before,
+        })
+    }
+}
+
 impl State {
+    /// Trims, with the service's limits, every record older than the retention period.
+    fn trim(&mut self) {
+        let Some(retention) = self.limits else {
+            return;
+        };
+        let horizon = crate::time::now().checked_sub(retention);
+        for shard in self.shards.values_mut() {
+            while let Some(record) = shard.records.get(shard.trimmed) {
+                let old = matches!(
+                    (record.arrived_at, horizon),
+                    (Some(at), Some(horizon)) if at < horizon
+                );
+                if !old {
+                    break;
+                }
+                shard.trimmed += 1;
+            }
+        }
+    }
+
     fn add_shard(&mut self, parents: Vec<String>, range: (u128, u128)) -> String {
         let id = format!("shardId-{:012}", self.next_shard);
         self.next_shard += 1;
@@ -239,18 +368,15 @@ impl State {
                 parents,
                 range,
                 records: vec![],
+                trimmed: 0,
+                recent_calls: VecDeque::new(),
+                recent_bytes: VecDeque::new(),
                 closed: false,
                 aged_out: false,
             },
         );
         id
     }
-}
-
-/// Iterators are `shard/index`: the index of the next record to return.
-fn parse_iterator(it: &str) -> Option<(&str, usize)> {
-    let (shard, index) = it.rsplit_once('/')?;
-    Some((shard, index.parse().ok()?))
 }
 
 impl RecordSource for MemoryStream {
@@ -262,35 +388,44 @@ impl RecordSource for MemoryStream {
     ) -> BoxFuture<'a, Result<String, ReadError>> {
         let fault = self.faults.draw(false, false);
         let result = (|| {
-            let state = self.state();
+            let mut state = self.state();
+            state.trim();
             if stream != state.name {
                 return Err(ReadError::NotFound);
             }
+            let limits = state.limits.is_some();
             let s = state
                 .shards
                 .get(shard)
                 .filter(|s| !s.aged_out)
                 .ok_or(ReadError::NotFound)?;
+            let first = |found: Option<usize>| found.unwrap_or(s.records.len()).max(s.trimmed);
             let index = match start {
-                StartAt::TrimHorizon => 0,
+                StartAt::TrimHorizon => s.trimmed,
                 StartAt::Latest => s.records.len(),
-                StartAt::AtTimestamp(t) => s
-                    .records
-                    .iter()
-                    .position(|r| r.arrived_at.is_some_and(|a| a >= *t))
-                    .unwrap_or(s.records.len()),
-                StartAt::AtSequence(seq) => s
-                    .records
-                    .iter()
-                    .position(|r| r.sequence >= *seq)
-                    .unwrap_or(s.records.len()),
-                StartAt::AfterSequence(seq) => s
-                    .records
-                    .iter()
-                    .position(|r| r.sequence > *seq)
-                    .unwrap_or(s.records.len()),
+                StartAt::AtTimestamp(t) => first(
+                    s.records
+                        .iter()
+                        .position(|r| r.arrived_at.is_some_and(|a| a >= *t)),
+                ),
+                StartAt::AtSequence(seq) => {
+                    first(s.records.iter().position(|r| r.sequence >= *seq))
+                }
+                StartAt::AfterSequence(seq) => {
+                    first(s.records.iter().position(|r| r.sequence > *seq))
+                }
             };
-            Ok(format!("{shard}/{index}"))
+            let not_before = match start {
+                StartAt::AtTimestamp(t) if limits => Some(crate::time::millis(*t)),
+                _ => None,
+            };
+            Ok(ShardIterator {
+                shard,
+                index,
+                issued: limits.then(now_ms),
+                not_before,
+            }
+            .encode())
         })();
         read_fault(fault, result)
     }
@@ -310,19 +445,88 @@ impl RecordSource for MemoryStream {
             if state.throttle_every > 0 && state.reads.is_multiple_of(state.throttle_every) {
                 return Err(ReadError::Throttled);
             }
-            let (shard, index) =
-                parse_iterator(iterator).ok_or_else(|| ReadError::Other("bad iterator".into()))?;
-            let s = state.shards.get(shard).ok_or(ReadError::NotFound)?;
-            let end = (index + limit.max(1) as usize).min(s.records.len());
-            let records = s.records.get(index..end).unwrap_or_default().to_vec();
-            let at_end = end >= s.records.len();
-            Ok(Page {
-                records,
-                next_iterator: (!(at_end && s.closed)).then(|| format!("{shard}/{end}")),
-                millis_behind_latest: Some(if at_end { 0 } else { 1000 }),
-            })
+            let it = ShardIterator::parse(iterator)
+                .ok_or_else(|| ReadError::Other("bad iterator".into()))?;
+            if state.limits.is_none() {
+                let s = state.shards.get(it.shard).ok_or(ReadError::NotFound)?;
+                let end = (it.index + limit.max(1) as usize).min(s.records.len());
+                let records = s.records.get(it.index..end).unwrap_or_default().to_vec();
+                let at_end = end >= s.records.len();
+                return Ok(Page {
+                    records,
+                    next_iterator: (!(at_end && s.closed))
+                        .then(|| ShardIterator { index: end, ..it }.encode()),
+                    millis_behind_latest: Some(if at_end { 0 } else { 1000 }),
+                });
+            }
+            state.limited_read(it, limit)
         })();
         read_fault(fault, result)
+    }
+}
+
+impl State {
+    /// GetRecords with the service's limits (see the module docs).
+    fn limited_read(&mut self, it: ShardIterator<'_>, limit: i32) -> Result<Page, ReadError> {
+        self.trim();
+        let now = now_ms();
+        if it
+            .issued
+            .is_none_or(|issued| now - issued > ITERATOR_LIFETIME.as_millis() as i64)
+        {
+            return Err(ReadError::ExpiredIterator);
+        }
+        let s = self.shards.get_mut(it.shard).ok_or(ReadError::NotFound)?;
+        while s.recent_calls.front().is_some_and(|t| *t <= now - 1_000) {
+            s.recent_calls.pop_front();
+        }
+        while s
+            .recent_bytes
+            .front()
+            .is_some_and(|(t, _)| *t <= now - 5_000)
+        {
+            s.recent_bytes.pop_front();
+        }
+        let served: usize = s.recent_bytes.iter().map(|(_, b)| b).sum();
+        if s.recent_calls.len() >= CALLS_PER_SECOND || served >= BYTES_PER_5_SECONDS {
+            return Err(ReadError::Throttled);
+        }
+        s.recent_calls.push_back(now);
+        let limit = (limit.max(1) as usize).min(CALL_RECORDS);
+        let mut index = it.index.max(s.trimmed);
+        let (mut records, mut bytes) = (Vec::new(), 0);
+        while let Some(record) = s.records.get(index) {
+            if records.len() == limit || bytes + record.data.len() > CALL_BYTES {
+                break;
+            }
+            index += 1;
+            let before = it
+                .not_before
+                .is_some_and(|t| record.arrived_at.is_none_or(|a| crate::time::millis(a) < t));
+            if !before {
+                bytes += record.data.len();
+                records.push(record.clone());
+            }
+        }
+        s.recent_bytes.push_back((now, bytes));
+        let at_end = index >= s.records.len();
+        let behind = s
+            .records
+            .get(index)
+            .and_then(|r| r.arrived_at)
+            .and_then(|a| crate::time::now().duration_since(a).ok());
+        Ok(Page {
+            records,
+            next_iterator: (!(at_end && s.closed)).then(|| {
+                ShardIterator {
+                    index,
+                    issued: Some(now),
+                    ..it
+                }
+                .encode()
+            }),
+            millis_behind_latest: Some(behind.map_or(0, |d| d.as_millis() as i64)),
+        })
     }
 }
 
@@ -510,5 +714,113 @@ impl crate::producer::RecordSink for MemoryStreams {
                 })
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::UNIX_EPOCH;
+
+    use super::*;
+
+    fn base() -> std::time::SystemTime {
+        UNIX_EPOCH + Duration::from_secs(1_767_225_600)
+    }
+
+    async fn read(stream: &MemoryStream, iterator: &str) -> Result<Page, ReadError> {
+        stream.get_records(iterator, 100).await
+    }
+
+    fn data(page: &Page) -> Vec<String> {
+        page.records
+            .iter()
+            .map(|r| String::from_utf8_lossy(&r.data).into_owned())
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_the_service_limits_iterators_expire_and_reads_are_rationed_per_shard() {
+        let _simulated = crate::testing::simulate(base(), 1);
+        let stream = MemoryStream::new("s", 1);
+        stream.service_limits(Duration::from_secs(24 * 3600));
+        stream.put("k", "a");
+        let shard = stream.open_shards().remove(0);
+        let first = stream
+            .shard_iterator("s", &shard, &StartAt::TrimHorizon)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(301)).await;
+        assert!(matches!(
+            read(&stream, &first).await,
+            Err(ReadError::ExpiredIterator)
+        ));
+        // Five calls a second for the shard, whichever reader makes them.
+        let a = stream
+            .shard_iterator("s", &shard, &StartAt::TrimHorizon)
+            .await
+            .unwrap();
+        let b = stream
+            .shard_iterator("s", &shard, &StartAt::TrimHorizon)
+            .await
+            .unwrap();
+        for it in [&a, &b, &a, &b, &a] {
+            assert_eq!(data(&read(&stream, it).await.unwrap()), ["a"]);
+        }
+        assert!(matches!(read(&stream, &b).await, Err(ReadError::Throttled)));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let page = read(&stream, &b).await.unwrap();
+        // Each answer's iterator is new: good for another 5 minutes.
+        tokio::time::sleep(Duration::from_secs(299)).await;
+        stream.put("k", "b");
+        let next = page.next_iterator.unwrap();
+        assert_eq!(data(&read(&stream, &next).await.unwrap()), ["b"]);
+        // 2 MiB/s: once 10 MiB were served in 5 s (at most 10 MiB per call), the next calls
+        // are throttled until the 5 s have passed.
+        for _ in 0..12 {
+            stream.put("k", vec![0u8; 1024 * 1024]);
+        }
+        let it = stream
+            .shard_iterator("s", &shard, &StartAt::TrimHorizon)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let big = read(&stream, &it).await.unwrap();
+        assert_eq!(big.records.len(), 2 + 9, "10 MiB at most per call");
+        let rest = read(&stream, &big.next_iterator.unwrap()).await.unwrap();
+        assert_eq!(rest.records.len(), 3, "9 MiB served: not yet throttled");
+        let tip = rest.next_iterator.unwrap();
+        assert!(matches!(
+            read(&stream, &tip).await,
+            Err(ReadError::Throttled)
+        ));
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(read(&stream, &tip).await.unwrap().records.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_the_service_limits_old_records_are_trimmed_and_a_future_timestamp_waits() {
+        let _simulated = crate::testing::simulate(base(), 1);
+        let stream = MemoryStream::new("s", 1);
+        stream.service_limits(Duration::from_secs(3600));
+        let (shard, old) = stream.put("k", "old");
+        tokio::time::sleep(Duration::from_secs(1800)).await;
+        stream.put("k", "kept");
+        tokio::time::sleep(Duration::from_secs(1801)).await;
+        assert_eq!(stream.trimmed().len(), 1);
+        for start in [StartAt::TrimHorizon, StartAt::AtSequence(old)] {
+            let it = stream.shard_iterator("s", &shard, &start).await.unwrap();
+            assert_eq!(data(&read(&stream, &it).await.unwrap()), ["kept"]);
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        // A time stamp 10 s ahead (a host clock ahead): what arrives before it is not returned.
+        let ahead = crate::time::now() + Duration::from_secs(10);
+        let it = stream
+            .shard_iterator("s", &shard, &StartAt::AtTimestamp(ahead))
+            .await
+            .unwrap();
+        stream.put("k", "early");
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        stream.put("k", "late");
+        assert_eq!(data(&read(&stream, &it).await.unwrap()), ["late"]);
     }
 }

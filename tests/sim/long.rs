@@ -19,18 +19,18 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::future::BoxFuture;
 use md5::{Digest, Md5};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shardwise::consumer::Settled;
 use shardwise::lease::{Change, LeaseSettings, MemoryLeaseStore};
 use shardwise::paged::{CloudWatchLogs, PagePosition};
-use shardwise::testing::{Call, Layer, Layered};
-use shardwise::{Consumer, Delivery, Error, Outcome, Running};
+use shardwise::testing::Layered;
+use shardwise::{Consumer, Delivery, Outcome, Running};
 use tokio::time::Instant;
 
 use crate::logs::{LogEvent, LogsService};
+use crate::watchdog::Watchdog;
 use crate::world::SeedResult;
 
 const GROUP: &str = "/sim/app";
@@ -117,55 +117,6 @@ impl Model {
     }
 }
 
-/// The lease store as the workers reach it: a call is counted, and past 2,000 calls in one
-/// simulated second (a loop that writes the table as fast as it answers, which paused time
-/// would never leave) the seed fails and every further call waits a second, so the week goes on.
-struct Watchdog {
-    model: Arc<Mutex<Model>>,
-    start: Instant,
-    /// (the simulated second, calls in it, tripped)
-    calls: Mutex<(u64, u32, bool)>,
-}
-
-impl std::fmt::Debug for Watchdog {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Watchdog").finish_non_exhaustive()
-    }
-}
-
-impl Layer for Watchdog {
-    fn around<'a, T: Send + 'static>(
-        &'a self,
-        call: Call<'a>,
-        forward: BoxFuture<'a, Result<T, Error>>,
-    ) -> BoxFuture<'a, Result<T, Error>> {
-        Box::pin(async move {
-            let now = Instant::now();
-            let second = (now - self.start).as_secs();
-            let tripped = {
-                let mut calls = self.calls.lock().unwrap();
-                if calls.0 != second {
-                    *calls = (second, 0, calls.2);
-                }
-                calls.1 += 1;
-                if calls.1 > 2_000 && !calls.2 {
-                    calls.2 = true;
-                    let what = format!(
-                        "livelock: over 2,000 lease store calls in one simulated second (the last {})",
-                        call.method()
-                    );
-                    self.model.lock().unwrap().violation(now, self.start, what);
-                }
-                calls.2
-            };
-            if tripped {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-            forward.await
-        })
-    }
-}
-
 /// The position the GetLogEvents source gives an event.
 fn position(e: &LogEvent) -> PagePosition {
     PagePosition::from_parts(&[e.timestamp as u64, e.ingestion as u64, e.k])
@@ -210,11 +161,10 @@ impl World {
                 model.event(now, start, line);
             }
         }));
-        let watchdog = Watchdog {
-            model: model.clone(),
-            start,
-            calls: Mutex::new((0, 0, false)),
-        };
+        let report = model.clone();
+        let watchdog = Watchdog::new(start, move |at, what| {
+            report.lock().unwrap().violation(at, start, what);
+        });
         let store = Arc::new(Layered::new(Arc::new(store), watchdog));
         let workers = rng.random_range(1..=3);
         let mut world = Self {

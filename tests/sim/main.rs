@@ -14,17 +14,26 @@
 //! event API, with misbehaving pages, crashes, seeks, faults and receipts; it checks seed 003's
 //! invariants at every write of the lease store.
 //!
+//! Long seeds (`--long`) live for simulated days against models of the services at their
+//! documented limits: a day of Kinesis (`sim/long_stream.rs`) and a week of a CloudWatch Logs
+//! group (`sim/long.rs`, on the simulated service of `sim/logs.rs`), with quiet hours and days,
+//! fleet outages, lasting throttling, expiring iterators and tokens, and late events. A watchdog
+//! (`sim/watchdog.rs`) fails a seed whose workers loop on the lease table.
+//!
 //! `cargo test --test sim` runs `SHARDWISE_SIM_SEEDS` seeds (default 1,000), then
 //! `SHARDWISE_SIM_PAGED_SEEDS` paged seeds (default a fifth as many), from
-//! `SHARDWISE_SIM_FROM` (default 0); `scripts/sim --seeds N [--paged-seeds P] [--from SEED]` runs
-//! any number. Each world ends with `N seeds, V violations, trace HASH`: the same seeds always give
-//! the same hash. A
-//! failing seed prints its replay command and the last events before the violation.
+//! `SHARDWISE_SIM_FROM` (default 0), then `SHARDWISE_SIM_LONG_SEEDS` long seeds of each kind
+//! (default none); `scripts/sim [--long] --seeds N [--paged-seeds P] [--from SEED]` runs any
+//! number. Each world ends with `N seeds, V violations, trace HASH`: the same seeds always give
+//! the same hash. A failing seed prints its replay command and the last events before the
+//! violation.
 
 mod logs;
 mod long;
+mod long_stream;
 mod model;
 mod paged;
+mod watchdog;
 mod world;
 mod wrap;
 
@@ -60,8 +69,10 @@ struct Args {
     from: u64,
     trace: bool,
     threads: usize,
-    /// Long seeds (`sim/long.rs`: simulated days) instead of the short worlds.
+    /// Long seeds instead of the short worlds: `seeds` of a day of Kinesis (`sim/long_stream.rs`),
+    /// `paged` (default as many) of a week of CloudWatch Logs (`sim/long.rs`).
     long: bool,
+    paged_given: bool,
 }
 
 fn args() -> Args {
@@ -78,6 +89,7 @@ fn args() -> Args {
         from: env("SHARDWISE_SIM_FROM", 0),
         trace: false,
         long: false,
+        paged_given: false,
         threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
     };
     let mut it = std::env::args().skip(1);
@@ -92,7 +104,10 @@ fn args() -> Args {
                 args.seeds = number("--seeds");
                 args.paged = args.seeds / 5;
             }
-            "--paged-seeds" => args.paged = number("--paged-seeds"),
+            "--paged-seeds" => {
+                args.paged = number("--paged-seeds");
+                args.paged_given = true;
+            }
             "--from" => args.from = number("--from"),
             "--threads" => args.threads = number("--threads") as usize,
             "--trace" => args.trace = true,
@@ -100,6 +115,9 @@ fn args() -> Args {
             // What `cargo test` may pass to every test binary.
             _ => {}
         }
+    }
+    if args.long && !args.paged_given {
+        args.paged = args.seeds;
     }
     args
 }
@@ -127,18 +145,29 @@ fn main() {
     }));
     if args.long {
         let mut failed = false;
-        for seed in args.from..args.from + args.seeds.min(LONG_DETERMINISM_CHECKS) {
-            let (a, b) = (long::run_seed(seed), long::run_seed(seed));
-            if a.hash != b.hash {
-                failed = true;
-                eprintln!(
-                    "long seed {seed} is not deterministic: traces {} and {}",
-                    hex(&a.hash),
-                    hex(&b.hash)
-                );
+        let checks = [
+            (
+                "long kinesis",
+                args.seeds,
+                long_stream::run_seed as fn(u64) -> world::SeedResult,
+            ),
+            ("long logs", args.paged, long::run_seed),
+        ];
+        for (world, count, run) in checks {
+            for seed in args.from..args.from + count.min(LONG_DETERMINISM_CHECKS) {
+                let (a, b) = (run(seed), run(seed));
+                if a.hash != b.hash {
+                    failed = true;
+                    eprintln!(
+                        "{world} seed {seed} is not deterministic: traces {} and {}",
+                        hex(&a.hash),
+                        hex(&b.hash)
+                    );
+                }
             }
         }
-        failed |= run_world(&args, "long ", args.seeds, long::run_seed);
+        failed |= run_world(&args, "long kinesis ", args.seeds, long_stream::run_seed);
+        failed |= run_world(&args, "long logs ", args.paged, long::run_seed);
         if failed {
             std::process::exit(1);
         }
@@ -179,6 +208,15 @@ fn main() {
     }
     failed |= run_world(&args, "", args.seeds, world::run_seed);
     failed |= run_world(&args, "paged ", args.paged, paged::run_seed);
+    // A few long seeds of each kind after the short ones (scripts/test sets how many).
+    let long = std::env::var("SHARDWISE_SIM_LONG_SEEDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    if long > 0 {
+        failed |= run_world(&args, "long kinesis ", long, long_stream::run_seed);
+        failed |= run_world(&args, "long logs ", long, long::run_seed);
+    }
     if failed {
         std::process::exit(1);
     }
@@ -226,16 +264,19 @@ fn run_world(args: &Args, world: &str, count: u64, run: fn(u64) -> world::SeedRe
             for line in &r.trace {
                 eprintln!("    {line}");
             }
-            if world.is_empty() {
-                eprintln!("  replay: scripts/sim --seeds 1 --from {} --trace", r.seed);
-            } else if world == "long " {
+            let long = if world.starts_with("long") {
+                "--long "
+            } else {
+                ""
+            };
+            if world.is_empty() || world == "long kinesis " {
                 eprintln!(
-                    "  replay: scripts/sim --long --seeds 1 --from {} --trace",
+                    "  replay: scripts/sim {long}--seeds 1 --paged-seeds 0 --from {} --trace",
                     r.seed
                 );
             } else {
                 eprintln!(
-                    "  replay: scripts/sim --seeds 0 --paged-seeds 1 --from {} --trace",
+                    "  replay: scripts/sim {long}--seeds 0 --paged-seeds 1 --from {} --trace",
                     r.seed
                 );
             }

@@ -1,0 +1,401 @@
+//! A long Kinesis seed: a simulated day of one stream, read by the real consumer from the memory
+//! stream with the service's limits and clocks on (`MemoryStream::service_limits`: iterators that
+//! expire after 5 minutes, 5 GetRecords calls and 2 MiB per second per shard shared by every
+//! reader, records trimmed after 24 hours), with the memory lease store under paused time.
+//!
+//! The seed lays out the day as phases: bursts of records, quiet hours, outages of the whole fleet
+//! (up to 6 hours, inside the retention period), workers that crash, stop and start, a second
+//! process with a worker's id for minutes to hours, splits and merges, and throttling of every
+//! read that lasts minutes. Half the seeds start at the trim
+//! horizon, half at a time stamp.
+//!
+//! Checked at every write of the lease store: a shard's checkpoint never passes a record that has
+//! not been handled (at `SHARD_END`, every record of the shard). At the end, after a quiet hour
+//! with a worker up, every record put has been handled (none was trimmed unread: no outage outlasts
+//! the retention period).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use md5::{Digest, Md5};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use shardwise::lease::{Change, Checkpoint, InitialPosition, LeaseSettings, MemoryLeaseStore};
+use shardwise::testing::{Faults, Layered, MemoryStream};
+use shardwise::{Consumer, Delivery, Outcome, Running, SequenceNumber};
+use tokio::time::Instant;
+
+use crate::watchdog::Watchdog;
+use crate::world::SeedResult;
+
+const STREAM: &str = "orders";
+const HOUR: u64 = 3_600;
+const DAY: Duration = Duration::from_secs(24 * HOUR);
+const QUIET: Duration = Duration::from_secs(HOUR);
+
+#[derive(Default)]
+struct Model {
+    /// Records put: shard -> (sequence number, id).
+    put: BTreeMap<String, Vec<(SequenceNumber, String)>>,
+    handled: BTreeSet<String>,
+    violations: Vec<String>,
+    hasher: Md5,
+    tail: Vec<String>,
+    events: u64,
+    invocations: u64,
+}
+
+impl Model {
+    fn event(&mut self, at: Instant, start: Instant, what: String) {
+        let line = format!("{:>9.1}s {what}", (at - start).as_secs_f64());
+        self.hasher.update(line.as_bytes());
+        self.events += 1;
+        self.tail.push(line);
+        if self.tail.len() > crate::model::trace_tail() {
+            self.tail.remove(0);
+        }
+    }
+
+    fn violation(&mut self, at: Instant, start: Instant, what: String) {
+        self.event(at, start, format!("VIOLATION {what}"));
+        self.violations.push(what);
+    }
+
+    /// A write of the lease store, checked: the checkpoint passes no record left unhandled.
+    fn change(&self, change: &Change) -> Option<String> {
+        let after = change.after.as_ref()?;
+        if change
+            .before
+            .as_ref()
+            .is_some_and(|b| b.checkpoint == after.checkpoint)
+        {
+            return None;
+        }
+        let through = match &after.checkpoint {
+            Checkpoint::At(position) => Some(*position.sequence()),
+            Checkpoint::ShardEnd => None,
+            _ => return None,
+        };
+        let records = self.put.get(&after.shard_id)?;
+        let passed = records
+            .iter()
+            .filter(|(sequence, _)| through.as_ref().is_none_or(|t| sequence <= t))
+            .find(|(_, id)| !self.handled.contains(id))?;
+        Some(format!(
+            "{}: checkpoint {:?} passes {} ({}), which was never handled ({})",
+            after.shard_id, after.checkpoint, passed.1, passed.0, change.operation
+        ))
+    }
+}
+
+struct World {
+    seed: u64,
+    rng: StdRng,
+    stream: MemoryStream,
+    store: Arc<Layered<Watchdog>>,
+    model: Arc<Mutex<Model>>,
+    start: Instant,
+    workers: Vec<Option<Running>>,
+    lanes: usize,
+    poll: Duration,
+    initial: InitialPosition,
+    records: u64,
+}
+
+impl World {
+    fn new(seed: u64) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x0da7_5ea1);
+        let start = Instant::now();
+        let stream = MemoryStream::new(STREAM, rng.random_range(1..=3));
+        stream.service_limits(DAY);
+        let memory = MemoryLeaseStore::new();
+        let model = Arc::new(Mutex::new(Model::default()));
+        let observer = model.clone();
+        memory.observe(Arc::new(move |change: &Change| {
+            let mut model = observer.lock().unwrap();
+            let now = Instant::now();
+            if let Some(violation) = model.change(change) {
+                model.violation(now, start, violation);
+            }
+            if let Some(after) = &change.after
+                && change
+                    .before
+                    .as_ref()
+                    .is_none_or(|b| b.checkpoint != after.checkpoint || b.owner != after.owner)
+            {
+                let line = format!(
+                    "store {} {} owner={:?} checkpoint={:?}",
+                    change.operation, after.shard_id, after.owner, after.checkpoint
+                );
+                model.event(now, start, line);
+            }
+        }));
+        let report = model.clone();
+        let watchdog = Watchdog::new(start, move |at, what| {
+            report.lock().unwrap().violation(at, start, what);
+        });
+        let initial = if rng.random_bool(0.5) {
+            InitialPosition::TrimHorizon
+        } else {
+            InitialPosition::AtTimestamp(crate::world::base())
+        };
+        let workers = rng.random_range(1..=3);
+        Self {
+            seed,
+            lanes: rng.random_range(1..=4),
+            poll: Duration::from_millis(rng.random_range(500..=5_000)),
+            rng,
+            stream,
+            store: Arc::new(Layered::new(Arc::new(memory), watchdog)),
+            model,
+            start,
+            workers: (0..workers).map(|_| None).collect(),
+            initial,
+            records: 0,
+        }
+    }
+
+    fn event(&self, what: String) {
+        self.model
+            .lock()
+            .unwrap()
+            .event(Instant::now(), self.start, what);
+    }
+
+    fn put(&mut self) {
+        let key = format!("k{}", self.rng.random_range(0..20));
+        let id = format!("r{}", self.records);
+        self.records += 1;
+        let (shard, sequence) = self.stream.put(&key, id.clone());
+        let mut model = self.model.lock().unwrap();
+        model.event(Instant::now(), self.start, format!("put {id} {shard}"));
+        model.put.entry(shard).or_default().push((sequence, id));
+    }
+
+    async fn start_worker(&mut self, n: usize) {
+        if let Some(running) = self.consumer(n).await {
+            self.workers[n] = Some(running);
+        }
+    }
+
+    /// Worker `n`'s consumer, started (a second process with the same worker id, when worker `n`
+    /// is up: hosts that share a name, PID 1 in containers).
+    async fn consumer(&mut self, n: usize) -> Option<Running> {
+        let worker = format!("w{n}");
+        let (model, start, seed) = (self.model.clone(), self.start, self.seed);
+        let w = worker.clone();
+        let handler = move |d: Delivery| {
+            let id = String::from_utf8_lossy(d.payload()).into_owned();
+            let mut h = Md5::new();
+            h.update(seed.to_le_bytes());
+            h.update(id.as_bytes());
+            let took = Duration::from_millis(u64::from(h.finalize()[0] % 50));
+            let model = model.clone();
+            let w = w.clone();
+            async move {
+                tokio::time::sleep(took).await;
+                let mut model = model.lock().unwrap();
+                model.invocations += 1;
+                model.handled.insert(id.clone());
+                model.event(Instant::now(), start, format!("handled {w} {id}"));
+                Outcome::Ack
+            }
+        };
+        let stream = Arc::new(self.stream.clone());
+        let running = Consumer::builder(STREAM, "sim", handler)
+            .worker_id(&worker)
+            .lanes(self.lanes)
+            .poll_interval(self.poll)
+            .checkpoint_interval(Duration::from_secs(5))
+            .initial_position(self.initial)
+            .lease_settings(
+                LeaseSettings::default()
+                    .lease_duration(Duration::from_secs(30))
+                    .scan_interval(Duration::from_secs(10)),
+            )
+            .lease_store(self.store.clone())
+            .record_source(stream.clone())
+            .shard_lister(stream.clone())
+            .record_sink(stream)
+            .build()
+            .expect("settings")
+            .run()
+            .await;
+        match running {
+            Ok(running) => {
+                self.event(format!("start {worker}"));
+                Some(running)
+            }
+            Err(e) => {
+                self.event(format!("start {worker} failed: {e}"));
+                None
+            }
+        }
+    }
+
+    fn crash(&mut self, n: usize) {
+        if let Some(running) = self.workers[n].take() {
+            self.event(format!("crash w{n}"));
+            running.abort();
+        }
+    }
+
+    fn unhandled(&self) -> Vec<String> {
+        let model = self.model.lock().unwrap();
+        model
+            .put
+            .values()
+            .flatten()
+            .filter(|(_, id)| !model.handled.contains(id))
+            .map(|(_, id)| id.clone())
+            .collect()
+    }
+
+    async fn run(mut self) -> SeedResult {
+        for n in 0..self.workers.len() {
+            self.start_worker(n).await;
+        }
+        let end = self.start + DAY;
+        while Instant::now() < end {
+            match self.rng.random_range(0..100) {
+                0..=44 => {
+                    let minutes = self.rng.random_range(1..=20);
+                    self.event(format!("burst {minutes} min"));
+                    let until = Instant::now() + Duration::from_secs(minutes * 60);
+                    while Instant::now() < until {
+                        for _ in 0..self.rng.random_range(1..=5) {
+                            self.put();
+                        }
+                        let gap = Duration::from_millis(self.rng.random_range(100..=2_000));
+                        tokio::time::sleep(gap).await;
+                    }
+                }
+                45..=59 => {
+                    let hours = self.rng.random_range(1..=6);
+                    self.event(format!("quiet {hours} h"));
+                    tokio::time::sleep(Duration::from_secs(hours * HOUR)).await;
+                }
+                60..=64 => {
+                    let hours = self.rng.random_range(1..=6);
+                    self.event(format!("outage {hours} h"));
+                    for n in 0..self.workers.len() {
+                        self.crash(n);
+                    }
+                    tokio::time::sleep(Duration::from_secs(hours * HOUR)).await;
+                    for n in 0..self.workers.len() {
+                        self.start_worker(n).await;
+                    }
+                }
+                65..=77 => {
+                    let n = self.rng.random_range(0..self.workers.len());
+                    if self.workers[n].is_none() {
+                        self.start_worker(n).await;
+                    } else if self.rng.random_bool(0.5) {
+                        self.crash(n);
+                    } else if let Some(running) = self.workers[n].take() {
+                        self.event(format!("stop w{n}"));
+                        running.shutdown(Duration::from_secs(5)).await;
+                    }
+                }
+                // A second process with worker 0's id, for 10 minutes to 3 hours.
+                78..=79 => {
+                    let minutes = self.rng.random_range(10..=180);
+                    self.event(format!("twin of w0 for {minutes} min"));
+                    if let Some(twin) = self.consumer(0).await {
+                        tokio::time::sleep(Duration::from_secs(minutes * 60)).await;
+                        self.event("twin of w0 stops".into());
+                        twin.shutdown(Duration::from_secs(5)).await;
+                    }
+                }
+                80..=86 => {
+                    let open = self.stream.open_shards();
+                    if open.len() < 6 {
+                        let shard = open[self.rng.random_range(0..open.len())].clone();
+                        let children = self.stream.split(&shard);
+                        self.event(format!("split {shard} -> {children:?}"));
+                    }
+                }
+                87..=91 => {
+                    let pairs = self.stream.adjacent_open_shards();
+                    if !pairs.is_empty() {
+                        let (a, b) = pairs[self.rng.random_range(0..pairs.len())].clone();
+                        let child = self.stream.merge(&a, &b);
+                        self.event(format!("merge {a} {b} -> {child}"));
+                    }
+                }
+                _ => {
+                    let minutes = self.rng.random_range(2..=20);
+                    self.event(format!("throttled {minutes} min"));
+                    self.stream
+                        .inject(self.seed, Faults::default().throttle(1.0));
+                    tokio::time::sleep(Duration::from_secs(minutes * 60)).await;
+                    self.stream.heal();
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(self.rng.random_range(1..=60))).await;
+        }
+
+        self.stream.heal();
+        if self.workers.iter().all(Option::is_none) {
+            self.start_worker(0).await;
+        }
+        let quiet_end = Instant::now() + QUIET;
+        loop {
+            let owed = self.unhandled();
+            if owed.is_empty() {
+                break;
+            }
+            if Instant::now() >= quiet_end {
+                let trimmed = self.stream.trimmed().len();
+                let what = format!(
+                    "not done an hour after the day: {} records unhandled ({trimmed} trimmed), first {:?}",
+                    owed.len(),
+                    &owed[..owed.len().min(5)]
+                );
+                self.model
+                    .lock()
+                    .unwrap()
+                    .violation(Instant::now(), self.start, what);
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(10)).await;
+        }
+        for running in self.workers.iter_mut().filter_map(Option::take) {
+            running.shutdown(Duration::from_secs(5)).await;
+        }
+        let reads = self.stream.reads();
+        let mut model = std::mem::take(&mut *self.model.lock().unwrap());
+        let summary = format!("end: {} records, {reads} GetRecords calls", self.records);
+        model.event(Instant::now(), self.start, summary);
+        let mut hash = [0u8; 16];
+        hash.copy_from_slice(&model.hasher.finalize());
+        SeedResult {
+            seed: self.seed,
+            hash,
+            violations: model.violations,
+            trace: model.tail,
+            events: model.events,
+            invocations: model.invocations,
+        }
+    }
+}
+
+/// Runs one long Kinesis seed on a fresh current-thread runtime with paused time.
+pub fn run_seed(seed: u64) -> SeedResult {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async move {
+        let _deterministic = shardwise::testing::simulate(crate::world::base(), seed);
+        let mut result = World::new(seed).run().await;
+        for panic in crate::world::take_panics() {
+            result
+                .violations
+                .push(format!("shardwise panicked: {panic}"));
+        }
+        result
+    })
+}
