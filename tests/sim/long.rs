@@ -30,6 +30,7 @@ use shardwise::{Consumer, Delivery, Outcome, Running};
 use tokio::time::Instant;
 
 use crate::logs::{LogEvent, LogsService};
+use crate::model::EventLog;
 use crate::watchdog::Watchdog;
 use crate::world::SeedResult;
 
@@ -55,22 +56,16 @@ struct Model {
     late: BTreeSet<String>,
     /// Every event put, by stream (the service deletes a stream's events with it).
     put: BTreeMap<String, Vec<LogEvent>>,
+    /// The furthest place of an event put, by stream.
+    furthest: BTreeMap<String, PagePosition>,
     violations: Vec<String>,
-    hasher: Md5,
-    tail: Vec<String>,
-    events: u64,
+    log: EventLog,
     invocations: u64,
 }
 
 impl Model {
     fn event(&mut self, at: Instant, start: Instant, what: String) {
-        let line = format!("{:>10.1}s {what}", (at - start).as_secs_f64());
-        self.hasher.update(line.as_bytes());
-        self.events += 1;
-        self.tail.push(line);
-        if self.tail.len() > crate::model::trace_tail() {
-            self.tail.remove(0);
-        }
+        self.log.push((at - start).as_millis() as u64, what);
     }
 
     fn violation(&mut self, at: Instant, start: Instant, what: String) {
@@ -238,8 +233,14 @@ impl World {
         for event in stored {
             // Behind an event already stored: a forward token issued past that one never returns
             // it (it may still be read, if no reader has passed that place yet).
-            if events.iter().any(|e| position(e) > position(&event)) {
+            let furthest = model
+                .furthest
+                .entry(stream.clone())
+                .or_insert_with(|| PagePosition::from_bytes(Vec::new()));
+            if position(&event) < *furthest {
                 model.late.insert(format!("{stream}/{}", event.id));
+            } else {
+                *furthest = position(&event);
             }
             events.push(event);
         }
@@ -447,34 +448,18 @@ impl World {
             model.late.len()
         );
         model.event(Instant::now(), self.start, summary);
-        let mut hash = [0u8; 16];
-        hash.copy_from_slice(&model.hasher.finalize());
         SeedResult {
             seed: self.seed,
-            hash,
+            hash: model.log.hash(),
             violations: model.violations,
-            trace: model.tail,
-            events: model.events,
+            trace: model.log.tail(),
+            events: model.log.count(),
             invocations: model.invocations,
         }
     }
 }
 
-/// Runs one long seed on a fresh current-thread runtime with paused time.
+/// Runs one long seed.
 pub fn run_seed(seed: u64) -> SeedResult {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .expect("a runtime");
-    runtime.block_on(async move {
-        let _deterministic = shardwise::testing::simulate(crate::world::base(), seed);
-        let mut result = World::new(seed).run().await;
-        for panic in crate::world::take_panics() {
-            result
-                .violations
-                .push(format!("shardwise panicked: {panic}"));
-        }
-        result
-    })
+    crate::world::run_paused(seed, World::new(seed).run())
 }

@@ -26,6 +26,7 @@ use shardwise::testing::{Faults, Layered, MemoryStream};
 use shardwise::{Consumer, Delivery, Outcome, Running, SequenceNumber};
 use tokio::time::Instant;
 
+use crate::model::EventLog;
 use crate::watchdog::Watchdog;
 use crate::world::SeedResult;
 
@@ -40,21 +41,13 @@ struct Model {
     put: BTreeMap<String, Vec<(SequenceNumber, String)>>,
     handled: BTreeSet<String>,
     violations: Vec<String>,
-    hasher: Md5,
-    tail: Vec<String>,
-    events: u64,
+    log: EventLog,
     invocations: u64,
 }
 
 impl Model {
     fn event(&mut self, at: Instant, start: Instant, what: String) {
-        let line = format!("{:>9.1}s {what}", (at - start).as_secs_f64());
-        self.hasher.update(line.as_bytes());
-        self.events += 1;
-        self.tail.push(line);
-        if self.tail.len() > crate::model::trace_tail() {
-            self.tail.remove(0);
-        }
+        self.log.push((at - start).as_millis() as u64, what);
     }
 
     fn violation(&mut self, at: Instant, start: Instant, what: String) {
@@ -368,34 +361,18 @@ impl World {
         let mut model = std::mem::take(&mut *self.model.lock().unwrap());
         let summary = format!("end: {} records, {reads} GetRecords calls", self.records);
         model.event(Instant::now(), self.start, summary);
-        let mut hash = [0u8; 16];
-        hash.copy_from_slice(&model.hasher.finalize());
         SeedResult {
             seed: self.seed,
-            hash,
+            hash: model.log.hash(),
             violations: model.violations,
-            trace: model.tail,
-            events: model.events,
+            trace: model.log.tail(),
+            events: model.log.count(),
             invocations: model.invocations,
         }
     }
 }
 
-/// Runs one long Kinesis seed on a fresh current-thread runtime with paused time.
+/// Runs one long Kinesis seed.
 pub fn run_seed(seed: u64) -> SeedResult {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .expect("a runtime");
-    runtime.block_on(async move {
-        let _deterministic = shardwise::testing::simulate(crate::world::base(), seed);
-        let mut result = World::new(seed).run().await;
-        for panic in crate::world::take_panics() {
-            result
-                .violations
-                .push(format!("shardwise panicked: {panic}"));
-        }
-        result
-    })
+    crate::world::run_paused(seed, World::new(seed).run())
 }

@@ -674,21 +674,7 @@ fn event_name(d: &Delivery) -> String {
     d.paged_event_id().unwrap_or_default().to_string()
 }
 
-/// Runs one paged seed on a fresh current-thread runtime with paused time.
+/// Runs one paged seed.
 pub fn run_seed(seed: u64) -> SeedResult {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .expect("a runtime");
-    runtime.block_on(async move {
-        let _deterministic = shardwise::testing::simulate(crate::world::base(), seed);
-        let mut result = World::new(seed).run().await;
-        for panic in crate::world::take_panics() {
-            result
-                .violations
-                .push(format!("shardwise panicked: {panic}"));
-        }
-        result
-    })
+    crate::world::run_paused(seed, World::new(seed).run())
 }

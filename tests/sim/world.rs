@@ -58,11 +58,6 @@ pub fn panicked(what: String) {
     PANICS.with_borrow_mut(|p| p.push(what));
 }
 
-/// The panics of shardwise recorded on this thread, taken.
-pub fn take_panics() -> Vec<String> {
-    PANICS.take()
-}
-
 /// Milliseconds of simulated time since the run started.
 pub fn now_ms() -> u64 {
     START
@@ -849,16 +844,25 @@ impl World {
 
 /// Runs one seed on a fresh current-thread runtime with paused time.
 pub fn run_seed(seed: u64) -> SeedResult {
+    run_paused(seed, async move {
+        START.set(Some(Instant::now()));
+        let result = World::new(seed).run().await;
+        START.set(None);
+        result
+    })
+}
+
+/// Runs one seed's world on a fresh current-thread runtime with paused time, with shardwise's
+/// wall clock and jitter following the seed; a panic of shardwise on this thread fails the seed.
+pub fn run_paused(seed: u64, world: impl Future<Output = SeedResult>) -> SeedResult {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()
         .expect("a runtime");
     runtime.block_on(async move {
-        START.set(Some(Instant::now()));
         let _deterministic = shardwise::testing::simulate(base(), seed);
-        let mut result = World::new(seed).run().await;
-        START.set(None);
+        let mut result = world.await;
         for panic in PANICS.take() {
             result
                 .violations
