@@ -1090,6 +1090,16 @@ impl Inner {
                 continue;
             };
             match self.store.take(seen, &self.worker).await {
+                // Taking stopped (a shutdown began) while this take was in flight: the
+                // shutdown's release has already looked at what is held, so give it back now.
+                Ok(Some(lease)) if self.taking.is_cancelled() => {
+                    if let Some(o) = lease.ownership() {
+                        debug!(shard, "taken as taking stopped: releasing it at once");
+                        if let Err(e) = self.store.release(&o).await {
+                            warn!(shard, error = &e as &dyn std::error::Error, "releasing a lease taken as taking stopped failed; it will expire");
+                        }
+                    }
+                }
                 Ok(Some(lease)) => self.acquired(lease, stolen),
                 Ok(None) => debug!(shard, "lease changed before it could be taken"),
                 Err(e) => warn!(
