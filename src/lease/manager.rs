@@ -1096,7 +1096,11 @@ impl Inner {
                     if let Some(o) = lease.ownership() {
                         debug!(shard, "taken as taking stopped: releasing it at once");
                         if let Err(e) = self.store.release(&o).await {
-                            warn!(shard, error = &e as &dyn std::error::Error, "releasing a lease taken as taking stopped failed; it will expire");
+                            warn!(
+                                shard,
+                                error = &e as &dyn std::error::Error,
+                                "releasing a lease taken as taking stopped failed; it will expire"
+                            );
                         }
                     }
                 }
