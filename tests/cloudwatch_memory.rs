@@ -48,12 +48,23 @@ async fn consumer(service: &LogsService, store: &MemoryLeaseStore, calls: &Calls
 
 /// Puts `n` events into stream `s0`, a millisecond apart; their ids as the source names them.
 fn put(service: &LogsService, n: usize) -> Vec<String> {
+    put_into(service, "s0", n)
+}
+
+/// Puts `n` events into `stream`, a millisecond apart; their ids as the source names them.
+fn put_into(service: &LogsService, stream: &str, n: usize) -> Vec<String> {
     let now = service.now();
     let batch: Vec<(i64, String)> = (0..n)
-        .map(|i| (now - 1_000 + i as i64, format!("event {i}")))
+        .map(|i| (now - 1_000 + i as i64, format!("{stream} event {i}")))
         .collect();
-    let stored = service.put("s0", &batch, Duration::ZERO).expect("accepted");
+    let stored = service
+        .put(stream, &batch, Duration::ZERO)
+        .expect("accepted");
     stored.into_iter().map(|e| e.id).collect()
+}
+
+fn has_row(store: &MemoryLeaseStore, stream: &str) -> bool {
+    store.snapshot().iter().any(|r| r.shard_id == stream)
 }
 
 fn applied(store: &MemoryLeaseStore) -> Option<PagePosition> {
@@ -120,4 +131,57 @@ async fn a_stream_read_on_after_a_quiet_day_and_after_a_day_with_the_fleet_down(
     let position =
         PagePosition::from_parts(&[last.timestamp as u64, last.ingestion as u64, last.k]);
     assert_eq!(applied(&store), Some(position));
+}
+
+/// A log stream deleted while it is read ends its partition: its row is deleted, and a stream
+/// created again under the same name gets a new row and is read from its first event. Before,
+/// the fetch's `ResourceNotFoundException` failed the partition at every attempt: its row stayed,
+/// taken and released again and again, and a stream created again was read (if at all) from the
+/// old stream's token.
+#[tokio::test(start_paused = true)]
+async fn a_deleted_stream_ends_its_partition_and_one_created_again_is_read_from_its_start() {
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 11);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    service.create_stream("s1");
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let mut expected = put_into(&service, "s0", 3);
+    expected.extend(put_into(&service, "s1", 2));
+
+    let running = consumer(&service, &store, &calls).await;
+    wait_for("the first events", Duration::from_secs(900), || {
+        calls.len() == 5
+    })
+    .await;
+    assert!(has_row(&store, "s1"));
+
+    let deleted = service.delete_stream("s1");
+    assert_eq!(deleted.len(), 2);
+    wait_for(
+        "the deleted stream's row to be deleted",
+        Duration::from_secs(900),
+        || !has_row(&store, "s1"),
+    )
+    .await;
+    assert!(has_row(&store, "s0"), "the other stream's row stays");
+
+    service.create_stream("s1");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    expected.extend(put_into(&service, "s1", 2));
+    expected.extend(put(&service, 1));
+    wait_for(
+        "the events of the stream created again, and of the other stream",
+        Duration::from_secs(900),
+        || calls.len() == 8,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+
+    let mut handled = calls.ids();
+    handled.sort();
+    expected.sort();
+    assert_eq!(handled, expected, "every event once");
 }

@@ -383,9 +383,12 @@ async fn misbehaving_pages_neither_lose_nor_repeat_events() {
 }
 
 /// Caught up, the API keeps answering with the request's token: the reader backs off for the poll
-/// interval instead of spinning.
+/// interval, doubled with every unchanged answer in a row up to the idle bound (30 s by default),
+/// instead of spinning; the first event after a quiet spell is read within that bound, and the
+/// waits start again from the poll interval. (Before the idle bound, a quiet partition was
+/// fetched every poll interval for ever: 5 to 15 fetches in 2 s here, 300 in a minute.)
 #[tokio::test(start_paused = true)]
-async fn a_token_that_does_not_advance_is_fetched_again_after_the_poll_interval_only() {
+async fn a_token_that_does_not_advance_is_fetched_again_after_a_wait_that_grows_while_idle() {
     let api = EventApi::new(SOURCE);
     api.push("p", "only");
     let store = MemoryLeaseStore::new();
@@ -403,9 +406,58 @@ async fn a_token_that_does_not_advance_is_fetched_again_after_the_poll_interval_
     let before = api.fetches();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let fetches = api.fetches() - before;
+    // 200 ms, then 400, 800, 1,600...: 2 to 5 fetches in 2 s, not thousands.
+    assert!((2..=5).contains(&fetches), "{fetches} fetches in 2 s");
+    let before = api.fetches();
+    tokio::time::sleep(Duration::from_secs(300)).await;
+    let fetches = api.fetches() - before;
+    // At most one every 30 s once the waits reached the bound.
+    assert!((8..=14).contains(&fetches), "{fetches} fetches in 5 min");
+    api.push("p", "after a quiet spell");
+    let pushed = tokio::time::Instant::now();
+    wait_for(
+        "the event after the quiet spell",
+        Duration::from_secs(31),
+        || calls.all().len() == 2,
+    )
+    .await;
+    let waited = pushed.elapsed();
+    api.push("p", "soon after");
+    let pushed = tokio::time::Instant::now();
+    wait_for(
+        "the next event, read at the poll interval again",
+        Duration::from_secs(2),
+        || calls.all().len() == 3,
+    )
+    .await;
     running.shutdown(Duration::from_secs(2)).await;
-    // 2 s at a 200 ms poll interval: about 10 fetches, not thousands.
-    assert!((5..=15).contains(&fetches), "{fetches} fetches in 2 s");
+    assert!(waited <= Duration::from_secs(31), "{waited:?}");
+    assert!(pushed.elapsed() <= Duration::from_secs(2));
+}
+
+/// A source that answers a quiet partition with empty pages and a new token each time is followed
+/// after a wait, never in a tight loop (the waits grow as for an unchanged token). Before, each
+/// such page was followed at once: a thousand of them in no time.
+#[tokio::test(start_paused = true)]
+async fn empty_pages_with_new_tokens_are_followed_after_a_wait() {
+    let api = EventApi::new(SOURCE);
+    api.push("p", "first");
+    for _ in 0..1_000 {
+        api.script("p", Script::EmptyAdvancing);
+    }
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let running = builder(&api, &store, "w1", acks("w1", &calls))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let fetches = api.fetches();
+    running.shutdown(Duration::from_secs(2)).await;
+    // 200 ms doubling to 30 s: 0.2 + 0.4 + ... + 25.6 s is 51 s, then one more.
+    assert!((7..=12).contains(&fetches), "{fetches} fetches in a minute");
 }
 
 /// A page that breaks the source's order stops the partition's attempt: nothing of it is

@@ -160,6 +160,14 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
+    /// Paged sources: the longest wait between fetches of a partition that stays idle (default
+    /// 30 s). The wait starts at the poll interval and doubles with each page in a row that
+    /// brings nothing; the first event sets it back.
+    pub fn idle_poll_interval(mut self, d: Duration) -> Self {
+        self.settings.reader.idle_poll_max = d;
+        self
+    }
+
     /// Where shards new to this application start (default: trim horizon).
     ///
     /// A LATEST start is pinned by the shard's first owner, before it reads anything, to the
@@ -1042,6 +1050,11 @@ async fn on_exit(
         Ok(Exit::Ended(o)) => {
             if let Err(e) = manager.shard_ended(&o).await {
                 warn!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "releasing an ended shard failed; it will expire");
+            }
+        }
+        Ok(Exit::Gone(o)) => {
+            if let Err(e) = manager.partition_gone(&o).await {
+                warn!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "deleting the row of a partition that is gone failed; a sync deletes it once it is released");
             }
         }
         Ok(Exit::Stopped(o)) if !stopping => {

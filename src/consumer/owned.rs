@@ -64,6 +64,8 @@ impl<H> Clone for OwnedContext<H> {
 pub(crate) enum Exit {
     /// Every record has a durable outcome (read to its end, or aged out), SHARD_END written.
     Ended(Ownership),
+    /// Ended, and the partition is gone from its source: its row is to be deleted.
+    Gone(Ownership),
     /// Stopped on request; the final progress was written (or attempted).
     Stopped(Ownership),
     /// The lease was lost: nothing more was written.
@@ -190,6 +192,12 @@ pub(crate) trait Progress: Sized + Send + 'static {
 
     /// Whether the lease's work is over once everything is written: SHARD_END may be written.
     fn ends(&self) -> bool;
+
+    /// Whether what the lease names is gone from its source (a deleted log stream): once ended,
+    /// its row is deleted rather than kept at SHARD_END.
+    fn gone(&self) -> bool {
+        false
+    }
 }
 
 /// A write in flight.
@@ -379,6 +387,9 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
                 {
                     Ok(CheckpointWrite::Written | CheckpointWrite::NotNewer) => {
                         info!(stream = %ownership.stream, shard = %ownership.shard_id, "ended: every delivery settled, SHARD_END written");
+                        if progress.gone() {
+                            return Exit::Gone(ownership);
+                        }
                         return Exit::Ended(ownership);
                     }
                     Ok(CheckpointWrite::Lost) => return Exit::Lost(ownership),

@@ -45,6 +45,8 @@ pub(crate) struct Pages {
     /// have been stored. A write refused as not newer checks the row against each before calling
     /// this attempt stale.
     uncertain: Uncertain<BarrierWrite>,
+    /// The source said the partition is gone: its row is deleted once it ended.
+    gone: bool,
 }
 
 impl Progress for Pages {
@@ -81,6 +83,7 @@ impl Progress for Pages {
                 partition: ownership.shard_id.clone(),
                 cursor: durable.resume_cursor.clone(),
                 poll_interval: settings.reader.poll_interval,
+                idle_poll_max: settings.reader.idle_poll_max,
                 max_backoff: settings.reader.max_backoff,
             };
             tokio::spawn(page_reader.run(pages_tx, reader));
@@ -101,6 +104,7 @@ impl Progress for Pages {
                 // The tracker starts at arrival index 0.
                 barrier: Barrier::new(durable, 0),
                 uncertain: Uncertain::default(),
+                gone: false,
             },
             reader: messages,
         })
@@ -117,10 +121,21 @@ impl Progress for Pages {
                 next,
                 watermark,
             } => self.page(pipeline, &events, next, watermark),
+            PageMessage::Gone => {
+                metrics::counter!("shardwise_paged_partitions_gone_total", &self.lease.labels)
+                    .increment(1);
+                warn!(source = %self.lease.stream, partition = %self.lease.shard, "the partition is gone (not found, and no longer listed): it ends once every delivery settled, and its lease row is deleted");
+                self.gone = true;
+                self.page(pipeline, &[], None, None)
+            }
             PageMessage::Failed(error) => {
                 Read::Failed(Error::paged(&self.lease.ownership, "fetch failed", error))
             }
         }
+    }
+
+    fn gone(&self) -> bool {
+        self.gone
     }
 
     fn advanced(&mut self, advance: Advance<PagePosition>) {

@@ -493,6 +493,30 @@ impl LeaseManager {
         Ok(())
     }
 
+    /// Records that a held partition ended because it is gone from its source (a deleted log
+    /// stream): releases the lease at SHARD_END, then deletes its row, conditioned on it being
+    /// unchanged since (at SHARD_END, the counter read). A partition created again under the same
+    /// name then gets a new row at the next sync and is read from its start; a row left behind
+    /// (this worker stopped between the two writes) is deleted by a later sync once no listing
+    /// names it.
+    pub async fn partition_gone(&self, ownership: &Ownership) -> Result<(), Error> {
+        self.shard_ended(ownership).await?;
+        self.inner.failing().remove(&ownership.shard_id);
+        let Some(row) = self
+            .inner
+            .store
+            .get(&ownership.stream, &ownership.shard_id)
+            .await?
+        else {
+            return Ok(());
+        };
+        if row.owner.is_none() && self.inner.store.delete(&row).await? {
+            info!(stream = %self.inner.stream, shard = %ownership.shard_id, "lease row of a partition that is gone deleted");
+            self.inner.changed_here();
+        }
+        Ok(())
+    }
+
     /// Stops taking, releases every held lease (call after final checkpoints), leaves the roster
     /// so the other workers rebalance at once, then stops renewing. Returns how many leases were
     /// handed back.
@@ -1215,8 +1239,7 @@ impl Inner {
         if created > 0 {
             self.changed_here();
         }
-        let listed: HashSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
-        for row in sync::aged_out(&rows, &listed) {
+        for row in sync::aged_out(&rows, &shards) {
             if self.store.delete(row).await? {
                 info!(stream = %self.stream, shard = %row.shard_id, "lease row of an aged-out, ended shard deleted");
             }

@@ -2,10 +2,17 @@
 //! them over a channel of one (so a partition whose window is full is simply not fetched).
 //!
 //! A cursor that comes back unchanged with nothing new, and an empty page of a source whose empty
-//! pages prove nothing, are not followed: the same cursor is fetched again after the poll interval
-//! (no spinning), and `shardwise_paged_unchanged_cursor_total` counts it. Throttling and transient
-//! failures back off with jitter and fetch the same cursor again. A partition that is gone or a
-//! refused cursor ends the reader with the error.
+//! pages prove nothing, are not followed: the same cursor is fetched again after a wait (no
+//! spinning), and `shardwise_paged_unchanged_cursor_total` counts it. An empty page with a new
+//! cursor is followed after the same wait. The wait is the poll interval, doubled with every
+//! empty page in a row up to the idle bound (`ReaderSettings::idle_poll_max`, 30 s by default),
+//! and back to the poll interval with the first event: a group of hundreds of quiet streams does
+//! not spend the account's request quota. Throttling and transient failures back off with jitter
+//! and fetch the same cursor again (`shardwise_paged_throttled_total` counts throttling). A
+//! refused cursor ends the reader with the error. A partition the source answers is not found is
+//! gone only once the source's listing no longer names it: then the reader says so
+//! ([`PageMessage::Gone`]) and ends; while it is still listed (or the listing fails) the fetch is
+//! tried again with back-off.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +34,9 @@ pub(crate) enum PageMessage {
         /// The complete-through watermark the source certified with it.
         watermark: Option<i64>,
     },
+    /// The partition is gone: the source answered that it is not found, and its listing no longer
+    /// names it. Nothing more will be read.
+    Gone,
     /// The partition cannot be read on.
     Failed(FetchError),
 }
@@ -38,8 +48,41 @@ pub(crate) struct PageReader {
     pub(crate) cursor: Option<Cursor>,
     /// Wait before fetching an unchanged cursor again.
     pub(crate) poll_interval: Duration,
+    /// Longest wait between fetches of a partition that stays idle.
+    pub(crate) idle_poll_max: Duration,
     /// Longest wait after a failure.
     pub(crate) max_backoff: Duration,
+}
+
+/// The wait after a page that brought nothing: the poll interval, doubled with each such page in a
+/// row up to the idle bound.
+#[derive(Debug)]
+struct Idle {
+    poll_interval: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Idle {
+    fn new(poll_interval: Duration, max: Duration) -> Self {
+        Self {
+            poll_interval,
+            max: max.max(poll_interval),
+            next: poll_interval,
+        }
+    }
+
+    /// The wait after one more page that brought nothing.
+    fn wait(&mut self) -> Duration {
+        let wait = self.next;
+        self.next = (self.next * 2).min(self.max);
+        wait
+    }
+
+    /// Events came: the next quiet page waits the poll interval again.
+    fn reset(&mut self) {
+        self.next = self.poll_interval;
+    }
 }
 
 impl PageReader {
@@ -48,6 +91,7 @@ impl PageReader {
         let labels = [("source", self.source.name().to_string())];
         let contract = self.source.contract();
         let mut failures = Backoff::new(self.max_backoff);
+        let mut idle = Idle::new(self.poll_interval, self.idle_poll_max);
         let mut watermark_sent: Option<i64> = None;
         loop {
             let fetched = tokio::select! {
@@ -57,11 +101,36 @@ impl PageReader {
             };
             let page = match fetched {
                 Ok(page) => page,
-                Err(error @ (FetchError::NotFound | FetchError::InvalidCursor(_))) => {
+                Err(FetchError::NotFound) => {
+                    let listed = tokio::select! {
+                        biased;
+                        _ = cancel.cancelled() => return,
+                        r = self.source.partitions() => r,
+                    };
+                    let listed = listed.map(|all| all.contains(&self.partition));
+                    if let Ok(false) = listed {
+                        let _ = pages.send(PageMessage::Gone).await;
+                        return;
+                    }
+                    let wait = failures.next();
+                    let why = match &listed {
+                        Ok(_) => "the source still lists it".to_string(),
+                        Err(e) => format!("listing the partitions failed: {e}"),
+                    };
+                    warn!(source = self.source.name(), partition = %self.partition, ?wait, "the partition was not found, but {why}; fetching the same cursor again");
+                    if sleep(wait, &cancel).await {
+                        return;
+                    }
+                    continue;
+                }
+                Err(error @ FetchError::InvalidCursor(_)) => {
                     let _ = pages.send(PageMessage::Failed(error)).await;
                     return;
                 }
                 Err(error) => {
+                    if matches!(error, FetchError::Throttled) {
+                        metrics::counter!("shardwise_paged_throttled_total", &labels).increment(1);
+                    }
                     let wait = failures.next();
                     warn!(source = self.source.name(), partition = %self.partition, error = &error as &dyn std::error::Error, ?wait, "fetch failed; fetching the same cursor again");
                     if sleep(wait, &cancel).await {
@@ -100,19 +169,28 @@ impl PageReader {
                 {
                     return;
                 }
-                if sleep(self.poll_interval, &cancel).await {
+                if sleep(idle.wait(), &cancel).await {
                     return;
                 }
                 continue;
             }
             if empty && (unchanged || contract.empty_pages == EmptyPages::Refetch) {
                 metrics::counter!("shardwise_paged_unchanged_cursor_total", &labels).increment(1);
-                debug!(source = self.source.name(), partition = %self.partition, cursor = %next, "nothing new: fetching the same cursor after the poll interval");
-                if sleep(self.poll_interval, &cancel).await {
+                let wait = idle.wait();
+                debug!(source = self.source.name(), partition = %self.partition, cursor = %next, ?wait, "nothing new: fetching the same cursor after a wait");
+                if sleep(wait, &cancel).await {
                     return;
                 }
                 continue;
             }
+            // A new cursor and no events: followed, after a wait (a source may hand out fresh
+            // cursors for ever while nothing happens).
+            let pause = if empty {
+                Some(idle.wait())
+            } else {
+                idle.reset();
+                unchanged.then_some(self.poll_interval)
+            };
             watermark_sent = watermark_sent.max(page.watermark);
             let sent = pages
                 .send(PageMessage::Page {
@@ -128,7 +206,10 @@ impl PageReader {
                 // Events, but a cursor that does not move: the same page is fetched again after
                 // the poll interval (its events are then overlaps), never in a tight loop.
                 metrics::counter!("shardwise_paged_unchanged_cursor_total", &labels).increment(1);
-                if sleep(self.poll_interval, &cancel).await {
+            }
+            if let Some(wait) = pause {
+                debug!(source = self.source.name(), partition = %self.partition, cursor = %next, ?wait, "fetching the next page after a wait");
+                if sleep(wait, &cancel).await {
                     return;
                 }
             }

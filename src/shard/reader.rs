@@ -31,6 +31,9 @@ pub struct ReaderSettings {
     pub min_call_interval: Duration,
     /// Longest backoff after throttling or errors.
     pub max_backoff: Duration,
+    /// Paged sources: the longest wait between fetches of a partition that stays idle (the poll
+    /// interval doubles with each page in a row that brings nothing, up to this).
+    pub idle_poll_max: Duration,
 }
 
 impl Default for ReaderSettings {
@@ -40,6 +43,7 @@ impl Default for ReaderSettings {
             poll_interval: Duration::from_secs(1),
             min_call_interval: Duration::from_millis(200),
             max_backoff: Duration::from_secs(5),
+            idle_poll_max: Duration::from_secs(30),
         }
     }
 }
