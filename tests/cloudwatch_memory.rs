@@ -16,7 +16,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use calls::Calls;
 use logs::LogsService;
 use shardwise::lease::{LeaseSettings, MemoryLeaseStore};
-use shardwise::paged::{CloudWatchLogs, PagePosition};
+use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagePosition};
 use shardwise::{Consumer, Delivery, Outcome, Running};
 use wait::wait_for;
 
@@ -182,6 +182,94 @@ async fn a_deleted_stream_ends_its_partition_and_one_created_again_is_read_from_
 
     let mut handled = calls.ids();
     handled.sort();
+    expected.sort();
+    assert_eq!(handled, expected, "every event once");
+}
+
+/// A poll of `FilterLogEvents` held up for more than a day (throttling that lasts) holds a
+/// `nextToken` the service refuses when it answers again. The source asks the poll's query again
+/// from its start: the attempt goes on under the same lease, and what it handed out already is
+/// known to it. Before, the refused token failed the attempt: the lease was given back and taken
+/// again, and the next attempt handed every event of the open groups out again (each of the five
+/// twice, no ledger here).
+#[tokio::test(start_paused = true)]
+async fn a_filter_poll_whose_token_expired_under_lasting_throttling_is_read_again_under_the_same_lease()
+ {
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 13);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let expected: Vec<String> = service
+        .put(
+            "s0",
+            &(0..5)
+                .map(|i| (service.now() - 1_000 + i, format!("event {i}")))
+                .collect::<Vec<_>>(),
+            Duration::ZERO,
+        )
+        .expect("accepted")
+        .into_iter()
+        .map(|e| e.event_id)
+        .collect();
+
+    // One event a page; the first event handled throttles the account for 25 hours.
+    let source = CloudWatchLogsFilter::new(service.client(), GROUP).page_limit(1);
+    let (throttle, recorded) = (service.clone(), calls.clone());
+    let running = Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
+        if recorded.len() == 0 {
+            throttle.throttle_until(throttle.now() + 25 * 3600 * 1000);
+        }
+        recorded.push("w1", &d);
+        async { Outcome::Ack }
+    })
+    .worker_id("w1")
+    .poll_interval(Duration::from_secs(60))
+    .max_backoff(Duration::from_secs(600))
+    .checkpoint_interval(Duration::from_secs(10))
+    .lease_settings(
+        LeaseSettings::default()
+            .lease_duration(Duration::from_secs(60))
+            .scan_interval(Duration::from_secs(20)),
+    )
+    .lease_store(Arc::new(store.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("the first events", Duration::from_secs(300), || {
+        calls.len() >= 1
+    })
+    .await;
+    assert!(calls.len() < 5, "the throttling held the poll up");
+    let epoch = |store: &MemoryLeaseStore| {
+        store
+            .snapshot()
+            .into_iter()
+            .find(|r| r.shard_id == GROUP)
+            .map(|r| (r.owner.clone(), r.owner_epoch))
+    };
+    let held = epoch(&store);
+    // Slept through rather than polled: a wait polls every 10 ms of simulated time.
+    tokio::time::sleep(DAY + Duration::from_secs(3600)).await;
+    wait_for(
+        "every event, after the throttling",
+        Duration::from_secs(3600),
+        || calls.len() >= 5,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    assert!(
+        service.counts().expired_tokens >= 1,
+        "the poll's token expired while the account was throttled"
+    );
+    assert_eq!(epoch(&store), held, "the same lease, never given back");
+    running.shutdown(Duration::from_secs(5)).await;
+    let mut handled = calls.ids();
+    handled.sort();
+    let mut expected = expected;
     expected.sort();
     assert_eq!(handled, expected, "every event once");
 }

@@ -160,6 +160,14 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
+    /// The longest wait between tries of a read that was throttled or failed (default 5 s): the
+    /// waits double from 100 ms, with jitter, up to it. A longer bound spends less of a quota
+    /// shared by the fleet while throttling lasts.
+    pub fn max_backoff(mut self, d: Duration) -> Self {
+        self.settings.reader.max_backoff = d;
+        self
+    }
+
     /// Paged sources: the longest wait between fetches of a partition that stays idle (default
     /// 30 s). The wait starts at the poll interval and doubles with each page in a row that
     /// brings nothing; the first event sets it back.

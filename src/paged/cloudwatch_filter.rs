@@ -16,6 +16,13 @@
 //! - **Order across lanes**: events are keyed by their log stream, so one stream's events are
 //!   handled in the order the service returns them.
 //!
+//! - **Tokens expire** after 24 hours, as `GetLogEvents`' do: a poll held up that long (throttling
+//!   that lasts, a poll of a very long window) holds a refused token. The query is then asked
+//!   again from the poll's `startTime` with no token: the events of the poll already handed out
+//!   are known to the attempt's open groups, and the poll's evidence dates from its first start
+//!   (a query begun later enumerates a superset). Logged, and counted in
+//!   `shardwise_paged_cursor_recoveries_total`.
+//!
 //! The cursor, which only this module reads: `f1|<startTime ms, or empty>|<nextToken, or empty>`.
 
 use std::fmt;
@@ -23,10 +30,13 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use aws_sdk_cloudwatchlogs::Client;
-use aws_sdk_cloudwatchlogs::error::{ProvideErrorMetadata, SdkError};
-use aws_sdk_cloudwatchlogs::operation::filter_log_events::FilterLogEventsError;
+use aws_sdk_cloudwatchlogs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_cloudwatchlogs::operation::filter_log_events::{
+    FilterLogEventsError, FilterLogEventsOutput,
+};
 use bytes::Bytes;
 use futures::future::BoxFuture;
+use tracing::warn;
 
 use super::{
     Contract, Cursor, FetchError, Finality, Page, PagePosition, PagedEvent, PagedSource,
@@ -131,6 +141,30 @@ impl FilterCursor {
     }
 }
 
+/// Whether the service refused the request's parameters (an expired token is one).
+fn refused(e: &SdkError<FilterLogEventsError>) -> bool {
+    matches!(
+        e.as_service_error(),
+        Some(FilterLogEventsError::InvalidParameterException(_))
+    )
+}
+
+impl CloudWatchLogsFilter {
+    async fn filter_log_events(
+        &self,
+        at: &FilterCursor,
+    ) -> Result<FilterLogEventsOutput, SdkError<FilterLogEventsError>> {
+        self.client
+            .filter_log_events()
+            .log_group_name(self.group.as_ref())
+            .limit(self.limit)
+            .set_start_time(at.start)
+            .set_next_token(at.token.clone())
+            .send()
+            .await
+    }
+}
+
 fn fetch_error(e: SdkError<FilterLogEventsError>) -> FetchError {
     match e.as_service_error() {
         Some(FilterLogEventsError::ResourceNotFoundException(_)) => FetchError::NotFound,
@@ -193,22 +227,25 @@ impl PagedSource for CloudWatchLogsFilter {
         cursor: Option<&'a Cursor>,
     ) -> BoxFuture<'a, Result<Page, FetchError>> {
         Box::pin(async move {
-            let at = match cursor {
+            let mut at = match cursor {
                 Some(c) => {
                     FilterCursor::decode(c).map_err(|e| FetchError::InvalidCursor(e.into()))?
                 }
                 None => FilterCursor::default(),
             };
-            let output = self
-                .client
-                .filter_log_events()
-                .log_group_name(self.group.as_ref())
-                .limit(self.limit)
-                .set_start_time(at.start)
-                .set_next_token(at.token.clone())
-                .send()
-                .await
-                .map_err(fetch_error)?;
+            let output = match self.filter_log_events(&at).await {
+                Err(e) if at.token.is_some() && refused(&e) => {
+                    // An expired (or otherwise refused) token within a poll: the query is asked
+                    // again from the poll's start; what this attempt handed out already is known
+                    // to its open groups, and the poll's evidence still dates from its start.
+                    warn!(source = %self.name, start = at.start, error = %DisplayErrorContext(&e), "the service refused the poll's token; reading the poll again from its start");
+                    metrics::counter!("shardwise_paged_cursor_recoveries_total", "source" => self.name.to_string()).increment(1);
+                    at.token = None;
+                    self.filter_log_events(&at).await
+                }
+                answer => answer,
+            }
+            .map_err(fetch_error)?;
             let number = |n: i64| u64::try_from(n).unwrap_or_default();
             let mut events = Vec::with_capacity(output.events().len());
             for event in output.events() {

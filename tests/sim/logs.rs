@@ -51,7 +51,7 @@ const EVENT_OVERHEAD: usize = 26;
 fn quota(operation: &str) -> Option<usize> {
     match operation {
         "GetLogEvents" => Some(25),
-        "FilterLogEvents" | "DescribeLogStreams" => Some(5),
+        "FilterLogEvents" | "DescribeLogStreams" | "DescribeLogGroups" => Some(5),
         _ => None,
     }
 }
@@ -273,6 +273,16 @@ impl LogsService {
                 return error("ThrottlingException", "Rate exceeded");
             }
             recent.push_back(now);
+        }
+        if operation == "DescribeLogGroups" {
+            // The group, when the prefix names it (the filter source looks for its group).
+            let prefix = request["logGroupNamePrefix"].as_str().unwrap_or_default();
+            let groups: Vec<Value> = Some(state.group.as_str())
+                .filter(|g| g.starts_with(prefix))
+                .map(|g| json!({ "logGroupName": g }))
+                .into_iter()
+                .collect();
+            return (200, json!({ "logGroups": groups }));
         }
         if request["logGroupName"].as_str() != Some(state.group.as_str()) {
             state.counts.not_found += 1;
