@@ -496,9 +496,9 @@ impl LeaseManager {
     /// Records that a held partition ended because it is gone from its source (a deleted log
     /// stream): releases the lease at SHARD_END, then deletes its row, conditioned on it being
     /// unchanged since (at SHARD_END, the counter read). A partition created again under the same
-    /// name then gets a new row at the next sync and is read from its start; a row left behind
-    /// (this worker stopped between the two writes) is deleted by a later sync once no listing
-    /// names it.
+    /// name then gets a new row at the next sync and is read from its start. A row left behind
+    /// (this worker stopped between the two writes) stays at SHARD_END: syncs delete only rows
+    /// with lineage (an ended paged partition's row is a frontier member's seal).
     pub async fn partition_gone(&self, ownership: &Ownership) -> Result<(), Error> {
         self.shard_ended(ownership).await?;
         self.inner.failing().remove(&ownership.shard_id);
@@ -1239,7 +1239,8 @@ impl Inner {
         if created > 0 {
             self.changed_here();
         }
-        for row in sync::aged_out(&rows, &shards) {
+        let listed: HashSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
+        for row in sync::aged_out(&rows, &listed) {
             if self.store.delete(row).await? {
                 info!(stream = %self.stream, shard = %row.shard_id, "lease row of an aged-out, ended shard deleted");
             }

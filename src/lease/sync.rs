@@ -64,19 +64,9 @@ pub(crate) fn new_leases(
 }
 
 /// Rows that can go: at SHARD_END, held by nobody, no longer listed by the stream (aged out of
-/// retention, or a paged partition that is gone), and either with every recorded child already
-/// started (its checkpoint past a start sentinel), so no child waits on them and no frontier
-/// member needs them, or with no lineage at all (no parents, no children, and neither a listed
-/// shard nor a row naming it as a parent): a paged partition, whose row its last owner normally
-/// deletes itself (`LeaseManager::partition_gone`).
-pub(crate) fn aged_out<'a>(rows: &'a [Lease], shards: &[ShardInfo]) -> Vec<&'a Lease> {
-    let listed: HashSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
-    let named_parents: HashSet<&str> = shards
-        .iter()
-        .flat_map(|s| &s.parents)
-        .chain(rows.iter().flat_map(|r| &r.parents))
-        .map(String::as_str)
-        .collect();
+/// retention), and with every recorded child already started (its checkpoint past a start
+/// sentinel), so no child waits on them and no frontier member needs them.
+pub(crate) fn aged_out<'a>(rows: &'a [Lease], listed: &HashSet<&str>) -> Vec<&'a Lease> {
     let started: HashSet<&str> = rows
         .iter()
         .filter(|r| {
@@ -92,11 +82,8 @@ pub(crate) fn aged_out<'a>(rows: &'a [Lease], shards: &[ShardInfo]) -> Vec<&'a L
             r.checkpoint == Checkpoint::ShardEnd
                 && r.owner.is_none()
                 && !listed.contains(r.shard_id.as_str())
-                && if r.children.is_empty() {
-                    r.parents.is_empty() && !named_parents.contains(r.shard_id.as_str())
-                } else {
-                    r.children.iter().all(|c| started.contains(c.as_str()))
-                }
+                && !r.children.is_empty()
+                && r.children.iter().all(|c| started.contains(c.as_str()))
         })
         .collect()
 }
@@ -280,22 +267,16 @@ mod tests {
             ended("p-gone", &["c1"]),          // aged out, child started: deleted
             ended("p-listed", &["c1"]),        // still in the stream: kept
             ended("p-waiting", &["c1", "c2"]), // a child has not started: kept
-            ended("p-no-lineage", &[]),        // children unknown (c3 names it): kept
-            ended("partition-gone", &[]),      // no lineage at all, not listed: deleted
+            ended("p-no-lineage", &[]),        // children unknown: kept
             owned,                             // someone holds it: kept
             child_started,
             child_new,
         ];
-        let listed = [
-            shard("p-listed", &[], true),
-            shard("c1", &[], false),
-            shard("c2", &[], false),
-            shard("c3", &["p-no-lineage"], false),
-        ];
+        let listed: HashSet<&str> = ["p-listed", "c1", "c2"].into_iter().collect();
         let gone: Vec<&str> = aged_out(&rows, &listed)
             .iter()
             .map(|r| r.shard_id.as_str())
             .collect();
-        assert_eq!(gone, ["p-gone", "partition-gone"]);
+        assert_eq!(gone, ["p-gone"]);
     }
 }
