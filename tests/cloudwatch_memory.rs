@@ -16,7 +16,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use calls::Calls;
 use logs::LogsService;
 use shardwise::lease::{LeaseSettings, MemoryLeaseStore};
-use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagePosition};
+use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagePosition, PagedSource};
 use shardwise::{Consumer, Delivery, Outcome, Running};
 use wait::wait_for;
 
@@ -272,4 +272,25 @@ async fn a_filter_poll_whose_token_expired_under_lasting_throttling_is_read_agai
     let mut expected = expected;
     expected.sort();
     assert_eq!(handled, expected, "every event once");
+}
+
+/// DescribeLogStreams answers 50 streams a page, at 5 requests a second for the whole account: a
+/// group of 400 streams is listed in 8 pages, and the sixth, asked in the same second, is
+/// throttled. The listing asks for that page again after a back-off, keeping the five it has, and
+/// is complete. Before, the first throttled page failed the whole listing (and so every listing
+/// of a group of more than 250 streams read faster than the quota).
+#[tokio::test(start_paused = true)]
+async fn a_listing_throttled_midway_keeps_its_pages_and_completes() {
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    let expected: Vec<String> = (0..400).map(|i| format!("stream-{i:03}")).collect();
+    for stream in &expected {
+        service.create_stream(stream);
+    }
+    let source = CloudWatchLogs::new(service.client(), GROUP);
+    let listed = source.partitions().await.expect("a complete listing");
+    assert_eq!(listed, expected);
+    assert!(
+        service.counts().throttled >= 1,
+        "the listing was throttled midway"
+    );
 }

@@ -42,12 +42,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aws_sdk_cloudwatchlogs::Client;
 use aws_sdk_cloudwatchlogs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_cloudwatchlogs::operation::describe_log_streams::DescribeLogStreamsError;
 use aws_sdk_cloudwatchlogs::operation::get_log_events::{GetLogEventsError, GetLogEventsOutput};
 use bytes::Bytes;
 use futures::future::BoxFuture;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::{Contract, Cursor, FetchError, Page, PagePosition, PagedEvent, PagedSource};
+use crate::backoff::Backoff;
 use crate::error::Error;
 
 /// The events of one page at most (the API's own limit is 10,000).
@@ -156,6 +158,16 @@ fn millis(time: SystemTime) -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
+/// How long a listing of the log streams goes on asking for a throttled page again.
+const LISTING_PATIENCE: Duration = Duration::from_secs(120);
+
+/// Whether the service asked to slow down.
+fn throttled<E: ProvideErrorMetadata>(e: &SdkError<E>) -> bool {
+    e.as_service_error()
+        .and_then(ProvideErrorMetadata::code)
+        .is_some_and(|c| c.contains("Throttl"))
+}
+
 /// Whether the service refused the request's parameters (an expired token is one).
 fn refused(e: &SdkError<GetLogEventsError>) -> bool {
     matches!(
@@ -170,9 +182,7 @@ fn fetch_error(e: SdkError<GetLogEventsError>) -> FetchError {
         Some(GetLogEventsError::InvalidParameterException(_)) => {
             FetchError::InvalidCursor(Box::new(e))
         }
-        Some(service) if service.code().is_some_and(|c| c.contains("Throttl")) => {
-            FetchError::Throttled
-        }
+        Some(_) if throttled(&e) => FetchError::Throttled,
         _ => FetchError::Other(Box::new(e)),
     }
 }
@@ -205,26 +215,57 @@ impl PagedSource for CloudWatchLogs {
         Contract::default()
     }
 
+    /// Every log stream of the group, page by page. A throttled page is asked again after a
+    /// back-off (the pages read so far are kept) for up to 2 minutes: the
+    /// account's DescribeLogStreams quota (5 requests a second) is shared by every worker, and a
+    /// listing that gave up at the first throttled page would never finish for a group of many
+    /// streams. A listing is complete or an error, never a part: a stream missing from it would
+    /// read as a stream that is gone.
     fn partitions(&self) -> BoxFuture<'_, Result<Vec<String>, Error>> {
         Box::pin(async move {
-            let mut streams = self
-                .client
-                .describe_log_streams()
-                .log_group_name(self.group.as_ref())
-                .into_paginator()
-                .items()
-                .send();
+            let failed = |e: SdkError<DescribeLogStreamsError>| Error::Paged {
+                source_name: self.name.to_string(),
+                partition: String::new(),
+                what: "listing the log streams failed",
+                source: Box::new(e),
+            };
+            let patience = tokio::time::Instant::now() + LISTING_PATIENCE;
+            let mut waits = Backoff::new(Duration::from_secs(5));
             let mut names = Vec::new();
-            while let Some(stream) = streams.next().await {
-                let stream = stream.map_err(|e| Error::Paged {
-                    source_name: self.name.to_string(),
-                    partition: String::new(),
-                    what: "listing the log streams failed",
-                    source: Box::new(e),
-                })?;
-                names.extend(stream.log_stream_name);
+            let mut token: Option<String> = None;
+            loop {
+                let page = match self
+                    .client
+                    .describe_log_streams()
+                    .log_group_name(self.group.as_ref())
+                    .set_next_token(token.clone())
+                    .send()
+                    .await
+                {
+                    Ok(page) => page,
+                    Err(e) if throttled(&e) && tokio::time::Instant::now() < patience => {
+                        metrics::counter!("shardwise_paged_throttled_total", "source" => self.name.to_string()).increment(1);
+                        let wait = waits.next();
+                        debug!(source = %self.name, streams = names.len(), ?wait, "listing the log streams was throttled; asking for the same page again");
+                        tokio::time::sleep(wait).await;
+                        continue;
+                    }
+                    Err(e) => return Err(failed(e)),
+                };
+                waits.reset();
+                names.extend(
+                    page.log_streams()
+                        .iter()
+                        .filter_map(|s| s.log_stream_name().map(str::to_string)),
+                );
+                match page.next_token {
+                    // The same token again would be a loop: the listing ends there.
+                    Some(next) if token.as_ref() != Some(&next) => token = Some(next),
+                    _ => break,
+                }
             }
             names.sort();
+            names.dedup();
             Ok(names)
         })
     }

@@ -21,6 +21,8 @@
 //!   5 requests/s, DescribeLogStreams 5 requests/s; past them `ThrottlingException`.
 //! - DeleteLogStream removes a stream and its events: reads of it answer
 //!   `ResourceNotFoundException`.
+//! - DescribeLogStreams: "The maximum number of items returned. If you don't specify a value, the
+//!   default is up to 50 items": pages of 50 streams and a `nextToken`.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -492,18 +494,33 @@ impl State {
         (200, body)
     }
 
-    fn describe_log_streams(&mut self, _request: &Value) -> Answer {
-        let streams: Vec<Value> = self
+    /// Pages of at most `limit` streams (default and most: 50), in name order; the token names
+    /// the last stream of the page before.
+    fn describe_log_streams(&mut self, request: &Value) -> Answer {
+        let limit = request["limit"].as_u64().map_or(50, |l| l.min(50)) as usize;
+        let after = request["nextToken"]
+            .as_str()
+            .map(|t| t.trim_start_matches("d/"));
+        let names: Vec<&String> = self
             .streams
             .keys()
+            .filter(|name| after.is_none_or(|a| name.as_str() > a))
+            .collect();
+        let page = &names[..limit.min(names.len())];
+        let streams: Vec<Value> = page
+            .iter()
             .map(|name| {
                 json!({
                     "logStreamName": name,
-                    "creationTime": self.created.get(name).copied().unwrap_or_default(),
+                    "creationTime": self.created.get(*name).copied().unwrap_or_default(),
                 })
             })
             .collect();
-        (200, json!({ "logStreams": streams }))
+        let mut answer = json!({ "logStreams": streams });
+        if names.len() > page.len() {
+            answer["nextToken"] = json!(format!("d/{}", page.last().expect("a full page")));
+        }
+        (200, answer)
     }
 }
 
