@@ -275,8 +275,8 @@ async fn a_filter_poll_whose_token_expired_under_lasting_throttling_is_read_agai
 }
 
 /// DescribeLogStreams answers 50 streams a page, at 5 requests a second for the whole account: a
-/// group of 400 streams is listed in 8 pages, and the sixth, asked in the same second, is
-/// throttled. The listing asks for that page again after a back-off, keeping the five it has, and
+/// group of 400 streams is listed in 8 pages, and (with this worker's budget set past the quota)
+/// the sixth, asked in the same second, is throttled. The listing asks for that page again after a back-off, keeping the five it has, and
 /// is complete. Before, the first throttled page failed the whole listing (and so every listing
 /// of a group of more than 250 streams read faster than the quota).
 #[tokio::test(start_paused = true)]
@@ -286,11 +286,43 @@ async fn a_listing_throttled_midway_keeps_its_pages_and_completes() {
     for stream in &expected {
         service.create_stream(stream);
     }
-    let source = CloudWatchLogs::new(service.client(), GROUP);
+    // A budget past the account's quota: as if other workers spent the rest of it.
+    let source =
+        CloudWatchLogs::new(service.client(), GROUP).describe_log_streams_per_second(100.0);
     let listed = source.partitions().await.expect("a complete listing");
     assert_eq!(listed, expected);
     assert!(
         service.counts().throttled >= 1,
         "the listing was throttled midway"
     );
+}
+
+/// A worker keeps to its GetLogEvents budget (5 requests a second by default): 100 streams with
+/// an event each are read without a throttled request, their first fetches spaced over about 20
+/// s. Before, every stream was fetched in the same instant and the account's quota (25 a second)
+/// throttled the rest.
+#[tokio::test(start_paused = true)]
+async fn a_worker_keeps_to_its_request_budget_and_is_not_throttled() {
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 17);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    let mut expected = Vec::new();
+    for i in 0..100 {
+        let stream = format!("s{i:03}");
+        service.create_stream(&stream);
+        expected.extend(put_into(&service, &stream, 1));
+    }
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let running = consumer(&service, &store, &calls).await;
+    wait_for("every stream's event", Duration::from_secs(600), || {
+        calls.len() == 100
+    })
+    .await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(service.counts().throttled, 0, "{:?}", service.counts());
+    let mut handled = calls.ids();
+    handled.sort();
+    expected.sort();
+    assert_eq!(handled, expected, "every event once");
 }

@@ -48,6 +48,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use tracing::{debug, warn};
 
+use super::budget::Budget;
 use super::{Contract, Cursor, FetchError, Page, PagePosition, PagedEvent, PagedSource};
 use crate::backoff::Backoff;
 use crate::error::Error;
@@ -55,13 +56,28 @@ use crate::error::Error;
 /// The events of one page at most (the API's own limit is 10,000).
 const DEFAULT_PAGE_LIMIT: i32 = 1_000;
 
+/// A worker's GetLogEvents requests a second by default: five workers stay inside the
+/// account's quota of 25.
+pub const GET_LOG_EVENTS_PER_SECOND: f64 = 5.0;
+
+/// A worker's DescribeLogStreams requests a second by default (the account's quota is 5).
+pub const DESCRIBE_LOG_STREAMS_PER_SECOND: f64 = 1.0;
+
 /// The log streams of a log group, each a partition, read with `GetLogEvents`.
+///
+/// Each worker keeps to a request budget per API (clones share it): by default
+/// [`GET_LOG_EVENTS_PER_SECOND`] and [`DESCRIBE_LOG_STREAMS_PER_SECOND`], so a handful of workers
+/// stay inside the account's quotas (25 and 5 requests a second, shared by every reader of the
+/// account and Region). Throttling that comes anyway is backed off with jitter and counted in
+/// `shardwise_paged_throttled_total`.
 #[derive(Clone)]
 pub struct CloudWatchLogs {
     client: Client,
     group: Arc<str>,
     name: Arc<str>,
     limit: i32,
+    reads: Arc<Budget>,
+    listings: Arc<Budget>,
 }
 
 impl fmt::Debug for CloudWatchLogs {
@@ -69,6 +85,8 @@ impl fmt::Debug for CloudWatchLogs {
         f.debug_struct("CloudWatchLogs")
             .field("group", &self.group)
             .field("limit", &self.limit)
+            .field("reads", &self.reads)
+            .field("listings", &self.listings)
             .finish_non_exhaustive()
     }
 }
@@ -82,7 +100,23 @@ impl CloudWatchLogs {
             name: format!("logs:{group}").into(),
             group: group.into(),
             limit: DEFAULT_PAGE_LIMIT,
+            reads: Arc::new(Budget::per_second(GET_LOG_EVENTS_PER_SECOND)),
+            listings: Arc::new(Budget::per_second(DESCRIBE_LOG_STREAMS_PER_SECOND)),
         }
+    }
+
+    /// This worker's GetLogEvents requests a second, at most (default
+    /// [`GET_LOG_EVENTS_PER_SECOND`]). Share the account's quota of 25 among the workers.
+    pub fn get_log_events_per_second(mut self, rate: f64) -> Self {
+        self.reads = Arc::new(Budget::per_second(rate));
+        self
+    }
+
+    /// This worker's DescribeLogStreams requests a second, at most (default
+    /// [`DESCRIBE_LOG_STREAMS_PER_SECOND`]; the account's quota is 5).
+    pub fn describe_log_streams_per_second(mut self, rate: f64) -> Self {
+        self.listings = Arc::new(Budget::per_second(rate));
+        self
     }
 
     /// At most this many events per page (1 to 10,000; default 1,000).
@@ -193,6 +227,7 @@ impl CloudWatchLogs {
         partition: &str,
         at: &LogCursor,
     ) -> Result<GetLogEventsOutput, SdkError<GetLogEventsError>> {
+        self.reads.acquire().await;
         self.client
             .get_log_events()
             .log_group_name(self.group.as_ref())
@@ -234,6 +269,7 @@ impl PagedSource for CloudWatchLogs {
             let mut names = Vec::new();
             let mut token: Option<String> = None;
             loop {
+                self.listings.acquire().await;
                 let page = match self
                     .client
                     .describe_log_streams()

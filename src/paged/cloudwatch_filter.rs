@@ -38,6 +38,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use tracing::warn;
 
+use super::budget::Budget;
 use super::{
     Contract, Cursor, FetchError, Finality, Page, PagePosition, PagedEvent, PagedSource,
     Timestamps, Traversal,
@@ -47,7 +48,14 @@ use crate::error::Error;
 /// How late CloudWatch Logs accepts an event: 14 days.
 pub const CLOUDWATCH_LATENESS: Duration = Duration::from_secs(14 * 24 * 3600);
 
+/// A worker's FilterLogEvents requests a second by default (the account's quota is 5; a group
+/// is one partition, read by one worker at a time).
+pub const FILTER_LOG_EVENTS_PER_SECOND: f64 = 2.0;
+
 /// A log group read by timestamp with `FilterLogEvents`: one partition, named after the group.
+///
+/// Each worker keeps to a budget of [`FILTER_LOG_EVENTS_PER_SECOND`] requests (clones share it);
+/// throttling that comes anyway is backed off with jitter.
 #[derive(Clone)]
 pub struct CloudWatchLogsFilter {
     client: Client,
@@ -55,6 +63,7 @@ pub struct CloudWatchLogsFilter {
     name: Arc<str>,
     limit: i32,
     lateness: Duration,
+    reads: Arc<Budget>,
 }
 
 impl fmt::Debug for CloudWatchLogsFilter {
@@ -78,7 +87,15 @@ impl CloudWatchLogsFilter {
             group: group.into(),
             limit: 1_000,
             lateness: CLOUDWATCH_LATENESS,
+            reads: Arc::new(Budget::per_second(FILTER_LOG_EVENTS_PER_SECOND)),
         }
+    }
+
+    /// This worker's FilterLogEvents requests a second, at most (default
+    /// [`FILTER_LOG_EVENTS_PER_SECOND`]; the account's quota is 5).
+    pub fn filter_log_events_per_second(mut self, rate: f64) -> Self {
+        self.reads = Arc::new(Budget::per_second(rate));
+        self
     }
 
     /// At most this many events per page (1 to 10,000; default 1,000).
@@ -154,6 +171,7 @@ impl CloudWatchLogsFilter {
         &self,
         at: &FilterCursor,
     ) -> Result<FilterLogEventsOutput, SdkError<FilterLogEventsError>> {
+        self.reads.acquire().await;
         self.client
             .filter_log_events()
             .log_group_name(self.group.as_ref())

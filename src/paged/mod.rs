@@ -20,6 +20,8 @@
 
 mod barrier;
 #[cfg(feature = "cloudwatch-logs")]
+mod budget;
+#[cfg(feature = "cloudwatch-logs")]
 mod cloudwatch;
 #[cfg(feature = "cloudwatch-logs")]
 mod cloudwatch_filter;
@@ -38,9 +40,11 @@ use crate::error::BoxError;
 
 pub(crate) use barrier::{Barrier, BarrierWrite};
 #[cfg(feature = "cloudwatch-logs")]
-pub use cloudwatch::CloudWatchLogs;
+pub use cloudwatch::{CloudWatchLogs, DESCRIBE_LOG_STREAMS_PER_SECOND, GET_LOG_EVENTS_PER_SECOND};
 #[cfg(feature = "cloudwatch-logs")]
-pub use cloudwatch_filter::{CLOUDWATCH_LATENESS, CloudWatchLogsFilter};
+pub use cloudwatch_filter::{
+    CLOUDWATCH_LATENESS, CloudWatchLogsFilter, FILTER_LOG_EVENTS_PER_SECOND,
+};
 pub use groups::{Finality, Traversal};
 pub(crate) use groups::{Groups, Seen};
 pub(crate) use lister::PartitionLister;
