@@ -945,13 +945,23 @@ async fn a_cloudwatch_log_group_is_read_stream_by_stream_without_skipping() {
     .await
     .unwrap();
     assert_eq!(report.moved.len(), 2);
+    let expected: BTreeSet<String> = expect(15..25)
+        .into_iter()
+        .chain((0..5).map(|i| format!("n{i}")))
+        .chain((0..6).map(|i| format!("o{i}")))
+        .collect();
+    // Until every event expected again is read (the worker keeps to its request budget, 5
+    // GetLogEvents a second, 4 events a page here), then a little longer for anything unexpected.
     wait_for_async("the reread", Duration::from_secs(30), || {
-        let seen = seen.clone();
+        let (seen, expected) = (seen.clone(), expected.clone());
         async move {
             let again = &seen.0.lock().unwrap()[before..];
             streams
                 .iter()
                 .all(|s| again.iter().filter(|(p, ..)| p == s).count() >= 10)
+                && expected
+                    .iter()
+                    .all(|m| again.iter().any(|(p, _, got)| p == "web" && got == m))
         }
     })
     .await;
@@ -962,11 +972,6 @@ async fn a_cloudwatch_log_group_is_read_stream_by_stream_without_skipping() {
         .iter()
         .filter(|(p, ..)| p == "web")
         .map(|(.., m)| m.as_str())
-        .collect();
-    let expected: BTreeSet<String> = expect(15..25)
-        .into_iter()
-        .chain((0..5).map(|i| format!("n{i}")))
-        .chain((0..6).map(|i| format!("o{i}")))
         .collect();
     assert_eq!(
         reread,
