@@ -413,26 +413,23 @@ async fn a_token_that_does_not_advance_is_fetched_again_after_a_wait_that_grows_
     let fetches = api.fetches() - before;
     // At most one every 30 s once the waits reached the bound.
     assert!((8..=14).contains(&fetches), "{fetches} fetches in 5 min");
-    api.push("p", "after a quiet spell");
-    let pushed = tokio::time::Instant::now();
-    wait_for(
-        "the event after the quiet spell",
-        Duration::from_secs(31),
-        || calls.all().len() == 2,
-    )
-    .await;
-    let waited = pushed.elapsed();
-    api.push("p", "soon after");
-    let pushed = tokio::time::Instant::now();
-    wait_for(
-        "the next event, read at the poll interval again",
-        Duration::from_secs(2),
-        || calls.all().len() == 3,
-    )
-    .await;
+    // Read within the bound; the event after it within the poll interval's first waits.
+    for (event, what, limit) in [
+        ("after a quiet spell", "the event after the quiet spell", 31),
+        (
+            "soon after",
+            "the next event, read at the poll interval again",
+            2,
+        ),
+    ] {
+        let handled = calls.all().len();
+        api.push("p", event);
+        wait_for(what, Duration::from_secs(limit), || {
+            calls.all().len() == handled + 1
+        })
+        .await;
+    }
     running.shutdown(Duration::from_secs(2)).await;
-    assert!(waited <= Duration::from_secs(31), "{waited:?}");
-    assert!(pushed.elapsed() <= Duration::from_secs(2));
 }
 
 /// A source that answers a quiet partition with empty pages and a new token each time is followed
