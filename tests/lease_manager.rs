@@ -703,3 +703,46 @@ async fn leases_falling_to_a_worker_that_never_takes_them_are_taken_after_a_leas
     );
     ghost.abort();
 }
+
+/// A lease another worker asked for whose shard then reaches its end is released at SHARD_END,
+/// not passed: a taker never takes an ended row, so a pass left it owned by a worker that never
+/// read it, and an owned row is never cleaned up (issue 27, defect 7). Before, the row named b.
+#[tokio::test(start_paused = true)]
+async fn an_ended_shard_asked_for_is_released_not_passed() {
+    let store = MemoryLeaseStore::new();
+    let shards = Shards::open(1);
+    let (a, mut events) = worker(&store, &shards, "a").await;
+    let mut held = Vec::new();
+    until(Duration::from_secs(10), || {
+        while let Ok(LeaseEvent::Acquired(h)) = events.try_recv() {
+            held.push(*h);
+        }
+        held.len() == 1
+    })
+    .await;
+    let ownership = held[0].ownership.clone();
+    let row = store
+        .get(STREAM, &ownership.shard_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(store.request(&row, "b").await.unwrap());
+    // The handoff is noticed; meanwhile the shard was read to its end.
+    until(Duration::from_secs(30), || held[0].handoff.is_cancelled()).await;
+    assert_eq!(
+        store
+            .checkpoint(&ownership, &Checkpoint::ShardEnd, None)
+            .await
+            .unwrap(),
+        CheckpointWrite::Written
+    );
+    a.shard_ended(&ownership).await.unwrap();
+    let row = store
+        .get(STREAM, &ownership.shard_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.checkpoint, Checkpoint::ShardEnd);
+    assert_eq!(row.owner, None, "released, not passed to b");
+    drop(a);
+}

@@ -486,7 +486,7 @@ impl LeaseManager {
     /// Records that a held shard reached SHARD_END: releases the lease, runs the hook and syncs
     /// the shard list so its children get rows (announced to every worker by the next beat).
     pub async fn shard_ended(&self, ownership: &Ownership) -> Result<(), Error> {
-        self.inner.release(ownership).await?;
+        self.inner.give_back(ownership, false).await?;
         self.inner.hooks.shard_ended(ownership);
         self.inner.sync_now.notify_one();
         self.inner.changed_here();
@@ -835,12 +835,20 @@ impl Inner {
     /// Gives a held lease back: to the worker that asked for it when one did (a pass), else
     /// into the table (a release).
     async fn release(&self, ownership: &Ownership) -> Result<bool, Error> {
+        self.give_back(ownership, true).await
+    }
+
+    /// Gives a held lease back; passes it to a worker that asked for it only when `may_pass` and
+    /// the row is not at SHARD_END. An ended row is never passed: a taker never takes an ended
+    /// row, and one left owned is never cleaned up.
+    async fn give_back(&self, ownership: &Ownership, may_pass: bool) -> Result<bool, Error> {
         let removed = self.remove_held(ownership);
         let Some(h) = removed else { return Ok(false) };
         h.cancel.cancel();
         self.held_gauge();
         // A request may have come since the last scan: the row tells.
         let wanted = match h.wanted_by {
+            _ if !may_pass => None,
             Some(taker) => Some(taker),
             None => self
                 .store
@@ -848,7 +856,9 @@ impl Inner {
                 .await
                 .ok()
                 .flatten()
-                .filter(|row| row.ownership().as_ref() == Some(ownership))
+                .filter(|row| {
+                    row.ownership().as_ref() == Some(ownership) && !row.checkpoint.is_shard_end()
+                })
                 .and_then(|row| row.wanted_by),
         };
         if let Some(taker) = wanted {
