@@ -75,7 +75,7 @@ pub(crate) struct Args {
     #[arg(long)]
     point_in_time_recovery: bool,
 
-    /// This worker's id in the lease table (default: host name and process id).
+    /// This worker's id in the lease table (default: host name, process id and a random part).
     #[arg(long, value_name = "ID")]
     worker_id: Option<String>,
 

@@ -94,10 +94,17 @@ pub enum Unproven {
 /// timestamps by less than this cannot make a LATEST start skip a record.
 pub const DEFAULT_LATEST_MARGIN: Duration = Duration::from_secs(5);
 
-/// The default worker id: host name and process id.
+/// The default worker id: host name, process id and a random part, e.g. `web-1-3f9a2c`. Host name
+/// and process id alone clash: containers with host networking share the host name and each runs
+/// its process as PID 1, and two workers with one id would take each other's leases as their own.
 pub fn default_worker_id() -> String {
     let host = gethostname::gethostname();
-    format!("{}-{}", host.to_string_lossy(), std::process::id())
+    format!(
+        "{}-{}-{:06x}",
+        host.to_string_lossy(),
+        std::process::id(),
+        rand::random::<u32>() & 0xff_ffff
+    )
 }
 
 impl Settings {
@@ -296,6 +303,20 @@ fn valid_name(s: &str, max: usize) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn default_worker_ids_carry_a_random_part() {
+        let (a, b) = (super::default_worker_id(), super::default_worker_id());
+        assert_ne!(
+            a, b,
+            "two processes on one host with one PID must not share an id"
+        );
+        let prefix = format!("-{}-", std::process::id());
+        assert!(a.contains(&prefix), "{a}");
+        let random = a.rsplit('-').next().unwrap();
+        assert_eq!(random.len(), 6, "{a}");
+        assert!(random.chars().all(|c| c.is_ascii_hexdigit()), "{a}");
+    }
+
     use super::*;
 
     fn ok() -> Settings {

@@ -124,7 +124,7 @@ impl<H> fmt::Debug for ConsumerBuilder<H> {
 }
 
 impl<H: Handler> ConsumerBuilder<H> {
-    /// This worker's id in the lease table (default: host name and process id).
+    /// This worker's id in the lease table (default: host name, process id and a random part).
     pub fn worker_id(mut self, id: impl Into<String>) -> Self {
         self.settings.worker_id = id.into();
         self
