@@ -195,8 +195,8 @@ fn millis(time: SystemTime) -> i64 {
 /// How long a listing of the log streams goes on asking for a throttled page again.
 const LISTING_PATIENCE: Duration = Duration::from_secs(120);
 
-/// Whether the service asked to slow down.
-fn throttled<E: ProvideErrorMetadata>(e: &SdkError<E>) -> bool {
+/// Whether the service asked to slow down (both CloudWatch Logs sources ask this).
+pub(super) fn throttled<E: ProvideErrorMetadata>(e: &SdkError<E>) -> bool {
     e.as_service_error()
         .and_then(ProvideErrorMetadata::code)
         .is_some_and(|c| c.contains("Throttl"))

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use aws_sdk_cloudwatchlogs::Client;
-use aws_sdk_cloudwatchlogs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_cloudwatchlogs::error::{DisplayErrorContext, SdkError};
 use aws_sdk_cloudwatchlogs::operation::filter_log_events::{
     FilterLogEventsError, FilterLogEventsOutput,
 };
@@ -39,6 +39,7 @@ use futures::future::BoxFuture;
 use tracing::warn;
 
 use super::budget::Budget;
+use super::cloudwatch::throttled;
 use super::{
     Contract, Cursor, FetchError, Finality, Page, PagePosition, PagedEvent, PagedSource,
     Timestamps, Traversal,
@@ -189,9 +190,7 @@ fn fetch_error(e: SdkError<FilterLogEventsError>) -> FetchError {
         Some(FilterLogEventsError::InvalidParameterException(_)) => {
             FetchError::InvalidCursor(Box::new(e))
         }
-        Some(service) if service.code().is_some_and(|c| c.contains("Throttl")) => {
-            FetchError::Throttled
-        }
+        Some(_) if throttled(&e) => FetchError::Throttled,
         _ => FetchError::Other(Box::new(e)),
     }
 }
