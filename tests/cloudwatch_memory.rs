@@ -7,6 +7,8 @@ mod calls;
 #[allow(dead_code)]
 #[path = "sim/logs.rs"]
 mod logs;
+#[path = "support/recorder.rs"]
+mod recorder;
 #[path = "support/wait.rs"]
 mod wait;
 
@@ -325,4 +327,87 @@ async fn a_worker_keeps_to_its_request_budget_and_is_not_throttled() {
     handled.sort();
     expected.sort();
     assert_eq!(handled, expected, "every event once");
+}
+
+/// Puts a batch of `(how long ago, message)` events into `stream` now: behind every token issued
+/// past their timestamps. Their ids as the source names them.
+fn put_late(service: &LogsService, stream: &str, events: &[(Duration, &str)]) -> Vec<String> {
+    let now = service.now();
+    let batch: Vec<(i64, String)> = events
+        .iter()
+        .map(|(ago, message)| (now - ago.as_millis() as i64, message.to_string()))
+        .collect();
+    service
+        .put(stream, &batch, Duration::ZERO)
+        .expect("accepted")
+        .into_iter()
+        .map(|e| e.id)
+        .collect()
+}
+
+/// CloudWatch Logs takes events up to 14 days old, and `GetLogEvents` read forward never
+/// returns one put behind its token. The audit (every 5 minutes, 1 hour of lateness by default)
+/// reads the stream again behind the cursor and hands each late event out once: late events put
+/// while the worker reads (10 and 50 minutes old), and while no worker runs (90 minutes old,
+/// behind the cursor, found by the audit the next worker begins with). Nothing else is handed
+/// out twice, and an event later than the window (3 hours) is not looked for. Before, no late
+/// event was ever read: a silent skip, with no metric.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn late_events_put_behind_the_cursor_are_found_by_an_audit_and_handled_once() {
+    let metrics = recorder::Metrics::default();
+    let _metrics = metrics::set_default_local_recorder(&metrics);
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 19);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let minutes = |m: u64| Duration::from_secs(60 * m);
+    let mut expected = put(&service, 3);
+
+    let running = consumer(&service, &store, &calls).await;
+    wait_for("the first events", Duration::from_secs(60), || {
+        calls.len() == 3
+    })
+    .await;
+    tokio::time::sleep(minutes(1)).await;
+    expected.extend(put_late(
+        &service,
+        "s0",
+        &[(minutes(10), "late 10 min"), (minutes(50), "late 50 min")],
+    ));
+    expected.extend(put(&service, 1));
+    wait_for("the late events, by an audit", minutes(6), || {
+        calls.len() == 6
+    })
+    .await;
+    let late = || metrics.counter("shardwise_paged_late_events_total", "s0");
+    assert_eq!(late(), Some(2));
+    // Later audits find nothing more.
+    tokio::time::sleep(minutes(20)).await;
+    assert_eq!(calls.len(), 6, "{:?}", calls.ids());
+    running.shutdown(Duration::from_secs(5)).await;
+
+    // While no worker runs, a late event arrives; and one later than the window (and than the
+    // time since the last audit).
+    tokio::time::sleep(minutes(60)).await;
+    // 90 minutes old: behind the cursor, which stands at the last event read (80 minutes ago).
+    expected.extend(put_late(&service, "s0", &[(minutes(90), "late 90 min")]));
+    let too_late = put_late(&service, "s0", &[(minutes(180), "late 3 hours")]);
+    let running = consumer(&service, &store, &calls).await;
+    wait_for(
+        "the late event put while no worker ran",
+        Duration::from_secs(60),
+        || calls.len() == 7,
+    )
+    .await;
+    tokio::time::sleep(minutes(20)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+
+    let mut handled = calls.ids();
+    handled.sort();
+    expected.sort();
+    assert_eq!(handled, expected, "every event once");
+    assert!(!handled.contains(&too_late[0]), "later than the window");
+    assert_eq!(late(), Some(3));
 }

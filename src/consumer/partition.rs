@@ -30,7 +30,7 @@ use crate::handler::{Delivery, Handler, Replayable};
 use crate::lease::{CheckpointWrite, HeldLease, LeaseStore, Ownership};
 use crate::paged::reader::{PageMessage, PageReader};
 use crate::paged::{
-    Barrier, BarrierWrite, Order, PagePosition, PagedProgress, PagedSource, Verdict,
+    Barrier, BarrierWrite, LATE_EVENTS, Order, PagePosition, PagedProgress, PagedSource, Verdict,
 };
 use crate::track::Tracker;
 
@@ -47,6 +47,9 @@ pub(crate) struct Pages {
     uncertain: Uncertain<BarrierWrite>,
     /// The source said the partition is gone: its row is deleted once it ended.
     gone: bool,
+    /// The applied position this attempt started from: a late event an audit finds at or below
+    /// it may have been handed out by an earlier attempt.
+    started_at: Option<PagePosition>,
 }
 
 impl Progress for Pages {
@@ -85,6 +88,7 @@ impl Progress for Pages {
                 poll_interval: settings.reader.poll_interval,
                 idle_poll_max: settings.reader.idle_poll_max,
                 max_backoff: settings.reader.max_backoff,
+                applied: durable.applied_position.clone(),
             };
             tokio::spawn(page_reader.run(pages_tx, reader));
             pages_rx
@@ -92,19 +96,21 @@ impl Progress for Pages {
         Ok(Prepared {
             progress: Pages {
                 lease: Leased::new(&ownership, &ctx.store),
-                // A backfilling source hands out events at or below its applied prefix again:
-                // with a ledger, every outcome leaves a receipt, which is what tells such an event
-                // is done (see `Verdict`).
-                replayable: if contract.backfill {
+                // A backfilling source hands out events at or below its applied prefix again,
+                // and so does an audit for late events after a restart: with a ledger, every
+                // outcome leaves a receipt, which is what tells such an event is done (see
+                // `Verdict`).
+                replayable: if contract.backfill || source.audit_interval().is_some() {
                     Replayable::Recorded
                 } else {
                     Replayable::No
                 },
                 order: Order::new(contract, durable.applied_position.clone()),
                 // The tracker starts at arrival index 0.
-                barrier: Barrier::new(durable, 0),
+                barrier: Barrier::new(durable.clone(), 0),
                 uncertain: Uncertain::default(),
                 gone: false,
+                started_at: durable.applied_position,
             },
             reader: messages,
         })
@@ -128,6 +134,7 @@ impl Progress for Pages {
                 self.gone = true;
                 self.page(pipeline, &[], None, None)
             }
+            PageMessage::Late(events) => self.late(pipeline, &events),
             PageMessage::Failed(error) => {
                 Read::Failed(Error::paged(&self.lease.ownership, "fetch failed", error))
             }
@@ -254,6 +261,50 @@ impl Pages {
         } else {
             Read::Page
         }
+    }
+}
+
+impl Pages {
+    /// Events an audit found behind the forward cursor that this attempt did not hand out. Above
+    /// the applied position the attempt started from, this attempt read forward over them: they
+    /// arrived late, and are handed out. At or below it an earlier attempt may have handled them:
+    /// a terminal receipt settles one as a replay, anything else hands it out (never skipped).
+    /// Either way the deliveries hold the page barrier until they settle, so the audited cursor
+    /// the reader sends after them is promoted only then.
+    fn late<H: Handler>(
+        &mut self,
+        pipeline: &mut Pipeline<H, PagePosition>,
+        events: &[crate::paged::PagedEvent],
+    ) -> Read {
+        let (source_name, partition) = (&self.lease.stream, &self.lease.shard);
+        for event in events {
+            let timestamp = event.timestamp.map(crate::time::millis);
+            if self
+                .started_at
+                .as_ref()
+                .is_some_and(|a| event.position <= *a)
+            {
+                debug!(source = %source_name, partition = %partition, id = %event.id, timestamp, "an audit found an event at or below the applied position this attempt started from: handled unless its receipt shows it done");
+                let id = pipeline.track_only(event.position.clone());
+                let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
+                    .set_id(id)
+                    .replayable(Replayable::Recorded)
+                    .build();
+                pipeline.dispatch_unless_done(delivery, Some(LATE_EVENTS));
+                continue;
+            }
+            metrics::counter!(LATE_EVENTS, &self.lease.labels).increment(1);
+            warn!(source = %source_name, partition = %partition, id = %event.id, timestamp, "a late event: put behind what was read already, found by an audit; handed out now");
+            let key = event.key.as_deref().unwrap_or(&event.id);
+            let (id, lane) = pipeline.track(event.position.clone(), key);
+            let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
+                .set_id(id)
+                .set_lane(lane)
+                .replayable(Replayable::Recorded)
+                .build();
+            pipeline.dispatch(delivery);
+        }
+        Read::Page
     }
 }
 

@@ -32,13 +32,10 @@ use crate::handler::{Delivery, Handler, Replayable};
 use crate::lease::HeldLease;
 use crate::paged::reader::{PollMessage, PollReader};
 use crate::paged::{
-    Groups, PagePosition, PagedEvent, PagedProgress, PagedSource, Seen, Timestamps,
+    Groups, LATE_EVENTS, PagePosition, PagedEvent, PagedProgress, PagedSource, Seen, Timestamps,
 };
 use crate::track::Tracker;
 
-/// Events found at or before `closed_through` without a terminal receipt: the source broke the
-/// finality contract that closed their group.
-const LATE_EVENTS: &str = "shardwise_paged_late_events_total";
 /// How far ahead of the local clock a source may date an event (CloudWatch Logs takes events up
 /// to two hours ahead): an event dated later than the attempt's start by more cannot have been
 /// handed out by an earlier attempt.

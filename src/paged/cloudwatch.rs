@@ -27,14 +27,40 @@
 //! forward traversal never goes back (no backfill): `GetLogEvents` returns a stream's events in
 //! order from the token's place, so an event at or below the applied prefix is one already read (a
 //! replayed page), settled without the handler. Should the service ever return an event below one
-//! already read, the partition stops with an order violation rather than guess.
+//! already read, the partition stops with an order violation rather than guess. Late events come
+//! through the audit below, not through the forward pages.
 //!
-//! A limit of the API, not of shardwise: a forward token marks a place in the stream's order by
-//! timestamp. An event put later with a timestamp before that place is not returned by later pages
-//! (moto's tokens are indexes, so such an event also moves the events after it one place on, and the
-//! next page repeats one, which is recognised as read). CloudWatch accepts events up to 14 days
-//! old: for streams that receive late events, read by timestamp with `FilterLogEvents` and a
-//! lateness bound.
+//! Late events. CloudWatch Logs accepts events up to 14 days old (and 2 hours ahead), and a
+//! forward token marks a place in the stream's order by timestamp: an event put later with a
+//! timestamp before that place is never returned by later pages. So the forward read cannot see
+//! late events, and an audit finds them (on by default; [`CloudWatchLogs::late_event_window`],
+//! [`CloudWatchLogs::late_event_audit_interval`], [`CloudWatchLogs::without_late_events`]):
+//!
+//! - The forward cursor carries a **mark** `A`, an ingestion time: every event behind the cursor
+//!   ingested at or before `A`, and at most the window late, was handed out. The first forward
+//!   read marks a cursor with its start less [`AUDIT_ALLOWANCE`] (30 s: the delay before an
+//!   event can be read, and up to 10 s of clock skew).
+//! - Every [`LATE_EVENT_AUDIT_INTERVAL`] (5 minutes), as each attempt starts, and once a stream
+//!   that brought events has been quiet for twice the allowance, the reader audits: it reads the
+//!   stream again (`startTime` = `A` less the window, `endTime` past the cursor's last event,
+//!   pages of 10,000) and the source returns the events ingested after `A` up to that last
+//!   event. The reader hands out those it did not hand out in this attempt (it remembers what it
+//!   read since shortly before the previous audit): each is late, handed out once, counted in
+//!   `shardwise_paged_late_events_total` and logged with its partition and timestamp. Then it
+//!   reads on from the cursor marked with the audit's start less the allowance, which is
+//!   promoted only once every late event settled.
+//! - After a restart the reader's memory is gone: an event the audit returns at or below the
+//!   applied position the attempt started from may be one an earlier attempt read. A receipt
+//!   ledger settles such an event as a replay; without one it is handled again (never skipped).
+//!   These are the events ingested since the durable mark: at most one audit interval of them,
+//!   none after a graceful stop that came after a quiet spell's audit.
+//! - The window ([`LATE_EVENT_WINDOW`], 1 hour by default) bounds what is looked for: an event
+//!   later than the window plus the time since the last audit is not found. Cost: each audit
+//!   reads the window again, 2 requests for a quiet stream and about (events in the window)
+//!   / 10,000 + 1 for a busy one; 500 quiet streams take about 3.3 GetLogEvents a second.
+//!
+//! moto's tokens are indexes, so an event put behind them also moves the events after it one
+//! place on, and the next page repeats one, which is recognised as read.
 
 use std::fmt;
 use std::sync::Arc;
@@ -49,12 +75,30 @@ use futures::future::BoxFuture;
 use tracing::{debug, warn};
 
 use super::budget::Budget;
-use super::{Contract, Cursor, FetchError, Page, PagePosition, PagedEvent, PagedSource};
+use super::{Audit, Contract, Cursor, FetchError, Page, PagePosition, PagedEvent, PagedSource};
 use crate::backoff::Backoff;
 use crate::error::Error;
 
 /// The events of one page at most (the API's own limit is 10,000).
 const DEFAULT_PAGE_LIMIT: i32 = 1_000;
+
+/// An audit's pages are as large as the API allows: it rereads.
+const AUDIT_PAGE_LIMIT: i32 = 10_000;
+
+/// How late an event may arrive and still be found, by default: 1 hour.
+pub const LATE_EVENT_WINDOW: Duration = Duration::from_secs(3600);
+
+/// How often a stream is audited for late events, by default: every 5 minutes.
+pub const LATE_EVENT_AUDIT_INTERVAL: Duration = Duration::from_secs(300);
+
+/// What an audit allows for: an event ingested this long before the audit begins may not be
+/// readable yet, or the worker's clock may be ahead of the service's by up to this (10 s of skew
+/// and 20 s for the delay before an event can be read). The audit marks itself this long before
+/// its start, so such an event comes in the next audit.
+pub const AUDIT_ALLOWANCE: Duration = Duration::from_secs(30);
+
+/// How old an event PutLogEvents accepts: no audit looks further back.
+const MAX_EVENT_AGE_MS: i64 = 14 * 24 * 3600 * 1000;
 
 /// A worker's GetLogEvents requests a second by default: five workers stay inside the
 /// account's quota of 25.
@@ -78,6 +122,14 @@ pub struct CloudWatchLogs {
     limit: i32,
     reads: Arc<Budget>,
     listings: Arc<Budget>,
+    late_events: Option<LateEvents>,
+}
+
+/// How the source looks for late events.
+#[derive(Debug, Clone, Copy)]
+struct LateEvents {
+    window: Duration,
+    every: Duration,
 }
 
 impl fmt::Debug for CloudWatchLogs {
@@ -87,6 +139,7 @@ impl fmt::Debug for CloudWatchLogs {
             .field("limit", &self.limit)
             .field("reads", &self.reads)
             .field("listings", &self.listings)
+            .field("late_events", &self.late_events)
             .finish_non_exhaustive()
     }
 }
@@ -102,7 +155,39 @@ impl CloudWatchLogs {
             limit: DEFAULT_PAGE_LIMIT,
             reads: Arc::new(Budget::per_second(GET_LOG_EVENTS_PER_SECOND)),
             listings: Arc::new(Budget::per_second(DESCRIBE_LOG_STREAMS_PER_SECOND)),
+            late_events: Some(LateEvents {
+                window: LATE_EVENT_WINDOW,
+                every: LATE_EVENT_AUDIT_INTERVAL,
+            }),
         }
+    }
+
+    /// How late an event may arrive and still be found by the audit (default
+    /// [`LATE_EVENT_WINDOW`], 1 hour; CloudWatch Logs takes events up to 14 days old). Each
+    /// audit reads the stream again from this far behind the previous audit, so a longer window
+    /// costs reads in proportion (see the module's docs).
+    pub fn late_event_window(mut self, window: Duration) -> Self {
+        if let Some(late) = self.late_events.as_mut() {
+            late.window = window;
+        }
+        self
+    }
+
+    /// How often each stream is audited for late events (default
+    /// [`LATE_EVENT_AUDIT_INTERVAL`], 5 minutes). A late event is handed out within about this
+    /// long of its arrival.
+    pub fn late_event_audit_interval(mut self, every: Duration) -> Self {
+        if let Some(late) = self.late_events.as_mut() {
+            late.every = every.max(Duration::from_secs(1));
+        }
+        self
+    }
+
+    /// No audit for late events: an event put behind what was read is never read (for streams
+    /// whose producers never put late events, which then cost no reads).
+    pub fn without_late_events(mut self) -> Self {
+        self.late_events = None;
+        self
     }
 
     /// This worker's GetLogEvents requests a second, at most (default
@@ -134,23 +219,49 @@ impl CloudWatchLogs {
 /// What a cursor of this source holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct LogCursor {
-    /// `startTime` of every request of this traversal (a seek to a time).
+    /// `startTime` of every request of this traversal (a seek to a time, a recovery, an audit).
     start: Option<i64>,
+    /// A seek's time: nothing before it is handed out, late or not.
+    floor: Option<i64>,
     /// The service's forward token.
     token: Option<String>,
     /// The last event before this cursor: (timestamp, ingestion time, k).
     last: Option<(i64, i64, u64)>,
+    /// Audited through this ingestion time (ms): every event behind the cursor that was
+    /// ingested at or before it, and at most the late-event window late, was handed out.
+    audited: Option<i64>,
+    /// Set on the cursors of an audit's pages: what the audit returns.
+    audit: Option<AuditRange>,
+}
+
+/// An audit's events: those at or before `through` (the forward cursor's last event when the
+/// audit began) ingested after `after` (the forward cursor's mark), from the request's
+/// `startTime` on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct AuditRange {
+    after: Option<i64>,
+    through: (i64, i64, u64),
 }
 
 impl LogCursor {
     fn encode(&self) -> Cursor {
-        let (ts, ingest, k) = self.last.map_or(
-            (String::new(), String::new(), String::new()),
-            |(t, i, k)| (t.to_string(), i.to_string(), k.to_string()),
-        );
+        let event = |e: Option<(i64, i64, u64)>| {
+            e.map_or(
+                (String::new(), String::new(), String::new()),
+                |(t, i, k)| (t.to_string(), i.to_string(), k.to_string()),
+            )
+        };
+        let text = |n: Option<i64>| n.map(|n| n.to_string()).unwrap_or_default();
+        let (ts, ingest, k) = event(self.last);
+        let audit = self.audit.map_or(String::new(), |a| {
+            let (t, i, k) = event(Some(a.through));
+            format!("{}:{t}:{i}:{k}", text(a.after))
+        });
         Cursor::new(format!(
-            "v1|{}|{ts}|{ingest}|{k}|{}",
-            self.start.map(|s| s.to_string()).unwrap_or_default(),
+            "v2|{}|{}|{ts}|{ingest}|{k}|{}|{audit}|{}",
+            text(self.start),
+            text(self.floor),
+            text(self.audited),
             self.token.as_deref().unwrap_or_default(),
         ))
     }
@@ -158,14 +269,6 @@ impl LogCursor {
     fn decode(cursor: &Cursor) -> Result<Self, String> {
         let text = std::str::from_utf8(cursor.as_bytes())
             .map_err(|_| "a cursor of CloudWatch Logs is text".to_string())?;
-        // The token comes last: whatever it holds, it cannot shift the fields before it.
-        let fields: Vec<&str> = text.splitn(6, '|').collect();
-        let [version, start, ts, ingest, k, token] = fields[..] else {
-            return Err(format!("`{text}` is not a cursor of CloudWatch Logs"));
-        };
-        if version != "v1" {
-            return Err(format!("cursor version `{version}` is unknown"));
-        }
         let number = |s: &str| -> Result<Option<i64>, String> {
             if s.is_empty() {
                 return Ok(None);
@@ -174,15 +277,57 @@ impl LogCursor {
                 .map(Some)
                 .map_err(|_| format!("`{s}` in cursor `{text}` is not a number"))
         };
-        let last = match (number(ts)?, number(ingest)?, number(k)?) {
-            (Some(t), Some(i), Some(k)) => Some((t, i, k as u64)),
-            (None, None, None) => None,
-            _ => return Err(format!("cursor `{text}` names half an event")),
+        let event =
+            |ts: &str, ingest: &str, k: &str| match (number(ts)?, number(ingest)?, number(k)?) {
+                (Some(t), Some(i), Some(k)) => Ok(Some((t, i, k as u64))),
+                (None, None, None) => Ok(None),
+                _ => Err(format!("cursor `{text}` names half an event")),
+            };
+        // The token comes last: whatever it holds, it cannot shift the fields before it. A
+        // cursor of version 1 (before audits) has no mark and no audit.
+        let (fields, floor, audited, audit) = if text.starts_with("v1|") {
+            let fields: Vec<&str> = text.splitn(6, '|').collect();
+            let [_, start, ts, ingest, k, token] = fields[..] else {
+                return Err(format!("`{text}` is not a cursor of CloudWatch Logs"));
+            };
+            ([start, ts, ingest, k, token], None, None, None)
+        } else {
+            let fields: Vec<&str> = text.splitn(9, '|').collect();
+            let [version, start, floor, ts, ingest, k, audited, audit, token] = fields[..] else {
+                return Err(format!("`{text}` is not a cursor of CloudWatch Logs"));
+            };
+            if version != "v2" {
+                return Err(format!("cursor version `{version}` is unknown"));
+            }
+            let audit = if audit.is_empty() {
+                None
+            } else {
+                let parts: Vec<&str> = audit.split(':').collect();
+                let [after, t, i, k] = parts[..] else {
+                    return Err(format!("cursor `{text}` names half an audit"));
+                };
+                let through = event(t, i, k)?
+                    .ok_or_else(|| format!("cursor `{text}` names an audit through nothing"))?;
+                Some(AuditRange {
+                    after: number(after)?,
+                    through,
+                })
+            };
+            (
+                [start, ts, ingest, k, token],
+                number(floor)?,
+                number(audited)?,
+                audit,
+            )
         };
+        let [start, ts, ingest, k, token] = fields;
         Ok(Self {
             start: number(start)?,
+            floor,
             token: (!token.is_empty()).then(|| token.to_string()),
-            last,
+            last: event(ts, ingest, k)?,
+            audited,
+            audit,
         })
     }
 }
@@ -190,6 +335,10 @@ impl LogCursor {
 fn millis(time: SystemTime) -> i64 {
     time.duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+fn allowance_ms() -> i64 {
+    i64::try_from(AUDIT_ALLOWANCE.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// How long a listing of the log streams goes on asking for a throttled page again.
@@ -228,13 +377,20 @@ impl CloudWatchLogs {
         at: &LogCursor,
     ) -> Result<GetLogEventsOutput, SdkError<GetLogEventsError>> {
         self.reads.acquire().await;
+        // An audit reads through its last event's timestamp (`endTime` is exclusive).
+        let end = at.audit.map(|a| a.through.0.saturating_add(1));
         self.client
             .get_log_events()
             .log_group_name(self.group.as_ref())
             .log_stream_name(partition)
             .start_from_head(true)
-            .limit(self.limit)
+            .limit(if end.is_some() {
+                AUDIT_PAGE_LIMIT
+            } else {
+                self.limit
+            })
             .set_start_time(at.start)
+            .set_end_time(end)
             .set_next_token(at.token.clone())
             .send()
             .await
@@ -316,18 +472,25 @@ impl PagedSource for CloudWatchLogs {
                 Some(c) => LogCursor::decode(c).map_err(|e| FetchError::InvalidCursor(e.into()))?,
                 None => LogCursor::default(),
             };
+            if let Some(audit) = at.audit
+                && at.start.is_some_and(|start| start > audit.through.0)
+            {
+                // An audit with nothing to read (its window is empty).
+                return Ok(Page::default());
+            }
             let output = match self.get_log_events(partition, &at).await {
                 Err(e) if at.token.is_some() && refused(&e) => {
                     // An expired (or otherwise refused) token: read again from the last event's
                     // time, from the head; what was handed out already is recognised as such.
                     let from = at.last.map(|(timestamp, _, _)| timestamp).or(at.start);
-                    warn!(source = %self.name, partition, from, error = %DisplayErrorContext(&e), "the service refused the cursor's token; reading the stream again from the last event's time");
+                    warn!(source = %self.name, partition, from, audit = at.audit.is_some(), error = %DisplayErrorContext(&e), "the service refused the cursor's token; reading the stream again from the last event's time");
                     metrics::counter!("shardwise_paged_cursor_recoveries_total", "source" => self.name.to_string()).increment(1);
                     at = LogCursor {
                         start: from,
                         token: None,
                         // Counting occurrences starts again with the first event read.
                         last: None,
+                        ..at
                     };
                     self.get_log_events(partition, &at).await
                 }
@@ -335,6 +498,7 @@ impl PagedSource for CloudWatchLogs {
             }
             .map_err(fetch_error)?;
             let mut last = at.last;
+            let mut beyond = false;
             let mut events = Vec::with_capacity(output.events().len());
             for event in output.events() {
                 let ts = event.timestamp.unwrap_or_default();
@@ -344,6 +508,17 @@ impl PagedSource for CloudWatchLogs {
                     _ => 0,
                 };
                 last = Some((ts, ingest, k));
+                if let Some(audit) = at.audit {
+                    // An audit returns what may be late: at or before the event the forward
+                    // cursor had read when it began, ingested after the previous audit's mark.
+                    if (ts, ingest, k) > audit.through {
+                        beyond = true;
+                        break;
+                    }
+                    if audit.after.is_some_and(|after| ingest <= after) {
+                        continue;
+                    }
+                }
                 let number = |n: i64| u64::try_from(n).unwrap_or_default();
                 events.push(PagedEvent {
                     id: format!("{ts}-{ingest}-{k}"),
@@ -353,15 +528,32 @@ impl PagedSource for CloudWatchLogs {
                     key: None,
                 });
             }
-            // A token missing from the answer keeps the request's: fetched again after a back-off.
-            let token = output
-                .next_forward_token
-                .clone()
-                .or_else(|| at.token.clone());
+            let given = at.token.clone();
+            let token = output.next_forward_token.clone();
+            if at.audit.is_some() && (beyond || token.is_none() || token == given) {
+                // The audit read its window to the end: the end of the stream's events before
+                // its `endTime` (the same token back), or past its last event.
+                return Ok(Page {
+                    events,
+                    next: None,
+                    watermark: None,
+                });
+            }
+            // The first forward read of a cursor without a mark marks it: every event ingested
+            // before now (less the allowance) is behind the cursor or ahead of it in this read.
+            let audited = at.audited.or_else(|| {
+                (self.late_events.is_some() && at.audit.is_none())
+                    .then(|| crate::time::millis(crate::time::now()) - allowance_ms())
+            });
             let next = LogCursor {
                 start: at.start,
-                token,
+                floor: at.floor,
+                // A token missing from the answer keeps the request's: fetched again after a
+                // back-off.
+                token: token.or(given),
                 last,
+                audited,
+                audit: at.audit,
             };
             Ok(Page {
                 events,
@@ -371,10 +563,60 @@ impl PagedSource for CloudWatchLogs {
         })
     }
 
+    fn audit_interval(&self) -> Option<Duration> {
+        self.late_events.map(|late| late.every)
+    }
+
+    /// An audit behind the forward cursor: the events ingested after its mark, with timestamps
+    /// from the mark less the window (an event at most the window late, ingested after the mark,
+    /// has no earlier timestamp) through the cursor's last event. The audited cursor is marked
+    /// with the audit's start less [`AUDIT_ALLOWANCE`]. A cursor without a mark (written before
+    /// audits) is only marked: what was put behind it before is not looked for.
+    fn audit(&self, _partition: &str, cursor: &Cursor) -> Option<Audit> {
+        let late = self.late_events?;
+        let at = LogCursor::decode(cursor).ok()?;
+        if at.audit.is_some() {
+            return None;
+        }
+        let through = at.last?;
+        let now = crate::time::millis(crate::time::now());
+        let mark = now - allowance_ms();
+        let then = LogCursor {
+            audited: Some(at.audited.map_or(mark, |a| a.max(mark))),
+            ..at.clone()
+        };
+        let window = i64::try_from(late.window.as_millis()).unwrap_or(i64::MAX);
+        let start = match at.audited {
+            Some(after) => after
+                .saturating_sub(window)
+                .max(now.saturating_sub(MAX_EVENT_AGE_MS))
+                .max(at.floor.unwrap_or(i64::MIN)),
+            // Nothing to look for: a start past the window's end reads nothing.
+            None => through.0.saturating_add(1),
+        };
+        let pages = LogCursor {
+            start: Some(start),
+            floor: None,
+            token: None,
+            last: None,
+            audited: None,
+            audit: Some(AuditRange {
+                after: at.audited,
+                through,
+            }),
+        };
+        Some(Audit::new(
+            pages.encode(),
+            then.encode(),
+            AUDIT_ALLOWANCE * 2,
+        ))
+    }
+
     fn cursor_at(&self, _partition: &str, time: SystemTime) -> Option<Cursor> {
         Some(
             LogCursor {
                 start: Some(millis(time)),
+                floor: Some(millis(time)),
                 ..LogCursor::default()
             }
             .encode(),
@@ -392,21 +634,54 @@ mod tests {
             LogCursor::default(),
             LogCursor {
                 start: Some(1_764_000_000_000),
-                token: None,
-                last: None,
+                ..LogCursor::default()
             },
             LogCursor {
                 start: None,
+                floor: Some(1_763_000_000_000),
                 token: Some(
                     "f/00000000000000000000000000000000000000000000000000000009|odd".into(),
                 ),
                 last: Some((1_764_000_000_123, 1_764_000_000_200, 2)),
+                audited: Some(1_764_000_000_500),
+                audit: None,
+            },
+            LogCursor {
+                start: Some(1_763_996_400_500),
+                floor: None,
+                token: Some("f/1".into()),
+                last: Some((1_764_000_000_100, 1_764_000_000_100, 0)),
+                audited: None,
+                audit: Some(AuditRange {
+                    after: Some(1_764_000_000_500),
+                    through: (1_764_000_000_123, 1_764_000_000_200, 2),
+                }),
             },
         ];
         for cursor in cursors {
             assert_eq!(LogCursor::decode(&cursor.encode()).unwrap(), cursor);
         }
-        for bad in ["", "v2|||||", "v1|x||||", "v1||5|||f/1", "v1||f/1"] {
+        // A cursor written before audits reads as one without a mark.
+        assert_eq!(
+            LogCursor::decode(&Cursor::new("v1||5|6|0|f/1")).unwrap(),
+            LogCursor {
+                token: Some("f/1".into()),
+                last: Some((5, 6, 0)),
+                ..LogCursor::default()
+            }
+        );
+        for bad in [
+            "",
+            "v3||||||||",
+            "v2|x|||||||",
+            "v2|||||||",
+            "v2|||5|||||f/1",
+            "v2|||||||1:2|",
+            "v2|||||||:|",
+            "v1|x||||",
+            "v1||5|||f/1",
+            "v1||f/1",
+        ] {
             assert!(LogCursor::decode(&Cursor::new(bad)).is_err(), "{bad}");
         }
     }

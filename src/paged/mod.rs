@@ -40,7 +40,10 @@ use crate::error::BoxError;
 
 pub(crate) use barrier::{Barrier, BarrierWrite};
 #[cfg(feature = "cloudwatch-logs")]
-pub use cloudwatch::{CloudWatchLogs, DESCRIBE_LOG_STREAMS_PER_SECOND, GET_LOG_EVENTS_PER_SECOND};
+pub use cloudwatch::{
+    AUDIT_ALLOWANCE, CloudWatchLogs, DESCRIBE_LOG_STREAMS_PER_SECOND, GET_LOG_EVENTS_PER_SECOND,
+    LATE_EVENT_AUDIT_INTERVAL, LATE_EVENT_WINDOW,
+};
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch_filter::{
     CLOUDWATCH_LATENESS, CloudWatchLogsFilter, FILTER_LOG_EVENTS_PER_SECOND,
@@ -336,6 +339,24 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// Late events, for a source whose forward reading cannot return an event put behind its
+    /// cursor (CloudWatch Logs' `GetLogEvents`): how often the reader audits behind the forward
+    /// cursor ([`audit`](Self::audit)). `None` (the default): the source does not audit.
+    fn audit_interval(&self) -> Option<Duration> {
+        None
+    }
+
+    /// An audit behind the forward cursor `cursor` of `partition`, or `None` when there is
+    /// nothing to audit (nothing read yet, or no event could be late behind it). The reader
+    /// fetches [`Audit::pages`] until a page without a next cursor, hands out every event it did
+    /// not hand out before in this attempt (a late event), and then reads on from
+    /// [`Audit::then`], which the source marks as audited: the source returns, in a later audit,
+    /// only events that arrived after this one began.
+    fn audit(&self, partition: &str, cursor: &Cursor) -> Option<Audit> {
+        let _ = (partition, cursor);
+        None
+    }
+
     /// For a source read by timestamp ([`Contract::timestamps`]): the cursor of a poll's first
     /// page, whose pages hold every event of `partition` strictly after `after` (ms since the Unix
     /// epoch; `None`: from the first event). `None` when the source cannot (the partition fails).
@@ -344,6 +365,40 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
         None
     }
 }
+
+/// One audit of a partition for late events ([`PagedSource::audit`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Audit {
+    /// The cursor of the audit's first page. Its pages hold the events that may be late: every
+    /// event behind the forward cursor that arrived since the last audit began, within the
+    /// source's window (some of them read forward already); the last page has no next cursor.
+    pub pages: Cursor,
+    /// The forward cursor to read on from once the audit's pages were read: the one audited,
+    /// marked as audited through the audit's start.
+    pub then: Cursor,
+    /// How long after it was read forward an event can still come back in an audit (the
+    /// source's allowance for the delay before an event can be read, and for clock skew, twice):
+    /// the reader remembers what it handed out that long before the previous audit began.
+    pub remember: Duration,
+}
+
+impl Audit {
+    /// An audit reading `pages`, then reading on from `then`; events come back in it for up to
+    /// `remember` after they were read forward.
+    pub fn new(pages: Cursor, then: Cursor, remember: Duration) -> Self {
+        Self {
+            pages,
+            then,
+            remember,
+        }
+    }
+}
+
+/// Counts late events handed out: found by an audit behind the applied position, or at or
+/// before `closed_through` without a terminal receipt (the source broke the finality contract
+/// that closed their group).
+pub(crate) const LATE_EVENTS: &str = "shardwise_paged_late_events_total";
 
 #[allow(dead_code)]
 fn _object_safe(_: &dyn PagedSource) {}

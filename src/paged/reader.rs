@@ -14,14 +14,16 @@
 //! ([`PageMessage::Gone`]) and ends; while it is still listed (or the listing fails) the fetch is
 //! tried again with back-off.
 
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::{Cursor, EmptyPages, FetchError, PagedEvent, PagedSource};
+use super::{Cursor, EmptyPages, FetchError, PagePosition, PagedEvent, PagedSource};
 use crate::backoff::Backoff;
 
 /// What the reader hands over.
@@ -37,6 +39,9 @@ pub(crate) enum PageMessage {
     /// The partition is gone: the source answered that it is not found, and its listing no longer
     /// names it. Nothing more will be read.
     Gone,
+    /// Events an audit found that this attempt did not hand out before: late, or (at or below
+    /// the applied position the attempt started from) perhaps handed out by an earlier attempt.
+    Late(Vec<PagedEvent>),
     /// The partition cannot be read on.
     Failed(FetchError),
 }
@@ -52,6 +57,9 @@ pub(crate) struct PageReader {
     pub(crate) idle_poll_max: Duration,
     /// Longest wait after a failure.
     pub(crate) max_backoff: Duration,
+    /// The applied position the attempt started from: an event read again at or below it is a
+    /// replay, not handed out, so an audit does not take it for one this attempt handed out.
+    pub(crate) applied: Option<PagePosition>,
 }
 
 /// The wait after a page that brought nothing: the poll interval, doubled with each such page in a
@@ -85,6 +93,61 @@ impl Idle {
     }
 }
 
+/// What an auditing reader handed out in this attempt, and when, for as long as an audit can
+/// return it again: events come back in an audit only if they arrived after the previous audit
+/// began, so what was handed out well before that is forgotten.
+#[derive(Debug, Default)]
+struct HandedOut {
+    order: VecDeque<(Instant, String)>,
+    ids: HashSet<String>,
+}
+
+impl HandedOut {
+    /// Remembers `id`; `false` when it was handed out before.
+    fn insert(&mut self, id: &str, now: Instant) -> bool {
+        if self.ids.contains(id) {
+            return false;
+        }
+        self.ids.insert(id.to_string());
+        self.order.push_back((now, id.to_string()));
+        true
+    }
+
+    /// Forgets what was handed out before `before`.
+    fn forget_before(&mut self, before: Instant) {
+        while let Some((at, _)) = self.order.front()
+            && *at < before
+        {
+            let (_, id) = self.order.pop_front().expect("a front");
+            self.ids.remove(&id);
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+/// When an auditing reader audits next, and what it remembers for it.
+#[derive(Debug)]
+struct Audits {
+    every: Duration,
+    next: Instant,
+    /// Once a stream that brought events is quiet this long, it is audited (at most once a
+    /// quiet spell): the audit's mark then passes what was read, so a restart after it has
+    /// nothing to check again. The source's `remember` (its allowance, twice).
+    quiet_after: Duration,
+    /// When the quiet spell's audit is due, if events came since the last audit began.
+    quiet: Option<Instant>,
+    handed_out: HandedOut,
+}
+
+impl Audits {
+    fn due(&self, now: Instant) -> bool {
+        now >= self.next || self.quiet.is_some_and(|q| now >= q)
+    }
+}
+
 impl PageReader {
     /// Fetches until the partition ends, fails, or `cancel` fires.
     pub(crate) async fn run(mut self, pages: mpsc::Sender<PageMessage>, cancel: CancellationToken) {
@@ -93,7 +156,25 @@ impl PageReader {
         let mut failures = Backoff::new(self.max_backoff);
         let mut idle = Idle::new(self.poll_interval, self.idle_poll_max);
         let mut watermark_sent: Option<i64> = None;
+        // An auditing source is audited as the attempt starts (late events that arrived while
+        // nobody read, or that an earlier attempt found and did not settle), then every interval.
+        let mut audits = self.source.audit_interval().map(|every| Audits {
+            every,
+            next: Instant::now(),
+            quiet_after: Duration::from_secs(60),
+            quiet: None,
+            handed_out: HandedOut::default(),
+        });
         loop {
+            if let Some(audits) = audits.as_mut()
+                && audits.due(Instant::now())
+                && let Some(cursor) = self.cursor.clone()
+            {
+                match self.audit(&cursor, audits, &pages, &cancel).await {
+                    Audited::Done => {}
+                    Audited::Stop => return,
+                }
+            }
             let fetched = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return,
@@ -169,14 +250,14 @@ impl PageReader {
                 {
                     return;
                 }
-                if sleep(idle.wait(), &cancel).await {
+                if sleep(until_audit(&audits, idle.wait()), &cancel).await {
                     return;
                 }
                 continue;
             }
             if empty && (unchanged || contract.empty_pages == EmptyPages::Refetch) {
                 metrics::counter!("shardwise_paged_unchanged_cursor_total", &labels).increment(1);
-                let wait = idle.wait();
+                let wait = until_audit(&audits, idle.wait());
                 debug!(source = self.source.name(), partition = %self.partition, cursor = %next, ?wait, "nothing new: fetching the same cursor after a wait");
                 if sleep(wait, &cancel).await {
                     return;
@@ -192,6 +273,17 @@ impl PageReader {
                 unchanged.then_some(self.poll_interval)
             };
             watermark_sent = watermark_sent.max(page.watermark);
+            if let Some(audits) = audits.as_mut() {
+                let now = Instant::now();
+                if !page.events.is_empty() {
+                    audits.quiet = Some(now + audits.quiet_after);
+                }
+                for event in &page.events {
+                    if self.applied.as_ref().is_none_or(|a| event.position > *a) {
+                        audits.handed_out.insert(&event.id, now);
+                    }
+                }
+            }
             let sent = pages
                 .send(PageMessage::Page {
                     events: page.events,
@@ -207,7 +299,7 @@ impl PageReader {
                 // the poll interval (its events are then overlaps), never in a tight loop.
                 metrics::counter!("shardwise_paged_unchanged_cursor_total", &labels).increment(1);
             }
-            if let Some(wait) = pause {
+            if let Some(wait) = pause.map(|wait| until_audit(&audits, wait)) {
                 debug!(source = self.source.name(), partition = %self.partition, cursor = %next, ?wait, "fetching the next page after a wait");
                 if sleep(wait, &cancel).await {
                     return;
@@ -215,6 +307,113 @@ impl PageReader {
             }
             self.cursor = Some(next);
         }
+    }
+}
+
+/// `wait`, or less when an audit falls due sooner: a reader waiting out a quiet spell wakes for
+/// it.
+fn until_audit(audits: &Option<Audits>, wait: Duration) -> Duration {
+    let Some(audits) = audits else {
+        return wait;
+    };
+    let due = audits.quiet.map_or(audits.next, |q| q.min(audits.next));
+    wait.min(due.saturating_duration_since(Instant::now()))
+}
+
+/// How an audit ended.
+enum Audited {
+    /// Read to its end (or given up until the next one): reading forward goes on.
+    Done,
+    /// Cancelled, or nobody takes what the reader hands over: the reader ends.
+    Stop,
+}
+
+impl PageReader {
+    /// Reads an audit behind `cursor` to its end, hands over what this attempt did not hand out
+    /// before, then reads on from the audited cursor. A failed fetch is tried again with
+    /// back-off; a refused audit cursor, or a partition not found, gives the audit up until the
+    /// next interval (reading forward finds out what became of the partition).
+    async fn audit(
+        &mut self,
+        cursor: &Cursor,
+        audits: &mut Audits,
+        pages: &mpsc::Sender<PageMessage>,
+        cancel: &CancellationToken,
+    ) -> Audited {
+        let labels = [("source", self.source.name().to_string())];
+        let began = Instant::now();
+        audits.next = began + audits.every;
+        audits.quiet = None;
+        let Some(audit) = self.source.audit(&self.partition, cursor) else {
+            return Audited::Done;
+        };
+        metrics::counter!("shardwise_paged_audits_total", &labels).increment(1);
+        let mut failures = Backoff::new(self.max_backoff);
+        let mut at = audit.pages.clone();
+        let (mut read, mut late) = (0usize, 0usize);
+        loop {
+            let fetched = tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return Audited::Stop,
+                r = self.source.fetch(&self.partition, Some(&at)) => r,
+            };
+            let page = match fetched {
+                Ok(page) => page,
+                Err(error @ (FetchError::NotFound | FetchError::InvalidCursor(_))) => {
+                    warn!(source = self.source.name(), partition = %self.partition, error = &error as &dyn std::error::Error, "the audit for late events cannot go on; it is given up until the next one");
+                    return Audited::Done;
+                }
+                Err(error) => {
+                    if matches!(error, FetchError::Throttled) {
+                        metrics::counter!("shardwise_paged_throttled_total", &labels).increment(1);
+                    }
+                    let wait = failures.next();
+                    debug!(source = self.source.name(), partition = %self.partition, error = &error as &dyn std::error::Error, ?wait, "an audit's fetch failed; fetching the same page again");
+                    if sleep(wait, cancel).await {
+                        return Audited::Stop;
+                    }
+                    continue;
+                }
+            };
+            failures.reset();
+            metrics::counter!("shardwise_paged_pages_total", &labels).increment(1);
+            read += page.events.len();
+            let now = Instant::now();
+            let found: Vec<PagedEvent> = page
+                .events
+                .into_iter()
+                .filter(|e| audits.handed_out.insert(&e.id, now))
+                .collect();
+            late += found.len();
+            if !found.is_empty() && pages.send(PageMessage::Late(found)).await.is_err() {
+                return Audited::Stop;
+            }
+            match page.next {
+                None => break,
+                Some(next) => at = next,
+            }
+        }
+        // What the audit found is handed over before the audited cursor, so the cursor is
+        // promoted only once every late event settled.
+        let sent = pages
+            .send(PageMessage::Page {
+                events: Vec::new(),
+                next: Some(audit.then.clone()),
+                watermark: None,
+            })
+            .await;
+        if sent.is_err() {
+            return Audited::Stop;
+        }
+        self.cursor = Some(audit.then);
+        // The next audit returns only events that arrived after this one began (less the
+        // source's allowance): what was handed out before that is not among them.
+        audits.quiet_after = audit.remember;
+        if let Some(before) = began.checked_sub(audit.remember) {
+            audits.handed_out.forget_before(before);
+        }
+        debug!(source = self.source.name(), partition = %self.partition, read, late, remembered = audits.handed_out.len(), "audit for late events done");
+        Audited::Done
     }
 }
 

@@ -364,12 +364,17 @@ impl State {
                 "The specified log stream does not exist.",
             );
         };
+        // endTime: "Events with a timestamp equal to or later than this time are not included."
+        let end = request["endTime"].as_i64();
         let mut page = Vec::new();
         let mut bytes = 0;
         for event in events {
             if after.is_some_and(|a| event.key() <= a) || start.is_some_and(|s| event.timestamp < s)
             {
                 continue;
+            }
+            if end.is_some_and(|end| event.timestamp >= end) {
+                break;
             }
             if page.len() == limit || bytes + event.size() > PAGE_BYTES {
                 break;
