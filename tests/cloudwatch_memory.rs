@@ -207,7 +207,8 @@ async fn a_filter_poll_whose_token_expired_under_lasting_throttling_is_read_agai
         .put(
             "s0",
             &(0..5)
-                .map(|i| (service.now() - 1_000 + i, format!("event {i}")))
+                // Ten minutes old: behind the close horizon (5 minutes), read by the first poll.
+                .map(|i| (service.now() - 600_000 + i, format!("event {i}")))
                 .collect::<Vec<_>>(),
             Duration::ZERO,
         )
@@ -410,4 +411,96 @@ async fn late_events_put_behind_the_cursor_are_found_by_an_audit_and_handled_onc
     assert_eq!(handled, expected, "every event once");
     assert!(!handled.contains(&too_late[0]), "later than the window");
     assert_eq!(late(), Some(3));
+}
+
+/// `FilterLogEvents` over hours, with the defaults (close horizon 5 minutes, lateness 1 hour,
+/// audited every 5 minutes): 5 events a second into 5 streams for 3 hours. Polls read only what
+/// is new (up to the close horizon), so the open groups hold about the horizon's events and the
+/// requests stay near the minimum the events need; the audit's identities hold about the
+/// lateness window's. Every event is handled once. Before, the lateness bound (14 days) kept every
+/// event in an open group and every poll read everything again: open events grew with the run
+/// and each poll took more pages.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_filter_consumer_holds_memory_and_reads_bounded_by_its_horizons_over_hours() {
+    let metrics = recorder::Metrics::default();
+    let _metrics = metrics::set_default_local_recorder(&metrics);
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 23);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    let streams: Vec<String> = (0..5).map(|i| format!("s{i}")).collect();
+    for stream in &streams {
+        service.create_stream(stream);
+    }
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let source = CloudWatchLogsFilter::new(service.client(), GROUP);
+    let recorded = calls.clone();
+    let poll = Duration::from_secs(5);
+    let running = Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
+        recorded.push("w1", &d);
+        async { Outcome::Ack }
+    })
+    .worker_id("w1")
+    .lanes(4)
+    .poll_interval(poll)
+    .checkpoint_interval(Duration::from_secs(1))
+    .lease_store(Arc::new(store.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+
+    let run = Duration::from_secs(3 * 3600);
+    let step = Duration::from_secs(10);
+    let (mut expected, mut peak_open, mut peak_remembered) = (Vec::new(), 0.0f64, 0.0f64);
+    let gauge = |name: &str| metrics.gauge(name, GROUP).unwrap_or_default();
+    for i in 0..(run.as_secs() / step.as_secs()) {
+        // 50 events every 10 s: 10 into each stream, their timestamps within the last 2 s.
+        for stream in &streams {
+            let now = service.now();
+            let batch: Vec<(i64, String)> = (0..10)
+                .map(|k| (now - 2_000 + k * 200, format!("{stream} {i} {k}")))
+                .collect();
+            let stored = service.put(stream, &batch, Duration::from_secs(2)).unwrap();
+            expected.extend(stored.into_iter().map(|e| e.event_id));
+        }
+        tokio::time::sleep(step).await;
+        peak_open = peak_open.max(gauge("shardwise_paged_open_events"));
+        peak_remembered = peak_remembered.max(gauge("shardwise_paged_remembered_events"));
+    }
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let requests = service.counts().requests;
+
+    let mut handled = calls.ids();
+    handled.sort();
+    expected.sort();
+    assert_eq!(handled.len(), expected.len(), "every event handled once");
+    assert_eq!(handled, expected, "every event once");
+    // 5 a second: the close horizon and a poll hold about 1,500; the lateness window about
+    // 18,000 (and up to an audit interval more before it is trimmed).
+    let rate = 5.0;
+    assert!(
+        peak_open <= rate * (300.0 + 2.0 * poll.as_secs_f64()) * 1.2,
+        "open events peaked at {peak_open}"
+    );
+    assert!(
+        peak_remembered <= rate * (3600.0 + 300.0 + 300.0) * 1.1,
+        "remembered identities peaked at {peak_remembered}"
+    );
+    // The minimum: a request a poll, a page (1,000) a thousand new events, and each audit's
+    // pages (an hour's 18,000 events: 18, and one more).
+    let elapsed = run.as_secs() + 600;
+    let polls = elapsed / poll.as_secs();
+    let audits = elapsed / 300;
+    let minimum = polls + expected.len() as u64 / 1_000 + audits * 19;
+    assert!(
+        requests <= 2 * minimum,
+        "{requests} requests; the events and polls need {minimum}"
+    );
+    eprintln!(
+        "{} events over 3 h: open events peaked at {peak_open}, remembered identities at {peak_remembered}, {requests} requests (minimum {minimum})",
+        expected.len()
+    );
 }

@@ -877,7 +877,7 @@ async fn wait_closed_at_least(tables: &Tables, source: &str, through: i64) {
 /// A log group on moto read by timestamp with `FilterLogEvents`: two streams whose events share
 /// milliseconds (three per millisecond in each, and the same milliseconds in both), pages of 4,
 /// so ties cross page boundaries and streams. Every event is handled once, by its `eventId`;
-/// with a 2 s lateness bound the groups close once it has passed; events put
+/// with a 2 s close horizon the groups close once it has passed; events put
 /// after the close are read by the next polls; and an event put late, behind `closedThrough`, is
 /// found by the audit, handled and counted as late.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -902,9 +902,13 @@ async fn a_log_group_read_by_timestamp_with_filter_log_events_skips_nothing() {
     let base = shardwise_ms(std::time::SystemTime::now()) - 20_000;
     put_logs(&logs, &group, "web", base, "w", 0..25).await;
     put_logs(&logs, &group, "worker", base, "k", 0..25).await;
+    // Polls stop 2 s behind the present and close what they read; the audit reads the minute
+    // behind `closedThrough` again every 2 s.
     let source = shardwise::paged::CloudWatchLogsFilter::new(logs.clone(), &group)
         .page_limit(4)
-        .lateness(Duration::from_secs(2));
+        .close_horizon(Duration::from_secs(2))
+        .lateness(Duration::from_secs(60))
+        .audit_interval(Duration::from_secs(2));
     let name = source.name().to_string();
     let seen: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
     let handler = {

@@ -47,9 +47,16 @@ pub(crate) struct Args {
     #[arg(long, requires = "log_group")]
     by_timestamp: bool,
 
-    /// With --by-timestamp: how late an event may arrive, e.g. `10m`, `90s` or `2h` (default
-    /// 14d, CloudWatch's own bound). A group closes once a poll began this long after it; until
-    /// then every poll reads it again.
+    /// With --by-timestamp: how far behind the present a poll stops, e.g. `5m`, `30s` (default
+    /// 5m). Events are read, and their timestamp groups closed, once they are this old: it
+    /// covers the delay before CloudWatch can search an event, and clock skew.
+    #[arg(long, value_name = "DURATION", requires = "by_timestamp", value_parser = humantime::parse_duration)]
+    close_horizon: Option<Duration>,
+
+    /// With --by-timestamp: how late (behind the close horizon) an event may arrive and still be
+    /// handled, e.g. `10m`, `2h`, `14d` (default 1h; CloudWatch takes events up to 14 days old).
+    /// An audit reads this window again every 5 minutes; its events' identities are kept in
+    /// memory (16 bytes each).
     #[arg(long, value_name = "DURATION", requires = "by_timestamp", value_parser = humantime::parse_duration)]
     lateness: Option<Duration>,
 
@@ -172,8 +179,8 @@ pub(crate) struct Args {
     hold_poll_interval_ms: u64,
 
     /// With --receipts: how long applied receipts are kept (DynamoDB TTL), e.g. `7d`, `36h`
-    /// (default 7d, or with --by-timestamp the lateness plus the one-minute audit window if that
-    /// is longer: a receipt must outlive every replay). Held and quarantined receipts stay.
+    /// (default 7d, or with --by-timestamp the close horizon plus the lateness if that is
+    /// longer: a receipt must outlive every replay). Held and quarantined receipts stay.
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     receipt_retention: Option<Duration>,
 
@@ -258,13 +265,14 @@ impl Args {
     }
 
     /// `--receipt-retention`, or by default 7 days, or the source's replay horizon if longer
-    /// (a log group read by timestamp hands events out again for its lateness and the audit).
+    /// (a log group read by timestamp hands events out again for its close horizon and, by the
+    /// audit, its lateness).
     fn receipt_retention(&self) -> Duration {
         self.receipt_retention.unwrap_or_else(|| {
             let horizon = self.by_timestamp.then(|| {
-                self.lateness
-                    .unwrap_or(shardwise::paged::CLOUDWATCH_LATENESS)
-                    + shardwise::paged::AUDIT_WINDOW
+                self.close_horizon
+                    .unwrap_or(shardwise::paged::FILTER_CLOSE_HORIZON)
+                    + self.lateness.unwrap_or(shardwise::paged::FILTER_LATENESS)
             });
             shardwise::receipts::DEFAULT_RETENTION.max(horizon.unwrap_or_default())
         })
@@ -601,11 +609,14 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
         (Some(group), _) => {
             let logs = aws_sdk_cloudwatchlogs::Client::new(&config);
             let source: Arc<dyn PagedSource> = if args.by_timestamp {
-                let filter = CloudWatchLogsFilter::new(logs, group.clone());
-                Arc::new(match args.lateness {
-                    Some(lateness) => filter.lateness(lateness),
-                    None => filter,
-                })
+                let mut filter = CloudWatchLogsFilter::new(logs, group.clone());
+                if let Some(horizon) = args.close_horizon {
+                    filter = filter.close_horizon(horizon);
+                }
+                if let Some(lateness) = args.lateness {
+                    filter = filter.lateness(lateness);
+                }
+                Arc::new(filter)
             } else {
                 Arc::new(CloudWatchLogs::new(logs, group.clone()))
             };

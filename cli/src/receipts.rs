@@ -41,7 +41,7 @@ pub(crate) struct Args {
     expire: Option<String>,
 
     /// With --expire: how long the receipt is kept from now, e.g. `7d`, `36h`. Longer than any
-    /// replay of the event can come (the source's lateness plus a minute, read by timestamp).
+    /// replay of the event can come (read by timestamp: the close horizon plus the lateness).
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration, default_value = "7d", requires = "expire")]
     retention: std::time::Duration,
 

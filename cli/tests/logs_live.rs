@@ -2,7 +2,7 @@
 //! a worker is killed with SIGKILL mid-run while events keep arriving, another takes over, and
 //! every event of every log stream is handled (read from the workers' JSON lines), the paged
 //! checkpoints in the lease table never move back, `shardwise leases --json` shows them, and
-//! SIGTERM stops the last worker gracefully. The same with `--by-timestamp --lateness 2s`, which
+//! SIGTERM stops the last worker gracefully. The same with `--by-timestamp --close-horizon 2s`, which
 //! reads the whole group through `FilterLogEvents` and checkpoints `closed_through`, which
 //! `shardwise frontier --log-group G --by-timestamp` reports as the application's frontier.
 
@@ -301,7 +301,7 @@ async fn consume_log_group_survives_kill_9_and_skips_nothing() {
         assert_eq!(row["stream"], format!("logs:{group}"));
         assert_eq!(row["owner"], "w2");
         assert!(
-            row["resume_cursor"].as_str().unwrap().starts_with("v1|"),
+            row["resume_cursor"].as_str().unwrap().starts_with("v2|"),
             "{row}"
         );
         assert!(row["applied_position"].as_str().is_some(), "{row}");
@@ -344,7 +344,7 @@ async fn consume_log_group_survives_kill_9_and_skips_nothing() {
     let _ = live.dynamodb.delete_table().table_name(&app).send().await;
 }
 
-/// `consume --log-group G --by-timestamp --lateness 2s`: the group read by timestamp through
+/// `consume --log-group G --by-timestamp --close-horizon 2s --lateness 2s`: the group read by timestamp through
 /// `FilterLogEvents`, SIGKILL mid-run while events keep arriving, a second worker finishes: every
 /// event handled (by its `eventId`), `closed_through` never moves back and `leases --json` shows
 /// it, and SIGTERM stops gracefully.
@@ -372,7 +372,13 @@ async fn consume_log_group_by_timestamp_survives_kill_9_and_skips_nothing() {
             .unwrap();
         put(&logs, &group, stream, 0..400).await;
     }
-    let extra = ["--by-timestamp", "--lateness", "2s"];
+    let extra = [
+        "--by-timestamp",
+        "--close-horizon",
+        "2s",
+        "--lateness",
+        "2s",
+    ];
     let lines = Arc::new(Mutex::new(Vec::<Value>::new()));
     let mut w1 = Worker::spawn(&group, &app, "w1", &extra, &lines);
     let closed = |live: support::Live, app: String| async move {

@@ -28,7 +28,7 @@ use super::pipeline::{Advance, Pipeline, Retries};
 use crate::error::Error;
 use crate::handler::{Delivery, Handler, Replayable};
 use crate::lease::{CheckpointWrite, HeldLease, LeaseStore, Ownership};
-use crate::paged::reader::{PageMessage, PageReader};
+use crate::paged::reader::{HandedOut, Instant, PageMessage, PageReader};
 use crate::paged::{
     Barrier, BarrierWrite, LATE_EVENTS, Order, PagePosition, PagedProgress, PagedSource, Verdict,
 };
@@ -50,6 +50,9 @@ pub(crate) struct Pages {
     /// The applied position this attempt started from: a late event an audit finds at or below
     /// it may have been handed out by an earlier attempt.
     started_at: Option<PagePosition>,
+    /// For a source that audits for late events: what this attempt handed out, for as long as
+    /// an audit can return it.
+    handed_out: Option<HandedOut>,
 }
 
 impl Progress for Pages {
@@ -88,7 +91,6 @@ impl Progress for Pages {
                 poll_interval: settings.reader.poll_interval,
                 idle_poll_max: settings.reader.idle_poll_max,
                 max_backoff: settings.reader.max_backoff,
-                applied: durable.applied_position.clone(),
             };
             tokio::spawn(page_reader.run(pages_tx, reader));
             pages_rx
@@ -111,6 +113,7 @@ impl Progress for Pages {
                 uncertain: Uncertain::default(),
                 gone: false,
                 started_at: durable.applied_position,
+                handed_out: source.audit_interval().map(|_| HandedOut::default()),
             },
             reader: messages,
         })
@@ -135,6 +138,17 @@ impl Progress for Pages {
                 self.page(pipeline, &[], None, None)
             }
             PageMessage::Late(events) => self.late(pipeline, &events),
+            PageMessage::Audited {
+                next,
+                forget_before,
+            } => {
+                if let (Some(handed_out), Some(before)) = (self.handed_out.as_mut(), forget_before)
+                {
+                    handed_out.forget_before(before);
+                    debug!(source = %self.lease.stream, partition = %self.lease.shard, remembered = handed_out.len(), "audit for late events done");
+                }
+                self.page(pipeline, &[], Some(next), None)
+            }
             PageMessage::Failed(error) => {
                 Read::Failed(Error::paged(&self.lease.ownership, "fetch failed", error))
             }
@@ -219,6 +233,9 @@ impl Pages {
         for (event, verdict) in events.iter().zip(verdicts) {
             match verdict {
                 Verdict::New => {
+                    if let Some(handed_out) = self.handed_out.as_mut() {
+                        handed_out.insert(&event.id, Instant::now());
+                    }
                     let key = event.key.as_deref().unwrap_or(&event.id);
                     let (id, lane) = pipeline.track(event.position.clone(), key);
                     let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
@@ -265,9 +282,9 @@ impl Pages {
 }
 
 impl Pages {
-    /// Events an audit found behind the forward cursor that this attempt did not hand out. Above
-    /// the applied position the attempt started from, this attempt read forward over them: they
-    /// arrived late, and are handed out. At or below it an earlier attempt may have handled them:
+    /// Events an audit returned behind the forward cursor. Those this attempt handed out
+    /// (remembered) are passed over. Above the applied position the attempt started from, this
+    /// attempt read forward over the rest: they arrived late, and are handed out. At or below it an earlier attempt may have handled them:
     /// a terminal receipt settles one as a replay, anything else hands it out (never skipped).
     /// Either way the deliveries hold the page barrier until they settle, so the audited cursor
     /// the reader sends after them is promoted only then.
@@ -277,7 +294,14 @@ impl Pages {
         events: &[crate::paged::PagedEvent],
     ) -> Read {
         let (source_name, partition) = (&self.lease.stream, &self.lease.shard);
+        let now = Instant::now();
         for event in events {
+            if let Some(handed_out) = self.handed_out.as_mut()
+                && !handed_out.insert(&event.id, now)
+            {
+                // Handed out by this attempt (read forward, or found by an earlier audit).
+                continue;
+            }
             let timestamp = event.timestamp.map(crate::time::millis);
             if self
                 .started_at

@@ -30,7 +30,7 @@ use super::pipeline::{Advance, Pipeline, Retries};
 use crate::error::Error;
 use crate::handler::{Delivery, Handler, Replayable};
 use crate::lease::HeldLease;
-use crate::paged::reader::{PollMessage, PollReader};
+use crate::paged::reader::{AuditEvery, PollMessage, PollReader};
 use crate::paged::{
     Groups, LATE_EVENTS, PagePosition, PagedEvent, PagedProgress, PagedSource, Seen, Timestamps,
 };
@@ -41,10 +41,9 @@ use crate::track::Tracker;
 /// handed out by an earlier attempt.
 const AHEAD_MS: i64 = 2 * 60 * 60 * 1000;
 
-/// Every this many polls, one reads again the last `AUDIT_MS` behind `closed_through`, to find
-/// late events.
+/// Unless the source says how often, every this many polls one reads again the audit window
+/// behind `closed_through`, to find late events.
 const AUDIT_EVERY: u32 = 10;
-const AUDIT_MS: i64 = crate::paged::AUDIT_WINDOW.as_millis() as i64;
 
 /// What every partition of a source read by timestamp is read from.
 #[derive(Clone)]
@@ -103,6 +102,7 @@ impl Progress for Attempt {
         if !contracts.can_close() {
             warn!(source = %ownership.stream, partition = %ownership.shard_id, traversal = ?contracts.traversal, finality = ?contracts.finality, "the source's contracts cannot prove a timestamp group complete: nothing will ever be closed, and every poll reads the open groups again (receipts make the replays harmless; shardwise_paged_replays_total counts them)");
         }
+        let audit_ms = i64::try_from(contracts.audit_window.as_millis()).unwrap_or(i64::MAX);
         let (after_tx, after_rx) = watch::channel(durable.closed_through);
         let (polls_tx, polls_rx) = mpsc::channel(1);
         let poll_reader = PollReader {
@@ -111,7 +111,13 @@ impl Progress for Attempt {
             after: after_rx,
             poll_interval: settings.reader.poll_interval,
             max_backoff: settings.reader.max_backoff,
-            audit: Some((AUDIT_EVERY, AUDIT_MS)),
+            audit: Some((
+                source
+                    .source
+                    .audit_interval()
+                    .map_or(AuditEvery::Polls(AUDIT_EVERY), AuditEvery::Interval),
+                audit_ms,
+            )),
         };
         tokio::spawn(poll_reader.run(polls_tx, reader));
         Ok(Prepared {
@@ -123,7 +129,7 @@ impl Progress for Attempt {
                     durable.closed_through,
                     durable.checkpoint_version,
                 )
-                .remember(AUDIT_MS),
+                .remember(audit_ms),
                 durable,
                 uncertain: Uncertain::default(),
                 after: after_tx,
@@ -141,7 +147,11 @@ impl Progress for Attempt {
         pipeline: &mut Pipeline<H, PagePosition>,
     ) -> Read {
         match message {
-            PollMessage::Events(events) => self.events(pipeline, &events),
+            PollMessage::Events(events) => {
+                let read = self.events(pipeline, &events);
+                self.count_entries();
+                read
+            }
             PollMessage::Traversed {
                 started_ms,
                 watermark,
@@ -189,6 +199,7 @@ impl Progress for Attempt {
         let through = to.closed_through.expect("a close");
         debug!(source = %self.lease.stream, partition = %self.lease.shard, closed_through = through, version = to.checkpoint_version, "closed");
         self.groups.closed(through, to.checkpoint_version);
+        self.count_entries();
         self.durable = to;
         self.uncertain.clear();
         self.after.send_replace(Some(through));
@@ -205,6 +216,15 @@ impl Progress for Attempt {
 }
 
 impl Attempt {
+    /// The memory the attempt holds, as gauges: `shardwise_paged_open_events` (events of open
+    /// groups) and `shardwise_paged_remembered_events` (identities kept for the audit).
+    fn count_entries(&self) {
+        let (open, remembered) = self.groups.entries();
+        metrics::gauge!("shardwise_paged_open_events", &self.lease.labels).set(open as f64);
+        metrics::gauge!("shardwise_paged_remembered_events", &self.lease.labels)
+            .set(remembered as f64);
+    }
+
     /// A page's events: new ones handed out, late ones checked against their receipts.
     fn events<H: Handler>(
         &mut self,

@@ -27,8 +27,8 @@
 //! forward traversal never goes back (no backfill): `GetLogEvents` returns a stream's events in
 //! order from the token's place, so an event at or below the applied prefix is one already read (a
 //! replayed page), settled without the handler. Should the service ever return an event below one
-//! already read, the partition stops with an order violation rather than guess. Late events come
-//! through the audit below, not through the forward pages.
+//! already read (above the applied prefix, where nothing was handed out), the partition stops
+//! with an order violation rather than guess. Late events come through the audit below.
 //!
 //! Late events. CloudWatch Logs accepts events up to 14 days old (and 2 hours ahead), and a
 //! forward token marks a place in the stream's order by timestamp: an event put later with a
@@ -44,11 +44,12 @@
 //!   that brought events has been quiet for twice the allowance, the reader audits: it reads the
 //!   stream again (`startTime` = `A` less the window, `endTime` past the cursor's last event,
 //!   pages of 10,000) and the source returns the events ingested after `A` up to that last
-//!   event. The reader hands out those it did not hand out in this attempt (it remembers what it
-//!   read since shortly before the previous audit): each is late, handed out once, counted in
-//!   `shardwise_paged_late_events_total` and logged with its partition and timestamp. Then it
-//!   reads on from the cursor marked with the audit's start less the allowance, which is
-//!   promoted only once every late event settled.
+//!   event. The attempt hands out those it did not hand out before (it remembers what it handed
+//!   out since shortly before the previous audit): each is late, handed out once, counted in
+//!   `shardwise_paged_late_events_total` and logged with its partition and timestamp. Then the
+//!   reader reads on from the cursor marked with the audit's start less the allowance, which is
+//!   promoted only once every late event settled. An event a forward page returns at or below
+//!   the applied prefix is taken for a replay, not remembered: were it late, the audit finds it.
 //! - After a restart the reader's memory is gone: an event the audit returns at or below the
 //!   applied position the attempt started from may be one an earlier attempt read. A receipt
 //!   ledger settles such an event as a replay; without one it is handled again (never skipped).

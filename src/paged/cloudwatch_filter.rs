@@ -8,11 +8,20 @@
 //! - **Traversal**: `nextToken` is the service's continuation of one query: a poll followed to its
 //!   last page enumerates every event ingested before the poll began (declared
 //!   [`Traversal::Complete`]).
-//! - **Finality**: CloudWatch accepts events up to 14 days old (`PutLogEvents` refuses older
-//!   ones), so a timestamp is final once a complete poll began 14 days after it
-//!   ([`Finality::Lateness`]). Until then its group stays open and every poll reads it again
-//!   (receipts make that harmless). A shorter bound ([`lateness`](CloudWatchLogsFilter::lateness))
-//!   is the user's promise about their producers, not the service's.
+//! - **Two horizons** (`docs/paged.md`, "FilterLogEvents over months"). A poll begun at `S`
+//!   reads only what is new: `startTime` = `closed_through` + 1 ms, `endTime` = `S - C`, the
+//!   *close horizon* `C` ([`FILTER_CLOSE_HORIZON`], 5 minutes: the delay before an ingested
+//!   event can be searched, and clock skew). A complete poll closes every settled group through
+//!   `S - C` ([`Finality::Lateness`]`(C)`), so the open groups hold about one poll's events,
+//!   whatever the lateness. Events that arrive later than that, up to the *lateness*
+//!   ([`FILTER_LATENESS`], 1 hour; [`CLOUDWATCH_LATENESS`], the service's 14 days, remains
+//!   available) behind `closed_through`, are found by the audit: every [`FILTER_AUDIT_INTERVAL`]
+//!   (5 minutes) one poll starts the lateness window earlier, and an event it finds at or before
+//!   `closed_through` that the attempt did not hand out (it remembers the window's identities,
+//!   16 bytes each) is handed out unless its receipt shows it done, and counted in
+//!   `shardwise_paged_late_events_total`. After a restart the identities are gone: the first
+//!   audit hands the window out again unless receipts recognise it. The memory is reported as
+//!   `shardwise_paged_open_events` and `shardwise_paged_remembered_events`.
 //! - **Order across lanes**: events are keyed by their log stream, so one stream's events are
 //!   handled in the order the service returns them.
 //!
@@ -23,7 +32,9 @@
 //!   (a query begun later enumerates a superset). Logged, and counted in
 //!   `shardwise_paged_cursor_recoveries_total`.
 //!
-//! The cursor, which only this module reads: `f1|<startTime ms, or empty>|<nextToken, or empty>`.
+//! The cursor, which only this module reads:
+//! `f2|<startTime ms, or empty>|<endTime ms, or empty>|<nextToken, or empty>` (`f1` cursors,
+//! without `endTime`, are still read).
 
 use std::fmt;
 use std::sync::Arc;
@@ -49,6 +60,15 @@ use crate::error::Error;
 /// How late CloudWatch Logs accepts an event: 14 days.
 pub const CLOUDWATCH_LATENESS: Duration = Duration::from_secs(14 * 24 * 3600);
 
+/// How far behind the present a poll stops by default: 5 minutes.
+pub const FILTER_CLOSE_HORIZON: Duration = Duration::from_secs(300);
+
+/// How late behind the close horizon an event is still handed out by default: 1 hour.
+pub const FILTER_LATENESS: Duration = Duration::from_secs(3600);
+
+/// How often the lateness window is audited by default: every 5 minutes.
+pub const FILTER_AUDIT_INTERVAL: Duration = Duration::from_secs(300);
+
 /// A worker's FilterLogEvents requests a second by default (the account's quota is 5; a group
 /// is one partition, read by one worker at a time).
 pub const FILTER_LOG_EVENTS_PER_SECOND: f64 = 2.0;
@@ -63,7 +83,9 @@ pub struct CloudWatchLogsFilter {
     group: Arc<str>,
     name: Arc<str>,
     limit: i32,
+    close_horizon: Duration,
     lateness: Duration,
+    audit_interval: Duration,
     reads: Arc<Budget>,
 }
 
@@ -72,7 +94,9 @@ impl fmt::Debug for CloudWatchLogsFilter {
         f.debug_struct("CloudWatchLogsFilter")
             .field("group", &self.group)
             .field("limit", &self.limit)
+            .field("close_horizon", &self.close_horizon)
             .field("lateness", &self.lateness)
+            .field("audit_interval", &self.audit_interval)
             .finish_non_exhaustive()
     }
 }
@@ -87,9 +111,27 @@ impl CloudWatchLogsFilter {
             name: format!("logs-by-time:{group}").into(),
             group: group.into(),
             limit: 1_000,
-            lateness: CLOUDWATCH_LATENESS,
+            close_horizon: FILTER_CLOSE_HORIZON,
+            lateness: FILTER_LATENESS,
+            audit_interval: FILTER_AUDIT_INTERVAL,
             reads: Arc::new(Budget::per_second(FILTER_LOG_EVENTS_PER_SECOND)),
         }
+    }
+
+    /// How far behind the present a poll stops (default [`FILTER_CLOSE_HORIZON`], 5 minutes): a poll
+    /// begun at `S` reads events up to `S - C` (`endTime`) and closes them once they settled.
+    /// It covers the delay before an ingested event can be searched, and clock skew; it is also
+    /// how long an event waits before it is handed out.
+    pub fn close_horizon(mut self, horizon: Duration) -> Self {
+        self.close_horizon = horizon;
+        self
+    }
+
+    /// How often the audit reads the lateness window behind `closedThrough` again (default
+    /// [`FILTER_AUDIT_INTERVAL`], 5 minutes).
+    pub fn audit_interval(mut self, every: Duration) -> Self {
+        self.audit_interval = every.max(Duration::from_secs(1));
+        self
     }
 
     /// This worker's FilterLogEvents requests a second, at most (default
@@ -105,10 +147,11 @@ impl CloudWatchLogsFilter {
         self
     }
 
-    /// How late an event may arrive (default [`CLOUDWATCH_LATENESS`], the service's own bound).
-    /// A shorter bound closes groups sooner and makes each poll read less again, and is a
-    /// promise about the producers: an event later than it is found only by the late-event
-    /// audit.
+    /// How late (behind the close horizon) an event may arrive and still be handed out (default
+    /// [`FILTER_LATENESS`], 1 hour; [`CLOUDWATCH_LATENESS`], 14 days, is the service's own bound). The
+    /// audit reads this window behind `closedThrough` again every audit interval, and the
+    /// attempt remembers the identities of the events in it (16 bytes each): the window costs
+    /// reads and memory in proportion. An event later than it is not looked for.
     pub fn lateness(mut self, lateness: Duration) -> Self {
         self.lateness = lateness;
         self
@@ -120,18 +163,21 @@ impl CloudWatchLogsFilter {
     }
 }
 
-/// A poll's place: its `startTime`, and the service's token within it.
+/// A poll's place: its `startTime` and `endTime`, and the service's token within it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct FilterCursor {
     start: Option<i64>,
+    end: Option<i64>,
     token: Option<String>,
 }
 
 impl FilterCursor {
     fn encode(&self) -> Cursor {
+        let text = |n: Option<i64>| n.map(|n| n.to_string()).unwrap_or_default();
         Cursor::new(format!(
-            "f1|{}|{}",
-            self.start.map(|s| s.to_string()).unwrap_or_default(),
+            "f2|{}|{}|{}",
+            text(self.start),
+            text(self.end),
             self.token.as_deref().unwrap_or_default()
         ))
     }
@@ -139,21 +185,37 @@ impl FilterCursor {
     fn decode(cursor: &Cursor) -> Result<Self, String> {
         let text = std::str::from_utf8(cursor.as_bytes())
             .map_err(|_| "a cursor of CloudWatch Logs is text".to_string())?;
-        let fields: Vec<&str> = text.splitn(3, '|').collect();
-        let ["f1", start, token] = fields[..] else {
-            return Err(format!(
-                "`{text}` is not a cursor of FilterLogEvents (f1|start|token)"
-            ));
+        let number = |s: &str| -> Result<Option<i64>, String> {
+            match s {
+                "" => Ok(None),
+                s => s
+                    .parse()
+                    .map(Some)
+                    .map_err(|_| format!("`{s}` in cursor `{text}` is not a number")),
+            }
         };
-        let start = match start {
-            "" => None,
-            s => Some(
-                s.parse()
-                    .map_err(|_| format!("`{s}` in cursor `{text}` is not a number"))?,
-            ),
+        // The token comes last: whatever it holds, it cannot shift the fields before it. Version
+        // 1 (before the close horizon) has no `endTime`.
+        let refused =
+            || format!("`{text}` is not a cursor of FilterLogEvents (f2|start|end|token)");
+        let (start, end, token) = if let Some(rest) = text.strip_prefix("f2|") {
+            let fields: Vec<&str> = rest.splitn(3, '|').collect();
+            let [start, end, token] = fields[..] else {
+                return Err(refused());
+            };
+            (start, end, token)
+        } else if let Some(rest) = text.strip_prefix("f1|") {
+            let fields: Vec<&str> = rest.splitn(2, '|').collect();
+            let [start, token] = fields[..] else {
+                return Err(refused());
+            };
+            (start, "", token)
+        } else {
+            return Err(refused());
         };
         Ok(Self {
-            start,
+            start: number(start)?,
+            end: number(end)?,
             token: (!token.is_empty()).then(|| token.to_string()),
         })
     }
@@ -178,6 +240,7 @@ impl CloudWatchLogsFilter {
             .log_group_name(self.group.as_ref())
             .limit(self.limit)
             .set_start_time(at.start)
+            .set_end_time(at.end)
             .set_next_token(at.token.clone())
             .send()
             .await
@@ -201,10 +264,14 @@ impl PagedSource for CloudWatchLogsFilter {
     }
 
     fn contract(&self) -> Contract {
-        Contract::default().timestamps(Timestamps::new(
-            Traversal::Complete,
-            Finality::Lateness(self.lateness),
-        ))
+        Contract::default().timestamps(
+            Timestamps::new(Traversal::Complete, Finality::Lateness(self.close_horizon))
+                .audit_window(self.lateness),
+        )
+    }
+
+    fn audit_interval(&self) -> Option<Duration> {
+        Some(self.audit_interval)
     }
 
     /// The group itself, once it is found (a missing group is an error naming it).
@@ -250,6 +317,12 @@ impl PagedSource for CloudWatchLogsFilter {
                 }
                 None => FilterCursor::default(),
             };
+            if let (Some(start), Some(end)) = (at.start, at.end)
+                && end <= start
+            {
+                // A poll whose window is empty: the close horizon has not passed its start yet.
+                return Ok(Page::default());
+            }
             let output = match self.filter_log_events(&at).await {
                 Err(e) if at.token.is_some() && refused(&e) => {
                     // An expired (or otherwise refused) token within a poll: the query is asked
@@ -287,8 +360,8 @@ impl PagedSource for CloudWatchLogsFilter {
                 events,
                 next: output.next_token.map(|token| {
                     FilterCursor {
-                        start: at.start,
                         token: Some(token),
+                        ..at
                     }
                     .encode()
                 }),
@@ -297,10 +370,19 @@ impl PagedSource for CloudWatchLogsFilter {
         })
     }
 
+    /// A poll of what is new: strictly after `after`, up to the close horizon behind the present
+    /// (`endTime` is exclusive). A poll whose window is empty (the horizon has not passed
+    /// `after` yet) reads nothing, without asking, and proves nothing new.
     fn poll_after(&self, _partition: &str, after: Option<i64>) -> Option<Cursor> {
+        let horizon = i64::try_from(self.close_horizon.as_millis()).unwrap_or(i64::MAX);
+        let end = crate::time::millis(crate::time::now())
+            .saturating_sub(horizon)
+            .saturating_add(1);
+        let start = after.map(|a| a.saturating_add(1));
         Some(
             FilterCursor {
-                start: after.map(|a| a.saturating_add(1)),
+                start,
+                end: Some(end),
                 token: None,
             }
             .encode(),
@@ -318,12 +400,22 @@ mod tests {
             FilterCursor::default(),
             FilterCursor {
                 start: Some(1_796_119_260_001),
+                end: Some(1_796_119_560_001),
                 token: Some("/group@stream|odd@42".into()),
             },
         ] {
             assert_eq!(FilterCursor::decode(&cursor.encode()).unwrap(), cursor);
         }
-        for bad in ["", "f2||", "f1|x|", "v1||||||"] {
+        // Version 1, before the close horizon.
+        assert_eq!(
+            FilterCursor::decode(&Cursor::new("f1|5|/g@s|odd@1")).unwrap(),
+            FilterCursor {
+                start: Some(5),
+                end: None,
+                token: Some("/g@s|odd@1".into()),
+            }
+        );
+        for bad in ["", "f3|||", "f2||", "f1|x|", "f2||x|", "v1||||||"] {
             assert!(FilterCursor::decode(&Cursor::new(bad)).is_err(), "{bad}");
         }
     }

@@ -46,7 +46,8 @@ pub use cloudwatch::{
 };
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch_filter::{
-    CLOUDWATCH_LATENESS, CloudWatchLogsFilter, FILTER_LOG_EVENTS_PER_SECOND,
+    CLOUDWATCH_LATENESS, CloudWatchLogsFilter, FILTER_AUDIT_INTERVAL, FILTER_CLOSE_HORIZON,
+    FILTER_LATENESS, FILTER_LOG_EVENTS_PER_SECOND,
 };
 pub use groups::{Finality, Traversal};
 pub(crate) use groups::{Groups, Seen};
@@ -218,15 +219,27 @@ pub struct Timestamps {
     pub traversal: Traversal,
     /// What proves that no earlier event can still arrive.
     pub finality: Finality,
+    /// How far behind `closedThrough` the late-event audit reads again (default
+    /// [`AUDIT_WINDOW`]): an event that arrives later than the finality contract allows, but
+    /// within this much behind `closedThrough`, is found and handed out.
+    pub audit_window: Duration,
 }
 
 impl Timestamps {
-    /// These contracts.
+    /// These contracts, audited [`AUDIT_WINDOW`] behind `closedThrough`.
     pub fn new(traversal: Traversal, finality: Finality) -> Self {
         Self {
             traversal,
             finality,
+            audit_window: AUDIT_WINDOW,
         }
+    }
+
+    /// Audits `window` behind `closedThrough` for late events (the identities of that window's
+    /// events are kept in memory, about 16 bytes each).
+    pub fn audit_window(mut self, window: Duration) -> Self {
+        self.audit_window = window;
+        self
     }
 
     /// Whether a group can ever be closed under them: a complete traversal and some finality.
@@ -274,22 +287,24 @@ impl Contract {
 
     /// How far back an event already handled can be handed out again after a restart, when the
     /// contract bounds it: a source read by timestamp with a lateness bound `L` reads again every
-    /// event after its `closedThrough` (which trails the newest poll by `L`) and audits
-    /// [`AUDIT_WINDOW`] further back, so `L` + the audit window. A receipt deleted sooner than
+    /// event after its `closedThrough` (which trails the newest poll by `L`) and audits its
+    /// [`audit window`](Timestamps::audit_window) further back, so `L` + the audit window. A receipt deleted sooner than
     /// this lets a replayed event's effects apply twice, so a consumer with a receipt ledger whose
     /// retention is shorter is refused at build. `None`: the contract sets no bound (a source of
     /// cursors replays only the pages after its last barrier; a backfilling source, or one closed
     /// by a watermark or later timestamps, bounds it by what the provider keeps).
     pub fn replay_horizon(&self) -> Option<Duration> {
-        match self.timestamps?.finality {
-            Finality::Lateness(lateness) => Some(lateness + AUDIT_WINDOW),
+        let timestamps = self.timestamps?;
+        match timestamps.finality {
+            Finality::Lateness(lateness) => Some(lateness + timestamps.audit_window),
             _ => None,
         }
     }
 }
 
-/// How far behind `closedThrough` a source read by timestamp is read again (every tenth poll)
-/// to find events that arrived later than its contract promised.
+/// How far behind `closedThrough` a source read by timestamp is read again by default (every
+/// tenth poll, or every [`PagedSource::audit_interval`]) to find events that arrived later than
+/// its contract promised.
 pub const AUDIT_WINDOW: Duration = Duration::from_secs(60);
 
 /// Why a fetch failed.
@@ -341,7 +356,9 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
 
     /// Late events, for a source whose forward reading cannot return an event put behind its
     /// cursor (CloudWatch Logs' `GetLogEvents`): how often the reader audits behind the forward
-    /// cursor ([`audit`](Self::audit)). `None` (the default): the source does not audit.
+    /// cursor ([`audit`](Self::audit)). `None` (the default): the source does not audit. For a
+    /// source read by timestamp: how often a poll reads the audit window behind `closedThrough`
+    /// again ([`Timestamps::audit_window`]); `None`: every tenth poll.
     fn audit_interval(&self) -> Option<Duration> {
         None
     }

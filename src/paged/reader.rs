@@ -19,11 +19,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
-use tokio::time::Instant;
+pub(crate) use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::{Cursor, EmptyPages, FetchError, PagePosition, PagedEvent, PagedSource};
+use super::{Cursor, EmptyPages, FetchError, PagedEvent, PagedSource};
 use crate::backoff::Backoff;
 
 /// What the reader hands over.
@@ -39,9 +39,15 @@ pub(crate) enum PageMessage {
     /// The partition is gone: the source answered that it is not found, and its listing no longer
     /// names it. Nothing more will be read.
     Gone,
-    /// Events an audit found that this attempt did not hand out before: late, or (at or below
-    /// the applied position the attempt started from) perhaps handed out by an earlier attempt.
+    /// Events an audit returned: what may be late (some were handed out by this attempt, or, at
+    /// or below the applied position it started from, by an earlier one).
     Late(Vec<PagedEvent>),
+    /// An audit read to its end: reading goes on from `next`, the cursor marked as audited, and
+    /// what was handed out before `forget_before` cannot come back in a later audit.
+    Audited {
+        next: Cursor,
+        forget_before: Option<Instant>,
+    },
     /// The partition cannot be read on.
     Failed(FetchError),
 }
@@ -57,9 +63,6 @@ pub(crate) struct PageReader {
     pub(crate) idle_poll_max: Duration,
     /// Longest wait after a failure.
     pub(crate) max_backoff: Duration,
-    /// The applied position the attempt started from: an event read again at or below it is a
-    /// replay, not handed out, so an audit does not take it for one this attempt handed out.
-    pub(crate) applied: Option<PagePosition>,
 }
 
 /// The wait after a page that brought nothing: the poll interval, doubled with each such page in a
@@ -93,18 +96,18 @@ impl Idle {
     }
 }
 
-/// What an auditing reader handed out in this attempt, and when, for as long as an audit can
+/// What an attempt of an auditing source handed out, and when, for as long as an audit can
 /// return it again: events come back in an audit only if they arrived after the previous audit
-/// began, so what was handed out well before that is forgotten.
+/// began (less the source's allowance), so what was handed out well before that is forgotten.
 #[derive(Debug, Default)]
-struct HandedOut {
+pub(crate) struct HandedOut {
     order: VecDeque<(Instant, String)>,
     ids: HashSet<String>,
 }
 
 impl HandedOut {
     /// Remembers `id`; `false` when it was handed out before.
-    fn insert(&mut self, id: &str, now: Instant) -> bool {
+    pub(crate) fn insert(&mut self, id: &str, now: Instant) -> bool {
         if self.ids.contains(id) {
             return false;
         }
@@ -114,7 +117,7 @@ impl HandedOut {
     }
 
     /// Forgets what was handed out before `before`.
-    fn forget_before(&mut self, before: Instant) {
+    pub(crate) fn forget_before(&mut self, before: Instant) {
         while let Some((at, _)) = self.order.front()
             && *at < before
         {
@@ -123,7 +126,7 @@ impl HandedOut {
         }
     }
 
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.ids.len()
     }
 }
@@ -139,7 +142,6 @@ struct Audits {
     quiet_after: Duration,
     /// When the quiet spell's audit is due, if events came since the last audit began.
     quiet: Option<Instant>,
-    handed_out: HandedOut,
 }
 
 impl Audits {
@@ -163,7 +165,6 @@ impl PageReader {
             next: Instant::now(),
             quiet_after: Duration::from_secs(60),
             quiet: None,
-            handed_out: HandedOut::default(),
         });
         loop {
             if let Some(audits) = audits.as_mut()
@@ -278,11 +279,6 @@ impl PageReader {
                 if !page.events.is_empty() {
                     audits.quiet = Some(now + audits.quiet_after);
                 }
-                for event in &page.events {
-                    if self.applied.as_ref().is_none_or(|a| event.position > *a) {
-                        audits.handed_out.insert(&event.id, now);
-                    }
-                }
             }
             let sent = pages
                 .send(PageMessage::Page {
@@ -350,7 +346,7 @@ impl PageReader {
         metrics::counter!("shardwise_paged_audits_total", &labels).increment(1);
         let mut failures = Backoff::new(self.max_backoff);
         let mut at = audit.pages.clone();
-        let (mut read, mut late) = (0usize, 0usize);
+        let mut read = 0usize;
         loop {
             let fetched = tokio::select! {
                 biased;
@@ -378,14 +374,8 @@ impl PageReader {
             failures.reset();
             metrics::counter!("shardwise_paged_pages_total", &labels).increment(1);
             read += page.events.len();
-            let now = Instant::now();
-            let found: Vec<PagedEvent> = page
-                .events
-                .into_iter()
-                .filter(|e| audits.handed_out.insert(&e.id, now))
-                .collect();
-            late += found.len();
-            if !found.is_empty() && pages.send(PageMessage::Late(found)).await.is_err() {
+            if !page.events.is_empty() && pages.send(PageMessage::Late(page.events)).await.is_err()
+            {
                 return Audited::Stop;
             }
             match page.next {
@@ -394,25 +384,21 @@ impl PageReader {
             }
         }
         // What the audit found is handed over before the audited cursor, so the cursor is
-        // promoted only once every late event settled.
+        // promoted only once every late event settled. The next audit returns only events that
+        // arrived after this one began (less the source's allowance): what was handed out
+        // before that is not among them.
         let sent = pages
-            .send(PageMessage::Page {
-                events: Vec::new(),
-                next: Some(audit.then.clone()),
-                watermark: None,
+            .send(PageMessage::Audited {
+                next: audit.then.clone(),
+                forget_before: began.checked_sub(audit.remember),
             })
             .await;
         if sent.is_err() {
             return Audited::Stop;
         }
         self.cursor = Some(audit.then);
-        // The next audit returns only events that arrived after this one began (less the
-        // source's allowance): what was handed out before that is not among them.
         audits.quiet_after = audit.remember;
-        if let Some(before) = began.checked_sub(audit.remember) {
-            audits.handed_out.forget_before(before);
-        }
-        debug!(source = self.source.name(), partition = %self.partition, read, late, remembered = audits.handed_out.len(), "audit for late events done");
+        debug!(source = self.source.name(), partition = %self.partition, read, "audit for late events read");
         Audited::Done
     }
 }
@@ -452,10 +438,18 @@ pub(crate) struct PollReader {
     pub(crate) after: tokio::sync::watch::Receiver<Option<i64>>,
     pub(crate) poll_interval: Duration,
     pub(crate) max_backoff: Duration,
-    /// Every `n`th poll is an audit that starts this many ms before `closed_through`, to find
-    /// late events behind it. An audit's traversal is evidence like any other (it reads a
-    /// superset).
-    pub(crate) audit: Option<(u32, i64)>,
+    /// When a poll is an audit that starts this many ms before `closed_through`, to find late
+    /// events behind it. An audit's traversal is evidence like any other (it reads a superset).
+    pub(crate) audit: Option<(AuditEvery, i64)>,
+}
+
+/// How often a poll reader audits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum AuditEvery {
+    /// Every `n`th poll.
+    Polls(u32),
+    /// The first poll, and then the first poll once this long has passed since the last audit.
+    Interval(Duration),
 }
 
 impl PollReader {
@@ -464,15 +458,28 @@ impl PollReader {
         let labels = [("source", self.source.name().to_string())];
         let mut failures = Backoff::new(self.max_backoff);
         let mut polls_done: u32 = 0;
+        let mut next_audit = Instant::now();
         loop {
             let mut after = *self.after.borrow();
             polls_done = polls_done.wrapping_add(1);
-            if let Some((every, lookback)) = self.audit
-                && polls_done.is_multiple_of(every.max(1))
-            {
+            let audit = match self.audit {
+                Some((AuditEvery::Polls(every), lookback)) => {
+                    polls_done.is_multiple_of(every.max(1)).then_some(lookback)
+                }
+                Some((AuditEvery::Interval(every), lookback)) if Instant::now() >= next_audit => {
+                    next_audit = Instant::now() + every;
+                    Some(lookback)
+                }
+                _ => None,
+            };
+            if let Some(lookback) = audit {
                 after = after.map(|a| a.saturating_sub(lookback));
                 metrics::counter!("shardwise_paged_audits_total", &labels).increment(1);
             }
+            // Taken before the poll's first cursor is made: a source that bounds its polls by
+            // time (`endTime`) bounds them at or after this, so what the poll proves does not
+            // reach past what it read.
+            let started_ms = crate::time::millis(crate::time::now());
             let Some(mut cursor) = self.source.poll_after(&self.partition, after) else {
                 let refused = FetchError::InvalidCursor(
                     "the source declares timestamps but cannot start a poll after one".into(),
@@ -480,7 +487,6 @@ impl PollReader {
                 let _ = polls.send(PollMessage::Failed(refused)).await;
                 return;
             };
-            let started_ms = crate::time::millis(crate::time::now());
             let mut watermark: Option<i64> = None;
             let mut first = true;
             let complete = loop {

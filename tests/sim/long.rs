@@ -9,11 +9,10 @@
 //! hours, pages stop at 10,000 events or 1 MB, and GetLogEvents is throttled past 25 requests/s.
 //!
 //! Checked at every write of the lease store: a stream's applied position never goes down, and
-//! every event at or below it, bar the late ones the source's contract cannot see, has settled.
+//! every event at or below it, bar late ones (found by the source's audit later), has settled.
 //! At the end, after a quiet phase of two hours with a worker up, every event of every stream
-//! that still exists, bar those late ones, has settled. Late events the source never handed out
-//! are counted (the GetLogEvents source declares no backfill: they are outside its contract) and
-//! reported beside the seed's result.
+//! that still exists has settled, late ones within the audit's window (1 hour) included. Late
+//! events later than the window are counted and reported beside the seed's result.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -24,7 +23,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shardwise::consumer::Settled;
 use shardwise::lease::{Change, LeaseSettings, MemoryLeaseStore};
-use shardwise::paged::{CloudWatchLogs, PagePosition};
+use shardwise::paged::{CloudWatchLogs, LATE_EVENT_WINDOW, PagePosition};
 use shardwise::testing::Layered;
 use shardwise::{Consumer, Delivery, Outcome, Running};
 use tokio::time::Instant;
@@ -54,6 +53,8 @@ struct Model {
     settled: BTreeSet<String>,
     /// Events put behind one already stored with a later place: `stream/id`.
     late: BTreeSet<String>,
+    /// Of those, the ones later than the source's late-event window: not looked for.
+    too_late: BTreeSet<String>,
     /// Every event put, by stream (the service deletes a stream's events with it).
     put: BTreeMap<String, Vec<LogEvent>>,
     /// The furthest place of an event put, by stream.
@@ -238,7 +239,11 @@ impl World {
                 .entry(stream.clone())
                 .or_insert_with(|| PagePosition::from_bytes(Vec::new()));
             if position(&event) < *furthest {
-                model.late.insert(format!("{stream}/{}", event.id));
+                let name = format!("{stream}/{}", event.id);
+                if event.ingestion - event.timestamp > LATE_EVENT_WINDOW.as_millis() as i64 {
+                    model.too_late.insert(name.clone());
+                }
+                model.late.insert(name);
             } else {
                 *furthest = position(&event);
             }
@@ -317,7 +322,8 @@ impl World {
         }
     }
 
-    /// What remains owed: events of live streams that have not settled and are not late.
+    /// What remains owed: events of live streams that have not settled, bar late ones the
+    /// audit does not look for (later than its window).
     fn unsettled(&self) -> Vec<String> {
         let live: BTreeSet<String> = self.service.streams().into_iter().collect();
         let model = self.model.lock().unwrap();
@@ -326,7 +332,7 @@ impl World {
             .iter()
             .filter(|(stream, _)| live.contains(*stream))
             .flat_map(|(stream, events)| events.iter().map(move |e| format!("{stream}/{}", e.id)))
-            .filter(|name| !model.settled.contains(name) && !model.late.contains(name))
+            .filter(|name| !model.settled.contains(name) && !model.too_late.contains(name))
             .collect()
     }
 
@@ -370,9 +376,14 @@ impl World {
                         self.start_worker(n).await;
                     }
                 }
-                // Late events: timestamps a minute to 13 days old.
+                // Late events: timestamps a minute to an hour old (the audit's window), or up to
+                // 13 days.
                 67..=74 => {
-                    let late = self.rng.random_range(60_000..13 * 24 * HOUR as i64 * 1_000);
+                    let late = if self.rng.random_bool(0.5) {
+                        self.rng.random_range(60_000..HOUR as i64 * 1_000 - 60_000)
+                    } else {
+                        self.rng.random_range(60_000..13 * 24 * HOUR as i64 * 1_000)
+                    };
                     self.put(Some(late));
                 }
                 // A worker crashes, stops, or starts.
@@ -441,11 +452,12 @@ impl World {
             .filter(|name| !model.settled.contains(*name))
             .count();
         let summary = format!(
-            "end: {} requests, {} throttled, {} expired tokens, {} late events ({late_unread} never handed out)",
+            "end: {} requests, {} throttled, {} expired tokens, {} late events ({} later than the window; {late_unread} never handed out)",
             counts.requests,
             counts.throttled,
             counts.expired_tokens,
-            model.late.len()
+            model.late.len(),
+            model.too_late.len(),
         );
         model.event(Instant::now(), self.start, summary);
         SeedResult {
