@@ -257,12 +257,14 @@ async fn invalid_settings_are_refused_naming_the_field() {
 
 /// Counts every store call by method (each is one DynamoDB request for the DynamoDB store; a Scan
 /// of a small table is one page), and the conditional takes and creates the store refused; fails
-/// every beat while `beats_fail` is set (the roster item is unreachable for this worker).
+/// every beat while `beats_fail` is set (the roster item is unreachable for this worker), and
+/// every renewal while `renewals_fail` is.
 #[derive(Debug, Default)]
 struct Counting {
     calls: Mutex<std::collections::BTreeMap<&'static str, u64>>,
     refused: std::sync::atomic::AtomicU64,
     beats_fail: std::sync::atomic::AtomicBool,
+    renewals_fail: std::sync::atomic::AtomicBool,
 }
 
 /// The memory store behind a [`Counting`] layer.
@@ -291,9 +293,12 @@ impl Layer for Counting {
         forward: BoxFuture<'a, Result<T, Error>>,
     ) -> BoxFuture<'a, Result<T, Error>> {
         *self.calls.lock().unwrap().entry(call.method()).or_default() += 1;
-        if matches!(call, Call::Beat { .. })
-            && self.beats_fail.load(std::sync::atomic::Ordering::Relaxed)
-        {
+        let fails = match call {
+            Call::Beat { .. } => &self.beats_fail,
+            Call::Renew(_) => &self.renewals_fail,
+            _ => &std::sync::atomic::AtomicBool::new(false),
+        };
+        if fails.load(std::sync::atomic::Ordering::Relaxed) {
             return Box::pin(async {
                 Err(Error::Config(shardwise::ConfigError::new(
                     "beat",
@@ -555,10 +560,66 @@ async fn four_workers_starting_together_share_200_new_shards_without_a_refused_w
     drop(started);
 }
 
-/// A worker whose beat cannot be written gives up its leases before the others judge it dead,
-/// and they take them over: a worker the roster says is dead holds nothing.
+/// A worker whose beat cannot be written (the roster item throttled, say) while its renewals
+/// land keeps its leases, and the others, though they judge it dead by the roster, leave them: its
+/// counters move. It takes nothing while silent. Before, it gave up every lease after 6.7 s of
+/// failed beats and the others took them all (issue 27, defect 2).
 #[tokio::test(start_paused = true)]
-async fn a_worker_whose_beat_fails_gives_up_its_leases_and_the_others_take_them() {
+async fn a_worker_whose_beat_fails_while_its_renewals_land_keeps_its_leases() {
+    let memory = MemoryLeaseStore::new();
+    let shards = Shards::open(8);
+    let failing = counting(memory.clone());
+    let (a, _a_events) = worker(&memory, &shards, "a").await;
+    let (b, _b_events) = LeaseManager::start(
+        failing.clone(),
+        shards.clone(),
+        STREAM,
+        "b",
+        LeaseSettings::default(),
+        Arc::new(()),
+    )
+    .await
+    .unwrap();
+    until(Duration::from_secs(60), || b.held().len() == 4).await;
+    let held_by_b = b.held();
+
+    failing
+        .layer()
+        .beats_fail
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    // A minute of failed beats: long past the others' judgement (a lease duration and a beat).
+    for _ in 0..600 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(b.held(), held_by_b, "b keeps its leases");
+        assert_eq!(a.held().len(), 4, "a takes none of them");
+    }
+    let owners = |owner: &str| {
+        memory
+            .snapshot()
+            .iter()
+            .filter(|r| r.owner.as_deref() == Some(owner))
+            .count()
+    };
+    assert_eq!((owners("a"), owners("b")), (4, 4));
+
+    failing
+        .layer()
+        .beats_fail
+        .store(false, std::sync::atomic::Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(
+        b.held(),
+        held_by_b,
+        "nothing moved when the beats came back"
+    );
+    drop((a, b));
+}
+
+/// A worker cut off from the store (beats and renewals fail) gives up its leases before the others
+/// judge them free, and they take them over: a worker the roster says is dead, whose counters stay
+/// still, holds nothing.
+#[tokio::test(start_paused = true)]
+async fn a_worker_whose_beat_and_renewals_fail_gives_up_its_leases_and_the_others_take_them() {
     let memory = MemoryLeaseStore::new();
     let shards = Shards::open(8);
     let failing = counting(memory.clone());
@@ -575,17 +636,36 @@ async fn a_worker_whose_beat_fails_gives_up_its_leases_and_the_others_take_them(
     .unwrap();
     until(Duration::from_secs(60), || b.held().len() == 4).await;
 
-    failing
-        .layer()
-        .beats_fail
-        .store(true, std::sync::atomic::Ordering::Relaxed);
+    for fail in [&failing.layer().beats_fail, &failing.layer().renewals_fail] {
+        fail.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    // Taken once b is dead by the roster (a lease duration and a beat) and its counters were
+    // seen still for two renewal rounds and a quarter: never while b still holds one.
     let settings = LeaseSettings::default();
-    let gave_up = until(Duration::from_secs(30), || b.held().is_empty()).await;
+    let start = Instant::now();
+    let mut gave_up = None;
+    while a.held().len() < 8 {
+        let (held_by_a, held_by_b) = (a.held(), b.held());
+        assert!(
+            held_by_a
+                .iter()
+                .all(|o| held_by_b.iter().all(|p| p.shard_id != o.shard_id)),
+            "a holds a shard b still holds: {held_by_a:?} {held_by_b:?}"
+        );
+        if held_by_b.is_empty() && gave_up.is_none() {
+            gave_up = Some(start.elapsed());
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "a never took them"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let gave_up = gave_up.expect("b gave up before a took them");
     assert!(
-        gave_up <= settings.lease_duration - settings.renew_interval + settings.scan_interval,
+        gave_up <= settings.lease_duration,
         "b held on for {gave_up:?}"
     );
-    until(Duration::from_secs(30), || a.held().len() == 8).await;
     drop(b);
 }
 

@@ -134,6 +134,14 @@ impl LeaseSettings {
         self
     }
 
+    /// How long the counter of a lease whose owner is dead by the roster must be seen still
+    /// before the lease counts as expired: two renewal rounds and a quarter. Its owner gives up a
+    /// lease whose renewal fails while its beat is silent, at most two rounds after the last
+    /// renewal that landed (the next round, failing when its attempt times out).
+    fn dead_owner_stillness(&self) -> Duration {
+        self.renew_interval * 2 + self.renew_interval / 4
+    }
+
     /// How long a taker waits for a handoff it asked for before it steals the lease.
     fn handoff_patience(&self) -> Duration {
         self.handoff_timeout + self.scan_interval + self.renew_interval
@@ -665,16 +673,14 @@ impl Inner {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .elapsed();
-                if silent >= self.settings.lease_duration - self.settings.renew_interval {
-                    self.silent.store(true, Ordering::Relaxed);
-                    let held: Vec<Ownership> =
-                        self.held().values().map(|h| h.ownership.clone()).collect();
-                    for ownership in &held {
-                        self.lose(
-                            ownership,
-                            "this worker's beat was not written in time: others may judge it dead",
-                        );
-                    }
+                // The others may judge this worker dead now, but they take a lease of a dead
+                // worker only once its counter stops moving too: the leases whose renewals land
+                // are kept (a failed beat alone drops nothing), and the renewer gives up each
+                // one whose renewal fails from now on. No lease is taken while silent.
+                if silent >= self.settings.lease_duration - self.settings.renew_interval
+                    && !self.silent.swap(true, Ordering::Relaxed)
+                {
+                    warn!(stream = %self.stream, silent = ?silent, held = self.held().len(), "this worker's beat has not been written in time: others may judge it dead; its leases are kept while their renewals land, and none is taken");
                 }
                 return false;
             }
@@ -799,10 +805,13 @@ impl Inner {
                     self.lose(ownership, "renewal refused: another worker holds it")
                 }
                 Ok(Err(_)) | Err(_) => {
-                    let late = self.held().get(&ownership.shard_id).is_some_and(|h| {
-                        h.last_renewed.elapsed()
-                            >= self.settings.lease_duration - self.settings.renew_interval
-                    });
+                    // Late: the others may see it expired. Or the beat is silent too: the others
+                    // judge this worker dead, and take its lease once its counter stops moving.
+                    let late = self.silent.load(Ordering::Relaxed)
+                        || self.held().get(&ownership.shard_id).is_some_and(|h| {
+                            h.last_renewed.elapsed()
+                                >= self.settings.lease_duration - self.settings.renew_interval
+                        });
                     match result {
                         Ok(Err(e)) => {
                             warn!(shard = %ownership.shard_id, error = &e as &dyn std::error::Error, "lease renewal failed")
@@ -810,7 +819,10 @@ impl Inner {
                         _ => warn!(shard = %ownership.shard_id, "lease renewal timed out"),
                     }
                     if late {
-                        self.lose(ownership, "not renewed in time: others may see it expired");
+                        self.lose(
+                            ownership,
+                            "not renewed in time (or not renewed while this worker's beat is silent): others may see it expired",
+                        );
                     }
                 }
             }
@@ -1008,11 +1020,23 @@ impl Inner {
                         };
                     }
                     // Unchanged for a lease duration: an owned lease expired, a free one neglected.
-                    // Every lease of a worker dead by the roster is expired at once.
-                    now - o.since >= self.settings.lease_duration
-                        || row.owner.as_deref().is_some_and(|w| roster.dead(w, now))
+                    // A lease of a worker dead by the roster is expired once its counter has not
+                    // moved for two renewal rounds as well: a worker whose beat fails while its
+                    // renewals land keeps its leases (it gives up each whose renewal fails).
+                    let still = now - o.since;
+                    still >= self.settings.lease_duration
+                        || (still >= self.settings.dead_owner_stillness()
+                            && row.owner.as_deref().is_some_and(|w| roster.dead(w, now)))
                 })
                 .collect()
+        };
+        // A lease of a worker dead by the roster whose counter has not been seen still for long
+        // enough yet: scan again soon, to see whether it moves.
+        let judging = {
+            let roster = self.roster();
+            rows.iter().zip(&expired).any(|(row, &expired)| {
+                !expired && row.owner.as_deref().is_some_and(|w| roster.dead(w, now))
+            })
         };
 
         // A row that names another owner or epoch than the one we hold: it was taken from us.
@@ -1076,7 +1100,8 @@ impl Inner {
             self.settings.limits,
         );
         let mut cooling = false;
-        let settling = plan.settling || !requests.is_empty() || !taken_from_us.is_empty();
+        let settling =
+            plan.settling || !requests.is_empty() || !taken_from_us.is_empty() || judging;
         if !plan.takes.is_empty() {
             debug!(stream = %self.stream, active = plan.active, workers = plan.workers, target = plan.target, takes = plan.takes.len(), "lease plan");
         }
