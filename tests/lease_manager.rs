@@ -826,3 +826,104 @@ async fn an_ended_shard_asked_for_is_released_not_passed() {
     assert_eq!(row.owner, None, "released, not passed to b");
     drop(a);
 }
+
+/// A lease asked for by a worker that is not alive by the roster (it never beat, or it was scaled
+/// in or killed after asking) is released, not handed over: a row naming a worker that is gone
+/// waits for the others to judge it by its counter alone (minutes apart, at quiet scans). One
+/// asked for by a worker that beats is handed over (issue 27, defect 1).
+#[tokio::test(start_paused = true)]
+async fn a_lease_asked_for_by_a_worker_that_is_gone_is_released_not_passed() {
+    let store = MemoryLeaseStore::new();
+    let shards = Shards::open(2);
+    let (a, mut events) = worker(&store, &shards, "a").await;
+    let mut held = Vec::new();
+    until(Duration::from_secs(10), || {
+        while let Ok(LeaseEvent::Acquired(h)) = events.try_recv() {
+            held.push(*h);
+        }
+        held.len() == 2
+    })
+    .await;
+    let row_of = |held: &shardwise::lease::HeldLease| {
+        let (store, shard) = (store.clone(), held.ownership.shard_id.clone());
+        async move { store.get(STREAM, &shard).await.unwrap().unwrap() }
+    };
+
+    // "gone" asks and is never seen beating.
+    assert!(
+        store
+            .request(&row_of(&held[0]).await, "gone")
+            .await
+            .unwrap()
+    );
+    until(Duration::from_secs(30), || held[0].handoff.is_cancelled()).await;
+    assert!(a.release(&held[0].ownership).await.unwrap());
+    let row = row_of(&held[0]).await;
+    assert_ne!(row.owner.as_deref(), Some("gone"), "{row:?}");
+
+    // "alive" beats, then asks: the lease is handed over.
+    let beating = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            loop {
+                store.beat(STREAM, "alive", false).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        store
+            .request(&row_of(&held[1]).await, "alive")
+            .await
+            .unwrap()
+    );
+    until(Duration::from_secs(30), || held[1].handoff.is_cancelled()).await;
+    assert!(a.release(&held[1].ownership).await.unwrap());
+    assert_eq!(row_of(&held[1]).await.owner.as_deref(), Some("alive"));
+    beating.abort();
+    drop(a);
+}
+
+/// A worker shutting down releases the rows passed to it that it has not taken yet: nobody else
+/// would take them before their counters went still for a lease duration (issue 27, defect 1).
+#[tokio::test(start_paused = true)]
+async fn a_worker_shutting_down_releases_leases_passed_to_it_and_not_taken() {
+    let store = MemoryLeaseStore::new();
+    let shards = Shards::open(2);
+    let (a, mut events) = worker(&store, &shards, "a").await;
+    let mut held = Vec::new();
+    until(Duration::from_secs(10), || {
+        while let Ok(LeaseEvent::Acquired(h)) = events.try_recv() {
+            held.push(*h);
+        }
+        held.len() == 2
+    })
+    .await;
+    // b beats (alive) but takes nothing: it stops taking before the pass comes.
+    let (b, _b_events) = worker(&store, &shards, "b").await;
+    b.stop_taking();
+    let row = store
+        .get(STREAM, &held[0].ownership.shard_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(store.request(&row, "b").await.unwrap());
+    until(Duration::from_secs(30), || held[0].handoff.is_cancelled()).await;
+    assert!(a.release(&held[0].ownership).await.unwrap());
+    let passed = store
+        .get(STREAM, &held[0].ownership.shard_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(passed.owner.as_deref(), Some("b"), "handed over to b");
+    assert_eq!(b.held().len(), 0, "b took nothing");
+    b.shutdown().await;
+    let after = store
+        .get(STREAM, &held[0].ownership.shard_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_ne!(after.owner.as_deref(), Some("b"), "{after:?}");
+    drop(a);
+}

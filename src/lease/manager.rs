@@ -532,6 +532,31 @@ impl LeaseManager {
         self.inner.taking.cancel();
         let held = self.held();
         let released = join_all(held.iter().map(|o| self.inner.release(o))).await;
+        // Rows that name this worker without its holding them (passed to it, not taken yet): no
+        // one else would take them before their counters went still for a lease duration.
+        match self.inner.store.list(&self.inner.stream).await {
+            Ok(rows) => {
+                let named: Vec<Ownership> = rows
+                    .iter()
+                    .filter(|r| r.owner.as_deref() == Some(self.inner.worker.as_str()))
+                    .filter_map(Lease::ownership)
+                    .collect();
+                for ownership in &named {
+                    match self.inner.store.release(ownership).await {
+                        Ok(true) => {
+                            info!(stream = %self.inner.stream, shard = %ownership.shard_id, "a lease passed to this worker and not taken is released at shutdown")
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            warn!(stream = %self.inner.stream, shard = %ownership.shard_id, error = &e as &dyn std::error::Error, "releasing a lease passed to this worker failed; it will expire")
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                warn!(stream = %self.inner.stream, error = &e as &dyn std::error::Error, "reading the lease table at shutdown failed; leases passed to this worker and not taken will expire")
+            }
+        }
         self.renewing.cancel();
         self.tasks.wait().await;
         // Last, once no beat can follow: leaving is a change of the roster, so the others scan
@@ -874,12 +899,22 @@ impl Inner {
                 .and_then(|row| row.wanted_by),
         };
         if let Some(taker) = wanted {
-            if self.store.pass(ownership, &taker).await? {
+            // Passed only to a taker alive by the roster: a row passed to a worker that is gone
+            // (scaled in, killed) would wait for the others to judge it by its counter alone.
+            if !self.roster().live(Instant::now()).contains(&taker) {
+                info!(stream = %self.stream, shard = %ownership.shard_id, to = %taker, "the worker that asked for the lease is not alive by the roster: releasing it instead of handing it over");
+            } else if self.store.pass(ownership, &taker).await? {
                 info!(stream = %self.stream, shard = %ownership.shard_id, to = %taker, "lease handed over");
                 metrics::counter!("shardwise_handoffs_total", &self.labels()).increment(1);
+                if !self.taking.is_cancelled() {
+                    // Announced: the taker scans now, and so does every worker, which sees
+                    // the row move. (At shutdown, leaving the roster says so.)
+                    self.changed_here();
+                }
                 return Ok(true);
+            } else {
+                debug!(shard = %ownership.shard_id, to = %taker, "the handoff request is gone; releasing");
             }
-            debug!(shard = %ownership.shard_id, to = %taker, "the handoff request is gone; releasing");
         }
         let released = self.store.release(ownership).await?;
         debug!(shard = %ownership.shard_id, released, "lease released");
