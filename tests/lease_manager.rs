@@ -265,6 +265,8 @@ struct Counting {
     refused: std::sync::atomic::AtomicU64,
     beats_fail: std::sync::atomic::AtomicBool,
     renewals_fail: std::sync::atomic::AtomicBool,
+    /// Fails this many takes (steals among them), then none.
+    takes_fail: std::sync::atomic::AtomicU64,
 }
 
 /// The memory store behind a [`Counting`] layer.
@@ -294,11 +296,21 @@ impl Layer for Counting {
     ) -> BoxFuture<'a, Result<T, Error>> {
         *self.calls.lock().unwrap().entry(call.method()).or_default() += 1;
         let fails = match call {
-            Call::Beat { .. } => &self.beats_fail,
-            Call::Renew(_) => &self.renewals_fail,
-            _ => &std::sync::atomic::AtomicBool::new(false),
+            Call::Beat { .. } => self.beats_fail.load(std::sync::atomic::Ordering::Relaxed),
+            Call::Renew(_) => self
+                .renewals_fail
+                .load(std::sync::atomic::Ordering::Relaxed),
+            Call::Take { .. } => self
+                .takes_fail
+                .fetch_update(
+                    std::sync::atomic::Ordering::Relaxed,
+                    std::sync::atomic::Ordering::Relaxed,
+                    |n| n.checked_sub(1),
+                )
+                .is_ok(),
+            _ => false,
         };
-        if fails.load(std::sync::atomic::Ordering::Relaxed) {
+        if fails {
             return Box::pin(async {
                 Err(Error::Config(shardwise::ConfigError::new(
                     "beat",
@@ -926,4 +938,42 @@ async fn a_worker_shutting_down_releases_leases_passed_to_it_and_not_taken() {
         .unwrap();
     assert_ne!(after.owner.as_deref(), Some("b"), "{after:?}");
     drop(a);
+}
+
+/// A steal that fails (the store's answer is an error) is tried again: the request stays while
+/// the row still names this worker as its taker. Before, the failed steal forgot the request while
+/// the row kept `wantedBy`: nobody asked again and nobody stole, and the worker stayed below its
+/// share behind an owner that renews but never hands over (issue 27, defect 4).
+#[tokio::test(start_paused = true)]
+async fn a_steal_that_fails_is_tried_again() {
+    let memory = MemoryLeaseStore::new();
+    let shards = Shards::open(8);
+    // a renews but never answers a handoff request (a stuck shard task, an older version).
+    let (a, _a_events) = worker(&memory, &shards, "a").await;
+    until(Duration::from_secs(30), || a.held().len() == 8).await;
+    let failing = counting(memory.clone());
+    failing
+        .layer()
+        .takes_fail
+        .store(4, std::sync::atomic::Ordering::Relaxed);
+    let (b, _b_events) = LeaseManager::start(
+        failing.clone(),
+        shards.clone(),
+        STREAM,
+        "b",
+        LeaseSettings::default(),
+        Arc::new(()),
+    )
+    .await
+    .unwrap();
+    until(Duration::from_secs(120), || b.held().len() == 4).await;
+    assert_eq!(
+        failing
+            .layer()
+            .takes_fail
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "the first four takes failed"
+    );
+    drop((a, b));
 }

@@ -1106,6 +1106,19 @@ impl Inner {
         // is over.
         let requests: HashMap<String, bool> = {
             let mut requests = self.requests();
+            // A row that names this worker as its taker is a request of ours, even one this
+            // process does not remember (asked before a restart, or a steal that failed): its
+            // wait starts now, and it is stolen once it is over.
+            for row in &rows {
+                if row.wanted_by.as_deref() == Some(self.worker.as_str())
+                    && row.owner.is_some()
+                    && row.owner.as_deref() != Some(self.worker.as_str())
+                    && !requests.contains_key(&row.shard_id)
+                {
+                    debug!(shard = %row.shard_id, "a request of this worker found on the row: waiting for the handoff again");
+                    requests.insert(row.shard_id.clone(), now);
+                }
+            }
             requests.retain(|shard, _| {
                 rows.iter().any(|r| {
                     &r.shard_id == shard
@@ -1177,7 +1190,6 @@ impl Inner {
                 }
             };
             if stolen {
-                self.requests().remove(shard);
                 warn!(stream = %self.stream, shard, "the owner did not hand the lease over in time: stealing it");
             }
             let Some(seen) = by_shard.get(shard) else {
@@ -1198,6 +1210,8 @@ impl Inner {
                         }
                     }
                 }
+                // The request is over only once the lease is ours (`acquired` forgets it); a
+                // steal that failed is tried again at the next scan.
                 Ok(Some(lease)) => self.acquired(lease, stolen),
                 Ok(None) => debug!(shard, "lease changed before it could be taken"),
                 Err(e) => warn!(
