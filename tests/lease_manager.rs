@@ -977,3 +977,35 @@ async fn a_steal_that_fails_is_tried_again() {
     );
     drop((a, b));
 }
+
+/// Leases still naming an owner that is gone (killed), whose share falls to a worker that never
+/// takes them, are taken by anyone after two lease durations, as free ones are after one. Before,
+/// an expired lease that named an owner was shared out by rank only: the worker it fell to never
+/// took it, and it stayed unread (issue 27, defect 1).
+#[tokio::test(start_paused = true)]
+async fn expired_leases_of_a_gone_owner_falling_to_a_worker_that_never_takes_them_are_taken() {
+    let store = MemoryLeaseStore::new();
+    let shards = Shards::open(8);
+    let (gone, _gone_events) = worker(&store, &shards, "gone").await;
+    until(Duration::from_secs(10), || gone.held().len() == 8).await;
+    let ghost = tokio::spawn({
+        let store = store.clone();
+        async move {
+            loop {
+                store.beat(STREAM, "ghost", false).await.unwrap();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    drop(gone); // killed: no renewal, no beat
+    let (a, _events) = worker(&store, &shards, "a").await;
+    until(Duration::from_secs(60), || a.held().len() >= 4).await;
+    let settings = LeaseSettings::default();
+    let took = until(Duration::from_secs(120), || owned_by(&store, "a") == 8).await;
+    assert!(
+        took <= settings.lease_duration * 2 + settings.scan_interval * 2,
+        "{took:?}"
+    );
+    ghost.abort();
+}

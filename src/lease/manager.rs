@@ -1037,7 +1037,7 @@ impl Inner {
                 warn!(stream = %self.stream, error = &e as &dyn std::error::Error, "reading or publishing the frontier membership failed; the frontier is not updated this scan");
             }
         }
-        let expired: Vec<bool> = {
+        let judged: Vec<(bool, bool)> = {
             let mut observed = self.observed.lock().unwrap_or_else(|e| e.into_inner());
             let roster = self.roster();
             rows.iter()
@@ -1059,12 +1059,21 @@ impl Inner {
                     // moved for two renewal rounds as well: a worker whose beat fails while its
                     // renewals land keeps its leases (it gives up each whose renewal fails).
                     let still = now - o.since;
-                    still >= self.settings.lease_duration
+                    let expired = still >= self.settings.lease_duration
                         || (still >= self.settings.dead_owner_stillness()
-                            && row.owner.as_deref().is_some_and(|w| roster.dead(w, now)))
+                            && row.owner.as_deref().is_some_and(|w| roster.dead(w, now)));
+                    // Left untaken: free for a lease duration, or naming an owner and still for
+                    // two (an owner that is gone, and the worker it fell to did not take it).
+                    let neglected = if row.owner.is_some() {
+                        still >= self.settings.lease_duration * 2
+                    } else {
+                        expired
+                    };
+                    (expired, neglected)
                 })
                 .collect()
         };
+        let expired: Vec<bool> = judged.iter().map(|(expired, _)| *expired).collect();
         // A lease of a worker dead by the roster whose counter has not been seen still for long
         // enough yet: scan again soon, to see whether it moves.
         let judging = {
@@ -1135,8 +1144,12 @@ impl Inner {
         let held: HashSet<String> = self.held().keys().cloned().collect();
         let seen: Vec<Seen<'_>> = rows
             .iter()
-            .zip(&expired)
-            .map(|(lease, &expired)| Seen { lease, expired })
+            .zip(&judged)
+            .map(|(lease, &(expired, neglected))| Seen {
+                lease,
+                expired,
+                neglected,
+            })
             .collect();
         let roster: Vec<String> = self.roster().live(now).into_iter().collect();
         let plan = planner::plan(

@@ -42,6 +42,9 @@ pub(crate) struct Seen<'a> {
     /// An owned lease: its owner has not renewed it for a lease duration, or is dead by the
     /// roster (local clock). An unowned one: no worker took it for a lease duration.
     pub(crate) expired: bool,
+    /// Left untaken: unowned and expired, or owned and still for two lease durations (its owner
+    /// is gone and the worker it fell to did not take it). Anyone below `max_leases` takes it.
+    pub(crate) neglected: bool,
 }
 
 /// A conditional take the manager should attempt.
@@ -142,7 +145,7 @@ pub(crate) fn plan(
                 };
                 *load.entry(counts_for).or_default() += 1;
             }
-            owner => free.push((shard, owner.is_none() && s.expired)),
+            _ => free.push((shard, s.neglected)),
         }
     }
     *load.entry(me).or_default() += retake.len();
@@ -503,6 +506,7 @@ mod tests {
                 .map(|(lease, row)| Seen {
                     lease,
                     expired: row.2,
+                    neglected: row.2 && lease.owner.is_none(),
                 })
                 .collect();
             let held = case.held.iter().map(|s| s.to_string()).collect();
@@ -552,6 +556,7 @@ mod tests {
             .map(|lease| Seen {
                 lease,
                 expired: false,
+                neglected: false,
             })
             .collect();
         let limits = PlanLimits {
@@ -587,6 +592,7 @@ mod tests {
                 .map(|lease| Seen {
                     lease,
                     expired: false,
+                    neglected: false,
                 })
                 .collect();
             plan(
@@ -671,6 +677,7 @@ mod tests {
                         .map(|lease| Seen {
                             lease,
                             expired: false,
+                            neglected: false,
                         })
                         .collect();
                     let held = (0..shards)
@@ -836,6 +843,7 @@ mod tests {
             .map(|lease| Seen {
                 lease,
                 expired: expired(lease),
+                neglected: expired(lease) && lease.owner.is_none(),
             })
             .collect()
     }
