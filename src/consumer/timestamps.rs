@@ -32,7 +32,8 @@ use crate::handler::{Delivery, Handler, Replayable};
 use crate::lease::HeldLease;
 use crate::paged::reader::{AuditEvery, PollMessage, PollReader};
 use crate::paged::{
-    Groups, LATE_EVENTS, PagePosition, PagedEvent, PagedProgress, PagedSource, Seen, Timestamps,
+    Finality, Groups, LATE_EVENTS, PagePosition, PagedEvent, PagedProgress, PagedSource, Seen,
+    Timestamps,
 };
 use crate::track::Tracker;
 
@@ -69,6 +70,49 @@ pub(crate) struct Attempt {
     earlier_attempts_through: i64,
     /// When the partition was last sought: receipts recorded before it do not stop the handler.
     sought_at: Option<i64>,
+    /// The source (for the ingestion times its events carry).
+    source: Arc<dyn PagedSource>,
+    /// How long after its ingestion an event can be read, by the contract (the lateness bound
+    /// that closes groups): an audit begun at `S` read every event ingested by `S` less this.
+    /// `None`: the source keeps no audit mark.
+    readable_after_ms: Option<i64>,
+    /// The durable audit mark (in the row's `resumeCursor`): an event it covers that an audit
+    /// finds was handed out by an earlier attempt.
+    mark: Option<AuditMark>,
+    /// The mark of the last complete audit, and the tracker index every delivery before which
+    /// must settle before it may be written.
+    pending_mark: Option<(AuditMark, u64)>,
+    /// A mark ready to be written with the next close.
+    ready_mark: Option<AuditMark>,
+}
+
+/// What an audit of a source that tells ingestion times proved: every event with a timestamp at
+/// or after `from`, at or before `closed_through`, ingested at or before `through`, was handed out
+/// and has a durable terminal outcome (or settled as known). Kept in the row's `resumeCursor`
+/// (unused by sources read by timestamp) as `audited|<through>|<from>`, written with a close.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct AuditMark {
+    through: i64,
+    from: i64,
+}
+
+impl AuditMark {
+    fn encode(self) -> crate::paged::Cursor {
+        crate::paged::Cursor::new(format!("audited|{}|{}", self.through, self.from))
+    }
+
+    fn decode(cursor: &crate::paged::Cursor) -> Option<Self> {
+        let text = std::str::from_utf8(cursor.as_bytes()).ok()?;
+        let mut parts = text.strip_prefix("audited|")?.split('|');
+        let through = parts.next()?.parse().ok()?;
+        let from = parts.next()?.parse().ok()?;
+        Some(Self { through, from })
+    }
+
+    /// Whether the mark shows an event handed out.
+    fn covers(self, timestamp: i64, ingested: i64) -> bool {
+        timestamp >= self.from && ingested <= self.through
+    }
 }
 
 impl Progress for Attempt {
@@ -103,6 +147,7 @@ impl Progress for Attempt {
             warn!(source = %ownership.stream, partition = %ownership.shard_id, traversal = ?contracts.traversal, finality = ?contracts.finality, "the source's contracts cannot prove a timestamp group complete: nothing will ever be closed, and every poll reads the open groups again (receipts make the replays harmless; shardwise_paged_replays_total counts them)");
         }
         let audit_ms = i64::try_from(contracts.audit_window.as_millis()).unwrap_or(i64::MAX);
+        let mark = durable.resume_cursor.as_ref().and_then(AuditMark::decode);
         let (after_tx, after_rx) = watch::channel(durable.closed_through);
         let (polls_tx, polls_rx) = mpsc::channel(1);
         let poll_reader = PollReader {
@@ -136,6 +181,14 @@ impl Progress for Attempt {
                 pending: BTreeMap::new(),
                 earlier_attempts_through: crate::time::millis(crate::time::now()) + AHEAD_MS,
                 sought_at: held.lease.sought_at,
+                source: source.source.clone(),
+                readable_after_ms: match contracts.finality {
+                    Finality::Lateness(bound) => i64::try_from(bound.as_millis()).ok(),
+                    _ => None,
+                },
+                mark,
+                pending_mark: None,
+                ready_mark: None,
             },
             reader: Some(polls_rx),
         })
@@ -155,8 +208,22 @@ impl Progress for Attempt {
             PollMessage::Traversed {
                 started_ms,
                 watermark,
+                audited_from,
             } => {
                 self.groups.traversed(started_ms, watermark);
+                if let (Some(from), Some(after)) = (audited_from, self.readable_after_ms) {
+                    // Everything the audit read is handed out, or known: once every delivery
+                    // tracked so far settles, the mark may be written.
+                    let mark = AuditMark {
+                        through: started_ms.saturating_sub(after),
+                        from,
+                    };
+                    if pipeline.unsettled() == 0 {
+                        self.ready_mark = Some(mark);
+                    } else {
+                        self.pending_mark = Some((mark, pipeline.tracker().next_index()));
+                    }
+                }
                 Read::Note
             }
             PollMessage::Failed(error) => {
@@ -170,14 +237,26 @@ impl Progress for Attempt {
         for (timestamp, id) in std::mem::replace(&mut self.pending, rest).into_values() {
             self.groups.settled(timestamp, &id);
         }
+        if let Some((mark, below)) = self.pending_mark
+            && advance.index + 1 >= below
+        {
+            self.ready_mark = Some(mark);
+            self.pending_mark = None;
+        }
     }
 
-    /// The next close, if the groups propose one.
+    /// The next close, if the groups propose one, with the audit's mark when a newer one is
+    /// ready.
     fn propose(&mut self, _tracker: &Tracker<PagePosition>) -> Option<PagedProgress> {
         let through = self.groups.proposal()?;
+        let resume_cursor = match self.ready_mark {
+            Some(mark) if self.mark.is_none_or(|m| mark.through > m.through) => Some(mark.encode()),
+            _ => self.durable.resume_cursor.clone(),
+        };
         Some(PagedProgress {
             closed_through: Some(through),
             checkpoint_version: self.durable.checkpoint_version + 1,
+            resume_cursor,
             ..self.durable.clone()
         })
     }
@@ -200,6 +279,9 @@ impl Progress for Attempt {
         debug!(source = %self.lease.stream, partition = %self.lease.shard, closed_through = through, version = to.checkpoint_version, "closed");
         self.groups.closed(through, to.checkpoint_version);
         self.count_entries();
+        if let Some(mark) = to.resume_cursor.as_ref().and_then(AuditMark::decode) {
+            self.mark = Some(mark);
+        }
         self.durable = to;
         self.uncertain.clear();
         self.after.send_replace(Some(through));
@@ -263,6 +345,17 @@ impl Attempt {
                     pipeline.dispatch(delivery);
                 }
                 Seen::Again => {
+                    metrics::counter!("shardwise_paged_replays_total", &self.lease.labels)
+                        .increment(1);
+                }
+                Seen::Late
+                    if self.mark.is_some_and(|mark| {
+                        self.source
+                            .ingested(event)
+                            .is_some_and(|ingested| mark.covers(timestamp, ingested))
+                    }) =>
+                {
+                    // The durable audit mark shows it handed out by an earlier attempt.
                     metrics::counter!("shardwise_paged_replays_total", &self.lease.labels)
                         .increment(1);
                 }

@@ -19,9 +19,13 @@
 //!   (5 minutes) one poll starts the lateness window earlier, and an event it finds at or before
 //!   `closed_through` that the attempt did not hand out (it remembers the window's identities,
 //!   16 bytes each) is handed out unless its receipt shows it done, and counted in
-//!   `shardwise_paged_late_events_total`. After a restart the identities are gone: the first
-//!   audit hands the window out again unless receipts recognise it. The memory is reported as
-//!   `shardwise_paged_open_events` and `shardwise_paged_remembered_events`.
+//!   `shardwise_paged_late_events_total`. After a restart the identities are gone; the audit's
+//!   durable mark (written with a close once the audit's events settled: every event from the
+//!   audit's start, ingested by the audit's start less `C`, was handed out) tells the next
+//!   attempt's first audit what it need not hand out again, from the events' `ingestionTime`
+//!   ([`PagedSource::ingested`]); what arrived since the mark is handed out unless receipts
+//!   recognise it. The memory is reported as `shardwise_paged_open_events` and
+//!   `shardwise_paged_remembered_events`.
 //! - **Order across lanes**: events are keyed by their log stream, so one stream's events are
 //!   handled in the order the service returns them.
 //!
@@ -272,6 +276,12 @@ impl PagedSource for CloudWatchLogsFilter {
 
     fn audit_interval(&self) -> Option<Duration> {
         Some(self.audit_interval)
+    }
+
+    /// The event's `ingestionTime`, the second part of its position.
+    fn ingested(&self, event: &PagedEvent) -> Option<i64> {
+        let bytes: [u8; 8] = event.position.as_bytes().get(8..16)?.try_into().ok()?;
+        i64::try_from(u64::from_be_bytes(bytes)).ok()
     }
 
     /// The group itself, once it is found (a missing group is an error naming it).

@@ -374,6 +374,15 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// When the provider ingested `event` (ms since the Unix epoch), if the source knows. A
+    /// source read by timestamp that says lets the consumer keep a durable mark of its
+    /// late-event audits, so that after a restart the audit hands out again only what arrived
+    /// since the last one, not its whole window.
+    fn ingested(&self, event: &PagedEvent) -> Option<i64> {
+        let _ = event;
+        None
+    }
+
     /// For a source read by timestamp ([`Contract::timestamps`]): the cursor of a poll's first
     /// page, whose pages hold every event of `partition` strictly after `after` (ms since the Unix
     /// epoch; `None`: from the first event). `None` when the source cannot (the partition fails).
@@ -431,7 +440,8 @@ pub struct PagedProgress {
     pub checkpoint_version: u64,
     /// For a source read by timestamp (seed 000): the latest timestamp (ms) whose whole group of
     /// events has durable terminal outcomes; polls query strictly after it. It moves only forward,
-    /// with the version.
+    /// with the version. (For such a source `resume_cursor` holds the late-event audit's mark,
+    /// `audited|<ingested through>|<from>`, when the source tells ingestion times.)
     pub closed_through: Option<i64>,
 }
 

@@ -422,6 +422,9 @@ pub(crate) enum PollMessage {
     Traversed {
         started_ms: i64,
         watermark: Option<i64>,
+        /// For an audit, the timestamp it read from (every event after it that could be read
+        /// when the poll began).
+        audited_from: Option<i64>,
     },
     /// The partition cannot be read on.
     Failed(FetchError),
@@ -472,8 +475,10 @@ impl PollReader {
                 }
                 _ => None,
             };
+            let mut audited_from = None;
             if let Some(lookback) = audit {
                 after = after.map(|a| a.saturating_sub(lookback));
+                audited_from = Some(after.map_or(i64::MIN, |a| a.saturating_add(1)));
                 metrics::counter!("shardwise_paged_audits_total", &labels).increment(1);
             }
             // Taken before the poll's first cursor is made: a source that bounds its polls by
@@ -540,6 +545,7 @@ impl PollReader {
                     .send(PollMessage::Traversed {
                         started_ms,
                         watermark,
+                        audited_from,
                     })
                     .await
                     .is_err()
