@@ -1065,7 +1065,14 @@ async fn the_reasoned_example_a_120_b_90_then_110_and_a_membership_change() {
     let f = frontier_where(&running, "90", |f| f.scalar >= Some(t(90))).await;
     assert_eq!((f.scalar, f.epoch), (Some(t(90)), 1), "min(120, 90): {f:?}");
 
-    // A retry of an older A page finishes late: its compare-and-swap loses.
+    // A retry of an older A page finishes late: its compare-and-swap loses. (A closes 110, then
+    // 120, as its events settle: wait for the last.)
+    wait_for_async("A through 120", Duration::from_secs(20), || {
+        let tables = tables.clone();
+        let name = name.clone();
+        async move { tables.progress(&name, "A").await.closed_through == Some(t(120)) }
+    })
+    .await;
     let row = tables.leases.get(&name, "A").await.unwrap().unwrap();
     let a = row.progress.clone().unwrap();
     assert_eq!(a.closed_through, Some(t(120)));

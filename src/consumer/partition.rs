@@ -284,8 +284,9 @@ impl Pages {
 impl Pages {
     /// Events an audit returned behind the forward cursor. Those this attempt handed out
     /// (remembered) are passed over. Above the applied position the attempt started from, this
-    /// attempt read forward over the rest: they arrived late, and are handed out. At or below it an earlier attempt may have handled them:
-    /// a terminal receipt settles one as a replay, anything else hands it out (never skipped).
+    /// attempt read forward over the rest: they arrived late, and are handed out. At or below
+    /// it an earlier attempt may have handled them: a terminal receipt settles one as a replay,
+    /// anything else hands it out (never skipped).
     /// Either way the deliveries hold the page barrier until they settle, so the audited cursor
     /// the reader sends after them is promoted only then.
     fn late<H: Handler>(

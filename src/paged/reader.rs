@@ -169,11 +169,14 @@ impl PageReader {
         loop {
             if let Some(audits) = audits.as_mut()
                 && audits.due(Instant::now())
-                && let Some(cursor) = self.cursor.clone()
             {
-                match self.audit(&cursor, audits, &pages, &cancel).await {
-                    Audited::Done => {}
-                    Audited::Stop => return,
+                match self.cursor.clone() {
+                    Some(cursor) => match self.audit(&cursor, audits, &pages, &cancel).await {
+                        Audited::Done => {}
+                        Audited::Stop => return,
+                    },
+                    // Nothing read yet: nothing to audit behind, and no wait cut short for it.
+                    None => audits.next = Instant::now() + audits.every,
                 }
             }
             let fetched = tokio::select! {
