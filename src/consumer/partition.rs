@@ -310,12 +310,7 @@ impl Pages {
                 .is_some_and(|a| event.position <= *a)
             {
                 debug!(source = %source_name, partition = %partition, id = %event.id, timestamp, "an audit found an event at or below the applied position this attempt started from: handled unless its receipt shows it done");
-                let id = pipeline.track_only(event.position.clone());
-                let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
-                    .set_id(id)
-                    .replayable(Replayable::Recorded)
-                    .build();
-                pipeline.dispatch_unless_done(delivery, Some(LATE_EVENTS));
+                pipeline.dispatch_late(source_name, partition, event);
                 continue;
             }
             metrics::counter!(LATE_EVENTS, &self.lease.labels).increment(1);

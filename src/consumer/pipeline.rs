@@ -202,6 +202,25 @@ impl<H: Handler, E> Pipeline<H, E> {
         }
     }
 
+    /// A paged event that may be late or may already have its outcome (found behind the durable
+    /// progress by an audit): tracked, and handed out unless its receipt shows it done; counted
+    /// in `shardwise_paged_late_events_total` when handed out.
+    pub(crate) fn dispatch_late(
+        &mut self,
+        source: &std::sync::Arc<str>,
+        partition: &std::sync::Arc<str>,
+        event: &crate::paged::PagedEvent,
+    ) where
+        E: From<crate::paged::PagePosition>,
+    {
+        let id = self.track_only(E::from(event.position.clone()));
+        let delivery = Delivery::paged(source.clone(), partition.clone(), event)
+            .set_id(id)
+            .replayable(crate::handler::Replayable::Recorded)
+            .build();
+        self.dispatch_unless_done(delivery, Some(crate::paged::LATE_EVENTS));
+    }
+
     /// Whether more deliveries may be read: fewer than `max_in_flight` between the oldest unsettled
     /// one and the newest.
     pub(crate) fn has_room(&self) -> bool {

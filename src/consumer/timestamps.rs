@@ -32,8 +32,7 @@ use crate::handler::{Delivery, Handler, Replayable};
 use crate::lease::HeldLease;
 use crate::paged::reader::{AuditEvery, PollMessage, PollReader};
 use crate::paged::{
-    Finality, Groups, LATE_EVENTS, PagePosition, PagedEvent, PagedProgress, PagedSource, Seen,
-    Timestamps,
+    Finality, Groups, PagePosition, PagedEvent, PagedProgress, PagedSource, Seen, Timestamps,
 };
 use crate::track::Tracker;
 
@@ -363,12 +362,7 @@ impl Attempt {
                     // Done by an earlier attempt (its receipt says so), or late: the receipt check
                     // counts it as late only when it is handed out.
                     debug!(source = %source_name, partition = %partition, id = %event.id, timestamp, closed_through = ?self.groups.query_after(), "an event at or before closed_through: handled unless its receipt shows it done");
-                    let id = pipeline.track_only(event.position.clone());
-                    let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
-                        .set_id(id)
-                        .replayable(Replayable::Recorded)
-                        .build();
-                    pipeline.dispatch_unless_done(delivery, Some(LATE_EVENTS));
+                    pipeline.dispatch_late(source_name, partition, event);
                 }
             }
         }
