@@ -81,6 +81,9 @@ const EXIT_WAIT: Duration = Duration::from_secs(1);
 /// How often a stopping child's process group is looked at.
 const STOP_POLL: Duration = Duration::from_millis(50);
 
+/// How long a kill waits for the killed group's last processes to end.
+const KILL_WAIT: Duration = Duration::from_secs(2);
+
 /// How the children run.
 #[derive(Debug, Clone)]
 pub(crate) struct ExecSettings {
@@ -500,13 +503,40 @@ fn group_of(pid: u32) -> Option<Pid> {
         .map(Pid::from_raw)
 }
 
-/// Kills the child's whole process group (the shell and what it started) and reaps the shell.
+/// Kills the child's whole process group (the shell and what it started), reaps the shell, and
+/// waits (at most [`KILL_WAIT`]) for the rest of the group to be gone: SIGKILL takes effect when
+/// a process next runs, and a program the shell started is not its child to wait for.
 async fn kill_group(child: &mut Child, pid: u32) {
-    if let Some(group) = group_of(pid) {
+    let group = group_of(pid);
+    if let Some(group) = group {
         let _ = killpg(group, Signal::SIGKILL);
     }
     let _ = child.start_kill();
     let _ = child.wait().await;
+    let Some(group) = group else { return };
+    let deadline = Instant::now() + KILL_WAIT;
+    while group_lives(group) && Instant::now() < deadline {
+        tokio::time::sleep(STOP_POLL / 5).await;
+    }
+}
+
+/// Whether a process of the group is still running. A zombie (ended, waiting to be reaped by
+/// whichever process inherited it, which PID 1 of a container may do only every few seconds)
+/// does not count.
+#[cfg(target_os = "linux")]
+fn group_lives(group: Pid) -> bool {
+    let Ok(processes) = procfs::process::all_processes() else {
+        return killpg(group, None) != Err(Errno::ESRCH);
+    };
+    processes
+        .filter_map(|p| p.ok()?.stat().ok())
+        .any(|stat| stat.pgrp == group.as_raw() && !matches!(stat.state, 'Z' | 'X' | 'x'))
+}
+
+/// Whether a process of the group is still running (zombies included).
+#[cfg(not(target_os = "linux"))]
+fn group_lives(group: Pid) -> bool {
+    killpg(group, None) != Err(Errno::ESRCH)
 }
 
 /// Ends a child at the pool's stop (its stdin is closed already): SIGTERM to its process group,
@@ -520,7 +550,7 @@ async fn stop_group(child: &mut Child, index: usize, pid: u32, grace: Duration) 
     loop {
         // Reaps the shell once it ended: the group is gone when no process of it is left.
         let _ = child.try_wait();
-        if killpg(group, None) == Err(Errno::ESRCH) {
+        if !group_lives(group) {
             info!(child = index, pid, "handler program stopped");
             return;
         }
