@@ -122,6 +122,34 @@ async fn a_crashed_workers_leases_move_within_lease_duration_plus_one_scan() {
     assert_eq!(a.held().len(), 8);
 }
 
+/// A worker killed after a quiet spell (the others scan only every idle interval, so the counters
+/// they last read are old): its leases still move within a lease duration, a scan and a beat of
+/// its last renewal, at every phase of its renewal round. A roster-dead owner's counter must be
+/// seen still for two renewal rounds before its lease counts as expired; the others read the
+/// counters while its silence runs out, not first at its death.
+#[tokio::test(start_paused = true)]
+async fn a_worker_killed_after_a_quiet_spell_loses_its_leases_within_a_lease_duration_and_a_scan() {
+    let settings = LeaseSettings::default();
+    for phase_ms in [0, 700, 1_400, 2_100, 2_800] {
+        let store = MemoryLeaseStore::new();
+        let shards = Shards::open(8);
+        let (a, _a_events) = worker(&store, &shards, "a").await;
+        let (b, _b_events) = worker(&store, &shards, "b").await;
+        until(Duration::from_secs(60), || owned_by(&store, "b") == 4).await;
+        tokio::time::sleep(Duration::from_secs(60) + Duration::from_millis(phase_ms)).await;
+
+        drop(b); // kill -9: no release, no more renewals or beats
+        let took = until(Duration::from_secs(60), || owned_by(&store, "a") == 8).await;
+        eprintln!("killed {phase_ms} ms into a quiet minute's end: a held all 8 after {took:?}");
+        assert!(
+            took <= settings.lease_duration + settings.scan_interval + Duration::from_secs(1),
+            "killed {phase_ms} ms into the phase: failover took {took:?}"
+        );
+        assert_eq!(a.held().len(), 8);
+        a.shutdown().await;
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_graceful_shutdown_is_taken_over_within_one_scan() {
     let store = MemoryLeaseStore::new();

@@ -142,6 +142,23 @@ impl LeaseSettings {
         self.renew_interval * 2 + self.renew_interval / 4
     }
 
+    /// A worker is dead once its beat has not changed for a lease duration and one beat
+    /// interval: its last renewal came at most one beat interval after its last beat, so a lease
+    /// is never taken earlier than a lease duration after its last renewal.
+    fn silence(&self) -> Duration {
+        self.lease_duration + self.beat_interval
+    }
+
+    /// How long before a worker's silence runs out the table is scanned, so that the counters of
+    /// its leases are known still for [`Self::dead_owner_stillness`] when it does, plus a beat
+    /// interval for the scan itself; at most the silence less two beat intervals (a worker
+    /// whose beats merely came late is not read for). `None` when nothing is left of it.
+    fn suspicion_lead(&self) -> Option<Duration> {
+        let lead = (self.dead_owner_stillness() + self.beat_interval)
+            .min(self.silence().saturating_sub(self.beat_interval * 2));
+        (!lead.is_zero()).then_some(lead)
+    }
+
     /// How long a taker waits for a handoff it asked for before it steals the lease.
     fn handoff_patience(&self) -> Duration {
         self.handoff_timeout + self.scan_interval + self.renew_interval
@@ -354,13 +371,7 @@ impl LeaseManager {
         settings.validate()?;
         let (events, rx) = mpsc::unbounded_channel();
         let worker: String = worker.into();
-        // A worker is dead once its beat has not changed for a lease duration and one beat
-        // interval: its last renewal came at most one beat interval after its last beat, so a
-        // lease is never taken earlier than a lease duration after its last renewal.
-        let (worker_id, silence) = (
-            worker.clone(),
-            settings.lease_duration + settings.beat_interval,
-        );
+        let (worker_id, silence) = (worker.clone(), settings.silence());
         let inner = Arc::new(Inner {
             store,
             shards,
@@ -735,9 +746,17 @@ impl Inner {
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         // The first beat was written at start.
         tick.tick().await;
+        let lead = self.settings.suspicion_lead();
         loop {
             // A worker's silence running out is acted on at that moment, not at the next beat.
-            let death = self.roster().next_death(Instant::now());
+            // A lead before it the table is scanned, so that its counters are known by then: its
+            // leases count as expired once they have also been seen still long enough.
+            let now = Instant::now();
+            let (death, suspicion) = {
+                let roster = self.roster();
+                let suspicion = lead.and_then(|lead| Some(roster.next_death(now + lead)? - lead));
+                (roster.next_death(now), suspicion)
+            };
             tokio::select! {
                 biased;
                 _ = stop.cancelled() => return,
@@ -747,6 +766,11 @@ impl Inner {
                     if self.roster().recheck(Instant::now()) {
                         self.scan_now.notify_one();
                     }
+                    continue;
+                }
+                _ = async { tokio::time::sleep_until(suspicion.expect("a suspicion")).await }, if suspicion.is_some() => {
+                    debug!(stream = %self.stream, "a worker's beat has not moved for a while: reading the lease counters before its silence runs out");
+                    self.scan_now.notify_one();
                     continue;
                 }
             }
