@@ -214,10 +214,10 @@ impl LogsService {
             state.events_put += 1;
             let event_id = format!("{:020}", state.events_put);
             let events = state.streams.get_mut(stream)?;
-            let k = events
-                .iter()
-                .filter(|e| (e.timestamp, e.ingestion) == (*timestamp, now))
-                .count() as u64;
+            // The stream is in key order: those with this timestamp and ingestion time are a run.
+            let k = (events.partition_point(|e| (e.timestamp, e.ingestion) <= (*timestamp, now))
+                - events.partition_point(|e| (e.timestamp, e.ingestion) < (*timestamp, now)))
+                as u64;
             let event = LogEvent {
                 id: format!("{timestamp}-{now}-{k}"),
                 stream: stream.to_string(),
@@ -368,11 +368,11 @@ impl State {
         let end = request["endTime"].as_i64();
         let mut page = Vec::new();
         let mut bytes = 0;
-        for event in events {
-            if after.is_some_and(|a| event.key() <= a) || start.is_some_and(|s| event.timestamp < s)
-            {
-                continue;
-            }
+        // The first event past the token and at or after the start (the stream is in key order).
+        let from = after
+            .map_or(0, |a| events.partition_point(|e| e.key() <= a))
+            .max(start.map_or(0, |s| events.partition_point(|e| e.timestamp < s)));
+        for event in &events[from..] {
             if end.is_some_and(|end| event.timestamp >= end) {
                 break;
             }
@@ -444,30 +444,71 @@ impl State {
                 }
             },
         };
-        let mut found: Vec<&LogEvent> = self
+        // The answer's order is (timestamp, stream, ingestion, k); each stream is in the order
+        // (timestamp, ingestion, k), so the page is a merge of the streams, each from its first
+        // event past the token and at or after the start.
+        let order = |e: &LogEvent| (e.timestamp, e.stream.clone(), e.ingestion, e.k);
+        let mut runs: Vec<Run<'_>> = self
             .streams
             .iter()
             .filter(|(name, _)| streams.as_ref().is_none_or(|s| s.contains(name)))
-            .flat_map(|(_, events)| events)
-            .filter(|e| {
-                e.searchable <= now
-                    && start.is_none_or(|s| e.timestamp >= s)
-                    && end.is_none_or(|t| e.timestamp <= t)
+            .map(|(name, events)| {
+                let past_token = after.as_ref().map_or(0, |(t, s, i, k)| {
+                    events.partition_point(|e| match name.cmp(s) {
+                        std::cmp::Ordering::Less => e.timestamp <= *t,
+                        std::cmp::Ordering::Greater => e.timestamp < *t,
+                        std::cmp::Ordering::Equal => e.key() <= (*t, *i, *k),
+                    })
+                });
+                let from = past_token
+                    .max(start.map_or(0, |s| events.partition_point(|e| e.timestamp < s)));
+                events[from..].iter().peekable()
             })
             .collect();
-        let order = |e: &LogEvent| (e.timestamp, e.stream.clone(), e.ingestion, e.k);
-        found.sort_by_key(|e| order(e));
-        found.retain(|e| after.as_ref().is_none_or(|a| order(e) > *a));
+        // Each run's next event that is searchable and not past the end, in a heap by order.
+        type Run<'a> = std::iter::Peekable<std::slice::Iter<'a, LogEvent>>;
+        fn head<'a>(
+            run: &mut Run<'a>,
+            now: i64,
+            end: Option<i64>,
+        ) -> Option<(i64, &'a str, i64, u64)> {
+            while run.peek().is_some_and(|e| e.searchable > now) {
+                run.next();
+            }
+            run.peek()
+                .copied()
+                .filter(|e| end.is_none_or(|t| e.timestamp <= t))
+                .map(|e| (e.timestamp, e.stream.as_str(), e.ingestion, e.k))
+        }
+        let mut heads = std::collections::BinaryHeap::new();
+        for (i, run) in runs.iter_mut().enumerate() {
+            if let Some(h) = head(run, now, end) {
+                heads.push(std::cmp::Reverse((h, i)));
+            }
+        }
+        let mut found = Vec::new();
+        let mut more = false;
+        while let Some(std::cmp::Reverse((_, i))) = heads.pop() {
+            if found.len() == limit {
+                more = true;
+                break;
+            }
+            found.push(runs[i].next().expect("a head"));
+            if let Some(h) = head(&mut runs[i], now, end) {
+                heads.push(std::cmp::Reverse((h, i)));
+            }
+        }
         let mut page = Vec::new();
         let mut bytes = 0;
         for event in &found {
-            if page.len() == limit || bytes + event.size() > PAGE_BYTES {
+            if bytes + event.size() > PAGE_BYTES {
+                more = true;
                 break;
             }
             bytes += event.size();
             page.push((*event).clone());
         }
-        let next = (page.len() < found.len()).then(|| {
+        let next = more.then(|| {
             let last = page.last().expect("a page before the rest");
             self.mint(
                 Token::Filter {
