@@ -48,6 +48,19 @@ pub enum Error {
         limit: usize,
     },
 
+    /// Another process runs under this worker id on the stream: its beats replace this
+    /// process's nonce in the lease table's roster. Two processes with one id would each take the
+    /// other's leases as their own; the one started later refuses to run.
+    #[error(
+        "worker id `{worker}` is in use by another running process on stream `{stream}` (its beats keep replacing this process's in the lease table's roster): give each process its own worker id, or leave the default (host name, process id and a random part)"
+    )]
+    WorkerIdInUse {
+        /// The stream.
+        stream: String,
+        /// The worker id both use.
+        worker: String,
+    },
+
     /// The lease table exists but cannot be used as one.
     #[error("lease table `{table}` cannot be used: {reason}")]
     LeaseTableSchema {

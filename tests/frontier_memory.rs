@@ -190,9 +190,10 @@ impl LeaseStore for Tampered {
         &'a self,
         stream: &'a str,
         worker: &'a str,
+        nonce: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>> {
-        self.inner.beat(stream, worker, announce)
+        self.inner.beat(stream, worker, nonce, announce)
     }
     fn forget<'a>(
         &'a self,

@@ -802,7 +802,7 @@ async fn leases_falling_to_a_worker_that_never_takes_them_are_taken_after_a_leas
         let store = store.clone();
         async move {
             loop {
-                store.beat(STREAM, "ghost", false).await.unwrap();
+                store.beat(STREAM, "ghost", 1, false).await.unwrap();
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
@@ -906,7 +906,7 @@ async fn a_lease_asked_for_by_a_worker_that_is_gone_is_released_not_passed() {
         let store = store.clone();
         tokio::spawn(async move {
             loop {
-                store.beat(STREAM, "alive", false).await.unwrap();
+                store.beat(STREAM, "alive", 1, false).await.unwrap();
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         })
@@ -1020,7 +1020,7 @@ async fn expired_leases_of_a_gone_owner_falling_to_a_worker_that_never_takes_the
         let store = store.clone();
         async move {
             loop {
-                store.beat(STREAM, "ghost", false).await.unwrap();
+                store.beat(STREAM, "ghost", 1, false).await.unwrap();
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
@@ -1036,4 +1036,123 @@ async fn expired_leases_of_a_gone_owner_falling_to_a_worker_that_never_takes_the
         "{took:?}"
     );
     ghost.abort();
+}
+
+/// Two processes under one worker id (containers with host networking share the host name and
+/// run as PID 1; an operator copies a `--worker-id`). The second refuses to start, naming the id,
+/// and the first keeps every lease. Before, the second started, took every row naming the id as
+/// its own from an earlier life, and the two traded the leases back and forth.
+#[tokio::test(start_paused = true)]
+async fn a_second_process_under_a_running_workers_id_refuses_to_start_and_the_first_keeps_its_leases()
+ {
+    let store = MemoryLeaseStore::new();
+    let shards = Shards::open(4);
+    let (first, mut events) = worker(&store, &shards, "web-1").await;
+    until(Duration::from_secs(30), || first.held().len() == 4).await;
+    while events.try_recv().is_ok() {}
+
+    let second = LeaseManager::start(
+        Arc::new(store.clone()),
+        shards.clone(),
+        STREAM,
+        "web-1",
+        LeaseSettings::default(),
+        Arc::new(()),
+    )
+    .await;
+    let Err(err) = second else {
+        panic!("the second process started");
+    };
+    assert!(matches!(err, Error::WorkerIdInUse { .. }), "{err:?}");
+    assert!(err.to_string().contains("worker id `web-1`"), "{err}");
+
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(first.held().len(), 4, "the first kept every lease");
+    assert!(
+        events.try_recv().is_err(),
+        "the first's leases did not move"
+    );
+    assert!(!first.probe().gave_way());
+    first.shutdown().await;
+}
+
+/// A worker restarted under its own id after a crash (its nonce is left in the roster) is not a
+/// second process: it starts a beat interval later and takes its leases back.
+#[tokio::test(start_paused = true)]
+async fn a_worker_restarted_under_its_id_after_a_crash_starts_and_takes_its_leases_back() {
+    let settings = LeaseSettings::default();
+    let store = MemoryLeaseStore::new();
+    let shards = Shards::open(4);
+    let (crashed, _events) = worker(&store, &shards, "web-1").await;
+    until(Duration::from_secs(30), || crashed.held().len() == 4).await;
+    drop(crashed); // kill -9
+
+    let started = Instant::now();
+    let (restarted, _events) = worker(&store, &shards, "web-1").await;
+    let start = started.elapsed();
+    assert!(
+        start <= settings.beat_interval + Duration::from_millis(100),
+        "started after {start:?}"
+    );
+    let took = until(Duration::from_secs(30), || restarted.held().len() == 4).await;
+    assert!(
+        took <= settings.scan_interval,
+        "took its leases back after {took:?}"
+    );
+    restarted.shutdown().await;
+}
+
+/// Two processes under one id started at the same moment: whichever order their beats take, one
+/// ends up holding every lease and the other none (it refused to start, or gave way once it saw
+/// the other's beats, and says so in its probe).
+#[tokio::test(start_paused = true)]
+async fn twins_started_together_end_with_one_holding_every_lease() {
+    for _ in 0..5 {
+        let store = MemoryLeaseStore::new();
+        let shards = Shards::open(4);
+        let start = || {
+            LeaseManager::start(
+                Arc::new(store.clone()),
+                shards.clone(),
+                STREAM,
+                "web-1",
+                LeaseSettings::default(),
+                Arc::new(()),
+            )
+        };
+        let (a, b) = tokio::join!(start(), start());
+        let running: Vec<_> = [a, b]
+            .into_iter()
+            .filter_map(|started| match started {
+                Ok((manager, events)) => Some((manager, events)),
+                Err(e) => {
+                    assert!(matches!(e, Error::WorkerIdInUse { .. }), "{e:?}");
+                    None
+                }
+            })
+            .collect();
+        assert!(!running.is_empty(), "one of them runs");
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let holding: Vec<usize> = running.iter().map(|(m, _)| m.held().len()).collect();
+        eprintln!("started: {}, holding {holding:?}", running.len());
+        let gave_way = running.iter().filter(|(m, _)| m.probe().gave_way()).count();
+        assert!(holding.contains(&4), "one holds every lease: {holding:?}");
+        assert_eq!(holding.iter().sum::<usize>(), 4, "{holding:?}");
+        assert_eq!(gave_way, running.len() - 1, "the other gave way");
+        // The one that gave way stops; the rows and the roster entry are the other's.
+        let (stopped, kept): (Vec<_>, Vec<_>) =
+            running.into_iter().partition(|(m, _)| m.probe().gave_way());
+        for (manager, _) in stopped {
+            assert_eq!(manager.shutdown().await, 0);
+        }
+        let (holder, mut events) = kept.into_iter().next().expect("the holder");
+        while events.try_recv().is_ok() {}
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert_eq!(holder.held().len(), 4, "the holder kept every lease");
+        assert!(
+            events.try_recv().is_err(),
+            "the holder's leases did not move"
+        );
+        holder.shutdown().await;
+    }
 }

@@ -2004,3 +2004,51 @@ async fn the_metrics_endpoint_agrees_with_the_handled_log_and_drops_shards_that_
     assert_nothing_skipped(&log.snapshot(), n);
     cleanup(&live, &stream, &app).await;
 }
+
+/// A second `shardwise consume` started with the worker id of a running one (issue 27, defect 3:
+/// containers sharing a host name and PID 1, a copied `--worker-id`) exits with an error naming the
+/// id, a beat interval after it starts, and takes nothing: the running worker handles every record
+/// once. Before, the two took each other's leases as their own and traded them back and forth.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_worker_under_a_running_workers_id_exits_naming_it_and_takes_nothing() {
+    let _turn = EMULATORS.read().await;
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-twin");
+    let app = support::unique_name("pl-twin-app");
+    live.create_stream(&stream, 2).await;
+    let (n, keys) = (400u64, 8u64);
+    let log = Log::default();
+    put(&stream, n / 2, keys, 0).await;
+    let mut first = Worker::spawn(&stream, &app, "twin", FAST, &log);
+    wait_for("the first half handled", Duration::from_secs(60), || {
+        log.distinct_ids() as u64 >= n / 2
+    })
+    .await;
+
+    let second_log = Log::default();
+    let mut second = Worker::spawn(&stream, &app, "twin", FAST, &second_log);
+    let (status, _) = second.wait_exit(Duration::from_secs(30)).await;
+    let stderr = second.stderr_tail();
+    assert!(
+        !status.success(),
+        "the second exits with an error: {stderr}"
+    );
+    assert!(
+        stderr.contains("worker id `twin` is in use by another running process"),
+        "{stderr}"
+    );
+
+    put(&stream, n / 2, keys, n / 2).await;
+    wait_for("every id handled", Duration::from_secs(60), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    first.stop_gracefully(Duration::from_secs(30)).await;
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    let dups = duplicates(&lines);
+    assert!(dups.is_empty(), "{} ids handled twice", dups.len());
+    assert_eq!(second_log.len(), 0, "the second handled nothing");
+    cleanup(&live, &stream, &app).await;
+}

@@ -27,6 +27,9 @@ pub struct Health {
     pub stuck_writes: usize,
     /// A graceful stop was asked for.
     pub stopping: bool,
+    /// Another process started earlier runs under this worker id: this one gave way and holds
+    /// and takes no lease (see [`Error::WorkerIdInUse`](crate::Error::WorkerIdInUse)).
+    pub worker_id_in_use: bool,
 }
 
 /// One shard's health.
@@ -88,6 +91,12 @@ impl Health {
     /// dead-letter stream nor a failing downstream, and both hold their checkpoint visibly.
     pub fn problems(&self, limits: HealthLimits) -> Vec<String> {
         let mut problems = Vec::new();
+        if self.worker_id_in_use {
+            problems.push(
+                "worker id in use by another process started earlier: this one holds and takes no lease"
+                    .to_string(),
+            );
+        }
         if let Some(since) = self.since_renewal
             && since > self.lease_duration
         {
@@ -259,6 +268,7 @@ mod tests {
             shards: board.shards(),
             stuck_writes: 0,
             stopping: false,
+            worker_id_in_use: false,
         };
         let problems = health(&board).problems(HealthLimits::default());
         assert_eq!(problems.len(), 1, "{problems:?}");
@@ -312,6 +322,7 @@ mod tests {
             shards: vec![],
             stuck_writes: 2,
             stopping: false,
+            worker_id_in_use: false,
         };
         let problems = health.problems(HealthLimits::default());
         assert_eq!(problems.len(), 1);

@@ -903,6 +903,7 @@ impl Running {
             shards: self.health.shards(),
             stuck_writes: self.stuck.list().len(),
             stopping: self.stop.is_cancelled(),
+            worker_id_in_use: self.leases.gave_way(),
         }
     }
 

@@ -61,6 +61,7 @@ mod attr {
     pub(super) const BEAT: &str = "beat:";
     pub(super) const CHANGES: &str = "changes";
     pub(super) const FOUNDER: &str = "founder";
+    pub(super) const NONCE: &str = "nonce:";
 }
 use attr::*;
 
@@ -428,6 +429,7 @@ impl DynamoDbLeaseStore {
         &self,
         stream: &str,
         worker: &str,
+        nonce: u64,
         announce: bool,
     ) -> Result<Roster, Error> {
         let mut request = self
@@ -436,17 +438,21 @@ impl DynamoDbLeaseStore {
             .table_name(&self.table)
             .key(KEY, s(Self::roster_key(stream)))
             .expression_attribute_names("#beat", format!("{BEAT}{worker}"))
+            .expression_attribute_names("#nonce", format!("{NONCE}{worker}"))
             .expression_attribute_names("#founder", FOUNDER)
             .expression_attribute_values(":one", n(1u64))
             .expression_attribute_values(":me", s(worker))
-            .return_values(ReturnValue::AllNew);
-        let founder = "SET #founder = if_not_exists(#founder, :me)";
+            .expression_attribute_values(":nonce", n(nonce))
+            // The item before the write: it alone tells whose nonce the entry held. The roster
+            // as written follows from it.
+            .return_values(ReturnValue::AllOld);
+        let set = "SET #founder = if_not_exists(#founder, :me), #nonce = :nonce";
         request = if announce {
             request
-                .update_expression(format!("{founder} ADD #beat :one, #changes :one"))
+                .update_expression(format!("{set} ADD #beat :one, #changes :one"))
                 .expression_attribute_names("#changes", CHANGES)
         } else {
-            request.update_expression(format!("{founder} ADD #beat :one"))
+            request.update_expression(format!("{set} ADD #beat :one"))
         };
         let out = request
             .send()
@@ -459,12 +465,17 @@ impl DynamoDbLeaseStore {
                 if let Some(beat) = number(value) {
                     roster.beats.insert(worker.to_string(), beat);
                 }
+            } else if name.strip_prefix(NONCE) == Some(worker) {
+                roster.nonce_before = number(value);
             } else if name == CHANGES {
                 roster.changes = number(value).unwrap_or(0);
             } else if name == FOUNDER {
                 roster.founder = value.as_s().ok().cloned();
             }
         }
+        *roster.beats.entry(worker.to_string()).or_default() += 1;
+        roster.changes += u64::from(announce);
+        roster.founder.get_or_insert_with(|| worker.to_string());
         Ok(roster)
     }
 
@@ -480,14 +491,15 @@ impl DynamoDbLeaseStore {
             .update_item()
             .table_name(&self.table)
             .key(KEY, s(Self::roster_key(stream)))
-            .expression_attribute_names("#beat", format!("{BEAT}{worker}"));
+            .expression_attribute_names("#beat", format!("{BEAT}{worker}"))
+            .expression_attribute_names("#nonce", format!("{NONCE}{worker}"));
         request = match seen {
             Some(seen) => request
-                .update_expression("REMOVE #beat")
+                .update_expression("REMOVE #beat, #nonce")
                 .condition_expression("#beat = :seen")
                 .expression_attribute_values(":seen", n(seen)),
             None => request
-                .update_expression("REMOVE #beat ADD #changes :one")
+                .update_expression("REMOVE #beat, #nonce ADD #changes :one")
                 .expression_attribute_names("#changes", CHANGES)
                 .expression_attribute_values(":one", n(1u64)),
         };
@@ -1096,9 +1108,10 @@ impl LeaseStore for DynamoDbLeaseStore {
         &'a self,
         stream: &'a str,
         worker: &'a str,
+        nonce: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>> {
-        Box::pin(self.beat_roster(stream, worker, announce))
+        Box::pin(self.beat_roster(stream, worker, nonce, announce))
     }
 
     fn forget<'a>(

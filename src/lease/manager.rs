@@ -13,7 +13,7 @@ use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::planner::{self, PlanLimits, Seen, Take};
 use super::roster::RosterView;
@@ -329,6 +329,28 @@ struct Inner {
     beat_now: Notify,
     /// The rows of the last scan, which the shard sync compares the stream against.
     last_rows: Mutex<Option<Vec<Lease>>>,
+    /// This process's nonce in the roster: its start time (ms) and 16 random bits, so that of two
+    /// processes under one worker id the one started later has the larger.
+    nonce: u64,
+    /// Beats this process has written.
+    beats_written: AtomicU64,
+    /// What this process's beats found of another process under the same worker id.
+    twin: Mutex<Twin>,
+}
+
+/// Another process under this worker's id, as the roster's nonces show it.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Twin {
+    /// None seen.
+    #[default]
+    None,
+    /// The first beat found another nonce in the entry: a process that ran under this id before
+    /// (a restart), or one that still does. The next beat tells.
+    Before(u64),
+    /// A later beat found another nonce: a second process beats under this id now. `newer` when
+    /// that process started after this one (it refuses to run, or gives everything up, when it
+    /// sees this one).
+    Running { nonce: u64, newer: bool },
 }
 
 /// Runs the lease protocol for one worker on one stream. Background tasks stop on
@@ -397,6 +419,10 @@ impl LeaseManager {
             scan_now: Notify::new(),
             beat_now: Notify::new(),
             last_rows: Mutex::new(None),
+            nonce: (crate::time::millis(crate::time::now()).max(0) as u64) << 16
+                | (crate::backoff::fraction() * 65_536.0) as u64,
+            beats_written: AtomicU64::new(0),
+            twin: Mutex::new(Twin::None),
         });
         // The stream first: a missing stream must not leave a new lease table behind.
         let listed = inner.shards.list_shards(&inner.stream).await?;
@@ -406,6 +432,19 @@ impl LeaseManager {
         // alone, or the roster's founder, syncs the shard list now; one that found others lets
         // them create the rows and syncs what is still missing one scan interval later.
         inner.beat().await;
+        if let Twin::Before(other) = inner.twin() {
+            // The entry holds another process's nonce: this id ran before (a restart), or runs
+            // now in a second process. A beat interval later, a running one has beaten again.
+            info!(stream = %inner.stream, worker = %inner.worker, other, "this worker id's roster entry holds another process's nonce (a restart, or a second process under this id): beating once more before taking any lease");
+            tokio::time::sleep(inner.settings.beat_interval).await;
+            inner.beat().await;
+        }
+        if let Twin::Running { newer: false, .. } = inner.twin() {
+            return Err(Error::WorkerIdInUse {
+                stream: inner.stream.clone(),
+                worker: inner.worker.clone(),
+            });
+        }
         let alone = inner.roster().syncs_at_start();
         if alone {
             inner.sync_shards(true).await?;
@@ -543,6 +582,13 @@ impl LeaseManager {
         self.inner.taking.cancel();
         let held = self.held();
         let released = join_all(held.iter().map(|o| self.inner.release(o))).await;
+        if matches!(self.inner.twin(), Twin::Running { newer: false, .. }) {
+            // Gave way to a process under the same id: the rows and the roster entry that name
+            // the id are that process's.
+            self.renewing.cancel();
+            self.tasks.wait().await;
+            return 0;
+        }
         // Rows that name this worker without its holding them (passed to it, not taken yet): no
         // one else would take them before their counters went still for a lease duration.
         match self.inner.store.list(&self.inner.stream).await {
@@ -609,6 +655,12 @@ impl LeaseProbe {
     /// The stream frontier (see [`LeaseManager::frontier`]).
     pub fn frontier(&self) -> watch::Receiver<Frontier> {
         self.0.frontier.subscribe()
+    }
+
+    /// Whether this process gave way to another that beats under the same worker id and started
+    /// before it: it holds and takes no lease (see [`Error::WorkerIdInUse`]).
+    pub fn gave_way(&self) -> bool {
+        matches!(self.0.twin(), Twin::Running { newer: false, .. })
     }
 
     /// Since the held lease renewed longest ago was last renewed (`None`: none held).
@@ -689,7 +741,8 @@ impl Inner {
         let attempt = self.settings.renew_interval;
         let result = tokio::time::timeout(
             attempt,
-            self.store.beat(&self.stream, &self.worker, announce),
+            self.store
+                .beat(&self.stream, &self.worker, self.nonce, announce),
         )
         .await;
         let roster = match result {
@@ -722,6 +775,7 @@ impl Inner {
             }
         };
         let now = Instant::now();
+        self.twin_seen(roster.nonce_before);
         *self.last_beat.lock().unwrap_or_else(|e| e.into_inner()) = now;
         if self.silent.swap(false, Ordering::Relaxed) {
             info!(stream = %self.stream, "this worker's beat is written again: taking leases again");
@@ -739,6 +793,47 @@ impl Inner {
             }
         }
         observed.changed
+    }
+
+    fn twin(&self) -> Twin {
+        *self.twin.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Judges what a beat found in this worker's roster entry before writing its own nonce.
+    /// After this process's first beat, another nonce there means a second process beats under
+    /// this id: the one started later gives up every lease (without a write: the rows name the
+    /// id both share) and takes none, and reports it; the other reports it and goes on.
+    fn twin_seen(&self, before: Option<u64>) {
+        let first = self.beats_written.fetch_add(1, Ordering::Relaxed) == 0;
+        let Some(other) = before.filter(|n| *n != self.nonce) else {
+            return;
+        };
+        let mut twin = self.twin.lock().unwrap_or_else(|e| e.into_inner());
+        if first {
+            *twin = Twin::Before(other);
+            return;
+        }
+        let newer = other > self.nonce;
+        let seen_before = matches!(*twin, Twin::Running { .. });
+        *twin = Twin::Running {
+            nonce: other,
+            newer,
+        };
+        drop(twin);
+        metrics::counter!("shardwise_worker_id_clashes_total", &self.labels()).increment(1);
+        if seen_before {
+            return;
+        }
+        if newer {
+            error!(stream = %self.stream, worker = %self.worker, "a second process beats under this worker id, started after this one: it gives up its leases and takes none; give each process its own worker id");
+            return;
+        }
+        error!(stream = %self.stream, worker = %self.worker, "a second process beats under this worker id, started before this one: this one gives up every lease (without writing: the rows name the id both share) and takes none; give each process its own worker id");
+        self.taking.cancel();
+        let held: Vec<Ownership> = self.held().values().map(|h| h.ownership.clone()).collect();
+        for ownership in held {
+            self.lose(&ownership, "a second process beats under this worker id");
+        }
     }
 
     async fn beat_loop(self: Arc<Self>, stop: CancellationToken) {
@@ -776,6 +871,11 @@ impl Inner {
             }
             if self.beat().await {
                 self.scan_now.notify_one();
+            }
+            if let Twin::Running { newer: false, .. } = self.twin() {
+                // This process gave way to one started before it under the same id: its beats
+                // would only keep reporting the clash there.
+                return;
             }
         }
     }

@@ -150,6 +150,7 @@ mod tests {
             beats: beats.iter().map(|(w, b)| (w.to_string(), *b)).collect(),
             changes,
             founder: beats.first().map(|(w, _)| w.to_string()),
+            nonce_before: None,
         }
     }
 

@@ -58,6 +58,10 @@ pub struct Roster {
     /// The first worker that ever beat in this roster: on the stream's first start, the one
     /// worker that creates the rows at once.
     pub founder: Option<String>,
+    /// The process nonce the beating worker's entry held before this beat (`None`: no entry, or
+    /// one written before nonces). Another value than the beating process's own, after its first
+    /// beat, means a second process beats under the same worker id.
+    pub nonce_before: Option<u64>,
 }
 
 /// One row of a seek: the row as seen and where its checkpoint goes.
@@ -225,17 +229,19 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
     ) -> BoxFuture<'a, Result<bool, Error>>;
 
     /// Raises `worker`'s beat in the roster of `stream` by one (creating the roster or the entry
-    /// when missing), and `changes` too when `announce`, and records `worker` as the founder when
-    /// the roster has none; unconditional. Returns the roster as written, so reading it costs no
-    /// read.
+    /// when missing), and `changes` too when `announce`, records `worker` as the founder when
+    /// the roster has none, and stores `nonce` (the beating process's own) as the entry's nonce;
+    /// unconditional. Returns the roster as written, with the nonce the entry held before
+    /// ([`Roster::nonce_before`]), so reading it costs no read.
     fn beat<'a>(
         &'a self,
         stream: &'a str,
         worker: &'a str,
+        nonce: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>>;
 
-    /// Removes `worker` from the roster of `stream`: when `seen` is given only if its beat is still
+    /// Removes `worker` (its beat and nonce) from the roster of `stream`: when `seen` is given only if its beat is still
     /// that value (a dead worker, forgotten by another), else unconditionally, raising `changes`
     /// too (a worker leaving: every worker scans, even one that sees it back before it saw it
     /// gone). `false` when the condition failed.

@@ -325,6 +325,7 @@ impl<L: Layer> LeaseStore for Layered<L> {
         &'a self,
         stream: &'a str,
         worker: &'a str,
+        nonce: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>> {
         let call = Call::Beat {
@@ -333,7 +334,7 @@ impl<L: Layer> LeaseStore for Layered<L> {
             announce,
         };
         self.layer
-            .around(call, self.inner.beat(stream, worker, announce))
+            .around(call, self.inner.beat(stream, worker, nonce, announce))
     }
 
     fn forget<'a>(
