@@ -190,10 +190,10 @@ impl LeaseStore for Tampered {
         &'a self,
         stream: &'a str,
         worker: &'a str,
-        nonce: u64,
+        beat: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>> {
-        self.inner.beat(stream, worker, nonce, announce)
+        self.inner.beat(stream, worker, beat, announce)
     }
     fn forget<'a>(
         &'a self,

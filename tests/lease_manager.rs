@@ -801,8 +801,8 @@ async fn leases_falling_to_a_worker_that_never_takes_them_are_taken_after_a_leas
     let ghost = tokio::spawn({
         let store = store.clone();
         async move {
-            loop {
-                store.beat(STREAM, "ghost", 1, false).await.unwrap();
+            for beat in 1.. {
+                store.beat(STREAM, "ghost", beat, false).await.unwrap();
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
@@ -905,8 +905,8 @@ async fn a_lease_asked_for_by_a_worker_that_is_gone_is_released_not_passed() {
     let beating = {
         let store = store.clone();
         tokio::spawn(async move {
-            loop {
-                store.beat(STREAM, "alive", 1, false).await.unwrap();
+            for beat in 1.. {
+                store.beat(STREAM, "alive", beat, false).await.unwrap();
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         })
@@ -1019,8 +1019,8 @@ async fn expired_leases_of_a_gone_owner_falling_to_a_worker_that_never_takes_the
     let ghost = tokio::spawn({
         let store = store.clone();
         async move {
-            loop {
-                store.beat(STREAM, "ghost", 1, false).await.unwrap();
+            for beat in 1.. {
+                store.beat(STREAM, "ghost", beat, false).await.unwrap();
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
@@ -1155,4 +1155,55 @@ async fn twins_started_together_end_with_one_holding_every_lease() {
         );
         holder.shutdown().await;
     }
+}
+
+/// Twins both past their start: the second started while the first's beats went unwritten, so
+/// its check at start saw nothing and it retook the rows naming the id. Once the first's beats
+/// are written again, the second (whose first beat found the first's) gives way without a write
+/// and takes nothing more; the first takes its rows back and keeps them.
+#[tokio::test(start_paused = true)]
+async fn a_twin_that_started_unseen_gives_way_once_the_first_beats_again() {
+    let memory = MemoryLeaseStore::new();
+    let shards = Shards::open(4);
+    let beats = counting(memory.clone());
+    let (first, _first_events) = LeaseManager::start(
+        beats.clone(),
+        shards.clone(),
+        STREAM,
+        "web-1",
+        LeaseSettings::default(),
+        Arc::new(()),
+    )
+    .await
+    .unwrap();
+    until(Duration::from_secs(30), || first.held().len() == 4).await;
+
+    let unwritten = |on| {
+        beats
+            .layer()
+            .beats_fail
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    };
+    unwritten(true);
+    let (second, _second_events) = worker(&memory, &shards, "web-1").await;
+    until(Duration::from_secs(30), || !second.held().is_empty()).await;
+    assert!(!second.probe().gave_way());
+
+    unwritten(false);
+    until(Duration::from_secs(60), || {
+        second.probe().gave_way() && second.held().is_empty() && first.held().len() == 4
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(first.held().len(), 4, "the first keeps every lease");
+    assert!(second.held().is_empty(), "the second takes nothing more");
+    assert!(!first.probe().gave_way());
+    assert_eq!(second.shutdown().await, 0);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(
+        first.held().len(),
+        4,
+        "the second's shutdown left the id's rows alone"
+    );
+    first.shutdown().await;
 }

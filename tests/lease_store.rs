@@ -1109,12 +1109,12 @@ async fn a_handoff_is_requested_once_and_passed_only_to_the_taker(store: &dyn Le
 async fn the_roster_counts_beats_and_forgets_a_worker_only_as_seen(store: &dyn LeaseStore) {
     let stream = stream_name();
     let other = stream_name();
-    let first = store.beat(&stream, "w1", 11, false).await.unwrap();
+    let first = store.beat(&stream, "w1", 1, false).await.unwrap();
     assert_eq!(first.beats.get("w1"), Some(&1));
     assert_eq!(first.changes, 0);
     assert_eq!(first.founder.as_deref(), Some("w1"), "the first to beat");
-    assert_eq!(first.nonce_before, None, "no entry before");
-    let both = store.beat(&stream, "w2", 21, false).await.unwrap();
+    assert_eq!(first.beat_before, None, "no entry before");
+    let both = store.beat(&stream, "w2", 1, false).await.unwrap();
     assert_eq!(
         both.beats
             .iter()
@@ -1124,17 +1124,18 @@ async fn the_roster_counts_beats_and_forgets_a_worker_only_as_seen(store: &dyn L
         "a beat returns the whole roster"
     );
     assert_eq!(both.founder.as_deref(), Some("w1"), "the founder stays");
-    assert_eq!(both.nonce_before, None, "w2's own entry was new");
-    let announced = store.beat(&stream, "w1", 11, true).await.unwrap();
+    assert_eq!(both.beat_before, None, "w2's own entry was new");
+    let announced = store.beat(&stream, "w1", 2, true).await.unwrap();
     assert_eq!((announced.beats["w1"], announced.changes), (2, 1));
-    assert_eq!(announced.nonce_before, Some(11), "w1's own nonce");
-    // A second process under w1's id: each beat tells the nonce the other wrote.
-    let twin = store.beat(&stream, "w1", 12, false).await.unwrap();
-    assert_eq!((twin.beats["w1"], twin.nonce_before), (3, Some(11)));
-    let again = store.beat(&stream, "w1", 11, false).await.unwrap();
-    assert_eq!((again.beats["w1"], again.nonce_before), (4, Some(12)));
+    assert_eq!(announced.beat_before, Some(1), "w1's own last beat");
+    // Beats are set, not added: a value as large as a tagged beat round-trips whole.
+    let tagged = (1u64 << 63) + 3;
+    let big = store.beat(&stream, "w1", tagged, false).await.unwrap();
+    assert_eq!((big.beats["w1"], big.beat_before), (tagged, Some(2)));
+    let again = store.beat(&stream, "w1", 4, false).await.unwrap();
+    assert_eq!((again.beats["w1"], again.beat_before), (4, Some(tagged)));
     assert_eq!(
-        store.beat(&other, "w1", 11, false).await.unwrap().beats["w1"],
+        store.beat(&other, "w1", 1, false).await.unwrap().beats["w1"],
         1,
         "each stream has its own roster"
     );
@@ -1151,15 +1152,15 @@ async fn the_roster_counts_beats_and_forgets_a_worker_only_as_seen(store: &dyn L
         !store.forget(&stream, "w2", Some(1)).await.unwrap(),
         "forgotten already"
     );
-    let after = store.beat(&stream, "w1", 11, false).await.unwrap();
+    let after = store.beat(&stream, "w1", 5, false).await.unwrap();
     assert_eq!(after.beats.keys().collect::<Vec<_>>(), ["w1"]);
     assert_eq!(after.changes, 1);
     // Leaving is unconditional and announced (every worker scans), and a worker that comes back
-    // starts again from 1.
+    // writes its beat into a new entry.
     assert!(store.forget(&stream, "w1", None).await.unwrap());
-    let back = store.beat(&stream, "w1", 13, false).await.unwrap();
+    let back = store.beat(&stream, "w1", 1, false).await.unwrap();
     assert_eq!((back.beats["w1"], back.changes), (1, 2));
-    assert_eq!(back.nonce_before, None, "leaving removed the nonce too");
+    assert_eq!(back.beat_before, None, "leaving removed the entry");
 }
 
 /// What a seek records as skipped round-trips on the row (the paged attributes and the owner

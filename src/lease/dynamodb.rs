@@ -61,7 +61,6 @@ mod attr {
     pub(super) const BEAT: &str = "beat:";
     pub(super) const CHANGES: &str = "changes";
     pub(super) const FOUNDER: &str = "founder";
-    pub(super) const NONCE: &str = "nonce:";
 }
 use attr::*;
 
@@ -429,7 +428,7 @@ impl DynamoDbLeaseStore {
         &self,
         stream: &str,
         worker: &str,
-        nonce: u64,
+        beat: u64,
         announce: bool,
     ) -> Result<Roster, Error> {
         let mut request = self
@@ -438,21 +437,20 @@ impl DynamoDbLeaseStore {
             .table_name(&self.table)
             .key(KEY, s(Self::roster_key(stream)))
             .expression_attribute_names("#beat", format!("{BEAT}{worker}"))
-            .expression_attribute_names("#nonce", format!("{NONCE}{worker}"))
             .expression_attribute_names("#founder", FOUNDER)
-            .expression_attribute_values(":one", n(1u64))
             .expression_attribute_values(":me", s(worker))
-            .expression_attribute_values(":nonce", n(nonce))
-            // The item before the write: it alone tells whose nonce the entry held. The roster
-            // as written follows from it.
+            .expression_attribute_values(":beat", n(beat))
+            // The item before the write: it alone tells which process wrote the entry's beat.
+            // The roster as written follows from it.
             .return_values(ReturnValue::AllOld);
-        let set = "SET #founder = if_not_exists(#founder, :me), #nonce = :nonce";
+        let set = "SET #founder = if_not_exists(#founder, :me), #beat = :beat";
         request = if announce {
             request
-                .update_expression(format!("{set} ADD #beat :one, #changes :one"))
+                .update_expression(format!("{set} ADD #changes :one"))
                 .expression_attribute_names("#changes", CHANGES)
+                .expression_attribute_values(":one", n(1u64))
         } else {
-            request.update_expression(format!("{set} ADD #beat :one"))
+            request.update_expression(set)
         };
         let out = request
             .send()
@@ -465,15 +463,13 @@ impl DynamoDbLeaseStore {
                 if let Some(beat) = number(value) {
                     roster.beats.insert(worker.to_string(), beat);
                 }
-            } else if name.strip_prefix(NONCE) == Some(worker) {
-                roster.nonce_before = number(value);
             } else if name == CHANGES {
                 roster.changes = number(value).unwrap_or(0);
             } else if name == FOUNDER {
                 roster.founder = value.as_s().ok().cloned();
             }
         }
-        *roster.beats.entry(worker.to_string()).or_default() += 1;
+        roster.beat_before = roster.beats.insert(worker.to_string(), beat);
         roster.changes += u64::from(announce);
         roster.founder.get_or_insert_with(|| worker.to_string());
         Ok(roster)
@@ -491,15 +487,14 @@ impl DynamoDbLeaseStore {
             .update_item()
             .table_name(&self.table)
             .key(KEY, s(Self::roster_key(stream)))
-            .expression_attribute_names("#beat", format!("{BEAT}{worker}"))
-            .expression_attribute_names("#nonce", format!("{NONCE}{worker}"));
+            .expression_attribute_names("#beat", format!("{BEAT}{worker}"));
         request = match seen {
             Some(seen) => request
-                .update_expression("REMOVE #beat, #nonce")
+                .update_expression("REMOVE #beat")
                 .condition_expression("#beat = :seen")
                 .expression_attribute_values(":seen", n(seen)),
             None => request
-                .update_expression("REMOVE #beat, #nonce ADD #changes :one")
+                .update_expression("REMOVE #beat ADD #changes :one")
                 .expression_attribute_names("#changes", CHANGES)
                 .expression_attribute_values(":one", n(1u64)),
         };
@@ -1108,10 +1103,10 @@ impl LeaseStore for DynamoDbLeaseStore {
         &'a self,
         stream: &'a str,
         worker: &'a str,
-        nonce: u64,
+        beat: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>> {
-        Box::pin(self.beat_roster(stream, worker, nonce, announce))
+        Box::pin(self.beat_roster(stream, worker, beat, announce))
     }
 
     fn forget<'a>(

@@ -16,7 +16,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
 
 use super::planner::{self, PlanLimits, Seen, Take};
-use super::roster::RosterView;
+use super::roster::{RosterView, Writer};
 use super::row::{InitialPosition, Lease, Ownership};
 use super::store::{LeaseStore, Renewal};
 use super::sync;
@@ -329,28 +329,33 @@ struct Inner {
     beat_now: Notify,
     /// The rows of the last scan, which the shard sync compares the stream against.
     last_rows: Mutex<Option<Vec<Lease>>>,
-    /// This process's nonce in the roster: its start time (ms) and 16 random bits, so that of two
-    /// processes under one worker id the one started later has the larger.
-    nonce: u64,
+    /// This process's tag in its beats (`roster::process_tag`): two processes under one worker
+    /// id tell each other apart by it.
+    tag: u64,
+    /// This process's first beat found another process's beat in its entry: it started while
+    /// another ran under its id, or after one crashed. Written in its later beats.
+    late: AtomicBool,
+    /// Beats this process has tried to write (each writes the next count).
+    beats_tried: AtomicU64,
     /// Beats this process has written.
     beats_written: AtomicU64,
     /// What this process's beats found of another process under the same worker id.
     twin: Mutex<Twin>,
 }
 
-/// Another process under this worker's id, as the roster's nonces show it.
+/// Another process under this worker's id, as the tags of the beats in its roster entry show it.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 enum Twin {
     /// None seen.
     #[default]
     None,
-    /// The first beat found another nonce in the entry: a process that ran under this id before
-    /// (a restart), or one that still does. The next beat tells.
+    /// The first beat found another process's tag in the entry: a process that ran under this
+    /// id before (a restart), or one that still does. The next beat tells.
     Before(u64),
-    /// A later beat found another nonce: a second process beats under this id now. `newer` when
-    /// that process started after this one (it refuses to run, or gives everything up, when it
-    /// sees this one).
-    Running { nonce: u64, newer: bool },
+    /// A later beat found another tag: a second process beats under this id now. `newer` when
+    /// that process came after this one (`roster::Writer::came_before`: it refuses to run, or
+    /// gives everything up, when it sees this one).
+    Running { tag: u64, newer: bool },
 }
 
 /// Runs the lease protocol for one worker on one stream. Background tasks stop on
@@ -419,8 +424,12 @@ impl LeaseManager {
             scan_now: Notify::new(),
             beat_now: Notify::new(),
             last_rows: Mutex::new(None),
-            nonce: (crate::time::millis(crate::time::now()).max(0) as u64) << 16
-                | (crate::backoff::fraction() * 65_536.0) as u64,
+            tag: super::roster::process_tag(
+                (crate::time::millis(crate::time::now()).max(0) / 1_000) as u64,
+                (crate::backoff::fraction() * f64::from(1u32 << 20)) as u64,
+            ),
+            late: AtomicBool::new(false),
+            beats_tried: AtomicU64::new(0),
             beats_written: AtomicU64::new(0),
             twin: Mutex::new(Twin::None),
         });
@@ -433,9 +442,9 @@ impl LeaseManager {
         // them create the rows and syncs what is still missing one scan interval later.
         inner.beat().await;
         if let Twin::Before(other) = inner.twin() {
-            // The entry holds another process's nonce: this id ran before (a restart), or runs
+            // The entry holds another process's beat: this id ran before (a restart), or runs
             // now in a second process. A beat interval later, a running one has beaten again.
-            info!(stream = %inner.stream, worker = %inner.worker, other, "this worker id's roster entry holds another process's nonce (a restart, or a second process under this id): beating once more before taking any lease");
+            info!(stream = %inner.stream, worker = %inner.worker, other, "this worker id's roster entry holds another process's beat (a restart, or a second process under this id): beating once more before taking any lease");
             tokio::time::sleep(inner.settings.beat_interval).await;
             inner.beat().await;
         }
@@ -739,10 +748,11 @@ impl Inner {
     async fn beat(&self) -> bool {
         let announce = self.announce.swap(false, Ordering::Relaxed);
         let attempt = self.settings.renew_interval;
+        let count = self.beats_tried.fetch_add(1, Ordering::Relaxed) + 1;
+        let beat = self.writer().beat(count);
         let result = tokio::time::timeout(
             attempt,
-            self.store
-                .beat(&self.stream, &self.worker, self.nonce, announce),
+            self.store.beat(&self.stream, &self.worker, beat, announce),
         )
         .await;
         let roster = match result {
@@ -775,7 +785,7 @@ impl Inner {
             }
         };
         let now = Instant::now();
-        self.twin_seen(roster.nonce_before);
+        self.twin_seen(roster.beat_before);
         *self.last_beat.lock().unwrap_or_else(|e| e.into_inner()) = now;
         if self.silent.swap(false, Ordering::Relaxed) {
             info!(stream = %self.stream, "this worker's beat is written again: taking leases again");
@@ -795,28 +805,44 @@ impl Inner {
         observed.changed
     }
 
+    fn writer(&self) -> Writer {
+        Writer {
+            tag: self.tag,
+            late: self.late.load(Ordering::Relaxed),
+        }
+    }
+
     fn twin(&self) -> Twin {
         *self.twin.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Judges what a beat found in this worker's roster entry before writing its own nonce.
-    /// After this process's first beat, another nonce there means a second process beats under
-    /// this id: the one started later gives up every lease (without a write: the rows name the
-    /// id both share) and takes none, and reports it; the other reports it and goes on.
+    /// Judges what a beat found in this worker's roster entry before writing its own. After
+    /// this process's first beat, another process's tag there means a second process beats
+    /// under this id: the one that came later gives up every lease (without a write: the rows name
+    /// the id both share) and takes none, and reports it; the other reports it and goes on.
     fn twin_seen(&self, before: Option<u64>) {
         let first = self.beats_written.fetch_add(1, Ordering::Relaxed) == 0;
-        let Some(other) = before.filter(|n| *n != self.nonce) else {
+        let Some((other, count)) = before
+            .map(|beat| (Writer::of(beat), Writer::count(beat)))
+            .filter(|(w, _)| w.tag != self.tag)
+        else {
             return;
         };
         let mut twin = self.twin.lock().unwrap_or_else(|e| e.into_inner());
         if first {
-            *twin = Twin::Before(other);
+            self.late.store(true, Ordering::Relaxed);
+            *twin = Twin::Before(other.tag);
             return;
         }
-        let newer = other > self.nonce;
+        if count == 1 {
+            // The other's first beat: whether it found another's before it is not written yet,
+            // so which of the two came first cannot be told. Its next beat says.
+            return;
+        }
+        let newer = self.writer().came_before(other);
         let seen_before = matches!(*twin, Twin::Running { .. });
         *twin = Twin::Running {
-            nonce: other,
+            tag: other.tag,
             newer,
         };
         drop(twin);
@@ -825,10 +851,10 @@ impl Inner {
             return;
         }
         if newer {
-            error!(stream = %self.stream, worker = %self.worker, "a second process beats under this worker id, started after this one: it gives up its leases and takes none; give each process its own worker id");
+            error!(stream = %self.stream, worker = %self.worker, "a second process beats under this worker id, which came after this one: it refuses to run, or gives up its leases and takes none; give each process its own worker id");
             return;
         }
-        error!(stream = %self.stream, worker = %self.worker, "a second process beats under this worker id, started before this one: this one gives up every lease (without writing: the rows name the id both share) and takes none; give each process its own worker id");
+        error!(stream = %self.stream, worker = %self.worker, "a second process beats under this worker id, which came before this one: this one gives up every lease (without writing: the rows name the id both share) and takes none; give each process its own worker id");
         self.taking.cancel();
         let held: Vec<Ownership> = self.held().values().map(|h| h.ownership.clone()).collect();
         for ownership in held {

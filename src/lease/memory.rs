@@ -40,8 +40,8 @@ pub struct MemoryLeaseStore {
     rows: Arc<Mutex<BTreeMap<String, Lease>>>,
     /// Published frontier memberships, by stream.
     memberships: Arc<Mutex<BTreeMap<String, Membership>>>,
-    /// Worker rosters, by stream, with each worker's process nonce.
-    rosters: Arc<Mutex<BTreeMap<String, (Roster, Nonces)>>>,
+    /// Worker rosters, by stream.
+    rosters: Arc<Mutex<BTreeMap<String, Roster>>>,
     #[cfg(any(test, feature = "testing"))]
     faults: crate::testing::faults::Injector,
     #[cfg(any(test, feature = "testing"))]
@@ -74,9 +74,6 @@ impl fmt::Debug for MemoryLeaseStore {
             .finish_non_exhaustive()
     }
 }
-
-/// Each worker's process nonce in a roster, by worker id.
-type Nonces = BTreeMap<String, u64>;
 
 /// The rows under the lock, and the changes made to them (reported once the operation is done).
 struct Rows<'s> {
@@ -530,21 +527,22 @@ impl LeaseStore for MemoryLeaseStore {
         &'a self,
         stream: &'a str,
         worker: &'a str,
-        nonce: u64,
+        beat: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>> {
         let rosters = self.rosters.clone();
         self.call("beat", true, move |_| {
             let mut rosters = rosters.lock().unwrap_or_else(PoisonError::into_inner);
-            let (roster, nonces) = rosters.entry(stream.to_string()).or_default();
-            *roster.beats.entry(worker.to_string()).or_default() += 1;
+            let roster = rosters.entry(stream.to_string()).or_default();
+            let before = roster.beats.insert(worker.to_string(), beat);
             roster.founder.get_or_insert_with(|| worker.to_string());
             if announce {
                 roster.changes += 1;
             }
-            let mut written = roster.clone();
-            written.nonce_before = nonces.insert(worker.to_string(), nonce);
-            written
+            Roster {
+                beat_before: before,
+                ..roster.clone()
+            }
         })
     }
 
@@ -557,7 +555,7 @@ impl LeaseStore for MemoryLeaseStore {
         let rosters = self.rosters.clone();
         self.call("forget", true, move |_| {
             let mut rosters = rosters.lock().unwrap_or_else(PoisonError::into_inner);
-            let (roster, nonces) = match (seen, rosters.get_mut(stream)) {
+            let roster = match (seen, rosters.get_mut(stream)) {
                 (_, Some(roster)) => roster,
                 (Some(_), None) => return false,
                 (None, None) => rosters.entry(stream.to_string()).or_default(),
@@ -567,12 +565,10 @@ impl LeaseStore for MemoryLeaseStore {
                 (Some(_), None) => false,
                 (Some(_), Some(_)) => {
                     roster.beats.remove(worker);
-                    nonces.remove(worker);
                     true
                 }
                 (None, _) => {
                     roster.beats.remove(worker);
-                    nonces.remove(worker);
                     roster.changes += 1;
                     true
                 }

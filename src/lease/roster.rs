@@ -1,6 +1,6 @@
 //! Who is alive, from the roster's beats: pure, and driven by the caller's clock.
 //!
-//! Each worker raises its own beat in the stream's roster item every beat interval and reads the
+//! Each worker changes its own beat in the stream's roster item every beat interval and reads the
 //! whole roster back with the write. A worker whose beat keeps changing is alive; one whose beat
 //! has not changed for the silence (a lease duration and one beat interval) on this observer's
 //! clock is dead (the same rule as a lease counter, so no clocks are compared). See
@@ -12,6 +12,69 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::store::Roster;
+
+/// Bits of a beat that count; the bits above them are the writing process's tag.
+const COUNT_BITS: u32 = 24;
+/// Bits of a process tag that hold its start time (seconds, modulo 2^20: about 12 days).
+const START_BITS: u32 = 20;
+/// Bits of a process tag drawn at random.
+const RANDOM_BITS: u32 = 19;
+
+/// A process's tag: its start time in seconds (the low 20 bits) above 19 random bits, so two
+/// processes under one worker id tell each other apart.
+pub(crate) fn process_tag(start_secs: u64, random: u64) -> u64 {
+    ((start_secs & ((1 << START_BITS) - 1)) << RANDOM_BITS) | (random & ((1 << RANDOM_BITS) - 1))
+}
+
+/// Who wrote a beat: the process's tag, and whether its first beat found another process's
+/// beat in the entry (it started while another ran under the id, or after one that crashed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Writer {
+    pub(crate) tag: u64,
+    pub(crate) late: bool,
+}
+
+impl Writer {
+    /// The beat this writer writes as its `count`th: its tag and flag above the count (modulo
+    /// 2^24: a wrap is still a change). One number in one attribute, so the roster item grows by
+    /// a few bytes a worker, not by a second attribute.
+    pub(crate) fn beat(self, count: u64) -> u64 {
+        (((self.tag << 1) | u64::from(self.late)) << COUNT_BITS) | (count & ((1 << COUNT_BITS) - 1))
+    }
+
+    /// The count of `beat`: 1 for a process's first beat, which cannot carry the `late` flag yet.
+    pub(crate) fn count(beat: u64) -> u64 {
+        beat & ((1 << COUNT_BITS) - 1)
+    }
+
+    /// Who wrote `beat`.
+    pub(crate) fn of(beat: u64) -> Self {
+        let stamp = beat >> COUNT_BITS;
+        Self {
+            tag: stamp >> 1,
+            late: stamp & 1 == 1,
+        }
+    }
+
+    /// Whether `other`, beating under the same id as this writer, came after it: known when
+    /// only one of them found the other's (or a crashed predecessor's) beat at its first beat
+    /// (the other found nothing: it came first); otherwise by start time (the nearer way round
+    /// the 2^20 s circle), then by the random bits. The two processes reach opposite answers, so
+    /// exactly one of them gives way. (A first beat cannot carry the flag yet: judge a writer by
+    /// a later one.)
+    pub(crate) fn came_before(self, other: Self) -> bool {
+        if self.late != other.late {
+            return other.late;
+        }
+        let mask = (1 << START_BITS) - 1;
+        let ahead = ((other.tag >> RANDOM_BITS).wrapping_sub(self.tag >> RANDOM_BITS)) & mask;
+        if ahead == 0 {
+            other.tag > self.tag
+        } else {
+            ahead < 1 << (START_BITS - 1)
+        }
+    }
+}
 
 /// What this worker has observed of the roster.
 #[derive(Debug)]
@@ -150,11 +213,50 @@ mod tests {
             beats: beats.iter().map(|(w, b)| (w.to_string(), *b)).collect(),
             changes,
             founder: beats.first().map(|(w, _)| w.to_string()),
-            nonce_before: None,
+            beat_before: None,
         }
     }
 
     const SILENCE: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn a_beat_tells_its_writer_and_of_two_writers_exactly_one_came_before() {
+        let writer = |secs, random, late| Writer {
+            tag: process_tag(secs, random),
+            late,
+        };
+        let early = writer(1_767_225_600, 0x4BCDE, false);
+        for count in [1, 2, (1 << 24) + 5] {
+            assert_eq!(Writer::of(early.beat(count)), early, "count {count}");
+        }
+        assert_ne!(early.beat(1), early.beat(2), "every beat changes");
+        assert_eq!(Writer::count(early.beat(1)), 1);
+        let late_flag = Writer {
+            late: true,
+            ..early
+        };
+        assert_eq!(Writer::of(late_flag.beat(9)), late_flag);
+        let pairs = [
+            // By start time.
+            (early, writer(1_767_225_601, 1, false)),
+            // The same second: the random bits.
+            (early, writer(1_767_225_600, 0x4BCDF, false)),
+            // The one whose first beat found another's came after, whatever the clocks say.
+            (
+                writer(1_767_225_700, 5, false),
+                writer(1_767_225_600, 5, true),
+            ),
+            // Across the 2^20 s wrap the nearer way round.
+            (writer((1 << 20) - 1, 7, true), writer(1 << 20, 7, true)),
+        ];
+        for (first, second) in pairs {
+            assert!(first.came_before(second), "{first:?} before {second:?}");
+            assert!(
+                !second.came_before(first),
+                "{second:?} not before {first:?}"
+            );
+        }
+    }
 
     #[test]
     fn a_worker_whose_beat_stops_is_dead_after_the_silence_and_forgotten_after_two() {

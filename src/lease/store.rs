@@ -46,11 +46,12 @@ impl Renewal {
 }
 
 /// The workers of one stream as their beats tell (the item `~workers#<stream>`, see
-/// `docs/leases.md`): each worker's beat counter, and a counter raised when rows were added.
+/// `docs/leases.md`): each worker's beat, and a counter raised when rows were added.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Roster {
-    /// Beat counter by worker id.
+    /// Beat by worker id: a value its worker changes at every beat (the lease manager's counter,
+    /// tagged with its process; see `docs/leases.md`).
     pub beats: BTreeMap<String, u64>,
     /// Raised by a worker announcing something every worker should scan for (rows created, a
     /// lease released or lost).
@@ -58,10 +59,10 @@ pub struct Roster {
     /// The first worker that ever beat in this roster: on the stream's first start, the one
     /// worker that creates the rows at once.
     pub founder: Option<String>,
-    /// The process nonce the beating worker's entry held before this beat (`None`: no entry, or
-    /// one written before nonces). Another value than the beating process's own, after its first
-    /// beat, means a second process beats under the same worker id.
-    pub nonce_before: Option<u64>,
+    /// The beat the beating worker's entry held before this beat (`None`: no entry). The lease
+    /// manager reads from it which process wrote it: another process than itself, after its
+    /// first beat, means a second process beats under the same worker id.
+    pub beat_before: Option<u64>,
 }
 
 /// One row of a seek: the row as seen and where its checkpoint goes.
@@ -228,20 +229,20 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         taker: &'a str,
     ) -> BoxFuture<'a, Result<bool, Error>>;
 
-    /// Raises `worker`'s beat in the roster of `stream` by one (creating the roster or the entry
-    /// when missing), and `changes` too when `announce`, records `worker` as the founder when
-    /// the roster has none, and stores `nonce` (the beating process's own) as the entry's nonce;
-    /// unconditional. Returns the roster as written, with the nonce the entry held before
-    /// ([`Roster::nonce_before`]), so reading it costs no read.
+    /// Sets `worker`'s beat in the roster of `stream` to `beat` (creating the roster or the entry
+    /// when missing; the caller writes a new value each time), raises `changes` by one when
+    /// `announce`, and records `worker` as the founder when the roster has none; unconditional.
+    /// Returns the roster as written, with the beat the entry held before
+    /// ([`Roster::beat_before`]), so reading it costs no read.
     fn beat<'a>(
         &'a self,
         stream: &'a str,
         worker: &'a str,
-        nonce: u64,
+        beat: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>>;
 
-    /// Removes `worker` (its beat and nonce) from the roster of `stream`: when `seen` is given only if its beat is still
+    /// Removes `worker` from the roster of `stream`: when `seen` is given only if its beat is still
     /// that value (a dead worker, forgotten by another), else unconditionally, raising `changes`
     /// too (a worker leaving: every worker scans, even one that sees it back before it saw it
     /// gone). `false` when the condition failed.

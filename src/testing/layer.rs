@@ -325,7 +325,7 @@ impl<L: Layer> LeaseStore for Layered<L> {
         &'a self,
         stream: &'a str,
         worker: &'a str,
-        nonce: u64,
+        beat: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>> {
         let call = Call::Beat {
@@ -334,7 +334,7 @@ impl<L: Layer> LeaseStore for Layered<L> {
             announce,
         };
         self.layer
-            .around(call, self.inner.beat(stream, worker, nonce, announce))
+            .around(call, self.inner.beat(stream, worker, beat, announce))
     }
 
     fn forget<'a>(
