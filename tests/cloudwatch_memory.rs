@@ -489,12 +489,13 @@ async fn a_filter_consumer_holds_memory_and_reads_bounded_by_its_horizons_over_h
         peak_remembered <= rate * (3600.0 + 300.0 + 300.0) * 1.1,
         "remembered identities peaked at {peak_remembered}"
     );
-    // The minimum: a request a poll, a page (1,000) a thousand new events, and each audit's
-    // pages (an hour's 18,000 events: 18, and one more).
+    // The minimum: a request a poll, a page (10,000 events, the source's default) for the new
+    // events, and each audit's pages (an hour's 18,000 events: 2, and one more).
+    let page = 10_000;
     let elapsed = run.as_secs() + 600;
     let polls = elapsed / poll.as_secs();
     let audits = elapsed / 300;
-    let minimum = polls + expected.len() as u64 / 1_000 + audits * 19;
+    let minimum = polls + expected.len() as u64 / page + audits * (18_000 / page + 2);
     assert!(
         requests <= 2 * minimum,
         "{requests} requests; the events and polls need {minimum}"
