@@ -235,6 +235,66 @@ impl LogsService {
         Some(stored)
     }
 
+    /// Forgets what a long run will not read again: the events stamped and ingested before
+    /// `before` (ms), and the tokens issued before it. A day's events fill gigabytes; a benchmark
+    /// that reads only the last hour or two keeps the service's memory flat with this.
+    #[allow(dead_code)]
+    pub fn forget_before(&self, before: i64) {
+        let mut state = self.state.lock().unwrap();
+        for events in state.streams.values_mut() {
+            events.retain(|e| e.timestamp >= before || e.ingestion >= before);
+            events.shrink_to(events.len() * 5 / 4);
+        }
+        state.tokens.retain(|_, token| match token {
+            Token::Forward { issued, .. } | Token::Filter { issued, .. } => *issued >= before,
+        });
+        let tokens = state.tokens.len();
+        state.tokens.shrink_to(tokens * 5 / 4);
+    }
+
+    /// The bytes the service holds on the heap (events and tokens), counted from the capacities
+    /// of what it keeps: a benchmark subtracts it to measure the consumer beside it.
+    #[allow(dead_code)]
+    pub fn held_bytes(&self) -> usize {
+        let state = self.state.lock().unwrap();
+        let events: usize = state
+            .streams
+            .iter()
+            .map(|(name, events)| {
+                name.capacity()
+                    + events.capacity() * std::mem::size_of::<LogEvent>()
+                    + events
+                        .iter()
+                        .map(|e| {
+                            e.id.capacity()
+                                + e.stream.capacity()
+                                + e.event_id.capacity()
+                                + e.message.capacity()
+                        })
+                        .sum::<usize>()
+            })
+            .sum();
+        let tokens: usize = state.tokens.capacity()
+            * (std::mem::size_of::<String>() + std::mem::size_of::<Token>() + 1)
+            + state
+                .tokens
+                .iter()
+                .map(|(name, token)| {
+                    name.capacity()
+                        + match token {
+                            Token::Forward { stream, .. } => stream.capacity(),
+                            Token::Filter { streams, after, .. } => {
+                                after.1.capacity()
+                                    + streams
+                                        .as_ref()
+                                        .map_or(0, |s| s.iter().map(|n| n.capacity() + 24).sum())
+                            }
+                        }
+                })
+                .sum::<usize>();
+        events + tokens
+    }
+
     /// Every read is throttled until `until` (ms).
     pub fn throttle_until(&self, until: i64) {
         self.state.lock().unwrap().throttled_until = until;
