@@ -1302,14 +1302,25 @@ impl Inner {
             })
             .collect();
         let roster: Vec<String> = self.roster().live(now).into_iter().collect();
-        let plan = planner::plan(
+        let listing = self.listing();
+        let plan = planner::plan_listed(
             &self.worker,
             &seen,
             &held,
             &requests,
             &roster,
             self.settings.limits,
+            listing.as_ref().map(|(listing, _)| &listing.ids),
         );
+        if plan.waiting_for_rows
+            && listing.is_some_and(|(_, at)| now - at >= self.settings.scan_interval)
+        {
+            // A child waits for a parent the listing names without a row. Rows being created
+            // appear within a scan; a listing older than that may predate the parent's deletion
+            // (it aged out of the stream): list again.
+            debug!(stream = %self.stream, "a child waits for a listed parent without a row: listing the shards again");
+            self.sync_now.notify_one();
+        }
         let mut cooling = false;
         let settling =
             plan.settling || !requests.is_empty() || !taken_from_us.is_empty() || judging;

@@ -7,7 +7,7 @@
 //! request first (cooperative handoff, `docs/leases.md`), and by a steal only once the request
 //! went unanswered for the taker's patience.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::row::Lease;
 
@@ -84,14 +84,41 @@ pub(crate) struct Plan {
     /// Something is moving: this plan takes or asks for leases, or free leases fell to other
     /// workers that have yet to take them. Keep scanning often until a plan finds nothing to do.
     pub(crate) settling: bool,
+    /// A lease waits for a parent that the last listing names and that has no row yet: a row
+    /// still being created, or a listing older than the row's deletion (list again).
+    pub(crate) waiting_for_rows: bool,
 }
 
-/// Whether every parent of `lease` is at SHARD_END (a parent with no row has aged out of the stream).
-pub(crate) fn parents_ended(lease: &Lease, by_shard: &HashMap<&str, &Lease>) -> bool {
-    lease.parents.iter().all(|p| {
-        by_shard
-            .get(p.as_str())
-            .is_none_or(|parent| parent.checkpoint.is_shard_end())
+/// Whether every parent of `lease` is at SHARD_END. A parent with no row counts as ended only
+/// when the source's last listing (`listed`, if there is one) lacks it too: it aged out of the
+/// stream. A listed parent without a row is one whose row is still being created (a sync that
+/// creates rows one by one, racing this scan): its child waits, or it would be read before its
+/// parent and per-key order across the split would be lost.
+pub(crate) fn parents_ended(
+    lease: &Lease,
+    by_shard: &HashMap<&str, &Lease>,
+    listed: Option<&BTreeSet<String>>,
+) -> bool {
+    lease
+        .parents
+        .iter()
+        .all(|p| match by_shard.get(p.as_str()) {
+            Some(parent) => parent.checkpoint.is_shard_end(),
+            None => listed.is_none_or(|listed| !listed.contains(p)),
+        })
+}
+
+/// Whether `lease` waits for a parent that the last listing names and that has no row yet.
+fn waits_for_a_row(
+    lease: &Lease,
+    by_shard: &HashMap<&str, &Lease>,
+    listed: Option<&BTreeSet<String>>,
+) -> bool {
+    listed.is_some_and(|listed| {
+        lease
+            .parents
+            .iter()
+            .any(|p| !by_shard.contains_key(p.as_str()) && listed.contains(p))
     })
 }
 
@@ -99,6 +126,7 @@ pub(crate) fn parents_ended(lease: &Lease, by_shard: &HashMap<&str, &Lease>) -> 
 /// `requests` the handoffs it asked for and still waits for (`true`: the wait is over, the owner
 /// did not hand over in time); `roster` the workers alive by their beats (they count toward the
 /// share even while they hold nothing).
+#[cfg(test)]
 pub(crate) fn plan(
     me: &str,
     seen: &[Seen<'_>],
@@ -107,14 +135,31 @@ pub(crate) fn plan(
     roster: &[String],
     limits: PlanLimits,
 ) -> Plan {
+    plan_listed(me, seen, held, requests, roster, limits, None)
+}
+
+/// [`plan`], knowing the source's last listing (`listed`): a parent it names without a row is
+/// not taken for ended.
+pub(crate) fn plan_listed(
+    me: &str,
+    seen: &[Seen<'_>],
+    held: &HashSet<String>,
+    requests: &HashMap<String, bool>,
+    roster: &[String],
+    limits: PlanLimits,
+    listed: Option<&BTreeSet<String>>,
+) -> Plan {
     let by_shard: HashMap<&str, &Lease> = seen
         .iter()
         .map(|s| (s.lease.shard_id.as_str(), s.lease))
         .collect();
     let active: Vec<&Seen<'_>> = seen
         .iter()
-        .filter(|s| !s.lease.checkpoint.is_shard_end() && parents_ended(s.lease, &by_shard))
+        .filter(|s| !s.lease.checkpoint.is_shard_end() && parents_ended(s.lease, &by_shard, listed))
         .collect();
+    let waiting_for_rows = seen
+        .iter()
+        .any(|s| !s.lease.checkpoint.is_shard_end() && waits_for_a_row(s.lease, &by_shard, listed));
 
     // Live workers: alive by the roster, owners of unexpired active leases, and me.
     let mut load: BTreeMap<&str, usize> = roster.iter().map(|w| (w.as_str(), 0)).collect();
@@ -265,6 +310,7 @@ pub(crate) fn plan(
         active: active.len(),
         workers,
         target,
+        waiting_for_rows,
     }
 }
 
@@ -495,6 +541,50 @@ mod tests {
             target: 1,
         },
     ];
+
+    /// A child whose parent has no row waits while the last listing names the parent (its row
+    /// is being created: a sync racing the scan), and is read once the listing no longer does
+    /// (the parent aged out of the stream). Before, a missing row counted as ended at once, and
+    /// the child could be read from TRIM_HORIZON before its parent.
+    #[test]
+    fn a_parent_without_a_row_blocks_its_child_only_while_the_listing_names_it() {
+        let rows = [lease(&("c", None, false, false, &["p"]))];
+        let seen: Vec<Seen<'_>> = rows
+            .iter()
+            .map(|lease| Seen {
+                lease,
+                expired: false,
+                neglected: false,
+            })
+            .collect();
+        let listing =
+            |ids: &[&str]| -> BTreeSet<String> { ids.iter().map(|s| s.to_string()).collect() };
+        let scan = |listed: Option<&BTreeSet<String>>| {
+            plan_listed(
+                "a",
+                &seen,
+                &HashSet::new(),
+                &HashMap::new(),
+                &[],
+                PlanLimits::default(),
+                listed,
+            )
+        };
+        let racing = scan(Some(&listing(&["p", "c"])));
+        assert_eq!(
+            (racing.active, racing.takes.len()),
+            (0, 0),
+            "the child waits"
+        );
+        assert!(racing.waiting_for_rows);
+        let aged_out = scan(Some(&listing(&["c"])));
+        assert_eq!(
+            (aged_out.active, aged_out.takes.len()),
+            (1, 1),
+            "the child is read"
+        );
+        assert!(!aged_out.waiting_for_rows);
+    }
 
     #[test]
     fn table_of_scenarios() {
