@@ -534,6 +534,34 @@ async fn seek_moves_back_and_fences_the_owner(store: &dyn LeaseStore) {
     );
 }
 
+/// A seek frees the row of a handoff request too (the taker asked the owner the seek removed), and
+/// `announce` raises the roster's `changes` so every worker scans (issue 27, defect 10).
+async fn a_seek_clears_a_handoff_request_and_announce_raises_changes(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (seen, _) = held(store, &stream, "worker-a").await;
+    assert!(store.request(&seen, "worker-b").await.unwrap());
+    let asked = row(store, &stream).await;
+    assert_eq!(asked.wanted_by.as_deref(), Some("worker-b"));
+    assert!(
+        store
+            .seek(&[mv(&asked, Checkpoint::TrimHorizon)])
+            .await
+            .unwrap()
+    );
+    let after = row(store, &stream).await;
+    assert_eq!((after.owner, after.wanted_by), (None, None));
+
+    let before = store.beat(&stream, "w", 1, false).await.unwrap().changes;
+    store.announce(&stream).await.unwrap();
+    let roster = store.beat(&stream, "w", 2, false).await.unwrap();
+    assert_eq!(roster.changes, before + 1, "announced");
+    assert_eq!(
+        roster.beats.keys().collect::<Vec<_>>(),
+        ["w"],
+        "no worker added"
+    );
+}
+
 fn mv(seen: &Lease, to: Checkpoint) -> SeekMove {
     SeekMove {
         seen: seen.clone(),
@@ -1296,6 +1324,7 @@ conformance!(
     a_seek_records_what_it_skipped_on_the_row,
     a_handoff_is_requested_once_and_passed_only_to_the_taker,
     the_roster_counts_beats_and_forgets_a_worker_only_as_seen,
+    a_seek_clears_a_handoff_request_and_announce_raises_changes,
 );
 
 // ---------------------------------------------------------------------------------------------

@@ -746,12 +746,13 @@ impl DynamoDbLeaseStore {
     /// The update of one seek move: its expression, names and values.
     fn seek_update(m: &SeekMove) -> (String, HashMap<String, String>, Item) {
         let mut set = String::from(
-            "REMOVE #owner SET #cp = :cp, #sub = :sub, #cpKey = :cpKey, \
+            "REMOVE #owner, #wanted SET #cp = :cp, #sub = :sub, #cpKey = :cpKey, \
              #seek = #seek + :one, #epoch = #epoch + :one, #counter = #counter + :one, \
              #soughtAt = :soughtAt",
         );
         let mut names: HashMap<String, String> = [
             ("#owner", OWNER),
+            ("#wanted", WANTED_BY),
             ("#epoch", EPOCH),
             ("#counter", COUNTER),
             ("#seek", SEEK_EPOCH),
@@ -1116,6 +1117,22 @@ impl LeaseStore for DynamoDbLeaseStore {
         seen: Option<u64>,
     ) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(self.forget_worker(stream, worker, seen))
+    }
+
+    fn announce<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            self.client
+                .update_item()
+                .table_name(&self.table)
+                .key(KEY, s(Self::roster_key(stream)))
+                .update_expression("ADD #changes :one")
+                .expression_attribute_names("#changes", CHANGES)
+                .expression_attribute_values(":one", n(1u64))
+                .send()
+                .await
+                .map_err(|e| self.failed("UpdateItem", e))?;
+            Ok(())
+        })
     }
 }
 

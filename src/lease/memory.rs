@@ -377,6 +377,7 @@ impl LeaseStore for MemoryLeaseStore {
                     row.sought_at = Some(crate::time::millis(crate::time::now()));
                     row.owner_epoch += 1;
                     row.owner = None;
+                    row.wanted_by = None;
                     row.counter += 1;
                     true
                 });

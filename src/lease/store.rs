@@ -253,6 +253,16 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         seen: Option<u64>,
     ) -> BoxFuture<'a, Result<bool, Error>>;
 
+    /// Raises the roster's `changes` of `stream` by one, so that every worker scans at its next
+    /// beat (a seek announces the rows it moved). By default through [`forget`](Self::forget) of
+    /// a worker id no worker has (`~announce`).
+    fn announce<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            self.forget(stream, "~announce", None).await?;
+            Ok(())
+        })
+    }
+
     /// The frontier membership published for `stream`, if any (read consistently).
     fn membership<'a>(
         &'a self,
