@@ -136,3 +136,67 @@ async fn a_stopped_shard_stops_reporting_its_lag_and_load() {
         Some(0.0)
     );
 }
+
+/// Fails every checkpoint write while set (the LATEST pin is one), counting them.
+#[derive(Debug, Clone, Default)]
+struct FailingCheckpoints(Arc<AtomicBool>, Arc<std::sync::atomic::AtomicU64>);
+
+impl Layer for FailingCheckpoints {
+    fn around<'a, T: Send + 'static>(
+        &'a self,
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        if matches!(call, Call::Checkpoint { .. }) && self.0.load(Ordering::SeqCst) {
+            self.1.fetch_add(1, Ordering::SeqCst);
+            return Box::pin(async {
+                Err(Error::Config(shardwise::ConfigError::new(
+                    "checkpoint",
+                    "unreachable",
+                    "injected",
+                )))
+            });
+        }
+        forward
+    }
+}
+
+/// A LATEST start whose pin keeps failing waits between attempts; a shutdown during a wait stops
+/// the shard at once and releases its lease (issue 27, defect 10). Before, the wait ignored the
+/// stop: after eight failures the back-off was seconds long and the shutdown's deadline passed
+/// with the shard abandoned.
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_while_the_latest_pin_waits_to_retry_stops_at_once() {
+    let stream = MemoryStream::new("orders", 1);
+    let memory = MemoryLeaseStore::new();
+    let failing = FailingCheckpoints::default();
+    failing.0.store(true, Ordering::SeqCst);
+    let store = Layered::new(Arc::new(memory.clone()), failing.clone());
+    let running = Consumer::builder(stream.name(), "pin-app", |_d: Delivery| async {
+        Outcome::Ack
+    })
+    .worker_id("w1")
+    .initial_position(shardwise::InitialPosition::Latest)
+    .max_backoff(Duration::from_secs(60))
+    .lease_store(Arc::new(store))
+    .record_source(Arc::new(stream.clone()))
+    .shard_lister(Arc::new(stream.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    until(|| failing.1.load(Ordering::SeqCst) >= 8).await;
+
+    let deadline = Duration::from_secs(2);
+    let started = tokio::time::Instant::now();
+    let report = running.shutdown(deadline).await;
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "stopped after {:?}",
+        started.elapsed()
+    );
+    assert!(!report.deadline_passed, "{report:?}");
+    assert!(report.abandoned.is_empty(), "{report:?}");
+    assert_eq!(report.leases_released, 1, "{report:?}");
+}

@@ -307,6 +307,11 @@ async fn pin_start<H>(ctx: &OwnedContext<H>, held: &HeldLease) -> Result<Checkpo
         };
         let wait = backoff.next();
         warn!(stream = %ownership.stream, shard = %ownership.shard_id, error = &error as &dyn std::error::Error, ?wait, "pinning the LATEST start failed; retrying before reading");
-        tokio::time::sleep(wait).await;
+        tokio::select! {
+            biased;
+            _ = held.cancel.cancelled() => return Err(Exit::Lost(ownership.clone())),
+            _ = ctx.stop.cancelled() => return Err(Exit::Stopped(ownership.clone())),
+            _ = tokio::time::sleep(wait) => {}
+        }
     }
 }
