@@ -200,3 +200,37 @@ async fn a_shutdown_while_the_latest_pin_waits_to_retry_stops_at_once() {
     assert!(report.abandoned.is_empty(), "{report:?}");
     assert_eq!(report.leases_released, 1, "{report:?}");
 }
+
+/// A stream deleted while it is consumed: the consumer stops on its own with
+/// `Error::StreamNotFound` (`Running::fatal`), each shard stopped and its lease given back, instead
+/// of failing every shard, releasing it, taking it again and failing again (issue 27, defect 10).
+#[tokio::test(start_paused = true)]
+async fn a_deleted_stream_stops_the_consumer_with_a_clear_error() {
+    let stream = MemoryStream::new("orders", 2);
+    for i in 0..20 {
+        stream.put(&format!("k{}", i % 4), i.to_string());
+    }
+    let memory = MemoryLeaseStore::new();
+    let running = start(&stream, Arc::new(memory.clone()), "never").await;
+    until(|| running.shards().len() == 2).await;
+    let mut fatal = running.fatal();
+    assert!(fatal.borrow().is_none());
+
+    stream.delete();
+    tokio::time::timeout(Duration::from_secs(60), fatal.wait_for(Option::is_some))
+        .await
+        .expect("the consumer stops on its own within a minute")
+        .unwrap();
+    let error = fatal.borrow().clone().unwrap();
+    assert!(
+        matches!(*error, Error::StreamNotFound { ref stream } if stream == "orders"),
+        "{error:?}"
+    );
+    until(|| running.shards().is_empty()).await;
+    let report = running.shutdown(Duration::from_secs(5)).await;
+    assert!(!report.deadline_passed, "{report:?}");
+    assert!(
+        memory.snapshot().iter().all(|r| r.owner.is_none()),
+        "every lease given back"
+    );
+}

@@ -849,11 +849,13 @@ async fn consume<H: Handler>(
     let slot = observed
         .as_ref()
         .map_or_else(Arc::default, |o| o.running.clone());
+    let mut fatal = running.fatal();
     *slot.lock().await = Some(running);
     tracing::info!(worker = %worker, "consuming; SIGTERM or SIGINT stops gracefully");
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
+        _ = fatal.wait_for(Option::is_some) => {}
     }
     let running = slot.lock().await.take().expect("running until now");
     let report = running
@@ -864,7 +866,14 @@ async fn consume<H: Handler>(
         "{}",
         serde_json::to_string(&shutdown_line(&worker, handled, &report))?
     );
-    Ok(())
+    // The consumer stopped on its own (the stream was deleted): exit with why.
+    let stopped_by = fatal.borrow().clone();
+    match stopped_by {
+        Some(error) => {
+            Err(anyhow::anyhow!("{error}").context(format!("stopped consuming {}", args.what())))
+        }
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

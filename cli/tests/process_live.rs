@@ -2052,3 +2052,33 @@ async fn a_second_worker_under_a_running_workers_id_exits_naming_it_and_takes_no
     assert_eq!(second_log.len(), 0, "the second handled nothing");
     cleanup(&live, &stream, &app).await;
 }
+
+/// A stream deleted under a running `shardwise consume` (issue 27, defect 10): the worker stops on
+/// its own and exits with an error naming the stream, instead of failing every shard, releasing
+/// it, taking it again and failing again for as long as it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_deleted_under_consume_stops_it_with_an_error_naming_the_stream() {
+    let _turn = EMULATORS.read().await;
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-deleted");
+    let app = support::unique_name("pl-deleted-app");
+    live.create_stream(&stream, 2).await;
+    let n = 100u64;
+    put(&stream, n, 4, 0).await;
+    let log = Log::default();
+    let mut worker = Worker::spawn(&stream, &app, "A", FAST, &log);
+    wait_for("every id handled", Duration::from_secs(60), || {
+        log.distinct_ids() as u64 >= n
+    })
+    .await;
+
+    live.delete_stream(&stream).await;
+    let (status, _) = worker.wait_exit(Duration::from_secs(60)).await;
+    let stderr = worker.stderr_tail();
+    assert!(!status.success(), "exits with an error: {stderr}");
+    assert!(
+        stderr.contains(&format!("stream `{stream}` does not exist")),
+        "{stderr}"
+    );
+    live.delete_table(&app).await;
+}

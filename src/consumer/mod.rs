@@ -735,7 +735,15 @@ impl<H: Handler> Consumer<H> {
         let (held_tx, held_rx) = tokio::sync::watch::channel(Vec::new());
         let leases = manager.probe();
         let progress = Arc::new(Mutex::new(ShutdownReport::default()));
-        let supervisor = tokio::spawn(supervise(manager, events, work, held_tx, progress.clone()));
+        let (fatal_tx, fatal) = tokio::sync::watch::channel(None);
+        let supervisor = tokio::spawn(supervise(
+            manager,
+            events,
+            work,
+            held_tx,
+            progress.clone(),
+            fatal_tx,
+        ));
         info!(stream = %settings.stream, application = %settings.application, worker = %settings.worker_id, "consumer started");
         Ok(Running {
             stop,
@@ -751,6 +759,7 @@ impl<H: Handler> Consumer<H> {
             lister,
             reads,
             stream: settings.stream.clone(),
+            fatal,
         })
     }
 }
@@ -845,6 +854,8 @@ pub struct Running {
     lister: Arc<dyn ShardLister>,
     reads: Reads,
     stream: String,
+    /// Why the consumer stopped on its own, once it did.
+    fatal: tokio::sync::watch::Receiver<Option<Arc<Error>>>,
 }
 
 /// What a shutdown did.
@@ -905,6 +916,27 @@ impl Running {
             stopping: self.stop.is_cancelled(),
             worker_id_in_use: self.leases.gave_way(),
         }
+    }
+
+    /// The error that stopped this consumer on its own, once one did: the stream was deleted
+    /// ([`Error::StreamNotFound`]), so nothing more can be read from it. By then every shard has
+    /// stopped (what settled is checkpointed) and the leases were given back; call
+    /// [`shutdown`](Self::shutdown) for the report. Wait for it beside your own stop signal:
+    ///
+    /// ```no_run
+    /// # async fn f(running: shardwise::Running) -> Result<(), std::sync::Arc<shardwise::Error>> {
+    /// let mut fatal = running.fatal();
+    /// tokio::select! {
+    ///     _ = tokio::signal::ctrl_c() => {}
+    ///     _ = fatal.wait_for(Option::is_some) => {}
+    /// }
+    /// running.shutdown(std::time::Duration::from_secs(10)).await;
+    /// let failed = fatal.borrow().clone();
+    /// failed.map_or(Ok(()), Err)
+    /// # }
+    /// ```
+    pub fn fatal(&self) -> tokio::sync::watch::Receiver<Option<Arc<Error>>> {
+        self.fatal.clone()
     }
 
     /// Retry copies and dead letters whose writes fail for good now (a missing stream, missing
@@ -1008,6 +1040,7 @@ async fn supervise<H: Handler>(
     work: Work<H>,
     held: tokio::sync::watch::Sender<Vec<Ownership>>,
     progress: Arc<Mutex<ShutdownReport>>,
+    fatal: tokio::sync::watch::Sender<Option<Arc<Error>>>,
 ) -> ShutdownReport {
     let mut shards: JoinSet<Exit> = JoinSet::new();
     // Each shard task's lease, to release it if the task panics.
@@ -1018,7 +1051,11 @@ async fn supervise<H: Handler>(
             biased;
             _ = stop.cancelled() => break,
             Some(exit) = shards.join_next_with_id() => {
-                on_exit(exit, &mut tasks, &manager, &progress, stop.is_cancelled()).await;
+                on_exit(exit, &mut tasks, &manager, &progress, stop.is_cancelled(), &fatal).await;
+                if fatal.borrow().is_some() {
+                    // Nothing more can be read: stop every shard as a shutdown would.
+                    stop.cancel();
+                }
                 held.send_replace(manager.held());
             }
             Some(event) = events.recv() => {
@@ -1033,7 +1070,7 @@ async fn supervise<H: Handler>(
     }
     manager.stop_taking();
     while let Some(exit) = shards.join_next_with_id().await {
-        on_exit(exit, &mut tasks, &manager, &progress, true).await;
+        on_exit(exit, &mut tasks, &manager, &progress, true, &fatal).await;
         held.send_replace(manager.held());
     }
     let released = manager.shutdown().await;
@@ -1049,6 +1086,7 @@ async fn on_exit(
     manager: &LeaseManager,
     progress: &Mutex<ShutdownReport>,
     stopping: bool,
+    fatal: &tokio::sync::watch::Sender<Option<Arc<Error>>>,
 ) {
     let task = match &exit {
         Ok((id, _)) => *id,
@@ -1080,6 +1118,19 @@ async fn on_exit(
                 .shards_stopped += 1;
         }
         Ok(Exit::Lost(o)) => info!(shard = %o.shard_id, "shard given up: lease lost"),
+        Ok(Exit::Failed(o, e @ Error::StreamNotFound { .. })) => {
+            // The stream was deleted: every shard would fail the same way, be released, taken
+            // and fail again. The consumer stops instead, saying why.
+            error!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "the stream is gone (deleted): the consumer stops");
+            let _ = manager.release_failed(&o).await;
+            fatal.send_if_modified(|fatal| {
+                let first = fatal.is_none();
+                if first {
+                    *fatal = Some(Arc::new(e));
+                }
+                first
+            });
+        }
         Ok(Exit::Failed(o, e)) => {
             error!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "shard failed; releasing its lease");
             let _ = manager.release_failed(&o).await;

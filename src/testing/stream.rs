@@ -122,6 +122,14 @@ impl MemoryStream {
         self.state().name.clone()
     }
 
+    /// Deletes the stream, as DeleteStream does: its shards and records are gone, and every call
+    /// that names it answers [`Error::StreamNotFound`] from now on.
+    pub fn delete(&self) {
+        let mut state = self.state();
+        state.name.clear();
+        state.shards.clear();
+    }
+
     /// Appends a record to the open shard its key hashes to; returns the shard and sequence number.
     pub fn put(&self, partition_key: &str, data: impl Into<Bytes>) -> (String, SequenceNumber) {
         let hash = md5_u128(partition_key);
