@@ -1185,7 +1185,7 @@ async fn a_twin_that_started_unseen_gives_way_once_the_first_beats_again() {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     };
     unwritten(true);
-    let (second, _second_events) = worker(&memory, &shards, "web-1").await;
+    let (second, mut second_events) = worker(&memory, &shards, "web-1").await;
     until(Duration::from_secs(30), || !second.held().is_empty()).await;
     assert!(!second.probe().gave_way());
 
@@ -1197,6 +1197,14 @@ async fn a_twin_that_started_unseen_gives_way_once_the_first_beats_again() {
     tokio::time::sleep(Duration::from_secs(60)).await;
     assert_eq!(first.held().len(), 4, "the first keeps every lease");
     assert!(second.held().is_empty(), "the second takes nothing more");
+    let mut stop = None;
+    while let Ok(event) = second_events.try_recv() {
+        if let LeaseEvent::Stop(error) = event {
+            stop = Some(error);
+        }
+    }
+    let stop = stop.expect("the second tells its consumer to stop");
+    assert!(matches!(*stop, Error::WorkerIdInUse { .. }), "{stop:?}");
     assert!(!first.probe().gave_way());
     assert_eq!(second.shutdown().await, 0);
     tokio::time::sleep(Duration::from_secs(30)).await;

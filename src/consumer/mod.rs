@@ -919,8 +919,10 @@ impl Running {
     }
 
     /// The error that stopped this consumer on its own, once one did: the stream was deleted
-    /// ([`Error::StreamNotFound`]), so nothing more can be read from it. By then every shard has
-    /// stopped (what settled is checkpointed) and the leases were given back; call
+    /// ([`Error::StreamNotFound`]), so nothing more can be read from it, or another process
+    /// under this worker id came first ([`Error::WorkerIdInUse`]: this one gave its leases up
+    /// without a write). By then every shard has stopped (what settled is checkpointed, and a
+    /// deleted stream's leases were given back); call
     /// [`shutdown`](Self::shutdown) for the report. Wait for it beside your own stop signal:
     ///
     /// ```no_run
@@ -1059,10 +1061,23 @@ async fn supervise<H: Handler>(
                 held.send_replace(manager.held());
             }
             Some(event) = events.recv() => {
-                if let LeaseEvent::Acquired(lease) = event {
-                    let ownership = lease.ownership.clone();
-                    let task = work.spawn(&mut shards, *lease);
-                    tasks.insert(task.id(), ownership);
+                match event {
+                    LeaseEvent::Acquired(lease) => {
+                        let ownership = lease.ownership.clone();
+                        let task = work.spawn(&mut shards, *lease);
+                        tasks.insert(task.id(), ownership);
+                    }
+                    LeaseEvent::Stop(error) => {
+                        fatal.send_if_modified(|fatal| {
+                            let first = fatal.is_none();
+                            if first {
+                                *fatal = Some(error);
+                            }
+                            first
+                        });
+                        stop.cancel();
+                    }
+                    _ => {}
                 }
                 held.send_replace(manager.held());
             }

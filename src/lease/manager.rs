@@ -263,6 +263,9 @@ pub enum LeaseEvent {
     Acquired(Box<HeldLease>),
     /// Stop reading this shard: its token is already cancelled, and nothing it settles may write.
     Lost(Ownership),
+    /// Stop the consumer: this manager holds and takes no lease any more, for this reason
+    /// ([`Error::WorkerIdInUse`]: another process under this worker id came first).
+    Stop(Arc<Error>),
 }
 
 struct Held {
@@ -426,7 +429,7 @@ impl LeaseManager {
             last_rows: Mutex::new(None),
             tag: super::roster::process_tag(
                 (crate::time::millis(crate::time::now()).max(0) / 1_000) as u64,
-                (crate::backoff::fraction() * f64::from(1u32 << 20)) as u64,
+                (crate::backoff::fraction() * f64::from(1u32 << 19)) as u64,
             ),
             late: AtomicBool::new(false),
             beats_tried: AtomicU64::new(0),
@@ -666,7 +669,7 @@ impl LeaseProbe {
         self.0.frontier.subscribe()
     }
 
-    /// Whether this process gave way to another that beats under the same worker id and started
+    /// Whether this process gave way to another that beats under the same worker id and came
     /// before it: it holds and takes no lease (see [`Error::WorkerIdInUse`]).
     pub fn gave_way(&self) -> bool {
         matches!(self.0.twin(), Twin::Running { newer: false, .. })
@@ -854,12 +857,18 @@ impl Inner {
             error!(stream = %self.stream, worker = %self.worker, "a second process beats under this worker id, which came after this one: it refuses to run, or gives up its leases and takes none; give each process its own worker id");
             return;
         }
-        error!(stream = %self.stream, worker = %self.worker, "a second process beats under this worker id, which came before this one: this one gives up every lease (without writing: the rows name the id both share) and takes none; give each process its own worker id");
+        error!(stream = %self.stream, worker = %self.worker, "a second process beats under this worker id, which came before this one: this one gives up every lease (without writing: the rows name the id both share), takes none and stops; give each process its own worker id");
         self.taking.cancel();
         let held: Vec<Ownership> = self.held().values().map(|h| h.ownership.clone()).collect();
         for ownership in held {
             self.lose(&ownership, "a second process beats under this worker id");
         }
+        let _ = self
+            .events
+            .send(LeaseEvent::Stop(Arc::new(Error::WorkerIdInUse {
+                stream: self.stream.clone(),
+                worker: self.worker.clone(),
+            })));
     }
 
     async fn beat_loop(self: Arc<Self>, stop: CancellationToken) {
@@ -899,7 +908,7 @@ impl Inner {
                 self.scan_now.notify_one();
             }
             if let Twin::Running { newer: false, .. } = self.twin() {
-                // This process gave way to one started before it under the same id: its beats
+                // This process gave way to one that came before it under the same id: its beats
                 // would only keep reporting the clash there.
                 return;
             }
