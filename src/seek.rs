@@ -236,6 +236,15 @@ async fn move_group(store: &dyn LeaseStore, stream: &str, group: &[Move]) -> Res
             }
         }
         if store.seek(&moves).await? {
+            // The rows are free now: every worker scans at its next beat (an owner also learns
+            // it at its next renewal, refused).
+            if let Err(e) = store.announce(stream).await {
+                tracing::warn!(
+                    stream,
+                    error = &e as &dyn std::error::Error,
+                    "seek: announcing the moved rows failed; workers find them at their next scan"
+                );
+            }
             return Ok(());
         }
     }

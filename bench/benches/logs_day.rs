@@ -231,14 +231,6 @@ async fn day(scale: &Scale) {
             .max(gauge("shardwise_paged_remembered_events"));
         let held = live_heap() - heap_start - service.held_bytes() as i64 - ledger.bytes();
         hour.heap = hour.heap.max(held);
-        if std::env::var_os("LOGS_DAY_DEBUG").is_some() {
-            eprintln!(
-                "step {i}: live {} service {} ledger {}",
-                live_heap() - heap_start,
-                service.held_bytes(),
-                ledger.bytes()
-            );
-        }
         hour.resident = hour.resident.max(resident());
         if (i + 1) % (steps_per_hour / 6) == 0 {
             service.forget_before(service.now() - 90 * 60_000);

@@ -304,6 +304,11 @@ impl EventApi {
             .push_back(script);
     }
 
+    /// Drops every queued misbehaviour of every partition: the next fetches are served as asked.
+    pub fn clear_scripts(&self) {
+        self.state().scripts.clear();
+    }
+
     /// The events of `partition`, in order.
     pub fn events(&self, partition: &str) -> Vec<ScriptedEvent> {
         self.state()

@@ -560,7 +560,10 @@ impl World {
             tokio::time::sleep(STEP).await;
         }
 
-        // Quiet: no faults, holds quarantined, a worker up, until everything is settled.
+        // Quiet: no faults, holds quarantined, a worker up, until everything is settled. The
+        // scripts still queued go too: a reader backs off to its idle bound (30 s) after each
+        // empty page, so ten queued empty pages would outlast the quiet phase.
+        self.api.clear_scripts();
         self.store.inject(self.seed, Faults::none());
         if let Some(ledger) = &self.ledger {
             ledger.inject(self.seed ^ 1, Faults::none());
