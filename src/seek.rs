@@ -87,7 +87,10 @@ pub async fn seek(
         store.create(&new).await?;
     }
     let rows = store.list(stream).await?;
-    let latest = crate::time::now()
+    // The service's time, from the listing's answer: an operator's clock may run ahead.
+    let latest = lister
+        .service_time()
+        .unwrap_or_else(crate::time::now)
         .checked_sub(crate::consumer::DEFAULT_LATEST_MARGIN)
         .unwrap_or(SystemTime::UNIX_EPOCH);
     let groups = plan(stream, target, &shards, &rows, latest)?;

@@ -15,6 +15,7 @@ use bytes::Bytes;
 use shardwise::envelope::{self, Format, Headers};
 use shardwise::lease::LeaseSettings;
 use shardwise::retry::{ATTEMPTS_HEADER, DEAD_LETTER_REASON_HEADER, ORIGIN_SEQUENCE_HEADER};
+use shardwise::testing::{HostClock, on_host};
 use shardwise::{Consumer, ConsumerBuilder, Delivery, Outcome, kpl};
 use support::Live;
 
@@ -548,5 +549,56 @@ async fn an_application_starting_at_a_timestamp_reads_what_arrived_since() {
     let mut want: Vec<String> = (0..10).map(|i| format!("new-{i}")).collect();
     want.sort();
     assert_eq!(got, want, "only what arrived since the start time");
+    live.delete_stream(&stream).await;
+}
+
+/// A worker whose clock runs 60 s ahead starts a new application at LATEST on kinesis-mock. The
+/// pin is taken from the `Date` of Kinesis's answers, so the records written after the worker
+/// holds the shard are all handled; pinned by this host's clock (55 s in the stream's future) they
+/// would not be, as an AT_TIMESTAMP iterator returns only records that arrived at or after it.
+#[tokio::test]
+async fn a_latest_start_on_a_host_whose_clock_runs_ahead_reads_what_arrives_next() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("ahead");
+    let app = support::unique_name("ahead-app");
+    live.create_stream(&stream, 1).await;
+    put_blob(&live, &stream, "k", Bytes::from_static(b"before")).await;
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    let consumer = builder(&stream, &app, move |d: Delivery| {
+        record(&s, &d);
+        async { Outcome::Ack }
+    })
+    .initial_position(shardwise::lease::InitialPosition::Latest)
+    .build()
+    .unwrap();
+    let running = on_host(HostClock::new(60_000, 0), consumer.run())
+        .await
+        .unwrap();
+    wait_for("the shard held", Duration::from_secs(20), || {
+        !running.shards().is_empty()
+    })
+    .await;
+    // The pin is written before the first read; a second covers the Date header's truncation.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for i in 0..10 {
+        put_blob(&live, &stream, "k", Bytes::from(format!("after-{i}"))).await;
+    }
+    wait_for(
+        "the 10 records written after the start",
+        Duration::from_secs(20),
+        || seen.lock().unwrap().len() >= 10,
+    )
+    .await;
+    running.shutdown(Duration::from_secs(3)).await;
+    let got: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| String::from_utf8(r.0.clone()).unwrap())
+        .filter(|p| p.starts_with("after"))
+        .collect();
+    let want: Vec<String> = (0..10).map(|i| format!("after-{i}")).collect();
+    assert_eq!(got, want, "every record written after the start, in order");
     live.delete_stream(&stream).await;
 }

@@ -23,7 +23,7 @@ use shardwise::lease::{
     Checkpoint, InitialPosition, Lease, LeaseSettings, LeaseStore, MemoryLeaseStore,
 };
 use shardwise::seek::SeekTarget;
-use shardwise::testing::{Call, Layer, Layered, MemoryStream};
+use shardwise::testing::{Call, HostClock, Layer, Layered, MemoryStream, on_host};
 use shardwise::{Consumer, ConsumerBuilder, Delivery, Error, Outcome, Position, Running};
 
 fn fast_leases() -> LeaseSettings {
@@ -157,6 +157,58 @@ async fn a_latest_start_killed_before_its_first_checkpoint_skips_nothing() {
     second.shutdown(Duration::from_secs(2)).await;
 }
 
+/// A host whose clock runs 30 s ahead of the stream's (far past the 5 s LATEST margin) starts a
+/// shard at LATEST. The stream keeps the service's clocks: an AT_TIMESTAMP in its future returns
+/// only what arrives after that time. The pin is taken from the stream's answers, so every record
+/// written after the worker began reading is handled; pinned by this host's clock it would be 25 s
+/// in the stream's future, and the 20 records written now would never be read.
+#[tokio::test(start_paused = true)]
+async fn a_latest_start_on_a_host_whose_clock_runs_ahead_skips_nothing() {
+    let stream = MemoryStream::new("orders", 1);
+    stream.service_limits(Duration::from_secs(24 * 3600));
+    let store: Arc<dyn LeaseStore> = Arc::new(MemoryLeaseStore::new());
+    let log = Log::default();
+    let consumer = builder(&stream, &store, "w1", acking(&log))
+        .initial_position(InitialPosition::Latest)
+        .build()
+        .unwrap();
+    let running = on_host(HostClock::new(30_000, 0), consumer.run())
+        .await
+        .unwrap();
+    wait_for(
+        "the worker to hold the shard",
+        Duration::from_secs(5),
+        || !running.shards().is_empty(),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let shard = stream.open_shards()[0].clone();
+    let pinned = store
+        .get("orders", &shard)
+        .await
+        .unwrap()
+        .unwrap()
+        .checkpoint;
+    let Checkpoint::AtTimestamp(at) = pinned else {
+        panic!("a LATEST start is pinned to a time, got {pinned:?}");
+    };
+    assert!(
+        at <= SystemTime::now(),
+        "pinned {:?} ahead of the stream's clock",
+        at.duration_since(SystemTime::now())
+    );
+    let new = names("new", 20);
+    put_all(&stream, &new);
+    let expected: BTreeSet<String> = new.iter().cloned().collect();
+    wait_for(
+        "all 20 records written after the start",
+        Duration::from_secs(10),
+        || log.set() == expected,
+    )
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+}
+
 /// An AT_TIMESTAMP start is already a fixed place: a worker that dies before its first checkpoint
 /// leaves the next owner reading from the same time.
 #[tokio::test(start_paused = true)]
@@ -256,6 +308,43 @@ async fn a_seek_to_latest_followed_by_a_crash_skips_nothing_written_after_the_se
     )
     .await;
     second.shutdown(Duration::from_secs(2)).await;
+}
+
+/// An operator whose clock runs 30 s ahead seeks to latest: the seek moves to the stream's time
+/// (from its answers), so the records written after the seek are all handled; by the operator's
+/// clock it would move 25 s into the stream's future, past them.
+#[tokio::test(start_paused = true)]
+async fn a_seek_to_latest_from_a_clock_that_runs_ahead_skips_nothing_written_after_it() {
+    let stream = MemoryStream::new("orders", 1);
+    stream.service_limits(Duration::from_secs(24 * 3600));
+    let store: Arc<dyn LeaseStore> = Arc::new(MemoryLeaseStore::new());
+    put_all(&stream, &names("before", 10));
+    let log = Log::default();
+    let running = builder(&stream, &store, "w1", acking(&log))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for(
+        "the records before the seek",
+        Duration::from_secs(5),
+        || log.set().len() == 10,
+    )
+    .await;
+    let report = on_host(HostClock::new(30_000, 0), running.seek(&SeekTarget::Latest))
+        .await
+        .unwrap();
+    assert_eq!(report.moved.len(), 1);
+    let after = names("after", 20);
+    put_all(&stream, &after);
+    wait_for(
+        "the 20 records written after the seek",
+        Duration::from_secs(10),
+        || log.set().is_superset(&after.iter().cloned().collect()),
+    )
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
 }
 
 /// A closed parent whose unread records were trimmed by retention (it is no longer listed) is

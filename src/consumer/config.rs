@@ -90,8 +90,9 @@ pub enum Unproven {
 }
 
 /// The default [`Settings::latest_margin`]: records that arrived up to this long before a LATEST
-/// start are delivered too, so that a clock of this host running ahead of the stream's arrival
-/// timestamps by less than this cannot make a LATEST start skip a record.
+/// start are delivered too. The start is the stream service's time (from the `Date` of its
+/// answers), so the margin covers the difference between that time and the records' arrival
+/// timestamps; for a source whose answers carry no date, this host's clock running ahead of them.
 pub const DEFAULT_LATEST_MARGIN: Duration = Duration::from_secs(5);
 
 /// The default worker id: host name, process id and a random part, e.g. `web-1-3f9a2c`. Host name

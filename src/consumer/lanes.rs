@@ -87,12 +87,12 @@ impl Lanes {
                 for _ in 0..count {
                     let (tx, rx) = mpsc::unbounded_channel();
                     senders.push(tx);
-                    tasks.spawn(run_lane(
+                    tasks.spawn(crate::time::carry(run_lane(
                         Arc::new(Mutex::new(rx)),
                         handler.clone(),
                         finished.clone(),
                         settings.clone(),
-                    ));
+                    )));
                 }
             }
             DeliveryOrder::None => {
@@ -100,12 +100,12 @@ impl Lanes {
                 senders.push(tx);
                 let shared = Arc::new(Mutex::new(rx));
                 for _ in 0..count {
-                    tasks.spawn(run_lane(
+                    tasks.spawn(crate::time::carry(run_lane(
                         shared.clone(),
                         handler.clone(),
                         finished.clone(),
                         settings.clone(),
-                    ));
+                    )));
                 }
             }
         }

@@ -131,9 +131,9 @@ impl Ledger {
             .collect();
         let store = self.store.clone();
         let worker = self.worker.clone();
-        self.commit = Some(tokio::spawn(async move {
+        self.commit = Some(tokio::spawn(crate::time::carry(async move {
             store.commit(&applies, &worker).await
-        }));
+        })));
     }
 
     /// Whether a commit or a poll is in flight.
@@ -300,13 +300,13 @@ impl Ledger {
         let store = self.store.clone();
         let held: Vec<(DeliveryId, Delivery)> =
             self.held.iter().map(|(id, d)| (*id, d.clone())).collect();
-        self.poll = Some(tokio::spawn(async move {
+        self.poll = Some(tokio::spawn(crate::time::carry(async move {
             let mut out = Vec::with_capacity(held.len());
             for (id, d) in held {
                 out.push((id, store.get(&d.event_id()).await));
             }
             out
-        }));
+        })));
     }
 
     fn polled(&mut self, joined: Joined<PollDone>) -> Vec<LedgerEvent> {
@@ -570,14 +570,14 @@ mod tests {
         )
         .build();
         let event = d.event_id();
-        let task = tokio::spawn(record(
+        let task = tokio::spawn(crate::time::carry(record(
             store,
             Arc::from("w"),
             id,
             d,
             Disposition::Quarantined("poison".into()),
             tx,
-        ));
+        )));
         task.await.expect("the task ends, not by a panic");
         assert!(matches!(
             rx.recv().await,

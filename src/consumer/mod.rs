@@ -179,7 +179,7 @@ impl<H: Handler> ConsumerBuilder<H> {
     /// Where shards new to this application start (default: trim horizon).
     ///
     /// A LATEST start is pinned by the shard's first owner, before it reads anything, to the
-    /// arrival time (now - [`latest_margin`](Self::latest_margin)); every later owner reads from
+    /// arrival time (the service's now - [`latest_margin`](Self::latest_margin)); every later owner reads from
     /// there. So every record that arrives after a worker began reading is delivered, even if that
     /// worker dies before its first checkpoint.
     pub fn initial_position(mut self, p: InitialPosition) -> Self {
@@ -194,10 +194,10 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
-    /// How far before the local clock a LATEST start is pinned (default
-    /// [`DEFAULT_LATEST_MARGIN`], 5 s): the allowance for this host's clock running ahead of the
-    /// stream's arrival timestamps. Records that arrived within it before the start are delivered
-    /// too.
+    /// How far before the stream service's time a LATEST start is pinned (default
+    /// [`DEFAULT_LATEST_MARGIN`], 5 s): the allowance between the time its answers carry and its
+    /// records' arrival timestamps (or, for a source whose answers carry no date, this host's clock
+    /// running ahead of them). Records that arrived within it before the start are delivered too.
     pub fn latest_margin(mut self, margin: Duration) -> Self {
         self.settings.latest_margin = margin;
         self
@@ -736,14 +736,14 @@ impl<H: Handler> Consumer<H> {
         let leases = manager.probe();
         let progress = Arc::new(Mutex::new(ShutdownReport::default()));
         let (fatal_tx, fatal) = tokio::sync::watch::channel(None);
-        let supervisor = tokio::spawn(supervise(
+        let supervisor = tokio::spawn(crate::time::carry(supervise(
             manager,
             events,
             work,
             held_tx,
             progress.clone(),
             fatal_tx,
-        ));
+        )));
         info!(stream = %settings.stream, application = %settings.application, worker = %settings.worker_id, "consumer started");
         Ok(Running {
             stop,
@@ -789,19 +789,29 @@ impl<H: Handler> Work<H> {
             abort: self.ctx.abort.child_token(),
             ..self.ctx.clone()
         };
-        tokio::spawn(handoff(
+        tokio::spawn(crate::time::carry(handoff(
             lease.handoff.clone(),
             lease.cancel.clone(),
             ctx.stop.clone(),
             ctx.abort.clone(),
             ctx.pipeline.settings.lease.handoff_timeout,
-        ));
+        )));
         match &self.kind {
-            Kind::Shards(shards) => tasks.spawn(run_owned::<H, Shard>(ctx, shards.clone(), lease)),
-            Kind::Pages(source) => tasks.spawn(run_owned::<H, Pages>(ctx, source.clone(), lease)),
-            Kind::Timestamps(source) => {
-                tasks.spawn(run_owned::<H, Attempt>(ctx, source.clone(), lease))
-            }
+            Kind::Shards(shards) => tasks.spawn(crate::time::carry(run_owned::<H, Shard>(
+                ctx,
+                shards.clone(),
+                lease,
+            ))),
+            Kind::Pages(source) => tasks.spawn(crate::time::carry(run_owned::<H, Pages>(
+                ctx,
+                source.clone(),
+                lease,
+            ))),
+            Kind::Timestamps(source) => tasks.spawn(crate::time::carry(run_owned::<H, Attempt>(
+                ctx,
+                source.clone(),
+                lease,
+            ))),
         }
     }
 }

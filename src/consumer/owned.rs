@@ -426,7 +426,7 @@ const FLUSH_FAILURES: usize = 3;
 
 impl<W: Clone + Send + std::fmt::Debug + 'static> Owned<W> {
     fn start<P: Progress<Write = W>>(&mut self, progress: &P, write: W) {
-        let handle = tokio::spawn(progress.write(&write));
+        let handle = tokio::spawn(crate::time::carry(progress.write(&write)));
         self.in_flight = Some(InFlight { write, handle });
     }
 

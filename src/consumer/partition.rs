@@ -92,7 +92,7 @@ impl Progress for Pages {
                 idle_poll_max: settings.reader.idle_poll_max,
                 max_backoff: settings.reader.max_backoff,
             };
-            tokio::spawn(page_reader.run(pages_tx, reader));
+            tokio::spawn(crate::time::carry(page_reader.run(pages_tx, reader)));
             pages_rx
         });
         Ok(Prepared {

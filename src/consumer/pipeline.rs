@@ -180,7 +180,7 @@ impl<H: Handler, E> Pipeline<H, E> {
         match (self.ctx.receipts.clone(), delivery.id()) {
             (Some(store), Some(id)) => {
                 let events = self.write_tx.clone();
-                self.tasks.spawn(async move {
+                self.tasks.spawn(crate::time::carry(async move {
                     let event = delivery.event_id();
                     match ledger::read_receipt(store.as_ref(), &event, "of a backfilled or late event").await {
                         Some(r) if r.disposition.is_terminal() => {
@@ -193,7 +193,7 @@ impl<H: Handler, E> Pipeline<H, E> {
                             let _ = events.send(WriteEvent::Redeliver(delivery));
                         }
                     }
-                });
+                }));
             }
             _ => {
                 count(&delivery);
@@ -413,15 +413,16 @@ impl<H: Handler, E> Pipeline<H, E> {
                         .health
                         .retrying(d.shard(), d.event_id().as_str(), d.attempt());
                 self.retrying_gauge(Some(&d));
-                self.tasks.spawn(run_again(write, self.write_tx.clone()));
+                self.tasks
+                    .spawn(crate::time::carry(run_again(write, self.write_tx.clone())));
             }
             Resolved::Write(write) => {
-                self.tasks.spawn(write.run(
+                self.tasks.spawn(crate::time::carry(write.run(
                     self.ctx.producer.clone(),
                     self.ctx.retry.clone(),
                     self.ctx.stuck.clone(),
                     self.write_tx.clone(),
-                ));
+                )));
             }
             Resolved::Apply(id, d, effects) => {
                 if let Some(ledger) = self.ledger.as_mut() {
@@ -430,14 +431,14 @@ impl<H: Handler, E> Pipeline<H, E> {
             }
             Resolved::Record(id, d, disposition) => {
                 if let Some(store) = self.ctx.receipts.clone() {
-                    self.tasks.spawn(ledger::record(
+                    self.tasks.spawn(crate::time::carry(ledger::record(
                         store,
                         self.worker.clone(),
                         id,
                         d,
                         disposition,
                         self.write_tx.clone(),
-                    ));
+                    )));
                 }
             }
         }

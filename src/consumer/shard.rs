@@ -22,6 +22,7 @@
 //! and skip every record written in between.
 
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use futures::future::BoxFuture;
 use tokio::sync::mpsc;
@@ -36,11 +37,11 @@ use crate::backoff::Backoff;
 use crate::checkpoint::Checkpoint;
 use crate::error::Error;
 use crate::handler::{Delivery, Handler};
-use crate::lease::{CheckpointWrite, HeldLease};
+use crate::lease::{CheckpointWrite, HeldLease, Ownership};
 use crate::position::Position;
 use crate::shard::discovery::ShardLister;
 use crate::shard::reader::{ReaderMessage, ShardReader};
-use crate::shard::source::{ReadError, RecordSource};
+use crate::shard::source::{ReadError, RecordSource, StartAt};
 use crate::time::millis;
 use crate::track::Tracker;
 
@@ -115,7 +116,7 @@ impl Progress for Shard {
         let settings = &ctx.pipeline.settings;
         let ownership = held.ownership.clone();
         info!(stream = %ownership.stream, shard = %ownership.shard_id, epoch = ownership.epoch, checkpoint = %held.lease.checkpoint, "shard started");
-        let start = pin_start(ctx, held).await?;
+        let start = pin_start(ctx, source.source.as_ref(), held).await?;
         let checkpointer = Checkpointer::new(
             ctx.store.clone(),
             ownership.clone(),
@@ -132,7 +133,7 @@ impl Progress for Shard {
             settings.reader,
         )
         .map(|shard_reader| {
-            tokio::spawn(shard_reader.run(reader_tx, reader));
+            tokio::spawn(crate::time::carry(shard_reader.run(reader_tx, reader)));
             reader_rx
         }); // None: already at SHARD_END
         let lease = Leased::new(&ownership, &ctx.store);
@@ -263,17 +264,26 @@ impl Shard {
     }
 }
 
-/// Replaces a LATEST checkpoint with a fixed start before anything is read: AT_TIMESTAMP of now
-/// minus the configured margin (the clock-skew allowance between this host and the stream's
-/// arrival timestamps), written fenced by this lease. Every later owner starts at the same place,
-/// so a worker that dies before its first checkpoint makes the next one repeat records, never
-/// skip them. Any other checkpoint is returned as it is.
-async fn pin_start<H>(ctx: &OwnedContext<H>, held: &HeldLease) -> Result<Checkpoint, Exit> {
+/// Replaces a LATEST checkpoint with a fixed start before anything is read: AT_TIMESTAMP of the
+/// service's time now (from its answers: [`service_now`]) minus the configured margin, written
+/// fenced by this lease. Every later owner starts at the same place, so a worker that dies before
+/// its first checkpoint makes the next one repeat records, never skip them. Any other checkpoint
+/// is returned as it is.
+async fn pin_start<H>(
+    ctx: &OwnedContext<H>,
+    source: &dyn RecordSource,
+    held: &HeldLease,
+) -> Result<Checkpoint, Exit> {
     if held.lease.checkpoint != Checkpoint::Latest {
         return Ok(held.lease.checkpoint.clone());
     }
     let ownership = &held.ownership;
-    let now = crate::time::now();
+    let now = tokio::select! {
+        biased;
+        _ = held.cancel.cancelled() => return Err(Exit::Lost(ownership.clone())),
+        _ = ctx.stop.cancelled() => return Err(Exit::Stopped(ownership.clone())),
+        now = service_now(source, ownership) => now,
+    };
     let to = Checkpoint::AtTimestamp(
         now.checked_sub(ctx.pipeline.settings.latest_margin)
             .unwrap_or(now),
@@ -314,4 +324,27 @@ async fn pin_start<H>(ctx: &OwnedContext<H>, held: &HeldLease) -> Result<Checkpo
             _ = tokio::time::sleep(wait) => {}
         }
     }
+}
+
+/// A time the stream's service has certainly reached: from its answers' dates, so that a host
+/// whose clock runs ahead cannot pin a LATEST start after records that arrive later (an
+/// AT_TIMESTAMP in the future returns only what arrives after it). When no answer has told it
+/// yet, a LATEST iterator is opened (no effect) to hear one; a service that never says is taken
+/// at this host's clock.
+async fn service_now(source: &dyn RecordSource, ownership: &Ownership) -> SystemTime {
+    if let Some(at) = source.service_time() {
+        return at;
+    }
+    let heard = source
+        .shard_iterator(&ownership.stream, &ownership.shard_id, &StartAt::Latest)
+        .await;
+    source.service_time().unwrap_or_else(|| {
+        warn!(
+            stream = %ownership.stream,
+            shard = %ownership.shard_id,
+            answered = heard.is_ok(),
+            "the stream's answers carry no date: pinning the LATEST start by this host's clock"
+        );
+        crate::time::now()
+    })
 }

@@ -163,7 +163,7 @@ impl Progress for Attempt {
                 audit_ms,
             )),
         };
-        tokio::spawn(poll_reader.run(polls_tx, reader));
+        tokio::spawn(crate::time::carry(poll_reader.run(polls_tx, reader)));
         Ok(Prepared {
             progress: Attempt {
                 lease: Leased::new(&ownership, &ctx.store),

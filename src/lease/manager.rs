@@ -464,10 +464,14 @@ impl LeaseManager {
 
         let renewing = CancellationToken::new();
         let tasks = TaskTracker::new();
-        tasks.spawn(Arc::clone(&inner).renew_loop(renewing.clone()));
-        tasks.spawn(Arc::clone(&inner).beat_loop(renewing.clone()));
-        tasks.spawn(Arc::clone(&inner).take_loop());
-        tasks.spawn(Arc::clone(&inner).sync_loop(!alone));
+        tasks.spawn(crate::time::carry(
+            Arc::clone(&inner).renew_loop(renewing.clone()),
+        ));
+        tasks.spawn(crate::time::carry(
+            Arc::clone(&inner).beat_loop(renewing.clone()),
+        ));
+        tasks.spawn(crate::time::carry(Arc::clone(&inner).take_loop()));
+        tasks.spawn(crate::time::carry(Arc::clone(&inner).sync_loop(!alone)));
         tasks.close();
         info!(stream = %inner.stream, worker = %inner.worker, "lease manager started");
         Ok((

@@ -21,22 +21,35 @@ pub struct ShardInfo {
 pub trait ShardLister: Send + Sync + fmt::Debug + 'static {
     /// Every shard the stream retains, parents before children, following pagination.
     fn list_shards<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<ShardInfo>, Error>>;
+
+    /// A time the service's clock has certainly reached, as its answers tell it; `None` before
+    /// any answer did, or when the service does not say. `seek --to latest` moves to it rather
+    /// than to this host's clock.
+    fn service_time(&self) -> Option<std::time::SystemTime> {
+        None
+    }
 }
 
 /// [`ShardLister`] on the Kinesis API.
 #[derive(Debug, Clone)]
 pub struct KinesisShards {
     client: aws_sdk_kinesis::Client,
+    clock: std::sync::Arc<crate::time::ServiceClock>,
 }
 
 impl KinesisShards {
-    /// Lists shards with this client.
+    /// Lists shards with this client (a copy of it that also reads each answer's date).
     pub fn new(client: aws_sdk_kinesis::Client) -> Self {
-        Self { client }
+        let (client, clock) = crate::shard::source::dated(&client);
+        Self { client, clock }
     }
 }
 
 impl ShardLister for KinesisShards {
+    fn service_time(&self) -> Option<std::time::SystemTime> {
+        self.clock.reached()
+    }
+
     fn list_shards<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<ShardInfo>, Error>> {
         Box::pin(async move {
             let mut shards = Vec::new();

@@ -2,15 +2,19 @@
 //! Kinesis in production and an in-memory stream in tests.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::SystemTime;
 
-use aws_sdk_kinesis::primitives::DateTime;
+use aws_sdk_kinesis::config::interceptors::BeforeDeserializationInterceptorContextRef;
+use aws_sdk_kinesis::config::{ConfigBag, Intercept, RuntimeComponents};
+use aws_sdk_kinesis::primitives::{DateTime, DateTimeFormat as Format};
 use aws_sdk_kinesis::types::ShardIteratorType;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 
 use crate::error::BoxError;
 use crate::position::SequenceNumber;
+use crate::time::ServiceClock;
 
 /// Where to open a shard iterator.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,18 +91,70 @@ pub trait RecordSource: Send + Sync + fmt::Debug + 'static {
         iterator: &'a str,
         limit: i32,
     ) -> BoxFuture<'a, Result<Page, ReadError>>;
+
+    /// A time the service's clock has certainly reached, as its answers tell it; `None` before
+    /// any answer did, or when the service does not say. A LATEST start is pinned there rather
+    /// than at this host's clock, which may run ahead of the stream's arrival timestamps.
+    fn service_time(&self) -> Option<SystemTime> {
+        None
+    }
 }
 
-/// [`RecordSource`] on the Kinesis API.
+/// [`RecordSource`] on the Kinesis API. It learns the service's clock from the `Date` header of
+/// every answer ([`RecordSource::service_time`]).
 #[derive(Debug, Clone)]
 pub struct KinesisRecords {
     client: aws_sdk_kinesis::Client,
+    clock: Arc<ServiceClock>,
 }
 
 impl KinesisRecords {
-    /// Reads with this client.
+    /// Reads with this client (a copy of it that also reads each answer's date).
     pub fn new(client: aws_sdk_kinesis::Client) -> Self {
-        Self { client }
+        let (client, clock) = dated(&client);
+        Self { client, clock }
+    }
+}
+
+/// A copy of `client` whose answers' dates go to the returned clock.
+pub(crate) fn dated(
+    client: &aws_sdk_kinesis::Client,
+) -> (aws_sdk_kinesis::Client, Arc<ServiceClock>) {
+    let clock = Arc::new(ServiceClock::default());
+    let config = client
+        .config()
+        .to_builder()
+        .interceptor(ReadDate(Arc::clone(&clock)))
+        .build();
+    (aws_sdk_kinesis::Client::from_conf(config), clock)
+}
+
+/// Gives each answer's `Date` header, with the time it arrived, to a [`ServiceClock`].
+#[derive(Debug)]
+struct ReadDate(Arc<ServiceClock>);
+
+impl Intercept for ReadDate {
+    fn name(&self) -> &'static str {
+        "shardwise::ReadDate"
+    }
+
+    fn read_before_deserialization(
+        &self,
+        context: &BeforeDeserializationInterceptorContextRef<'_>,
+        _: &RuntimeComponents,
+        _: &mut ConfigBag,
+    ) -> Result<(), aws_sdk_kinesis::error::BoxError> {
+        let received = crate::time::now();
+        let date = context
+            .response()
+            .headers()
+            .get("date")
+            .and_then(|d| DateTime::from_str(d, Format::HttpDate).ok())
+            .and_then(|d| SystemTime::try_from(d).ok());
+        if let Some(date) = date {
+            self.0.observe(date, received);
+        }
+        Ok(())
     }
 }
 
@@ -118,6 +174,10 @@ where
 }
 
 impl RecordSource for KinesisRecords {
+    fn service_time(&self) -> Option<SystemTime> {
+        self.clock.reached()
+    }
+
     fn shard_iterator<'a>(
         &'a self,
         stream: &'a str,

@@ -279,7 +279,7 @@ impl EventApi {
             id: format!("{partition}-{position}"),
             position,
             payload: payload.into(),
-            timestamp: Some(crate::time::now()),
+            timestamp: Some(crate::time::service_now()),
             key: None,
         });
         position

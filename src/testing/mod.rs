@@ -19,6 +19,7 @@ pub(crate) mod faults;
 mod layer;
 mod stream;
 
+pub use crate::time::{HostClock, on_host};
 pub use crash::{Crash, CrashPoint, When};
 pub use event_server::{EventServer, HttpEvents};
 pub use events::{EventApi, Script, ScriptedEvent, Ties};

@@ -145,7 +145,7 @@ impl MemoryStream {
             sequence,
             partition_key: partition_key.to_string(),
             data: data.into(),
-            arrived_at: Some(crate::time::now()),
+            arrived_at: Some(crate::time::service_now()),
         });
         (shard.id.clone(), sequence)
     }
@@ -297,7 +297,7 @@ const CALL_RECORDS: usize = 10_000;
 const CALL_BYTES: usize = 10 * 1024 * 1024;
 
 fn now_ms() -> i64 {
-    crate::time::millis(crate::time::now())
+    crate::time::millis(crate::time::service_now())
 }
 
 /// An iterator: the shard, the index of the next record, and with the service's limits when it
@@ -351,7 +351,7 @@ impl State {
         let Some(retention) = self.limits else {
             return;
         };
-        let horizon = crate::time::now().checked_sub(retention);
+        let horizon = crate::time::service_now().checked_sub(retention);
         for shard in self.shards.values_mut() {
             while let Some(record) = shard.records.get(shard.trimmed) {
                 let old = matches!(
@@ -387,7 +387,18 @@ impl State {
     }
 }
 
+/// The stream's own clock, truncated to the second as an answer's `Date` header is: the simulated
+/// hosts' clocks ([`HostClock`](crate::testing::HostClock)) do not move it.
+fn dated_now() -> std::time::SystemTime {
+    let ms = crate::time::millis(crate::time::service_now());
+    crate::time::from_millis(ms - ms.rem_euclid(1_000))
+}
+
 impl RecordSource for MemoryStream {
+    fn service_time(&self) -> Option<std::time::SystemTime> {
+        Some(dated_now())
+    }
+
     fn shard_iterator<'a>(
         &'a self,
         stream: &'a str,
@@ -522,7 +533,7 @@ impl State {
             .records
             .get(index)
             .and_then(|r| r.arrived_at)
-            .and_then(|a| crate::time::now().duration_since(a).ok());
+            .and_then(|a| crate::time::service_now().duration_since(a).ok());
         Ok(Page {
             records,
             next_iterator: (!(at_end && s.closed)).then(|| {
@@ -589,6 +600,10 @@ fn call_fault<T: Send + 'static>(
 }
 
 impl ShardLister for MemoryStream {
+    fn service_time(&self) -> Option<std::time::SystemTime> {
+        Some(dated_now())
+    }
+
     fn list_shards<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<ShardInfo>, Error>> {
         let fault = self.faults.draw(false, false);
         let result = {
@@ -821,7 +836,7 @@ mod tests {
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
         // A time stamp 10 s ahead (a host clock ahead): what arrives before it is not returned.
-        let ahead = crate::time::now() + Duration::from_secs(10);
+        let ahead = crate::time::service_now() + Duration::from_secs(10);
         let it = stream
             .shard_iterator("s", &shard, &StartAt::AtTimestamp(ahead))
             .await

@@ -132,6 +132,9 @@ impl RecordSource for Stream {
             self.inner.get_records(iterator, limit).await
         })
     }
+    fn service_time(&self) -> Option<std::time::SystemTime> {
+        RecordSource::service_time(&self.inner)
+    }
 }
 
 impl ShardLister for Stream {
@@ -140,6 +143,9 @@ impl ShardLister for Stream {
             self.gate.pass().await;
             self.inner.list_shards(stream).await
         })
+    }
+    fn service_time(&self) -> Option<std::time::SystemTime> {
+        ShardLister::service_time(&self.inner)
     }
 }
 
