@@ -7,6 +7,8 @@
 //! stop and start, streams created and deleted, batches of late events (timestamps up to 13 days
 //! old), and account-wide throttling that lasts minutes. The service's tokens expire after 24
 //! hours, pages stop at 10,000 events or 1 MB, and GetLogEvents is throttled past 25 requests/s.
+//! Every worker runs on a host of its own whose wall clock is up to 9 s ahead or behind the
+//! service's and drifts up to 10 ppm (`testing::HostClock`).
 //!
 //! Checked at every write of the lease store: a stream's applied position never goes down, and
 //! every event at or below it, bar late ones (found by the source's audit later), has settled.
@@ -24,7 +26,7 @@ use rand::{Rng, SeedableRng};
 use shardwise::consumer::Settled;
 use shardwise::lease::{Change, LeaseSettings, MemoryLeaseStore};
 use shardwise::paged::{CloudWatchLogs, LATE_EVENT_WINDOW, PagePosition};
-use shardwise::testing::Layered;
+use shardwise::testing::{HostClock, Layered, on_host};
 use shardwise::{Consumer, Delivery, Outcome, Running};
 use tokio::time::Instant;
 
@@ -129,6 +131,8 @@ struct World {
     lanes: usize,
     poll: Duration,
     streams: u32,
+    /// Each worker's host clock: ms ahead of the service's (behind when negative), drift in ppm.
+    clocks: Vec<(i64, i64)>,
 }
 
 impl World {
@@ -163,6 +167,9 @@ impl World {
         });
         let store = Arc::new(Layered::new(Arc::new(store), watchdog));
         let workers = rng.random_range(1..=3);
+        let clocks = (0..workers)
+            .map(|_| (rng.random_range(-9_000..=9_000), rng.random_range(-10..=10)))
+            .collect();
         let mut world = Self {
             seed,
             lanes: rng.random_range(1..=4),
@@ -174,6 +181,7 @@ impl World {
             start,
             workers: (0..workers).map(|_| None).collect(),
             streams: 0,
+            clocks,
         };
         for _ in 0..world.rng.random_range(1..=3) {
             world.create_stream();
@@ -285,7 +293,8 @@ impl World {
         };
         let settled = self.model.clone();
         let source = CloudWatchLogs::new(self.service.client(), GROUP);
-        let running = Consumer::paged(Arc::new(source), "sim", handler)
+        let (offset, drift) = self.clocks[n];
+        let consumer = Consumer::paged(Arc::new(source), "sim", handler)
             .worker_id(&worker)
             .lanes(self.lanes)
             .poll_interval(self.poll)
@@ -303,9 +312,8 @@ impl World {
                 model.event(Instant::now(), start, format!("settled {name} {how:?}"));
             })
             .build()
-            .expect("settings")
-            .run()
-            .await;
+            .expect("settings");
+        let running = on_host(HostClock::new(offset, drift), consumer.run()).await;
         match running {
             Ok(running) => {
                 self.event(format!("start {worker}"));
@@ -337,6 +345,8 @@ impl World {
     }
 
     async fn run(mut self) -> SeedResult {
+        let clocks = format!("host clocks (ms ahead, ppm) {:?}", self.clocks);
+        self.event(clocks);
         for n in 0..self.workers.len() {
             self.start_worker(n).await;
         }

@@ -6,8 +6,13 @@
 //! The seed lays out the day as phases: bursts of records, quiet hours, outages of the whole fleet
 //! (up to 6 hours, inside the retention period), workers that crash, stop and start, a second
 //! process with a worker's id for minutes to hours, splits and merges, and throttling of every
-//! read that lasts minutes. Half the seeds start at the trim
-//! horizon, half at a time stamp.
+//! read that lasts minutes. A third of the seeds start at the trim horizon, a third at a time
+//! stamp, a third at LATEST (the day begins once every shard's start is pinned, with a burst; what
+//! was put before the workers started is not owed).
+//!
+//! Every worker runs on a host of its own whose wall clock is up to 9 s ahead or behind the
+//! stream's and drifts up to 10 ppm (0.9 s a day), the twin of worker 0 on another; the stream
+//! keeps the true time (`testing::HostClock`).
 //!
 //! Checked at every write of the lease store: a shard's checkpoint never passes a record that has
 //! not been handled (at `SHARD_END`, every record of the shard). At the end, after a quiet hour
@@ -21,8 +26,9 @@ use std::time::Duration;
 use md5::{Digest, Md5};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use shardwise::lease::LeaseStore;
 use shardwise::lease::{Change, Checkpoint, InitialPosition, LeaseSettings, MemoryLeaseStore};
-use shardwise::testing::{Faults, Layered, MemoryStream};
+use shardwise::testing::{Faults, HostClock, Layered, MemoryStream, on_host};
 use shardwise::{Consumer, Delivery, Outcome, Running, SequenceNumber};
 use tokio::time::Instant;
 
@@ -40,6 +46,8 @@ struct Model {
     /// Records put: shard -> (sequence number, id).
     put: BTreeMap<String, Vec<(SequenceNumber, String)>>,
     handled: BTreeSet<String>,
+    /// Records put before a LATEST start's workers began: not owed.
+    before_start: BTreeSet<String>,
     violations: Vec<String>,
     log: EventLog,
     invocations: u64,
@@ -74,7 +82,7 @@ impl Model {
         let passed = records
             .iter()
             .filter(|(sequence, _)| through.as_ref().is_none_or(|t| sequence <= t))
-            .find(|(_, id)| !self.handled.contains(id))?;
+            .find(|(_, id)| !self.handled.contains(id) && !self.before_start.contains(id))?;
         Some(format!(
             "{}: checkpoint {:?} passes {} ({}), which was never handled ({})",
             after.shard_id, after.checkpoint, passed.1, passed.0, change.operation
@@ -94,6 +102,8 @@ struct World {
     poll: Duration,
     initial: InitialPosition,
     records: u64,
+    /// Each worker's host clock: ms ahead of the stream's (behind when negative), drift in ppm.
+    clocks: Vec<(i64, i64)>,
 }
 
 impl World {
@@ -128,12 +138,16 @@ impl World {
         let watchdog = Watchdog::new(start, move |at, what| {
             report.lock().unwrap().violation(at, start, what);
         });
-        let initial = if rng.random_bool(0.5) {
-            InitialPosition::TrimHorizon
-        } else {
-            InitialPosition::AtTimestamp(crate::world::base())
+        let initial = match rng.random_range(0..3) {
+            0 => InitialPosition::TrimHorizon,
+            1 => InitialPosition::AtTimestamp(crate::world::base()),
+            _ => InitialPosition::Latest,
         };
         let workers = rng.random_range(1..=3);
+        // One more for the twin of worker 0, on a host of its own.
+        let clocks = (0..=workers)
+            .map(|_| (rng.random_range(-9_000..=9_000), rng.random_range(-10..=10)))
+            .collect();
         Self {
             seed,
             lanes: rng.random_range(1..=4),
@@ -146,6 +160,7 @@ impl World {
             workers: (0..workers).map(|_| None).collect(),
             initial,
             records: 0,
+            clocks,
         }
     }
 
@@ -164,6 +179,42 @@ impl World {
         let mut model = self.model.lock().unwrap();
         model.event(Instant::now(), self.start, format!("put {id} {shard}"));
         model.put.entry(shard).or_default().push((sequence, id));
+    }
+
+    /// A LATEST start: records put before the workers, then the workers, then a wait until every
+    /// shard's start is pinned (at most 10 minutes). Returns whether all were.
+    async fn begin_at_latest(&mut self) -> bool {
+        for _ in 0..self.rng.random_range(1..=20) {
+            self.put();
+        }
+        {
+            let mut model = self.model.lock().unwrap();
+            let before: Vec<String> = model
+                .put
+                .values()
+                .flatten()
+                .map(|(_, id)| id.clone())
+                .collect();
+            model.before_start.extend(before);
+        }
+        tokio::time::sleep(Duration::from_millis(self.rng.random_range(0..=2_000))).await;
+        for n in 0..self.workers.len() {
+            self.start_worker(n).await;
+        }
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while Instant::now() < deadline {
+            let mut pinned = true;
+            for shard in self.stream.open_shards() {
+                let row = self.store.get(STREAM, &shard).await.ok().flatten();
+                pinned &= row.is_some_and(|r| r.checkpoint != Checkpoint::Latest);
+            }
+            if pinned {
+                self.event("every LATEST start pinned".into());
+                return true;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        false
     }
 
     async fn start_worker(&mut self, n: usize) {
@@ -196,7 +247,14 @@ impl World {
             }
         };
         let stream = Arc::new(self.stream.clone());
-        let running = Consumer::builder(STREAM, "sim", handler)
+        // Worker 0's twin (worker 0 up) runs on the last host.
+        let host = if self.workers[n].is_some() {
+            self.clocks.len() - 1
+        } else {
+            n
+        };
+        let (offset, drift) = self.clocks[host];
+        let consumer = Consumer::builder(STREAM, "sim", handler)
             .worker_id(&worker)
             .lanes(self.lanes)
             .poll_interval(self.poll)
@@ -212,9 +270,8 @@ impl World {
             .shard_lister(stream.clone())
             .record_sink(stream)
             .build()
-            .expect("settings")
-            .run()
-            .await;
+            .expect("settings");
+        let running = on_host(HostClock::new(offset, drift), consumer.run()).await;
         match running {
             Ok(running) => {
                 self.event(format!("start {worker}"));
@@ -240,18 +297,37 @@ impl World {
             .put
             .values()
             .flatten()
-            .filter(|(_, id)| !model.handled.contains(id))
+            .filter(|(_, id)| !model.handled.contains(id) && !model.before_start.contains(id))
             .map(|(_, id)| id.clone())
             .collect()
     }
 
     async fn run(mut self) -> SeedResult {
-        for n in 0..self.workers.len() {
-            self.start_worker(n).await;
+        let clocks = format!("host clocks (ms ahead, ppm) {:?}", self.clocks);
+        self.event(clocks);
+        let mut burst_first = false;
+        if self.initial == InitialPosition::Latest {
+            if !self.begin_at_latest().await {
+                let what = "a LATEST start not pinned within 10 minutes".to_string();
+                self.model
+                    .lock()
+                    .unwrap()
+                    .violation(Instant::now(), self.start, what);
+            }
+            burst_first = true;
+        } else {
+            for n in 0..self.workers.len() {
+                self.start_worker(n).await;
+            }
         }
         let end = self.start + DAY;
         while Instant::now() < end {
-            match self.rng.random_range(0..100) {
+            let draw = self.rng.random_range(0..100);
+            match if std::mem::take(&mut burst_first) {
+                0
+            } else {
+                draw
+            } {
                 0..=44 => {
                     let minutes = self.rng.random_range(1..=20);
                     self.event(format!("burst {minutes} min"));
