@@ -46,8 +46,19 @@ async fn worker(
     shards: &Arc<Shards>,
     name: &str,
 ) -> (LeaseManager, UnboundedReceiver<LeaseEvent>) {
+    start_on(Arc::new(store.clone()), shards, name)
+        .await
+        .expect("manager starts")
+}
+
+/// A manager with the default settings on `store` (any store: counted, failing), as started.
+async fn start_on(
+    store: Arc<dyn LeaseStore>,
+    shards: &Arc<Shards>,
+    name: &str,
+) -> Result<(LeaseManager, UnboundedReceiver<LeaseEvent>), Error> {
     LeaseManager::start(
-        Arc::new(store.clone()),
+        store,
         shards.clone(),
         STREAM,
         name,
@@ -55,7 +66,6 @@ async fn worker(
         Arc::new(()),
     )
     .await
-    .expect("manager starts")
 }
 
 fn owned_by(store: &MemoryLeaseStore, worker: &str) -> usize {
@@ -395,16 +405,7 @@ async fn the_counting_layer_counts_a_refused_create_and_a_refused_take() {
 async fn an_idle_worker_costs_about_34_store_requests_per_held_lease_per_minute() {
     let store = counting(MemoryLeaseStore::new());
     let shards = Shards::open(4);
-    let (manager, _events) = LeaseManager::start(
-        store.clone(),
-        shards,
-        STREAM,
-        "idle",
-        LeaseSettings::default(),
-        Arc::new(()),
-    )
-    .await
-    .unwrap();
+    let (manager, _events) = start_on(store.clone(), &shards, "idle").await.unwrap();
     until(Duration::from_secs(10), || manager.held().len() == 4).await;
     let (before, scans) = (store.layer().total(), store.layer().count("list"));
     tokio::time::sleep(Duration::from_secs(600)).await;
@@ -437,16 +438,9 @@ async fn balanced_workers_read_the_table_about_once_per_lease_duration_whatever_
         let shards = Shards::open(16);
         let mut running = Vec::new();
         for w in 0..workers {
-            let (manager, events) = LeaseManager::start(
-                store.clone(),
-                shards.clone(),
-                STREAM,
-                &format!("w{w}"),
-                LeaseSettings::default(),
-                Arc::new(()),
-            )
-            .await
-            .unwrap();
+            let (manager, events) = start_on(store.clone(), &shards, &format!("w{w}"))
+                .await
+                .unwrap();
             running.push((manager, events));
         }
         until(Duration::from_secs(120), || {
@@ -610,16 +604,7 @@ async fn a_worker_whose_beat_fails_while_its_renewals_land_keeps_its_leases() {
     let shards = Shards::open(8);
     let failing = counting(memory.clone());
     let (a, _a_events) = worker(&memory, &shards, "a").await;
-    let (b, _b_events) = LeaseManager::start(
-        failing.clone(),
-        shards.clone(),
-        STREAM,
-        "b",
-        LeaseSettings::default(),
-        Arc::new(()),
-    )
-    .await
-    .unwrap();
+    let (b, _b_events) = start_on(failing.clone(), &shards, "b").await.unwrap();
     until(Duration::from_secs(60), || b.held().len() == 4).await;
     let held_by_b = b.held();
 
@@ -664,16 +649,7 @@ async fn a_worker_whose_beat_and_renewals_fail_gives_up_its_leases_and_the_other
     let shards = Shards::open(8);
     let failing = counting(memory.clone());
     let (a, _a_events) = worker(&memory, &shards, "a").await;
-    let (b, _b_events) = LeaseManager::start(
-        failing.clone(),
-        shards.clone(),
-        STREAM,
-        "b",
-        LeaseSettings::default(),
-        Arc::new(()),
-    )
-    .await
-    .unwrap();
+    let (b, _b_events) = start_on(failing.clone(), &shards, "b").await.unwrap();
     until(Duration::from_secs(60), || b.held().len() == 4).await;
 
     for fail in [&failing.layer().beats_fail, &failing.layer().renewals_fail] {
@@ -984,16 +960,7 @@ async fn a_steal_that_fails_is_tried_again() {
         .layer()
         .takes_fail
         .store(4, std::sync::atomic::Ordering::Relaxed);
-    let (b, _b_events) = LeaseManager::start(
-        failing.clone(),
-        shards.clone(),
-        STREAM,
-        "b",
-        LeaseSettings::default(),
-        Arc::new(()),
-    )
-    .await
-    .unwrap();
+    let (b, _b_events) = start_on(failing.clone(), &shards, "b").await.unwrap();
     until(Duration::from_secs(120), || b.held().len() == 4).await;
     assert_eq!(
         failing
@@ -1051,15 +1018,7 @@ async fn a_second_process_under_a_running_workers_id_refuses_to_start_and_the_fi
     until(Duration::from_secs(30), || first.held().len() == 4).await;
     while events.try_recv().is_ok() {}
 
-    let second = LeaseManager::start(
-        Arc::new(store.clone()),
-        shards.clone(),
-        STREAM,
-        "web-1",
-        LeaseSettings::default(),
-        Arc::new(()),
-    )
-    .await;
+    let second = start_on(Arc::new(store.clone()), &shards, "web-1").await;
     let Err(err) = second else {
         panic!("the second process started");
     };
@@ -1110,16 +1069,7 @@ async fn twins_started_together_end_with_one_holding_every_lease() {
     for _ in 0..5 {
         let store = MemoryLeaseStore::new();
         let shards = Shards::open(4);
-        let start = || {
-            LeaseManager::start(
-                Arc::new(store.clone()),
-                shards.clone(),
-                STREAM,
-                "web-1",
-                LeaseSettings::default(),
-                Arc::new(()),
-            )
-        };
+        let start = || start_on(Arc::new(store.clone()), &shards, "web-1");
         let (a, b) = tokio::join!(start(), start());
         let running: Vec<_> = [a, b]
             .into_iter()
@@ -1166,16 +1116,7 @@ async fn a_twin_that_started_unseen_gives_way_once_the_first_beats_again() {
     let memory = MemoryLeaseStore::new();
     let shards = Shards::open(4);
     let beats = counting(memory.clone());
-    let (first, _first_events) = LeaseManager::start(
-        beats.clone(),
-        shards.clone(),
-        STREAM,
-        "web-1",
-        LeaseSettings::default(),
-        Arc::new(()),
-    )
-    .await
-    .unwrap();
+    let (first, _first_events) = start_on(beats.clone(), &shards, "web-1").await.unwrap();
     until(Duration::from_secs(30), || first.held().len() == 4).await;
 
     let unwritten = |on| {
@@ -1249,16 +1190,7 @@ async fn a_child_whose_parent_row_a_scan_missed_waits_for_its_parent() {
     let memory = MemoryLeaseStore::new();
     let hidden = Arc::new(Layered::new(Arc::new(memory.clone()), Hide::default()));
     hidden.layer().0.lock().unwrap().push("parent".into());
-    let (a, _events) = LeaseManager::start(
-        hidden.clone(),
-        shards.clone(),
-        STREAM,
-        "a",
-        LeaseSettings::default(),
-        Arc::new(()),
-    )
-    .await
-    .unwrap();
+    let (a, _events) = start_on(hidden.clone(), &shards, "a").await.unwrap();
     assert_eq!(memory.snapshot().len(), 2, "both rows exist");
     tokio::time::sleep(Duration::from_secs(30)).await;
     assert!(a.held().is_empty(), "the child waits: {:?}", a.held());

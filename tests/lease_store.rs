@@ -8,8 +8,8 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use futures::future::join_all;
 use shardwise::lease::{
-    Checkpoint, CheckpointWrite, DynamoDbLeaseStore, Lease, LeaseStore, MemoryLeaseStore, NewLease,
-    Ownership, Renewal, SeekMove,
+    Checkpoint, CheckpointWrite, DynamoDbLeaseStore, ITEM_WRITES_PER_SECOND, Lease, LeaseStore,
+    MAX_SEEK_MOVES, MemoryLeaseStore, NewLease, Ownership, Renewal, SeekMove,
 };
 use shardwise::paged::{Cursor, PagePosition, PagedProgress};
 use shardwise::{Error, Position, SequenceNumber};
@@ -560,6 +560,27 @@ async fn a_seek_clears_a_handoff_request_and_announce_raises_changes(store: &dyn
         ["w"],
         "no worker added"
     );
+}
+
+/// DynamoDB's TransactWriteItems takes at most 100 items: a seek of more rows than that (a lineage
+/// of 101 shards) is refused as a whole by both stores, and no row moves.
+async fn a_seek_of_more_rows_than_a_transaction_takes_is_refused_whole(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let mut rows = Vec::new();
+    for i in 0..=MAX_SEEK_MOVES {
+        let shard = format!("shardId-{i:012}");
+        assert!(store.create(&new_lease(&stream, &shard)).await.unwrap());
+        rows.push(store.get(&stream, &shard).await.unwrap().unwrap());
+    }
+    let moves: Vec<SeekMove> = rows.iter().map(|r| mv(r, Checkpoint::Latest)).collect();
+    let refused = store.seek(&moves).await.unwrap_err();
+    assert!(
+        refused
+            .to_string()
+            .contains("more than one transaction takes"),
+        "{refused}"
+    );
+    assert_eq!(store.list(&stream).await.unwrap(), rows, "no row moved");
 }
 
 fn mv(seen: &Lease, to: Checkpoint) -> SeekMove {
@@ -1325,10 +1346,56 @@ conformance!(
     a_handoff_is_requested_once_and_passed_only_to_the_taker,
     the_roster_counts_beats_and_forgets_a_worker_only_as_seen,
     a_seek_clears_a_handoff_request_and_announce_raises_changes,
+    a_seek_of_more_rows_than_a_transaction_takes_is_refused_whole,
 );
 
 // ---------------------------------------------------------------------------------------------
 // The DynamoDB store only: the table itself.
+
+/// With the service's limits, a roster item takes 1,000 writes a second, as a DynamoDB item does:
+/// the next beat in the same second is throttled without effect, and the next second takes more.
+#[tokio::test(start_paused = true)]
+async fn memory_a_roster_item_takes_a_thousand_writes_a_second() {
+    let store = MemoryLeaseStore::new();
+    store.service_limits();
+    for beat in 0..u64::from(ITEM_WRITES_PER_SECOND) {
+        store
+            .beat("s", &format!("w{beat}"), 1, false)
+            .await
+            .unwrap();
+    }
+    let refused = store.beat("s", "late", 1, false).await.unwrap_err();
+    assert!(format!("{refused:?}").contains("throttled"), "{refused:?}");
+    // Another stream's roster is another item.
+    store.beat("t", "w", 1, false).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let roster = store.beat("s", "late", 1, false).await.unwrap();
+    assert_eq!(
+        roster.beats.len(),
+        1_001,
+        "the refused beat had no effect, this one did"
+    );
+}
+
+/// A roster throttled for a while (a hot item) refuses every beat and forget of its stream, and
+/// nothing else; released, it takes them again.
+#[tokio::test]
+async fn memory_a_throttled_roster_refuses_its_writes_until_released() {
+    let store = MemoryLeaseStore::new();
+    store.beat("s", "a", 1, false).await.unwrap();
+    store.throttle_roster("s", true);
+    assert!(store.beat("s", "a", 2, false).await.is_err());
+    assert!(store.forget("s", "a", None).await.is_err());
+    store.beat("t", "a", 1, false).await.unwrap();
+    assert!(store.create(&new_lease("s", SHARD)).await.unwrap());
+    store.throttle_roster("s", false);
+    let roster = store.beat("s", "a", 3, false).await.unwrap();
+    assert_eq!(
+        roster.beat_before,
+        Some(1),
+        "the throttled beat had no effect"
+    );
+}
 
 #[tokio::test]
 async fn memory_snapshot_and_clones_share_rows() {

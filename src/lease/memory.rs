@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use futures::future::BoxFuture;
 
 use super::row::{Checkpoint, Lease, NewLease, Ownership, lease_key};
-use super::store::{CheckpointWrite, LeaseStore, Renewal, Roster, SeekMove, paged_write_holds};
+use super::store::{
+    CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, Renewal, Roster, SeekMove, paged_write_holds,
+};
 use crate::error::Error;
 use crate::frontier::Membership;
 use crate::paged::PagedProgress;
@@ -46,7 +48,29 @@ pub struct MemoryLeaseStore {
     faults: crate::testing::faults::Injector,
     #[cfg(any(test, feature = "testing"))]
     observer: Arc<Mutex<Option<Observer>>>,
+    #[cfg(any(test, feature = "testing"))]
+    items: Arc<Mutex<ItemLimits>>,
 }
+
+/// Write limits on single items (the roster and membership items every worker writes), as
+/// DynamoDB keeps them: "a single partition can support a maximum of ... 1,000 write capacity
+/// units" per second (Developer Guide, "Partitions and data distribution"); a write of an item up to
+/// 1 KB takes one. Past the limit, or while an item is throttled by the test, a write fails as
+/// throttled, without effect.
+#[cfg(any(test, feature = "testing"))]
+#[derive(Debug, Default)]
+struct ItemLimits {
+    /// The per-item limit is kept ([`MemoryLeaseStore::service_limits`]).
+    on: bool,
+    /// Writes in the current second, by item: the second's start and the count.
+    writes: BTreeMap<String, (tokio::time::Instant, u32)>,
+    /// Items every write of which is throttled now.
+    throttled: std::collections::BTreeSet<String>,
+}
+
+/// Writes a second a single item takes ("1,000 write capacity units per second" a partition).
+#[cfg(any(test, feature = "testing"))]
+pub const ITEM_WRITES_PER_SECOND: u32 = 1_000;
 
 /// Called with every change the store applies, under the store's lock (so in the order the changes
 /// happened). It must not call the store.
@@ -73,6 +97,16 @@ impl fmt::Debug for MemoryLeaseStore {
             .field("rows", &self.rows().len())
             .finish_non_exhaustive()
     }
+}
+
+/// The item of `stream`'s roster, named as the DynamoDB store keys it.
+fn roster_item(stream: &str) -> String {
+    format!("~workers#{stream}")
+}
+
+/// The item of `stream`'s frontier membership, named as the DynamoDB store keys it.
+fn membership_item(stream: &str) -> String {
+    format!("~membership#{stream}")
 }
 
 /// The rows under the lock, and the changes made to them (reported once the operation is done).
@@ -130,6 +164,73 @@ impl MemoryLeaseStore {
     #[cfg(any(test, feature = "testing"))]
     pub fn heal(&self) {
         self.faults.clear();
+    }
+
+    /// Keeps DynamoDB's limit on single items from now on: a stream's roster and membership items
+    /// take at most [`ITEM_WRITES_PER_SECOND`] writes a second; more fail as throttled.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn service_limits(&self) {
+        self.items().on = true;
+    }
+
+    /// Throttles every write of `stream`'s roster item (its workers' beats) until called again
+    /// with `false`: a hot item that DynamoDB throttles for minutes.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn throttle_roster(&self, stream: &str, throttled: bool) {
+        let item = roster_item(stream);
+        let mut items = self.items();
+        if throttled {
+            items.throttled.insert(item);
+        } else {
+            items.throttled.remove(&item);
+        }
+    }
+
+    #[cfg(any(test, feature = "testing"))]
+    fn items(&self) -> MutexGuard<'_, ItemLimits> {
+        self.items.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Counts a write of `item`, or refuses it as throttled (see [`ItemLimits`]).
+    #[cfg(any(test, feature = "testing"))]
+    fn write_item(&self, operation: &'static str, item: &str) -> Result<(), Error> {
+        let throttled = || Error::DynamoDb {
+            operation,
+            table: "memory".into(),
+            source: format!("throttled: item {item}").into(),
+        };
+        let mut items = self.items();
+        if items.throttled.contains(item) {
+            return Err(throttled());
+        }
+        if !items.on {
+            return Ok(());
+        }
+        let now = tokio::time::Instant::now();
+        let (since, count) = items.writes.entry(item.to_string()).or_insert((now, 0));
+        if now.duration_since(*since) >= std::time::Duration::from_secs(1) {
+            (*since, *count) = (now, 0);
+        }
+        if *count >= ITEM_WRITES_PER_SECOND {
+            return Err(throttled());
+        }
+        *count += 1;
+        Ok(())
+    }
+
+    /// [`call`](Self::call) for a write of the single item `item`, within its limits.
+    fn call_item<'a, T: Send + 'a>(
+        &'a self,
+        operation: &'static str,
+        item: String,
+        op: impl FnOnce(&mut Rows<'_>) -> T + Send + 'a,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        Box::pin(async move {
+            #[cfg(any(test, feature = "testing"))]
+            self.write_item(operation, &item)?;
+            let _ = item;
+            self.call(operation, true, op).await
+        })
     }
 
     /// Calls `observer` with every change applied from now on (see [`Observer`]).
@@ -353,6 +454,19 @@ impl LeaseStore for MemoryLeaseStore {
     }
 
     fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
+        // "TransactWriteItems ... groups up to 100 action requests"; "the aggregate size of the
+        // items in the transaction cannot exceed 4 MB" (API reference, TransactWriteItems). The
+        // DynamoDB store refuses more rows than 100, and so does this one; 100 rows of a few
+        // hundred bytes stay far inside 4 MB.
+        if moves.len() > MAX_SEEK_MOVES {
+            return Box::pin(std::future::ready(Err(Error::Corrupt {
+                what: "seek",
+                detail: format!(
+                    "{} rows must move together, more than one transaction takes ({MAX_SEEK_MOVES})",
+                    moves.len()
+                ),
+            })));
+        }
         self.call("seek", true, move |rows| {
             let all_as_seen = moves.iter().all(|m| {
                 rows.rows
@@ -514,7 +628,7 @@ impl LeaseStore for MemoryLeaseStore {
         next: &'a Membership,
     ) -> BoxFuture<'a, Result<bool, Error>> {
         let memberships = self.memberships.clone();
-        self.call("publish_membership", true, move |_| {
+        self.call_item("publish_membership", membership_item(stream), move |_| {
             let mut memberships = memberships.lock().unwrap_or_else(PoisonError::into_inner);
             if memberships.get(stream).map(|m| m.epoch) != expected {
                 return false;
@@ -532,7 +646,7 @@ impl LeaseStore for MemoryLeaseStore {
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>> {
         let rosters = self.rosters.clone();
-        self.call("beat", true, move |_| {
+        self.call_item("beat", roster_item(stream), move |_| {
             let mut rosters = rosters.lock().unwrap_or_else(PoisonError::into_inner);
             let roster = rosters.entry(stream.to_string()).or_default();
             let before = roster.beats.insert(worker.to_string(), beat);
@@ -554,7 +668,7 @@ impl LeaseStore for MemoryLeaseStore {
         seen: Option<u64>,
     ) -> BoxFuture<'a, Result<bool, Error>> {
         let rosters = self.rosters.clone();
-        self.call("forget", true, move |_| {
+        self.call_item("forget", roster_item(stream), move |_| {
             let mut rosters = rosters.lock().unwrap_or_else(PoisonError::into_inner);
             let roster = match (seen, rosters.get_mut(stream)) {
                 (_, Some(roster)) => roster,

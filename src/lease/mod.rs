@@ -26,7 +26,7 @@ pub use manager::{HeldLease, LeaseEvent, LeaseManager, LeaseProbe};
 pub(crate) use manager::{HeldLease, LeaseEvent, LeaseManager, LeaseProbe};
 pub use memory::MemoryLeaseStore;
 #[cfg(any(test, feature = "testing"))]
-pub use memory::{Change, Observer};
+pub use memory::{Change, ITEM_WRITES_PER_SECOND, Observer};
 pub use planner::PlanLimits;
 pub use row::{Checkpoint, InitialPosition, Lease, NewLease, Ownership};
 pub use store::{CheckpointWrite, LeaseStore, MAX_SEEK_MOVES, Renewal, Roster, SeekMove};

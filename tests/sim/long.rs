@@ -5,7 +5,8 @@
 //! The seed lays out the week as phases: bursts of `PutLogEvents` batches into the group's streams,
 //! quiet hours and quiet days, outages of the whole fleet (up to 30 hours), workers that crash,
 //! stop and start, streams created and deleted, batches of late events (timestamps up to 13 days
-//! old), and account-wide throttling that lasts minutes. The service's tokens expire after 24
+//! old), account-wide throttling that lasts minutes, and lease-table throttling (all of it, half
+//! its calls, or the roster item) for 2 to 20 minutes. The service's tokens expire after 24
 //! hours, pages stop at 10,000 events or 1 MB, and GetLogEvents is throttled past 25 requests/s.
 //! Every worker runs on a host of its own whose wall clock is up to 9 s ahead or behind the
 //! service's and drifts up to 10 ppm (`testing::HostClock`).
@@ -133,6 +134,8 @@ struct World {
     streams: u32,
     /// Each worker's host clock: ms ahead of the service's (behind when negative), drift in ppm.
     clocks: Vec<(i64, i64)>,
+    /// The lease store under the watchdog, for its faults and limits.
+    memory: MemoryLeaseStore,
 }
 
 impl World {
@@ -141,6 +144,8 @@ impl World {
         let start = Instant::now();
         let service = LogsService::new(GROUP, crate::paged::base_ms());
         let store = MemoryLeaseStore::new();
+        store.service_limits();
+        let memory = store.clone();
         let model = Arc::new(Mutex::new(Model::default()));
         let observer = model.clone();
         store.observe(Arc::new(move |change: &Change| {
@@ -182,6 +187,7 @@ impl World {
             workers: (0..workers).map(|_| None).collect(),
             streams: 0,
             clocks,
+            memory,
         };
         for _ in 0..world.rng.random_range(1..=3) {
             world.create_stream();
@@ -416,6 +422,18 @@ impl World {
                         let gone = self.service.delete_stream(&stream);
                         self.event(format!("delete {stream} ({} events)", gone.len()));
                     }
+                }
+                // The lease table throttled for 2 to 20 minutes.
+                92..=94 => {
+                    let stream = format!("logs:{GROUP}");
+                    let line = crate::long_stream::lease_trouble(
+                        &mut self.rng,
+                        &self.memory,
+                        &stream,
+                        self.seed,
+                    )
+                    .await;
+                    self.event(line);
                 }
                 // Account-wide throttling for 2 to 20 minutes.
                 _ => {

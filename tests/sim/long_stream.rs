@@ -6,7 +6,8 @@
 //! The seed lays out the day as phases: bursts of records, quiet hours, outages of the whole fleet
 //! (up to 6 hours, inside the retention period), workers that crash, stop and start, a second
 //! process with a worker's id for minutes to hours, splits and merges, and throttling of every
-//! read that lasts minutes. A third of the seeds start at the trim horizon, a third at a time
+//! read that lasts minutes, and of the lease table (all of it, half its calls, or the roster item)
+//! for 2 to 20 minutes; the lease store keeps DynamoDB's 1,000 writes a second per item. A third of the seeds start at the trim horizon, a third at a time
 //! stamp, a third at LATEST (the day begins once every shard's start is pinned, with a burst; what
 //! was put before the workers started is not owed).
 //!
@@ -95,6 +96,8 @@ struct World {
     rng: StdRng,
     stream: MemoryStream,
     store: Arc<Layered<Watchdog>>,
+    /// The store under the watchdog, for its faults and limits.
+    memory: MemoryLeaseStore,
     model: Arc<Mutex<Model>>,
     start: Instant,
     workers: Vec<Option<Running>>,
@@ -113,6 +116,7 @@ impl World {
         let stream = MemoryStream::new(STREAM, rng.random_range(1..=3));
         stream.service_limits(DAY);
         let memory = MemoryLeaseStore::new();
+        memory.service_limits();
         let model = Arc::new(Mutex::new(Model::default()));
         let observer = model.clone();
         memory.observe(Arc::new(move |change: &Change| {
@@ -154,7 +158,8 @@ impl World {
             poll: Duration::from_millis(rng.random_range(500..=5_000)),
             rng,
             stream,
-            store: Arc::new(Layered::new(Arc::new(memory), watchdog)),
+            store: Arc::new(Layered::new(Arc::new(memory.clone()), watchdog)),
+            memory,
             model,
             start,
             workers: (0..workers).map(|_| None).collect(),
@@ -393,13 +398,17 @@ impl World {
                         self.event(format!("merge {a} {b} -> {child}"));
                     }
                 }
-                _ => {
+                92..=96 => {
                     let minutes = self.rng.random_range(2..=20);
                     self.event(format!("throttled {minutes} min"));
                     self.stream
                         .inject(self.seed, Faults::default().throttle(1.0));
                     tokio::time::sleep(Duration::from_secs(minutes * 60)).await;
                     self.stream.heal();
+                }
+                _ => {
+                    let line = lease_trouble(&mut self.rng, &self.memory, STREAM, self.seed).await;
+                    self.event(line);
                 }
             }
             tokio::time::sleep(Duration::from_secs(self.rng.random_range(1..=60))).await;
@@ -446,6 +455,36 @@ impl World {
             invocations: model.invocations,
         }
     }
+}
+
+/// DynamoDB trouble that lasts, as a hot partition or an exhausted table meets it: for 2 to 20
+/// minutes every call of the lease table is throttled, or half of them, or every write of the
+/// stream's roster item (the workers' beats). Returns what it was, for the trace.
+pub async fn lease_trouble(
+    rng: &mut StdRng,
+    memory: &MemoryLeaseStore,
+    stream: &str,
+    seed: u64,
+) -> String {
+    let minutes = rng.random_range(2..=20);
+    let what = match rng.random_range(0..3) {
+        0 => {
+            memory.inject(seed, Faults::default().throttle(1.0));
+            "the lease table"
+        }
+        1 => {
+            memory.inject(seed, Faults::default().throttle(0.5));
+            "half the lease table's calls"
+        }
+        _ => {
+            memory.throttle_roster(stream, true);
+            "the roster item"
+        }
+    };
+    tokio::time::sleep(Duration::from_secs(minutes * 60)).await;
+    memory.heal();
+    memory.throttle_roster(stream, false);
+    format!("{what} throttled for {minutes} min")
 }
 
 /// Runs one long Kinesis seed.

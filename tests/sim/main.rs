@@ -17,8 +17,13 @@
 //! Long seeds (`--long`) live for simulated days against models of the services at their
 //! documented limits: a day of Kinesis (`sim/long_stream.rs`) and a week of a CloudWatch Logs
 //! group (`sim/long.rs`, on the simulated service of `sim/logs.rs`), with quiet hours and days,
-//! fleet outages, lasting throttling, expiring iterators and tokens, and late events. A watchdog
-//! (`sim/watchdog.rs`) fails a seed whose workers loop on the lease table.
+//! fleet outages, lasting throttling (of reads, of the lease table, of its roster item), expiring
+//! iterators and tokens, and late events; every worker runs on a host whose wall clock is up to 9 s
+//! off the services' and drifts (`testing::HostClock`). The limits modelled, each cited from the
+//! service's documentation where it is kept: Kinesis in `src/testing/stream.rs` (module docs),
+//! CloudWatch Logs in `sim/logs.rs`, DynamoDB's per-item write limit and transaction size in
+//! `src/lease/memory.rs` (`ItemLimits`, `seek`). A watchdog (`sim/watchdog.rs`) fails a seed whose
+//! workers loop on the lease table.
 //!
 //! `cargo test --test sim` runs `SHARDWISE_SIM_SEEDS` seeds (default 1,000), then
 //! `SHARDWISE_SIM_PAGED_SEEDS` paged seeds (default a fifth as many), from
