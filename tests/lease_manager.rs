@@ -1206,3 +1206,84 @@ async fn a_child_whose_parent_row_a_scan_missed_waits_for_its_parent() {
     );
     a.shutdown().await;
 }
+
+/// Renewals pass until armed; the next one is applied at once and answered 3 s later (inside the
+/// attempt timeout), and every renewal after it fails.
+#[derive(Debug, Default)]
+struct LateThenFailing(Mutex<LateState>);
+
+#[derive(Debug, Default)]
+struct LateState {
+    armed: bool,
+    failing: bool,
+    /// When the late renewal was applied.
+    applied_at: Option<Instant>,
+}
+
+impl Layer for LateThenFailing {
+    fn around<'a, T: Send + 'static>(
+        &'a self,
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        if !matches!(call, Call::Renew(_)) {
+            return forward;
+        }
+        let mut state = self.0.lock().unwrap();
+        if state.failing {
+            return Box::pin(async {
+                Err(Error::Config(shardwise::ConfigError::new(
+                    "renew",
+                    "unreachable",
+                    "injected",
+                )))
+            });
+        }
+        if !std::mem::take(&mut state.armed) {
+            return forward;
+        }
+        state.failing = true;
+        drop(state);
+        Box::pin(async move {
+            let answer = forward.await;
+            self.0.lock().unwrap().applied_at = Some(Instant::now());
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            answer
+        })
+    }
+}
+
+/// Issue 27, defect 6: the others judge a lease from when they saw its counter move, which is no
+/// earlier than when the renewal was applied; so the owner judges it from when the last renewal
+/// that landed was sent, not from when its answer came. A renewal answered 3 s late, then failing
+/// renewals: the owner gives the lease up at least a renewal interval before the others may see it
+/// expired (the renewal applied + lease_duration). Judged from the answer, it gave up 3 s later,
+/// at the very moment the others may take it.
+#[tokio::test(start_paused = true)]
+async fn a_renewal_answered_late_is_judged_from_when_it_was_sent() {
+    let memory = MemoryLeaseStore::new();
+    let shards = Shards::open(1);
+    let layer = Arc::new(Layered::new(
+        Arc::new(memory.clone()),
+        LateThenFailing::default(),
+    ));
+    let (a, mut events) = start_on(layer.clone(), &shards, "a").await.unwrap();
+    until(Duration::from_secs(30), || a.held().len() == 1).await;
+    while events.try_recv().is_ok() {}
+    layer.layer().0.lock().unwrap().armed = true;
+    let lost_at = loop {
+        match events.recv().await.expect("the manager runs") {
+            LeaseEvent::Lost(_) => break Instant::now(),
+            _ => continue,
+        }
+    };
+    let applied_at = layer.layer().0.lock().unwrap().applied_at.expect("applied");
+    let settings = LeaseSettings::default();
+    let others_may_take = applied_at + settings.lease_duration;
+    assert!(
+        lost_at + settings.renew_interval <= others_may_take,
+        "given up {:?} after the late renewal was applied; the others may see it expired {:?} after",
+        lost_at - applied_at,
+        settings.lease_duration
+    );
+}

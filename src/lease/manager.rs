@@ -149,6 +149,21 @@ impl LeaseSettings {
         self.lease_duration + self.beat_interval
     }
 
+    /// How long after the send of the last renewal of a lease that landed its owner gives it up
+    /// when no later one has landed: `lease_duration` less one and a half renewal intervals, and
+    /// at least one and a half (a single failed round is survived). The owner checks at every
+    /// renewal round and every failed renewal, so it gives up within a renewal interval after
+    /// this, at least `lease_duration - give_up_after - renew_interval` (1.7 s at the defaults,
+    /// 3.3 s when the renewals fail at once) before any other worker can see the lease expired:
+    /// they count `lease_duration` from seeing its counter move, which is after the renewal was
+    /// applied, which is after it was sent. The same bound holds for the beat.
+    pub(crate) fn give_up_after(&self) -> Duration {
+        let round_and_a_half = self.renew_interval * 3 / 2;
+        self.lease_duration
+            .saturating_sub(round_and_a_half)
+            .max(round_and_a_half)
+    }
+
     /// How long before a worker's silence runs out the table is scanned, so that the counters of
     /// its leases are known still for [`Self::dead_owner_stillness`] when it does, plus a beat
     /// interval for the scan itself; at most the silence less two beat intervals (a worker
@@ -750,13 +765,15 @@ impl Inner {
 
     /// Writes this worker's beat and reads the roster back with it. `true` when the roster
     /// changed (a worker joined, left or died, or rows were announced): time to scan. A worker
-    /// whose beat has not been written for `lease_duration - renew_interval` gives up every
+    /// whose beat has not been written for [`LeaseSettings::give_up_after`] gives up every
     /// lease, as the others may already judge it dead.
     async fn beat(&self) -> bool {
         let announce = self.announce.swap(false, Ordering::Relaxed);
         let attempt = self.settings.renew_interval;
         let count = self.beats_tried.fetch_add(1, Ordering::Relaxed) + 1;
         let beat = self.writer().beat(count);
+        // Stamped with when it was sent (see `renew_all`).
+        let sent = Instant::now();
         let result = tokio::time::timeout(
             attempt,
             self.store.beat(&self.stream, &self.worker, beat, announce),
@@ -783,7 +800,7 @@ impl Inner {
                 // worker only once its counter stops moving too: the leases whose renewals land
                 // are kept (a failed beat alone drops nothing), and the renewer gives up each
                 // one whose renewal fails from now on. No lease is taken while silent.
-                if silent >= self.settings.lease_duration - self.settings.renew_interval
+                if silent >= self.settings.give_up_after()
                     && !self.silent.swap(true, Ordering::Relaxed)
                 {
                     warn!(stream = %self.stream, silent = ?silent, held = self.held().len(), "this worker's beat has not been written in time: others may judge it dead; its leases are kept while their renewals land, and none is taken");
@@ -793,7 +810,10 @@ impl Inner {
         };
         let now = Instant::now();
         self.twin_seen(roster.beat_before);
-        *self.last_beat.lock().unwrap_or_else(|e| e.into_inner()) = now;
+        {
+            let mut last = self.last_beat.lock().unwrap_or_else(|e| e.into_inner());
+            *last = (*last).max(sent);
+        }
         if self.silent.swap(false, Ordering::Relaxed) {
             info!(stream = %self.stream, "this worker's beat is written again: taking leases again");
         }
@@ -970,8 +990,26 @@ impl Inner {
 
     async fn renew_all(&self) {
         self.held_gauge();
+        // A lease whose last renewal that landed was sent too long ago is given up before the
+        // round, not after its renewal fails too (which can take an attempt timeout more).
+        let give_up_after = self.settings.give_up_after();
+        let stale: Vec<Ownership> = self
+            .held()
+            .values()
+            .filter(|h| h.last_renewed.elapsed() >= give_up_after)
+            .map(|h| h.ownership.clone())
+            .collect();
+        for ownership in &stale {
+            self.lose(
+                ownership,
+                "not renewed in time: others may see it expired within a renewal interval",
+            );
+        }
         let snapshot: Vec<Ownership> = self.held().values().map(|h| h.ownership.clone()).collect();
         let attempt = self.settings.renew_interval;
+        // A renewal is stamped with when it was sent, not answered: the others see its counter
+        // move no earlier than it was applied, which is after it was sent (issue 27, defect 6).
+        let sent = Instant::now();
         let results = join_all(snapshot.iter().map(|o| async move {
             let r = tokio::time::timeout(attempt, self.store.renew(o)).await;
             (o, r)
@@ -983,7 +1021,7 @@ impl Inner {
                     if let Some(h) = self.held().get_mut(&ownership.shard_id)
                         && h.ownership.epoch == ownership.epoch
                     {
-                        h.last_renewed = Instant::now();
+                        h.last_renewed = h.last_renewed.max(sent);
                     }
                     if let Some(taker) = wanted_by {
                         self.handoff_asked(ownership, &taker);
@@ -996,10 +1034,10 @@ impl Inner {
                     // Late: the others may see it expired. Or the beat is silent too: the others
                     // judge this worker dead, and take its lease once its counter stops moving.
                     let late = self.silent.load(Ordering::Relaxed)
-                        || self.held().get(&ownership.shard_id).is_some_and(|h| {
-                            h.last_renewed.elapsed()
-                                >= self.settings.lease_duration - self.settings.renew_interval
-                        });
+                        || self
+                            .held()
+                            .get(&ownership.shard_id)
+                            .is_some_and(|h| h.last_renewed.elapsed() >= give_up_after);
                     match result {
                         Ok(Err(e)) => {
                             warn!(shard = %ownership.shard_id, error = &e as &dyn std::error::Error, "lease renewal failed")
@@ -1382,6 +1420,7 @@ impl Inner {
             let Some(seen) = by_shard.get(shard) else {
                 continue;
             };
+            let sent = Instant::now();
             match self.store.take(seen, &self.worker).await {
                 // Taking stopped (a shutdown began) while this take was in flight: the
                 // shutdown's release has already looked at what is held, so give it back now.
@@ -1399,7 +1438,7 @@ impl Inner {
                 }
                 // The request is over only once the lease is ours (`acquired` forgets it); a
                 // steal that failed is tried again at the next scan.
-                Ok(Some(lease)) => self.acquired(lease, stolen),
+                Ok(Some(lease)) => self.acquired(lease, stolen, sent),
                 Ok(None) => debug!(shard, "lease changed before it could be taken"),
                 Err(e) => warn!(
                     shard,
@@ -1412,7 +1451,8 @@ impl Inner {
         Ok(settling || cooling)
     }
 
-    fn acquired(&self, lease: Lease, stolen: bool) {
+    /// A lease taken by a write sent at `sent` (its renewal stamp: see `renew_all`).
+    fn acquired(&self, lease: Lease, stolen: bool, sent: Instant) {
         let Some(ownership) = lease.ownership() else {
             return;
         };
@@ -1425,7 +1465,7 @@ impl Inner {
                 cancel: cancel.clone(),
                 handoff: handoff.clone(),
                 wanted_by: None,
-                last_renewed: Instant::now(),
+                last_renewed: sent,
             },
         );
         if let Some(previous) = previous {
