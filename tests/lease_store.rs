@@ -1397,6 +1397,29 @@ async fn memory_a_throttled_roster_refuses_its_writes_until_released() {
     );
 }
 
+/// A slow answer is applied at once and answered late, but answered: not a lost one.
+#[tokio::test(start_paused = true)]
+async fn memory_a_slow_answer_is_applied_at_once_and_answered_late() {
+    let store = MemoryLeaseStore::new();
+    store.inject(
+        1,
+        shardwise::testing::Faults::default()
+            .slow_answer(1.0)
+            .timeout(0.0, Duration::from_secs(2)),
+    );
+    let started = tokio::time::Instant::now();
+    let new = new_lease("s", SHARD);
+    let create = store.create(&new);
+    tokio::pin!(create);
+    tokio::select! {
+        _ = &mut create => panic!("answered at once"),
+        _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+    }
+    assert_eq!(store.snapshot().len(), 1, "applied before the answer");
+    assert!(create.await.unwrap());
+    assert_eq!(started.elapsed(), Duration::from_secs(2));
+}
+
 #[tokio::test]
 async fn memory_snapshot_and_clones_share_rows() {
     let store = MemoryLeaseStore::new();

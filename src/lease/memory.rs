@@ -274,6 +274,11 @@ impl MemoryLeaseStore {
                         tokio::time::sleep(after).await;
                         return Err(injected("timed out after the write was applied"));
                     }
+                    Some(Fault::SlowAnswer(after)) => {
+                        let answer = self.apply(op);
+                        tokio::time::sleep(after).await;
+                        return Ok(answer);
+                    }
                 }
             }
             let _ = (operation, write);

@@ -144,6 +144,11 @@ impl MemoryReceipts {
                     tokio::time::sleep(after).await;
                     Err(injected("timed out after the write was applied"))
                 }
+                Some(Fault::SlowAnswer(after)) => {
+                    let answer = op(&mut self.state());
+                    tokio::time::sleep(after).await;
+                    Ok(answer)
+                }
             }
         })
     }

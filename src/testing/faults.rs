@@ -32,6 +32,9 @@ pub struct Faults {
     pub lost_answer: f64,
     /// A read of a stream fails as an expired iterator.
     pub expired_iterator: f64,
+    /// The call is applied and its answer arrives [`timeout_after`](Self::timeout_after) late,
+    /// but arrives (a slow network, a long garbage-collection pause at the service).
+    pub slow_answer: f64,
     /// How long a timed-out call hangs.
     pub timeout_after: Duration,
 }
@@ -44,6 +47,7 @@ impl Default for Faults {
             timeout: 0.0,
             lost_answer: 0.0,
             expired_iterator: 0.0,
+            slow_answer: 0.0,
             timeout_after: Duration::from_secs(1),
         }
     }
@@ -85,6 +89,13 @@ impl Faults {
         self.expired_iterator = p;
         self
     }
+
+    /// Sets the probability that a call is applied and answered late (after
+    /// [`timeout_after`](Self::timeout_after)), but answered.
+    pub fn slow_answer(mut self, p: f64) -> Self {
+        self.slow_answer = p;
+        self
+    }
 }
 
 /// What happens to one call.
@@ -101,6 +112,8 @@ pub enum Fault {
     LostAnswer(Duration),
     /// (Stream reads) the iterator expired.
     ExpiredIterator,
+    /// It is applied, and answered after the delay.
+    SlowAnswer(Duration),
 }
 
 /// The faults of one store or stream and the generator they are drawn from. Cloning shares both.
@@ -140,6 +153,8 @@ impl Injector {
             Some(Fault::LostAnswer(faults.timeout_after))
         } else if read && hit(faults.expired_iterator) {
             Some(Fault::ExpiredIterator)
+        } else if hit(faults.slow_answer) {
+            Some(Fault::SlowAnswer(faults.timeout_after))
         } else {
             None
         }

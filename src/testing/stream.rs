@@ -564,6 +564,10 @@ fn read_fault<T: Send + 'static>(
                 tokio::time::sleep(after).await;
                 Err(ReadError::Other("injected fault: timed out".into()))
             }
+            Some(Fault::SlowAnswer(after)) => {
+                tokio::time::sleep(after).await;
+                result
+            }
         }
     })
 }
@@ -594,6 +598,10 @@ fn call_fault<T: Send + 'static>(
             Some(Fault::LostAnswer(after)) => {
                 tokio::time::sleep(after).await;
                 Err(injected("timed out after the record was written", stream))
+            }
+            Some(Fault::SlowAnswer(after)) => {
+                tokio::time::sleep(after).await;
+                result
             }
         }
     })
@@ -637,7 +645,10 @@ impl crate::producer::RecordSink for MemoryStream {
         data: Bytes,
     ) -> BoxFuture<'a, Result<crate::producer::Written, Error>> {
         let fault = self.faults.draw(true, false);
-        let applies = matches!(fault, None | Some(Fault::LostAnswer(_)));
+        let applies = matches!(
+            fault,
+            None | Some(Fault::LostAnswer(_) | Fault::SlowAnswer(_))
+        );
         let result = if stream != self.name() {
             Err(Error::StreamNotFound {
                 stream: stream.to_string(),

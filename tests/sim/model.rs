@@ -146,6 +146,10 @@ pub struct Model {
     rows: BTreeMap<String, Lease>,
     /// When each (shard, epoch) stopped being the row's epoch.
     superseded: BTreeMap<(String, u64), u64>,
+    /// When each (shard, epoch) was taken by another worker that had not asked for it: its
+    /// lease had expired (the owner silent for a lease duration), so its owner must have
+    /// stopped dispatching before (issue 27, defect 6).
+    expired: BTreeMap<(String, u64), u64>,
     /// Who took each (shard, epoch), and when.
     takes: BTreeMap<(String, u64), (String, u64)>,
     /// The first time each shard's lease was taken: a LATEST start owes every record after it.
@@ -205,6 +209,7 @@ impl Model {
             violations: Vec::new(),
             rows: BTreeMap::new(),
             superseded: BTreeMap::new(),
+            expired: BTreeMap::new(),
             takes: BTreeMap::new(),
             first_take: BTreeMap::new(),
             keys: BTreeMap::new(),
@@ -294,6 +299,16 @@ impl Model {
         };
         if after.owner_epoch > before.owner_epoch {
             self.superseded
+                .insert((shard.clone(), before.owner_epoch), at_ms);
+        }
+        // (The world's thief takes leases whenever it likes: a theft, not an expiry.)
+        if change.operation == "take"
+            && before.owner.is_some()
+            && before.owner != after.owner
+            && before.wanted_by != after.owner
+            && after.owner.as_deref() != Some("thief")
+        {
+            self.expired
                 .insert((shard.clone(), before.owner_epoch), at_ms);
         }
         if change.operation == "take" {
@@ -471,6 +486,17 @@ impl Model {
                     );
                 }
             }
+        } else if let Some(taken) = self.expired.get(&(shard.to_string(), epoch)).copied()
+            && at_ms > taken
+        {
+            self.violation(
+                at_ms,
+                format!(
+                    "{worker} dispatches {shard} {position} under epoch {epoch}, {} ms after \
+                     another worker took the lease as expired",
+                    at_ms - taken
+                ),
+            );
         } else if let Some(since) = self.superseded.get(&(shard.to_string(), epoch)).copied() {
             // A stale owner: allowed only within a bounded window after it lost the lease.
             let late = at_ms.saturating_sub(since);

@@ -601,6 +601,7 @@ impl World {
                             .error(0.03)
                             .throttle(0.02)
                             .lost_answer(0.02)
+                            .slow_answer(0.03)
                             .timeout(
                                 0.02,
                                 Duration::from_millis(self.rng.random_range(100..1_500)),
