@@ -52,7 +52,8 @@ impl Gate {
     }
 }
 
-/// The lease store as one worker reaches it (behind `Layered`): every call waits at the gate.
+/// The lease store as one worker reaches it (behind `Layered`): every call waits at the gate, and
+/// so does its answer.
 pub struct Store {
     pub gate: Gate,
     pub worker: String,
@@ -88,7 +89,11 @@ impl Layer for Store {
         Box::pin(async move {
             self.gate.pass().await;
             self.calls(call.method());
-            forward.await
+            let answer = forward.await;
+            // A cut that began while the call was in flight holds its answer too: applied, and
+            // answered only once the worker is reachable again (a slow answer, not a lost one).
+            self.gate.pass().await;
+            answer
         })
     }
 }
