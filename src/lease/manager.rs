@@ -765,8 +765,9 @@ impl Inner {
 
     /// Writes this worker's beat and reads the roster back with it. `true` when the roster
     /// changed (a worker joined, left or died, or rows were announced): time to scan. A worker
-    /// whose beat has not been written for [`LeaseSettings::give_up_after`] gives up every
-    /// lease, as the others may already judge it dead.
+    /// whose beat has not been written for [`LeaseSettings::give_up_after`] (from the send of
+    /// the last beat that landed) takes no lease, as the others may soon judge it dead, and gives
+    /// up each lease whose renewal fails from then on.
     async fn beat(&self) -> bool {
         let announce = self.announce.swap(false, Ordering::Relaxed);
         let attempt = self.settings.renew_interval;
