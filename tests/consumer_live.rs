@@ -602,3 +602,43 @@ async fn a_latest_start_on_a_host_whose_clock_runs_ahead_reads_what_arrives_next
     assert_eq!(got, want, "every record written after the start, in order");
     live.delete_stream(&stream).await;
 }
+
+/// A receipt ledger that deletes receipts before the stream trims the records is refused at
+/// start (a replay after a longer outage would apply effects again), naming the stream's
+/// retention as DescribeStreamSummary reports it; one kept as long runs.
+#[tokio::test]
+async fn a_ledger_that_forgets_before_the_stream_trims_is_refused() {
+    use shardwise::receipts::DynamoDbReceipts;
+    let live = live_or_skip!();
+    let stream = support::unique_name("kept");
+    let app = support::unique_name("kept-app");
+    let ledger_table = support::unique_name("kept-receipts");
+    live.create_stream(&stream, 1).await;
+    let start = |kept: Duration| {
+        let ledger =
+            DynamoDbReceipts::new(live.dynamodb.clone(), &ledger_table, &app).retention(kept);
+        builder(&stream, &app, |_d: Delivery| async { Outcome::Ack })
+            .receipts(Arc::new(ledger))
+            .build()
+            .unwrap()
+            .run()
+    };
+    // kinesis-mock keeps the service's default, 24 hours.
+    let refused = match start(Duration::from_secs(3600)).await {
+        Ok(_) => panic!("a ledger kept an hour ran on a stream that keeps records a day"),
+        Err(e) => e.to_string(),
+    };
+    assert!(refused.contains("receipt_retention"), "{refused}");
+    assert!(
+        refused.contains("keeps an event for up to 1.00 days"),
+        "{refused}"
+    );
+    start(Duration::from_secs(24 * 3600))
+        .await
+        .expect("a ledger kept as long as the stream keeps records")
+        .shutdown(Duration::from_secs(5))
+        .await;
+    live.delete_table(&ledger_table).await;
+    live.delete_table(&app).await;
+    live.delete_stream(&stream).await;
+}

@@ -1062,3 +1062,90 @@ async fn late_cloudwatch_events_put_behind_the_cursor_are_handled_once() {
         .unwrap();
     tables.drop_all().await;
 }
+
+/// A receipt ledger that deletes receipts before the log group deletes the events is refused at
+/// start: after an outage longer than the receipts are kept, the events handled just before it are
+/// handed out again from the last barrier and their effects would apply a second time. Both
+/// CloudWatch Logs sources take the group's retention from DescribeLogGroups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_that_forgets_before_the_log_group_does_is_refused() {
+    use shardwise::paged::{CloudWatchLogsFilter, DELETION_DELAY};
+    use shardwise::receipts::{DynamoDbReceipts, SourceRetention};
+    let live = live_or_skip!();
+    logs();
+    let logs = logs_client().await;
+    let tables = Tables::new(live, APP).await;
+    let group = support::unique_name("/shardwise/kept");
+    logs.create_log_group()
+        .log_group_name(&group)
+        .send()
+        .await
+        .unwrap();
+    let day = Duration::from_secs(86_400);
+    let table = support::unique_name("kept-receipts");
+    let ledger = |kept: Option<Duration>| {
+        let ledger = DynamoDbReceipts::new(tables.live.dynamodb.clone(), &table, APP);
+        Arc::new(match kept {
+            Some(kept) => ledger.retention(kept),
+            None => ledger.keep_forever(),
+        })
+    };
+    let start = |source: Arc<dyn PagedSource>, kept: Option<Duration>| {
+        Consumer::paged(source, APP, |_d: Delivery| async { Outcome::Ack })
+            .worker_id("w1")
+            .lease_settings(settings())
+            .lease_store(tables.leases.clone())
+            .receipts(ledger(kept))
+            .build()
+            .unwrap()
+            .run()
+    };
+    let refusal = |result: Result<shardwise::Running, shardwise::Error>| match result {
+        Ok(_) => panic!("a ledger kept shorter than the log group keeps events ran"),
+        Err(e) => e.to_string(),
+    };
+    let by_stream: Arc<dyn PagedSource> = Arc::new(CloudWatchLogs::new(logs.clone(), &group));
+    let by_time: Arc<dyn PagedSource> = Arc::new(CloudWatchLogsFilter::new(logs.clone(), &group));
+
+    // A group that never expires its events: any finite retention is refused, for good is not.
+    for source in [&by_stream, &by_time] {
+        assert_eq!(source.retention().await.unwrap(), SourceRetention::Forever);
+        let refused = refusal(start(source.clone(), Some(30 * day)).await);
+        assert!(refused.contains("receipt_retention"), "{refused}");
+        assert!(refused.contains("keeps events for good"), "{refused}");
+    }
+    start(by_stream.clone(), None)
+        .await
+        .expect("receipts kept for good")
+        .shutdown(Duration::from_secs(5))
+        .await;
+
+    // Seven days: the events stay up to 72 hours longer, and a timestamp may lie 2 hours ahead.
+    logs.put_retention_policy()
+        .log_group_name(&group)
+        .retention_in_days(7)
+        .send()
+        .await
+        .unwrap();
+    let keeps = 7 * day + DELETION_DELAY + Duration::from_secs(2 * 3600);
+    for source in [&by_stream, &by_time] {
+        assert_eq!(
+            source.retention().await.unwrap(),
+            SourceRetention::For(keeps)
+        );
+        let refused = refusal(start(source.clone(), Some(7 * day)).await);
+        assert!(refused.contains("10.08 days"), "{refused}");
+    }
+    start(by_stream.clone(), Some(keeps))
+        .await
+        .expect("receipts kept as long as the group keeps events")
+        .shutdown(Duration::from_secs(5))
+        .await;
+
+    // A group that is not there is named.
+    let missing = CloudWatchLogs::new(logs.clone(), format!("{group}-missing"));
+    let err = missing.retention().await.unwrap_err().to_string();
+    assert!(err.contains("log group not found"), "{err}");
+    tables.live.delete_table(&table).await;
+    tables.drop_all().await;
+}

@@ -17,7 +17,8 @@ use serde::Serialize;
 use shardwise::consumer::Settled;
 use shardwise::lease::{Billing, InitialPosition, LeaseSettings, TableOptions};
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
-use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, key};
+use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, SourceRetention, key};
+use shardwise::shard::discovery::{KinesisShards, ShardLister};
 use shardwise::{
     Batching, ConfigError, Consumer, ConsumerBuilder, Delivery, DeliveryOrder, Handler, Outcome,
     ShutdownReport,
@@ -179,8 +180,11 @@ pub(crate) struct Args {
     hold_poll_interval_ms: u64,
 
     /// With --receipts: how long applied receipts are kept (DynamoDB TTL), e.g. `7d`, `36h`
-    /// (default 7d, or with --by-timestamp the close horizon plus the lateness if that is
-    /// longer: a receipt must outlive every replay). Held and quarantined receipts stay.
+    /// (default: as long as the source keeps events, the stream's retention or the log group's
+    /// plus its deletion delay, and at least 7d, or with --by-timestamp the close horizon plus
+    /// the lateness if that is longer; for good when the log group never expires events: a
+    /// receipt must outlive every replay, and a shorter one is refused). Held and quarantined
+    /// receipts stay.
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     receipt_retention: Option<Duration>,
 
@@ -599,6 +603,19 @@ fn build<H: Handler>(builder: ConsumerBuilder<H>, args: &Args) -> Result<Consume
         .map_err(|err| invalid_setting(&err, args.given(&err), source_of))
 }
 
+/// How long the source `args` name keeps its events, for the ledger's default retention.
+async fn source_retention(args: &Args, ctx: &Ctx) -> Result<SourceRetention> {
+    let retention = match (&args.log_group, &args.stream) {
+        (Some(group), _) => {
+            let logs = aws_sdk_cloudwatchlogs::Client::new(ctx.config());
+            CloudWatchLogs::new(logs, group.clone()).retention().await
+        }
+        (None, Some(stream)) => KinesisShards::new(ctx.kinesis()).retention(stream).await,
+        (None, None) => Ok(SourceRetention::Unknown),
+    };
+    Ok(retention?)
+}
+
 /// The consumer `args` describe, not yet built.
 fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBuilder<H> {
     let lease = LeaseSettings::default()
@@ -808,8 +825,21 @@ async fn consume<H: Handler>(
     let receipts = args.receipt_table();
     let mut consumer_builder = builder(args, handler, ctx.config().clone());
     if let Some(table) = &receipts {
-        let ledger = DynamoDbReceipts::new(ctx.dynamodb(), table.clone(), args.app.clone())
-            .retention(args.receipt_retention());
+        let ledger = DynamoDbReceipts::new(ctx.dynamodb(), table.clone(), args.app.clone());
+        let ledger = match (args.receipt_retention, source_retention(args, ctx).await?) {
+            (Some(kept), _) => ledger.retention(kept),
+            // Receipts outlive every replay the source can make: as long as it keeps events.
+            (None, SourceRetention::For(keeps)) => {
+                ledger.retention(args.receipt_retention().max(keeps))
+            }
+            (None, SourceRetention::Forever) => {
+                eprintln!(
+                    "shardwise: the source keeps its events for good, so receipts are kept for good too (a replay can come after any outage); give the log group a retention policy to let them expire"
+                );
+                ledger.keep_forever()
+            }
+            (None, _) => ledger.retention(args.receipt_retention()),
+        };
         ledger
             .prepare()
             .await

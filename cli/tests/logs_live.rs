@@ -556,3 +556,68 @@ async fn consume_log_group_by_timestamp_survives_kill_9_and_skips_nothing() {
     let _ = logs.delete_log_group().log_group_name(&group).send().await;
     let _ = live.dynamodb.delete_table().table_name(&app).send().await;
 }
+
+/// `consume --log-group G --receipts`: receipts outlive the group's events. With no
+/// `--receipt-retention`, a group that never expires events has its receipts kept for good (a
+/// notice says so) and the consumer runs; a `--receipt-retention` shorter than the group keeps
+/// events is refused, naming the flag and both figures.
+#[tokio::test]
+async fn consume_with_receipts_keeps_them_as_long_as_the_log_group_keeps_events() {
+    let live = live_or_skip!();
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .load()
+        .await;
+    let logs = aws_sdk_cloudwatchlogs::Client::new(&config);
+    let group = support::unique_name("/shardwise/kept");
+    let app = support::unique_name("kept-app");
+    logs.create_log_group()
+        .log_group_name(&group)
+        .send()
+        .await
+        .unwrap();
+    let lines = Arc::new(Mutex::new(Vec::<Value>::new()));
+
+    let mut forever = Worker::spawn(&group, &app, "w1", &["--receipts"], &lines);
+    let notice = "receipts are kept for good too";
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !forever.stderr().contains(notice) {
+        assert!(
+            forever.child.try_wait().unwrap().is_none(),
+            "exited: {}",
+            forever.stderr()
+        );
+        assert!(Instant::now() < deadline, "no notice: {}", forever.stderr());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        forever.child.try_wait().unwrap().is_none(),
+        "a ledger kept for good runs: {}",
+        forever.stderr()
+    );
+    drop(forever);
+
+    logs.put_retention_policy()
+        .log_group_name(&group)
+        .retention_in_days(1)
+        .send()
+        .await
+        .unwrap();
+    let mut short = Worker::spawn(
+        &group,
+        &app,
+        "w2",
+        &["--receipts", "--receipt-retention", "1day"],
+        &lines,
+    );
+    let status = short.wait_exit(Duration::from_secs(20)).await;
+    assert!(!status.success());
+    let stderr = short.stderr();
+    assert!(
+        stderr.contains("error: invalid --receipt-retention")
+            && stderr.contains("keeps an event for up to 4.08 days"),
+        "{stderr}"
+    );
+    live.delete_table(&format!("{app}-receipts")).await;
+    live.delete_table(&app).await;
+}

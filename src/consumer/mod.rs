@@ -672,6 +672,18 @@ impl<H: Handler> Consumer<H> {
         }
         if let Some(receipts) = &self.receipts {
             receipts.prepare().await?;
+            // After an outage a handled event can be handed out again for as long as the source
+            // keeps it, however long ago its receipt was written.
+            if let Some(kept) = receipts.retention() {
+                let (keeps, name) = match &reads {
+                    Reads::Pages(source) => (source.retention().await?, source.name().to_string()),
+                    Reads::Stream => (
+                        lister.retention(&settings.stream).await?,
+                        settings.stream.clone(),
+                    ),
+                };
+                crate::receipts::check_retention(Some(kept), keeps, &name)?;
+            }
         }
         if let Some(target) = &self.seek {
             reads

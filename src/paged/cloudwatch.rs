@@ -101,6 +101,56 @@ pub const AUDIT_ALLOWANCE: Duration = Duration::from_secs(30);
 /// How old an event PutLogEvents accepts: no audit looks further back.
 const MAX_EVENT_AGE_MS: i64 = 14 * 24 * 3600 * 1000;
 
+/// How much later than its retention says CloudWatch Logs may still return an event
+/// (PutRetentionPolicy: deletion "typically takes up to 72 hours after that").
+pub const DELETION_DELAY: Duration = Duration::from_secs(72 * 3600);
+
+/// How far ahead of the service's clock an event's timestamp may lie (PutLogEvents: 2 hours);
+/// retention counts from the timestamp.
+const MAX_EVENT_AHEAD: Duration = Duration::from_secs(2 * 3600);
+
+/// How long the log group `group` keeps an event after it was handed out: its retention
+/// (`retentionInDays`; none is "never expire"), plus the deletion delay and the 2 hours an
+/// event's timestamp may lie ahead. An error names a group that does not exist.
+pub(crate) async fn group_retention(
+    client: &Client,
+    group: &str,
+    name: &str,
+) -> Result<crate::receipts::SourceRetention, Error> {
+    use crate::receipts::SourceRetention;
+    let groups = client
+        .describe_log_groups()
+        .log_group_name_prefix(group)
+        .send()
+        .await
+        .map_err(|e| Error::Paged {
+            source_name: name.to_string(),
+            partition: String::new(),
+            what: "describing the log group failed",
+            source: Box::new(e),
+        })?;
+    let Some(found) = groups
+        .log_groups()
+        .iter()
+        .find(|g| g.log_group_name() == Some(group))
+    else {
+        return Err(Error::Paged {
+            source_name: name.to_string(),
+            partition: group.to_string(),
+            what: "log group not found",
+            source: format!("there is no log group `{group}`").into(),
+        });
+    };
+    Ok(match found.retention_in_days() {
+        Some(days) => SourceRetention::For(
+            Duration::from_secs(u64::try_from(days).unwrap_or(0) * 86_400)
+                + DELETION_DELAY
+                + MAX_EVENT_AHEAD,
+        ),
+        None => SourceRetention::Forever,
+    })
+}
+
 /// A worker's GetLogEvents requests a second by default: five workers stay inside the
 /// account's quota of 25.
 pub const GET_LOG_EVENTS_PER_SECOND: f64 = 5.0;
@@ -405,6 +455,12 @@ impl PagedSource for CloudWatchLogs {
 
     fn contract(&self) -> Contract {
         Contract::default()
+    }
+
+    /// The log group's retention ([`DELETION_DELAY`] and 2 hours added); "never expire" keeps
+    /// events for good.
+    fn retention(&self) -> BoxFuture<'_, Result<crate::receipts::SourceRetention, Error>> {
+        Box::pin(group_retention(&self.client, &self.group, &self.name))
     }
 
     /// Every log stream of the group, page by page. A throttled page is asked again after a

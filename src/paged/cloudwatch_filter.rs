@@ -54,7 +54,7 @@ use futures::future::BoxFuture;
 use tracing::warn;
 
 use super::budget::Budget;
-use super::cloudwatch::throttled;
+use super::cloudwatch::{group_retention, throttled};
 use super::{
     Contract, Cursor, FetchError, Finality, Page, PagePosition, PagedEvent, PagedSource,
     Timestamps, Traversal,
@@ -291,32 +291,16 @@ impl PagedSource for CloudWatchLogsFilter {
     /// The group itself, once it is found (a missing group is an error naming it).
     fn partitions(&self) -> BoxFuture<'_, Result<Vec<String>, Error>> {
         Box::pin(async move {
-            let groups = self
-                .client
-                .describe_log_groups()
-                .log_group_name_prefix(self.group.as_ref())
-                .send()
-                .await
-                .map_err(|e| Error::Paged {
-                    source_name: self.name.to_string(),
-                    partition: String::new(),
-                    what: "describing the log group failed",
-                    source: Box::new(e),
-                })?;
-            let found = groups
-                .log_groups()
-                .iter()
-                .any(|g| g.log_group_name() == Some(self.group.as_ref()));
-            if !found {
-                return Err(Error::Paged {
-                    source_name: self.name.to_string(),
-                    partition: self.group.to_string(),
-                    what: "log group not found",
-                    source: format!("there is no log group `{}`", self.group).into(),
-                });
-            }
+            group_retention(&self.client, &self.group, &self.name).await?;
             Ok(vec![self.group.to_string()])
         })
+    }
+
+    /// The log group's retention ([`DELETION_DELAY`](super::DELETION_DELAY) and 2
+    /// hours added); "never expire" keeps events for good. A poll after an outage reads again
+    /// every event after `closedThrough`, however long ago it was handled.
+    fn retention(&self) -> BoxFuture<'_, Result<crate::receipts::SourceRetention, Error>> {
+        Box::pin(group_retention(&self.client, &self.group, &self.name))
     }
 
     fn fetch<'a>(

@@ -41,8 +41,8 @@ use crate::error::BoxError;
 pub(crate) use barrier::{Barrier, BarrierWrite};
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch::{
-    AUDIT_ALLOWANCE, CloudWatchLogs, DESCRIBE_LOG_STREAMS_PER_SECOND, GET_LOG_EVENTS_PER_SECOND,
-    LATE_EVENT_AUDIT_INTERVAL, LATE_EVENT_WINDOW,
+    AUDIT_ALLOWANCE, CloudWatchLogs, DELETION_DELAY, DESCRIBE_LOG_STREAMS_PER_SECOND,
+    GET_LOG_EVENTS_PER_SECOND, LATE_EVENT_AUDIT_INTERVAL, LATE_EVENT_WINDOW,
 };
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch_filter::{
@@ -292,7 +292,9 @@ impl Contract {
     /// this lets a replayed event's effects apply twice, so a consumer with a receipt ledger whose
     /// retention is shorter is refused at build. `None`: the contract sets no bound (a source of
     /// cursors replays only the pages after its last barrier; a backfilling source, or one closed
-    /// by a watermark or later timestamps, bounds it by what the provider keeps).
+    /// by a watermark or later timestamps, bounds it by what the provider keeps). Either way,
+    /// after an outage a replay can come as long as the provider keeps the event: that bound is
+    /// [`PagedSource::retention`], checked at start.
     pub fn replay_horizon(&self) -> Option<Duration> {
         let timestamps = self.timestamps?;
         match timestamps.finality {
@@ -389,6 +391,16 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
     fn poll_after(&self, partition: &str, after: Option<i64>) -> Option<Cursor> {
         let _ = (partition, after);
         None
+    }
+
+    /// How long the provider keeps an event: after an outage a handled event can be handed out
+    /// again until the provider deletes it, so a consumer with a receipt ledger keeps receipts
+    /// at least that long (it asks once, at start, and refuses to run otherwise). The default
+    /// does not say, and the consumer warns: implement it when the provider deletes events.
+    fn retention(&self) -> BoxFuture<'_, Result<crate::receipts::SourceRetention, crate::Error>> {
+        Box::pin(std::future::ready(Ok(
+            crate::receipts::SourceRetention::Unknown,
+        )))
     }
 }
 

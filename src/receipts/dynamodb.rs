@@ -61,7 +61,7 @@ pub struct DynamoDbReceipts {
     client: Client,
     table: String,
     application: String,
-    retention: Duration,
+    retention: Option<Duration>,
     create_if_missing: bool,
     options: TableOptions,
     /// Key attribute names of the tables effects write, as DescribeTable gave them.
@@ -85,7 +85,7 @@ impl DynamoDbReceipts {
             client,
             table: table.into(),
             application: application.into(),
-            retention: DEFAULT_RETENTION,
+            retention: Some(DEFAULT_RETENTION),
             create_if_missing: true,
             options: TableOptions::default(),
             keys: Arc::default(),
@@ -93,9 +93,17 @@ impl DynamoDbReceipts {
     }
 
     /// How long a receipt is kept (default [`DEFAULT_RETENTION`], 7 days): DynamoDB's TTL deletes
-    /// it after that. Keep it longer than any replay can come (the stream's retention).
+    /// it after that. Keep it at least as long as the source keeps events (the stream's
+    /// retention, the log group's): a consumer refuses to run on a ledger kept shorter.
     pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
+        self.retention = Some(retention);
+        self
+    }
+
+    /// Keeps `applied` receipts for good (no `expiresAt`): for a source that never deletes
+    /// events (a log group that never expires them), where a replay can come after any outage.
+    pub fn keep_forever(mut self) -> Self {
+        self.retention = None;
         self
     }
 
@@ -158,8 +166,10 @@ impl DynamoDbReceipts {
         // Only an applied receipt expires. A held one deleted by TTL would turn a hold into a
         // release unseen, and a quarantined one would let a replay handle the event again: both
         // stay until an operator acts on them.
-        if *disposition == Disposition::Applied {
-            let expires = millis(now + self.retention) / 1000;
+        if *disposition == Disposition::Applied
+            && let Some(retention) = self.retention
+        {
+            let expires = millis(now + retention) / 1000;
             item.insert(EXPIRES_AT.to_string(), n(expires));
         }
         if let Some(reason) = disposition.reason() {
@@ -276,13 +286,17 @@ impl DynamoDbReceipts {
     /// Starts the retention of a quarantined receipt: an operator is done with the event, and
     /// the receipt is deleted (DynamoDB TTL) once the retention has passed from now. Until then a
     /// quarantined receipt carries no `expiresAt` and stays. `false` when the event has no
-    /// quarantined receipt (unknown, applied or held: left as it is).
+    /// quarantined receipt (unknown, applied or held: left as it is), and on a ledger that
+    /// [keeps receipts for good](Self::keep_forever) (nothing changes).
     ///
-    /// Start it only once no replay of the event can come any more (see
-    /// [`Contract::replay_horizon`](crate::paged::Contract::replay_horizon)): a replay after the
-    /// receipt is gone hands the event out again.
+    /// Start it only once no replay of the event can come any more (the source no longer keeps
+    /// the event, see [`SourceRetention`](super::SourceRetention)): a replay after the receipt
+    /// is gone hands the event out again.
     pub async fn start_retention(&self, event: &EventId) -> Result<bool, Error> {
-        let expires = millis(crate::time::now() + self.retention) / 1000;
+        let Some(retention) = self.retention else {
+            return Ok(false);
+        };
+        let expires = millis(crate::time::now() + retention) / 1000;
         let result = self
             .client
             .update_item()
@@ -842,7 +856,7 @@ impl ReceiptStore for DynamoDbReceipts {
     }
 
     fn retention(&self) -> Option<Duration> {
-        Some(self.retention)
+        self.retention
     }
 }
 

@@ -96,6 +96,63 @@ impl fmt::Display for EventId {
     }
 }
 
+/// How long a source keeps an event it handed out: a replay of a handled event can come as long
+/// as the source still holds it, however long the fleet was down before, so a ledger that deletes
+/// receipts sooner lets the replay apply the event's effects a second time. A consumer with a
+/// receipt ledger asks its source at start and refuses to run on a ledger kept shorter
+/// ([`check_retention`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SourceRetention {
+    /// The source deletes an event at the latest this long after it was handed out (a Kinesis
+    /// stream's retention period; a log group's retention, its deletion delay and the 2 hours
+    /// an event's timestamp may lie ahead).
+    For(Duration),
+    /// The source never deletes events (a log group whose retention is "never expire").
+    Forever,
+    /// The source does not say (the default of a [`PagedSource`](crate::paged::PagedSource) of
+    /// one's own): the consumer runs, and warns.
+    Unknown,
+}
+
+/// Whether a ledger that keeps `applied` receipts for `kept` (`None`: for good) outlives every
+/// replay `source` (named `name`) can make; the error says what to change.
+pub fn check_retention(
+    kept: Option<Duration>,
+    source: SourceRetention,
+    name: &str,
+) -> Result<(), crate::ConfigError> {
+    let Some(kept) = kept else {
+        return Ok(());
+    };
+    let days = |d: Duration| d.as_secs_f64() / 86_400.0;
+    match source {
+        SourceRetention::For(keeps) if kept < keeps => Err(crate::ConfigError::new(
+            "receipt_retention",
+            kept,
+            format!(
+                "`{name}` keeps an event for up to {:.2} days, and after an outage a handled event can be handed out again until then; receipts kept {:.2} days would be gone by then and the replay would apply its effects a second time: keep receipts at least {:.2} days",
+                days(keeps),
+                days(kept),
+                days(keeps)
+            ),
+        )),
+        SourceRetention::Forever => Err(crate::ConfigError::new(
+            "receipt_retention",
+            kept,
+            format!(
+                "`{name}` keeps events for good, so after an outage longer than the receipts' {:.2} days a handled event handed out again would apply its effects a second time: give the source a retention (a log group's retention policy) and keep receipts that long, or keep receipts for good",
+                days(kept)
+            ),
+        )),
+        SourceRetention::For(_) => Ok(()),
+        SourceRetention::Unknown => {
+            tracing::warn!(source = %name, receipt_retention_days = days(kept), "the source does not say how long it keeps events: a replay after an outage longer than the receipts are kept would apply effects a second time");
+            Ok(())
+        }
+    }
+}
+
 /// What became of an event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -263,3 +320,39 @@ pub trait ReceiptStore: Send + Sync + fmt::Debug + 'static {
 
 #[allow(dead_code)]
 fn _object_safe(_: &dyn ReceiptStore) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: Duration = Duration::from_secs(86_400);
+
+    #[test]
+    fn receipts_must_outlive_every_replay_the_source_can_make() {
+        let refused = |kept, source| {
+            check_retention(Some(kept), source, "orders")
+                .expect_err("refused")
+                .to_string()
+        };
+        // Kept shorter than the source keeps events: a replay after a long outage finds no receipt.
+        let shorter = refused(DAY, SourceRetention::For(7 * DAY));
+        assert!(shorter.contains("receipt_retention"), "{shorter}");
+        assert!(shorter.contains("7.00 days"), "{shorter}");
+        // A source that never deletes events can replay after any outage.
+        let forever = refused(30 * DAY, SourceRetention::Forever);
+        assert!(forever.contains("keeps events for good"), "{forever}");
+
+        for (kept, source) in [
+            (Some(7 * DAY), SourceRetention::For(7 * DAY)),
+            (Some(8 * DAY), SourceRetention::For(7 * DAY)),
+            (None, SourceRetention::Forever),
+            (None, SourceRetention::For(DAY)),
+            (Some(DAY), SourceRetention::Unknown),
+        ] {
+            assert!(
+                check_retention(kept, source, "orders").is_ok(),
+                "{kept:?} against {source:?}"
+            );
+        }
+    }
+}

@@ -28,6 +28,18 @@ pub trait ShardLister: Send + Sync + fmt::Debug + 'static {
     fn service_time(&self) -> Option<std::time::SystemTime> {
         None
     }
+
+    /// How long the stream keeps a record (its retention period): a consumer with a receipt
+    /// ledger keeps receipts at least that long. The default does not say.
+    fn retention<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<crate::receipts::SourceRetention, Error>> {
+        let _ = stream;
+        Box::pin(std::future::ready(Ok(
+            crate::receipts::SourceRetention::Unknown,
+        )))
+    }
 }
 
 /// [`ShardLister`] on the Kinesis API.
@@ -48,6 +60,30 @@ impl KinesisShards {
 impl ShardLister for KinesisShards {
     fn service_time(&self) -> Option<std::time::SystemTime> {
         self.clock.reached()
+    }
+
+    /// The stream's `RetentionPeriodHours` (DescribeStreamSummary): a record is readable, and so
+    /// can be read again, until it is that old, and its receipt was written after it arrived.
+    fn retention<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<crate::receipts::SourceRetention, Error>> {
+        Box::pin(async move {
+            let summary = self
+                .client
+                .describe_stream_summary()
+                .stream_name(stream)
+                .send()
+                .await
+                .map_err(|e| Error::kinesis("DescribeStreamSummary", stream, e))?;
+            let hours = summary
+                .stream_description_summary()
+                .map(|d| d.retention_period_hours())
+                .unwrap_or(24);
+            Ok(crate::receipts::SourceRetention::For(
+                std::time::Duration::from_secs(u64::try_from(hours).unwrap_or(24) * 3600),
+            ))
+        })
     }
 
     fn list_shards<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<ShardInfo>, Error>> {

@@ -223,6 +223,7 @@ impl State {
 pub struct EventApi {
     name: Arc<str>,
     contract: Contract,
+    retention: crate::receipts::SourceRetention,
     state: Arc<Mutex<State>>,
 }
 
@@ -241,6 +242,7 @@ impl EventApi {
         Self {
             name: name.into(),
             contract: Contract::default().dense(true),
+            retention: crate::receipts::SourceRetention::Unknown,
             state: Arc::new(Mutex::new(State {
                 page_size: 100,
                 salt: 0x5eed_0003,
@@ -252,6 +254,12 @@ impl EventApi {
     /// The contract the API declares.
     pub fn contract(mut self, contract: Contract) -> Self {
         self.contract = contract;
+        self
+    }
+
+    /// How long the API says it keeps events (default: it does not say). It deletes none.
+    pub fn keeps(mut self, retention: crate::receipts::SourceRetention) -> Self {
+        self.retention = retention;
         self
     }
 
@@ -577,6 +585,10 @@ impl PagedSource for EventApi {
 
     fn contract(&self) -> Contract {
         self.contract
+    }
+
+    fn retention(&self) -> BoxFuture<'_, Result<crate::receipts::SourceRetention, Error>> {
+        Box::pin(std::future::ready(Ok(self.retention)))
     }
 
     fn partitions(&self) -> BoxFuture<'_, Result<Vec<String>, Error>> {

@@ -612,6 +612,28 @@ impl ShardLister for MemoryStream {
         Some(dated_now())
     }
 
+    /// The retention of [`service_limits`](Self::service_limits); without them nothing is
+    /// trimmed, and records are kept for good.
+    fn retention<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<crate::receipts::SourceRetention, Error>> {
+        let result = {
+            let state = self.state();
+            if stream != state.name {
+                Err(Error::StreamNotFound {
+                    stream: stream.to_string(),
+                })
+            } else {
+                Ok(match state.limits {
+                    Some(retention) => crate::receipts::SourceRetention::For(retention),
+                    None => crate::receipts::SourceRetention::Forever,
+                })
+            }
+        };
+        Box::pin(std::future::ready(result))
+    }
+
     fn list_shards<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<ShardInfo>, Error>> {
         let fault = self.faults.draw(false, false);
         let result = {

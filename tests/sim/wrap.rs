@@ -152,6 +152,12 @@ impl ShardLister for Stream {
     fn service_time(&self) -> Option<std::time::SystemTime> {
         ShardLister::service_time(&self.inner)
     }
+    fn retention<'a>(
+        &'a self,
+        stream: &'a str,
+    ) -> BoxFuture<'a, Result<shardwise::receipts::SourceRetention, Error>> {
+        self.inner.retention(stream)
+    }
 }
 
 impl RecordSink for Stream {
