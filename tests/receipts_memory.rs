@@ -644,3 +644,104 @@ async fn receipt_outcomes_without_a_ledger_hold_the_checkpoint() {
     );
     running.shutdown(Duration::from_secs(1)).await;
 }
+
+/// The memory ledger deletes an applied receipt as DynamoDB's TTL does: never before it expires,
+/// and within 48 hours after, each at its own time; held receipts stay. A commit after the
+/// deletion applies again: what a replay after an outage longer than the retention would do.
+#[tokio::test(start_paused = true)]
+async fn the_memory_ledger_deletes_expired_receipts_within_48_hours_as_ttl_does() {
+    use shardwise::receipts::TTL_DELETION_DELAY;
+    let _simulated = shardwise::testing::simulate(std::time::UNIX_EPOCH, 7);
+    let hour = Duration::from_secs(3600);
+    let receipts = MemoryReceipts::new()
+        .table(COUNTS, &["id"])
+        .retention(hour, 7);
+    assert_eq!(ReceiptStore::retention(&receipts), Some(hour));
+    let apply = |id: u64| Apply {
+        event: EventId::new(format!("e{id}")),
+        effects: Effect::update(COUNTS, key("id", id.to_string()))
+            .add("count", 1)
+            .into(),
+    };
+    let all: Vec<Apply> = (0..100).map(apply).collect();
+    assert!(
+        receipts
+            .commit(&all, "w1")
+            .await
+            .unwrap()
+            .iter()
+            .all(|c| *c == Committed::Applied)
+    );
+    let held = EventId::new("held");
+    receipts
+        .record(&held, &Disposition::Held("review".into()), "w1")
+        .await
+        .unwrap();
+
+    // Expired, not yet deleted: every replay still finds its receipt.
+    tokio::time::sleep(hour + Duration::from_secs(1)).await;
+    assert!(
+        receipts
+            .commit(&all, "w2")
+            .await
+            .unwrap()
+            .iter()
+            .all(|c| *c == Committed::Replay)
+    );
+    // A day later some are gone and some not; 48 hours later all are.
+    tokio::time::sleep(TTL_DELETION_DELAY / 2).await;
+    let gone = receipts.expired();
+    assert!(gone > 10 && gone < 90, "{gone} of 100 deleted halfway");
+    tokio::time::sleep(TTL_DELETION_DELAY / 2).await;
+    assert_eq!(
+        receipts.get(&held).await.unwrap().map(|r| r.disposition),
+        Some(Disposition::Held("review".into()))
+    );
+    assert_eq!(receipts.expired(), 100);
+    assert_eq!(
+        receipts.commit(&all[..1], "w3").await.unwrap(),
+        vec![Committed::Applied],
+        "with its receipt gone, the event applies again"
+    );
+    assert_eq!(receipts.number(COUNTS, &key("id", "0"), "count"), Some(2));
+}
+
+/// A consumer refuses a ledger kept shorter than the stream keeps records (an in-memory stream
+/// with the service's limits keeps them for its retention; without, for good), and runs on one
+/// kept as long.
+#[tokio::test(start_paused = true)]
+async fn a_ledger_kept_shorter_than_the_stream_keeps_records_is_refused() {
+    let day = Duration::from_secs(24 * 3600);
+    let calls = Calls::default();
+    let start = |stream: &MemoryStream, kept: Duration| {
+        let receipts = MemoryReceipts::new()
+            .table(COUNTS, &["id"])
+            .retention(kept, 1);
+        builder(
+            stream,
+            &MemoryLeaseStore::new(),
+            Arc::new(receipts),
+            "w1",
+            counting("w1", &calls, Duration::ZERO),
+        )
+        .build()
+        .unwrap()
+        .run()
+    };
+    let forever = MemoryStream::new("kept-forever", 1);
+    match start(&forever, 30 * day).await {
+        Ok(_) => panic!("ran on a stream that keeps records for good"),
+        Err(e) => assert!(e.to_string().contains("keeps events for good"), "{e}"),
+    }
+    let stream = MemoryStream::new("kept-a-day", 1);
+    stream.service_limits(day);
+    match start(&stream, day / 2).await {
+        Ok(_) => panic!("ran with receipts kept half as long as the records"),
+        Err(e) => assert!(e.to_string().contains("receipt_retention"), "{e}"),
+    }
+    start(&stream, day)
+        .await
+        .expect("kept as long")
+        .shutdown(Duration::from_secs(1))
+        .await;
+}

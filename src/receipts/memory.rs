@@ -1,9 +1,11 @@
 //! The receipt ledger in memory, with the tables its effects write: the same conditions and
 //! answers as [`DynamoDbReceipts`](super::DynamoDbReceipts), for tests and simulations.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, SystemTime};
 
 use aws_sdk_dynamodb::types::AttributeValue;
 use futures::future::BoxFuture;
@@ -17,9 +19,21 @@ use crate::error::Error;
 use crate::testing::Faults;
 use crate::testing::faults::{Fault, Injector};
 
+/// How long after its `expiresAt` DynamoDB's TTL may delete an item: "typically within 48
+/// hours" (the Developer Guide, "Time to Live"); the memory ledger deletes within this bound.
+pub const TTL_DELETION_DELAY: Duration = Duration::from_secs(48 * 3600);
+
 #[derive(Debug, Default)]
 struct State {
     receipts: BTreeMap<EventId, Receipt>,
+    /// How long an applied receipt is kept (`None`: for good).
+    retention: Option<Duration>,
+    /// Applied receipts by the time TTL deletes them: their `expiresAt` plus a delay drawn
+    /// from the event's identity and this salt, within [`TTL_DELETION_DELAY`].
+    expiring: BTreeSet<(SystemTime, EventId)>,
+    salt: u64,
+    /// Receipts deleted by TTL so far.
+    expired: u64,
     /// Table -> (key attribute names, items by rendered key).
     tables: BTreeMap<String, (Vec<String>, BTreeMap<String, Item>)>,
     /// Effect writes applied, for counting (every put, update and delete).
@@ -58,6 +72,26 @@ impl MemoryReceipts {
     /// An empty ledger with no effect tables.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Keeps applied receipts for `kept`, as [`DynamoDbReceipts`](super::DynamoDbReceipts) does
+    /// with TTL: each is deleted at a time drawn (from its event and `seed`) within
+    /// [`TTL_DELETION_DELAY`] after it expired, by the services' clock (the simulation's). Held
+    /// and quarantined receipts stay. Without this, receipts are kept for good.
+    pub fn retention(self, kept: Duration, seed: u64) -> Self {
+        {
+            let mut state = self.state();
+            state.retention = Some(kept);
+            state.salt = seed;
+        }
+        self
+    }
+
+    /// Applied receipts TTL has deleted so far.
+    pub fn expired(&self) -> u64 {
+        let mut state = self.state();
+        state.sweep(crate::time::service_now());
+        state.expired
     }
 
     /// Declares a table effects may write, with its key attribute names.
@@ -131,6 +165,7 @@ impl MemoryReceipts {
                 table: "memory-receipts".into(),
                 source: format!("injected fault: {what}").into(),
             };
+            self.state().sweep(crate::time::service_now());
             match self.faults.draw(write, false) {
                 None | Some(Fault::ExpiredIterator) => Ok(op(&mut self.state())),
                 Some(Fault::Error) => Err(injected("error")),
@@ -171,6 +206,30 @@ fn receipt(event: &EventId, disposition: &Disposition, by: &str) -> Receipt {
 }
 
 impl State {
+    /// Deletes the applied receipts whose TTL deletion time has come.
+    fn sweep(&mut self, now: SystemTime) {
+        while let Some((at, _)) = self.expiring.first()
+            && *at <= now
+        {
+            let (_, event) = self.expiring.pop_first().expect("first");
+            self.receipts.remove(&event);
+            self.expired += 1;
+        }
+    }
+
+    /// Records an applied receipt, and when TTL will delete it.
+    fn applied(&mut self, event: &EventId, by: &str) {
+        let receipt = receipt(event, &Disposition::Applied, by);
+        if let Some(kept) = self.retention {
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            (self.salt, event).hash(&mut hasher);
+            let delay = TTL_DELETION_DELAY.mul_f64(hasher.finish() as f64 / u64::MAX as f64);
+            let expires = crate::time::service_now() + kept;
+            self.expiring.insert((expires + delay, event.clone()));
+        }
+        self.receipts.insert(event.clone(), receipt);
+    }
+
     fn terminal(&self, event: &EventId) -> bool {
         self.receipts
             .get(event)
@@ -277,9 +336,13 @@ impl ReceiptStore for MemoryReceipts {
             if state.terminal(event) {
                 return Recorded::Exists(state.receipts[event].clone());
             }
-            state
-                .receipts
-                .insert(event.clone(), receipt(event, disposition, by));
+            if *disposition == Disposition::Applied {
+                state.applied(event, by);
+            } else {
+                state
+                    .receipts
+                    .insert(event.clone(), receipt(event, disposition, by));
+            }
             Recorded::Recorded
         })
     }
@@ -339,14 +402,15 @@ impl ReceiptStore for MemoryReceipts {
                     for effect in apply.effects.iter() {
                         state.apply(effect);
                     }
-                    state.receipts.insert(
-                        apply.event.clone(),
-                        receipt(&apply.event, &Disposition::Applied, by),
-                    );
+                    state.applied(&apply.event, by);
                     Committed::Applied
                 })
                 .collect()
         })
+    }
+
+    fn retention(&self) -> Option<Duration> {
+        self.state().retention
     }
 
     fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Receipt>, Error>> {

@@ -36,7 +36,7 @@ pub use effect::{
     MAX_TRANSACTION_ITEMS, Value, key,
 };
 #[cfg(any(test, feature = "testing"))]
-pub use memory::MemoryReceipts;
+pub use memory::{MemoryReceipts, TTL_DELETION_DELAY};
 
 pub(crate) use effect::{check_limits, item_size};
 

@@ -284,4 +284,7 @@ impl ReceiptStore for Receipts {
             self.inner.list(limit).await
         })
     }
+    fn retention(&self) -> Option<std::time::Duration> {
+        self.inner.retention()
+    }
 }
