@@ -285,6 +285,6 @@ impl ReceiptStore for Receipts {
         })
     }
     fn retention(&self) -> Option<std::time::Duration> {
-        self.inner.retention()
+        ReceiptStore::retention(&self.inner)
     }
 }
