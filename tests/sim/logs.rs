@@ -23,8 +23,14 @@
 //!   `ResourceNotFoundException`.
 //! - DescribeLogStreams: "The maximum number of items returned. If you don't specify a value, the
 //!   default is up to 50 items": pages of 50 streams and a `nextToken`.
+//! - PutRetentionPolicy: a group keeps events `retentionInDays` (none: never expire);
+//!   "CloudWatch Logs doesn't immediately delete log events when they reach their retention
+//!   setting. It typically takes up to 72 hours after that": each event is deleted at its own
+//!   time within 72 hours after its timestamp plus the retention. DescribeLogGroups reports
+//!   `retentionInDays`. PutLogEvents: no event "older than the retention period of the log
+//!   group" (refused whole, as the world's batches are).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -48,6 +54,8 @@ const PAGE_BYTES: usize = 1_048_576;
 const PAGE_EVENTS: usize = 10_000;
 /// An event's size over its message.
 const EVENT_OVERHEAD: usize = 26;
+/// How long after its retention an event may still be served.
+pub const DELETION_DELAY_MS: i64 = 72 * 3600 * 1000;
 
 /// Requests per second per account, by operation.
 fn quota(operation: &str) -> Option<usize> {
@@ -117,6 +125,12 @@ struct State {
     /// Until when every read is throttled (a lasting throttle of the account).
     throttled_until: i64,
     counts: Counts,
+    /// The group's retention in days (`None`: never expire).
+    retention_days: Option<i64>,
+    /// Events to delete for the retention: (when, stream, key, name).
+    deletions: BTreeSet<(i64, String, (i64, i64, u64), String)>,
+    /// Names (`stream/id`) of the events deleted for the retention.
+    deleted: Arc<Mutex<BTreeSet<String>>>,
 }
 
 /// What the service answered, counted.
@@ -185,6 +199,22 @@ impl LogsService {
         state.created.entry(stream.to_string()).or_insert(now);
     }
 
+    /// Gives the group a retention of `days` (PutRetentionPolicy).
+    pub fn set_retention(&self, days: i64) {
+        self.state.lock().unwrap().retention_days = Some(days);
+    }
+
+    /// The names (`stream/id`) of the events deleted for the retention so far, shared: it grows.
+    pub fn deleted(&self) -> Arc<Mutex<BTreeSet<String>>> {
+        self.state.lock().unwrap().deleted.clone()
+    }
+
+    /// Deletes the events whose time has come (every request does this first).
+    pub fn sweep(&self) {
+        let now = self.now();
+        self.state.lock().unwrap().sweep(now);
+    }
+
     /// Deletes a stream and its events; returns the events it held.
     pub fn delete_stream(&self, stream: &str) -> Vec<LogEvent> {
         let mut state = self.state.lock().unwrap();
@@ -203,10 +233,12 @@ impl LogsService {
     ) -> Option<Vec<LogEvent>> {
         let now = self.now();
         let mut state = self.state.lock().unwrap();
-        if batch
-            .iter()
-            .any(|(t, _)| *t < now - MAX_AGE.as_millis() as i64 || *t > now + 2 * 3600 * 1000)
-        {
+        let kept = state
+            .retention_days
+            .map_or(MAX_AGE.as_millis() as i64, |d| d * 86_400_000);
+        if batch.iter().any(|(t, _)| {
+            *t < now - (MAX_AGE.as_millis() as i64).min(kept) || *t > now + 2 * 3600 * 1000
+        }) {
             return None;
         }
         let mut stored = Vec::new();
@@ -230,6 +262,17 @@ impl LogsService {
             };
             let at = events.partition_point(|e| e.key() <= event.key());
             events.insert(at, event.clone());
+            if let Some(days) = state.retention_days {
+                // Its own time within the deletion delay, drawn from its eventId.
+                let digest = <md5::Md5 as md5::Digest>::digest(event.event_id.as_bytes());
+                let lag =
+                    i64::from(u16::from_le_bytes([digest[0], digest[1]])) * DELETION_DELAY_MS >> 16;
+                let when = event.timestamp + days * 86_400_000 + lag;
+                let name = format!("{stream}/{}", event.id);
+                state
+                    .deletions
+                    .insert((when, stream.to_string(), event.key(), name));
+            }
             stored.push(event);
         }
         Some(stored)
@@ -323,6 +366,7 @@ impl LogsService {
     fn answer(&self, operation: &str, request: &Value) -> Answer {
         let now = self.now();
         let mut state = self.state.lock().unwrap();
+        state.sweep(now);
         state.counts.requests += 1;
         if let Some(limit) = quota(operation) {
             let throttled = now < state.throttled_until;
@@ -341,7 +385,10 @@ impl LogsService {
             let prefix = request["logGroupNamePrefix"].as_str().unwrap_or_default();
             let groups: Vec<Value> = Some(state.group.as_str())
                 .filter(|g| g.starts_with(prefix))
-                .map(|g| json!({ "logGroupName": g }))
+                .map(|g| match state.retention_days {
+                    Some(days) => json!({ "logGroupName": g, "retentionInDays": days }),
+                    None => json!({ "logGroupName": g }),
+                })
                 .into_iter()
                 .collect();
             return (200, json!({ "logGroups": groups }));
@@ -366,6 +413,21 @@ impl LogsService {
 }
 
 impl State {
+    /// Deletes the events whose retention and deletion delay have passed.
+    fn sweep(&mut self, now: i64) {
+        while let Some((when, ..)) = self.deletions.first()
+            && *when <= now
+        {
+            let (_, stream, key, name) = self.deletions.pop_first().expect("first");
+            if let Some(events) = self.streams.get_mut(&stream)
+                && let Ok(at) = events.binary_search_by(|e| e.key().cmp(&key))
+            {
+                events.remove(at);
+                self.deleted.lock().unwrap().insert(name);
+            }
+        }
+    }
+
     fn mint(&mut self, token: Token, prefix: &str) -> String {
         self.minted += 1;
         let name = format!("{prefix}/{:056}", self.minted);

@@ -21,12 +21,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use aws_sdk_dynamodb::types::AttributeValue;
 use md5::{Digest, Md5};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shardwise::consumer::Settled;
 use shardwise::lease::{Change, LeaseSettings, MemoryLeaseStore};
 use shardwise::paged::{CloudWatchLogs, LATE_EVENT_WINDOW, PagePosition};
+use shardwise::receipts::{Effect, MemoryReceipts, key};
 use shardwise::testing::{HostClock, Layered, on_host};
 use shardwise::{Consumer, Delivery, Outcome, Running};
 use tokio::time::Instant;
@@ -65,6 +67,8 @@ struct Model {
     violations: Vec<String>,
     log: EventLog,
     invocations: u64,
+    /// Events the service deleted for the group's retention (`stream/id`): not owed.
+    deleted: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl Model {
@@ -105,7 +109,10 @@ impl Model {
                 continue;
             }
             let name = format!("{stream}/{}", event.id);
-            if !self.settled.contains(&name) && !self.late.contains(&name) {
+            if !self.settled.contains(&name)
+                && !self.late.contains(&name)
+                && !self.deleted.lock().unwrap().contains(&name)
+            {
                 return Some(format!(
                     "{stream}: applied position {applied} passes {}, which has not settled ({})",
                     event.id, change.operation
@@ -136,17 +143,61 @@ struct World {
     clocks: Vec<(i64, i64)>,
     /// The lease store under the watchdog, for its faults and limits.
     memory: MemoryLeaseStore,
+    /// In half the seeds the handler applies an effect per event with a receipt, the group has
+    /// a retention and the ledger's receipts are deleted by TTL.
+    ledger: Option<Ledger>,
 }
+
+/// The receipt ledger of a seed with effects.
+struct Ledger {
+    receipts: MemoryReceipts,
+    /// The group's retention, in days.
+    days: i64,
+    /// How long receipts are kept: as long as the group keeps events, or (a quarter of these
+    /// seeds) an operator's mistake, shorter, which the consumer must refuse.
+    kept: Duration,
+}
+
+impl Ledger {
+    /// The least a receipt must be kept: the retention, CloudWatch Logs' deletion delay, and
+    /// the 2 hours a timestamp may lie ahead (what the source reports).
+    fn enough(&self) -> Duration {
+        Duration::from_secs(self.days as u64 * 24 * HOUR + 74 * HOUR)
+    }
+}
+
+const COUNTS: &str = "counts";
 
 impl World {
     fn new(seed: u64) -> Self {
         let mut rng = StdRng::seed_from_u64(seed ^ 0x1009_0007);
         let start = Instant::now();
         let service = LogsService::new(GROUP, crate::paged::base_ms());
+        // Drawn apart, so that the seeds without effects keep their worlds.
+        let mut choose = StdRng::seed_from_u64(seed ^ 0x7ec1_9715);
+        let ledger = choose.random_bool(0.5).then(|| {
+            let days = [1, 3][choose.random_range(0..2)];
+            service.set_retention(days);
+            let mut ledger = Ledger {
+                receipts: MemoryReceipts::new().table(COUNTS, &["id"]),
+                days,
+                kept: Duration::ZERO,
+            };
+            ledger.kept = if choose.random_ratio(1, 4) {
+                Duration::from_secs([1, 6, 24][choose.random_range(0..3)] * HOUR)
+            } else {
+                ledger.enough()
+            };
+            ledger.receipts = ledger.receipts.clone().retention(ledger.kept, seed);
+            ledger
+        });
         let store = MemoryLeaseStore::new();
         store.service_limits();
         let memory = store.clone();
-        let model = Arc::new(Mutex::new(Model::default()));
+        let model = Arc::new(Mutex::new(Model {
+            deleted: service.deleted(),
+            ..Model::default()
+        }));
         let observer = model.clone();
         store.observe(Arc::new(move |change: &Change| {
             let mut model = observer.lock().unwrap();
@@ -188,6 +239,7 @@ impl World {
             streams: 0,
             clocks,
             memory,
+            ledger,
         };
         for _ in 0..world.rng.random_range(1..=3) {
             world.create_stream();
@@ -268,6 +320,7 @@ impl World {
     async fn start_worker(&mut self, n: usize) {
         let worker = format!("w{n}");
         let (model, start, seed) = (self.model.clone(), self.start, self.seed);
+        let effects = self.ledger.is_some();
         let w = worker.clone();
         let handler = move |d: Delivery| {
             let name = format!("{}/{}", d.shard(), d.paged_event_id().unwrap_or_default());
@@ -278,6 +331,12 @@ impl World {
             let roll = h.finalize();
             let outcome = if roll[0] % 100 < 5 && d.attempt() < 3 {
                 Outcome::Retry
+            } else if effects {
+                Outcome::Apply(
+                    Effect::update(COUNTS, key("id", name.as_str()))
+                        .add("count", 1)
+                        .into(),
+                )
             } else {
                 Outcome::Ack
             };
@@ -300,7 +359,7 @@ impl World {
         let settled = self.model.clone();
         let source = CloudWatchLogs::new(self.service.client(), GROUP);
         let (offset, drift) = self.clocks[n];
-        let consumer = Consumer::paged(Arc::new(source), "sim", handler)
+        let mut consumer = Consumer::paged(Arc::new(source), "sim", handler)
             .worker_id(&worker)
             .lanes(self.lanes)
             .poll_interval(self.poll)
@@ -316,16 +375,30 @@ impl World {
                 let mut model = settled.lock().unwrap();
                 model.settled.insert(name.clone());
                 model.event(Instant::now(), start, format!("settled {name} {how:?}"));
-            })
-            .build()
-            .expect("settings");
+            });
+        if let Some(ledger) = &self.ledger {
+            consumer = consumer.receipts(Arc::new(ledger.receipts.clone()));
+        }
+        let consumer = consumer.build().expect("settings");
         let running = on_host(HostClock::new(offset, drift), consumer.run()).await;
         match running {
             Ok(running) => {
                 self.event(format!("start {worker}"));
                 self.workers[n] = Some(running);
             }
-            Err(e) => self.event(format!("start {worker} failed: {e}")),
+            Err(e) => {
+                self.event(format!("start {worker} failed: {e}"));
+                // Refused for a ledger kept shorter than the group keeps events: the operator
+                // keeps receipts as long, and the worker is started again later.
+                if let Some(ledger) = &mut self.ledger
+                    && e.to_string().contains("receipt_retention")
+                {
+                    ledger.kept = ledger.enough();
+                    ledger.receipts = ledger.receipts.clone().retention(ledger.kept, self.seed);
+                    let line = format!("receipts kept {:?} now", ledger.kept);
+                    self.event(line);
+                }
+            }
         }
     }
 
@@ -346,7 +419,11 @@ impl World {
             .iter()
             .filter(|(stream, _)| live.contains(*stream))
             .flat_map(|(stream, events)| events.iter().map(move |e| format!("{stream}/{}", e.id)))
-            .filter(|name| !model.settled.contains(name) && !model.too_late.contains(name))
+            .filter(|name| {
+                !model.settled.contains(name)
+                    && !model.too_late.contains(name)
+                    && !model.deleted.lock().unwrap().contains(name)
+            })
             .collect()
     }
 
@@ -383,6 +460,12 @@ impl World {
                 // The whole fleet down for 1 to 30 hours.
                 60..=66 => {
                     let hours = self.rng.random_range(1..=30);
+                    // It begins while events come: some handled and not yet checkpointed.
+                    for _ in 0..self.rng.random_range(0..=20) {
+                        self.put(None);
+                        let gap = Duration::from_millis(self.rng.random_range(50..=500));
+                        tokio::time::sleep(gap).await;
+                    }
                     self.event(format!("outage {hours} h"));
                     for n in 0..self.workers.len() {
                         self.crash(n).await;
@@ -473,6 +556,29 @@ impl World {
             running.shutdown(Duration::from_secs(5)).await;
         }
         let counts = self.service.counts();
+        self.service.sweep();
+        let ledger = self.ledger.as_ref().map(|ledger| {
+            // No effect applied twice: every event's counter is at most 1.
+            let mut model = self.model.lock().unwrap();
+            for item in ledger.receipts.items(COUNTS) {
+                let (Some(AttributeValue::S(id)), Some(AttributeValue::N(count))) =
+                    (item.get("id"), item.get("count"))
+                else {
+                    continue;
+                };
+                if count != "1" {
+                    let what = format!("the effect of {id} was applied {count} times");
+                    model.violation(Instant::now(), self.start, what);
+                }
+            }
+            format!(
+                "; group keeps {} d, receipts kept {:?}, {} receipts deleted by TTL, {} events deleted by the group's retention",
+                ledger.days,
+                ledger.kept,
+                ledger.receipts.expired(),
+                model.deleted.lock().unwrap().len()
+            )
+        });
         let mut model = std::mem::take(&mut *self.model.lock().unwrap());
         let late_unread = model
             .late
@@ -480,12 +586,13 @@ impl World {
             .filter(|name| !model.settled.contains(*name))
             .count();
         let summary = format!(
-            "end: {} requests, {} throttled, {} expired tokens, {} late events ({} later than the window; {late_unread} never handed out)",
+            "end: {} requests, {} throttled, {} expired tokens, {} late events ({} later than the window; {late_unread} never handed out){}",
             counts.requests,
             counts.throttled,
             counts.expired_tokens,
             model.late.len(),
             model.too_late.len(),
+            ledger.unwrap_or_default(),
         );
         model.event(Instant::now(), self.start, summary);
         SeedResult {
