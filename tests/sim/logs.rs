@@ -265,8 +265,9 @@ impl LogsService {
             if let Some(days) = state.retention_days {
                 // Its own time within the deletion delay, drawn from its eventId.
                 let digest = <md5::Md5 as md5::Digest>::digest(event.event_id.as_bytes());
-                let lag =
-                    i64::from(u16::from_le_bytes([digest[0], digest[1]])) * DELETION_DELAY_MS >> 16;
+                let lag = (i64::from(u16::from_le_bytes([digest[0], digest[1]]))
+                    * DELETION_DELAY_MS)
+                    >> 16;
                 let when = event.timestamp + days * 86_400_000 + lag;
                 let name = format!("{stream}/{}", event.id);
                 state
