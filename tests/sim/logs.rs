@@ -111,6 +111,9 @@ enum Token {
     },
 }
 
+/// An event to delete for the retention: when, its stream, its key, its name.
+type Deletion = (i64, String, (i64, i64, u64), String);
+
 #[derive(Debug, Default)]
 struct State {
     group: String,
@@ -128,7 +131,7 @@ struct State {
     /// The group's retention in days (`None`: never expire).
     retention_days: Option<i64>,
     /// Events to delete for the retention: (when, stream, key, name).
-    deletions: BTreeSet<(i64, String, (i64, i64, u64), String)>,
+    deletions: BTreeSet<Deletion>,
     /// Names (`stream/id`) of the events deleted for the retention.
     deleted: Arc<Mutex<BTreeSet<String>>>,
 }
@@ -264,10 +267,9 @@ impl LogsService {
             events.insert(at, event.clone());
             if let Some(days) = state.retention_days {
                 // Its own time within the deletion delay, drawn from its eventId.
-                let digest = <md5::Md5 as md5::Digest>::digest(event.event_id.as_bytes());
-                let lag = (i64::from(u16::from_le_bytes([digest[0], digest[1]]))
-                    * DELETION_DELAY_MS)
-                    >> 16;
+                let mut hasher = std::collections::hash_map::DefaultHasher::new();
+                std::hash::Hash::hash(&event.event_id, &mut hasher);
+                let lag = (std::hash::Hasher::finish(&hasher) % DELETION_DELAY_MS as u64) as i64;
                 let when = event.timestamp + days * 86_400_000 + lag;
                 let name = format!("{stream}/{}", event.id);
                 state
