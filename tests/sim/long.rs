@@ -11,10 +11,19 @@
 //! Every worker runs on a host of its own whose wall clock is up to 9 s ahead or behind the
 //! service's and drifts up to 10 ppm (`testing::HostClock`).
 //!
+//! In half the seeds the handler applies an effect per event (a counter, committed with the
+//! event's receipt in `MemoryReceipts`), the group keeps events 1 or 3 days (each deleted at
+//! its own time up to 72 hours later), and TTL deletes each receipt within 48 hours after it
+//! expired. The ledger keeps receipts as long as the group keeps events, or, in a quarter of
+//! those seeds, shorter (1, 6 or 24 hours: an operator's mistake, which the consumer must
+//! refuse; the world then keeps them as long). Outages begin while events come, so some are
+//! applied and not yet checkpointed when the fleet goes down for up to 30 hours.
+//!
 //! Checked at every write of the lease store: a stream's applied position never goes down, and
 //! every event at or below it, bar late ones (found by the source's audit later), has settled.
 //! At the end, after a quiet phase of two hours with a worker up, every event of every stream
-//! that still exists has settled, late ones within the audit's window (1 hour) included. Late
+//! that still exists has settled, late ones within the audit's window (1 hour) included, bar
+//! those the group's retention deleted first; and no event's effect was applied twice. Late
 //! events later than the window are counted and reported beside the seed's result.
 
 use std::collections::{BTreeMap, BTreeSet};
