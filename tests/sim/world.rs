@@ -97,7 +97,9 @@ enum Action {
     Crash,
     Stop,
     Start,
-    Pause(Duration),
+    /// A worker cut off for this long: at once, or (`true`) right after its next lease-store
+    /// call is applied, before the answer reaches it.
+    Pause(Duration, bool),
     Steal,
     Seek,
     AgeOut,
@@ -126,7 +128,10 @@ impl Scenario {
                 41..=48 => Action::Crash,
                 49..=53 => Action::Stop,
                 54..=62 => Action::Start,
-                63..=68 => Action::Pause(Duration::from_millis(rng.random_range(500..5_000))),
+                63..=68 => Action::Pause(
+                    Duration::from_millis(rng.random_range(500..5_000)),
+                    rng.random_bool(0.5),
+                ),
                 69..=73 => Action::Steal,
                 74..=81 => Action::Seek,
                 82..=84 => Action::AgeOut,
@@ -535,10 +540,17 @@ impl World {
                     self.start(i).await;
                 }
             }
-            Action::Pause(d) => {
+            Action::Pause(d, after_an_answer) => {
                 if let Some(i) = self.pick_up()
                     && let Slot::Up { gate, .. } = &self.slots[i]
                 {
+                    if after_an_answer {
+                        self.event(format!(
+                            "worker w{i} to be cut off after its next store call"
+                        ));
+                        gate.arm(d);
+                        return;
+                    }
                     self.event(format!("worker w{i} cut off for {} ms", d.as_millis()));
                     gate.set_cut(true);
                     let gate = gate.clone();

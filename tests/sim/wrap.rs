@@ -3,6 +3,7 @@
 //! copies and dead letters it writes, and its receipt commits, are reported to the model.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -27,6 +28,8 @@ use crate::world::now_ms;
 #[derive(Debug, Clone, Default)]
 pub struct Gate {
     cut: Arc<(AtomicBool, Notify)>,
+    /// A cut to begin once the next lease-store call is applied, before its answer: for how long.
+    armed: Arc<Mutex<Option<Duration>>>,
 }
 
 impl Gate {
@@ -39,6 +42,12 @@ impl Gate {
         if !cut {
             self.cut.1.notify_waiters();
         }
+    }
+
+    /// Cuts the worker off for `d` right after its next lease-store call is applied, before
+    /// its answer comes back (the network breaks with a request on its way back).
+    pub fn arm(&self, d: Duration) {
+        *self.armed.lock().unwrap() = Some(d);
     }
 
     async fn pass(&self) {
@@ -90,6 +99,29 @@ impl Layer for Store {
             self.gate.pass().await;
             self.calls(call.method());
             let answer = forward.await;
+            let armed = self.gate.armed.lock().unwrap().take();
+            if let Some(d) = armed {
+                self.model.lock().unwrap().event(
+                    now_ms(),
+                    format!(
+                        "worker {} cut off after {} was applied, for {} ms",
+                        self.worker,
+                        call.method(),
+                        d.as_millis()
+                    ),
+                );
+                self.gate.set_cut(true);
+                let (gate, model, worker) =
+                    (self.gate.clone(), self.model.clone(), self.worker.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep(d).await;
+                    gate.set_cut(false);
+                    model
+                        .lock()
+                        .unwrap()
+                        .event(now_ms(), format!("worker {worker} back"));
+                });
+            }
             // A cut that began while the call was in flight holds its answer too: applied, and
             // answered only once the worker is reachable again (a slow answer, not a lost one).
             self.gate.pass().await;
