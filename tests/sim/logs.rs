@@ -132,7 +132,7 @@ struct State {
     retention_days: Option<i64>,
     /// Events to delete for the retention: (when, stream, key, name).
     deletions: BTreeSet<Deletion>,
-    /// Names (`stream/id`) of the events deleted for the retention.
+    /// Names (`stream/id`, and the `eventId`) of the events deleted for the retention.
     deleted: Arc<Mutex<BTreeSet<String>>>,
 }
 
@@ -425,8 +425,11 @@ impl State {
             if let Some(events) = self.streams.get_mut(&stream)
                 && let Ok(at) = events.binary_search_by(|e| e.key().cmp(&key))
             {
-                events.remove(at);
-                self.deleted.lock().unwrap().insert(name);
+                let event = events.remove(at);
+                let mut deleted = self.deleted.lock().unwrap();
+                deleted.insert(name);
+                // By the name the FilterLogEvents source gives it too.
+                deleted.insert(event.event_id);
             }
         }
     }

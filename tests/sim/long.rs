@@ -36,7 +36,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shardwise::consumer::Settled;
 use shardwise::lease::{Change, LeaseSettings, MemoryLeaseStore};
-use shardwise::paged::{CloudWatchLogs, LATE_EVENT_WINDOW, PagePosition};
+use shardwise::paged::{
+    CloudWatchLogs, CloudWatchLogsFilter, FILTER_LATENESS, LATE_EVENT_WINDOW, PagePosition,
+    PagedSource,
+};
 use shardwise::receipts::{Effect, MemoryReceipts, key};
 use shardwise::testing::{HostClock, Layered, on_host};
 use shardwise::{Consumer, Delivery, Outcome, Running};
@@ -78,6 +81,9 @@ struct Model {
     invocations: u64,
     /// Events the service deleted for the group's retention (`stream/id`): not owed.
     deleted: Arc<Mutex<BTreeSet<String>>>,
+    /// The group is read by timestamp (`CloudWatchLogsFilter`): events are named by their
+    /// `eventId`, and the checkpoint is `closedThrough`.
+    by_time: bool,
 }
 
 impl Model {
@@ -90,9 +96,29 @@ impl Model {
         self.violations.push(what);
     }
 
+    /// The name the source gives an event, as the delivery hook reports it.
+    fn name(&self, stream: &str, event: &LogEvent) -> String {
+        if self.by_time {
+            event.event_id.clone()
+        } else {
+            format!("{stream}/{}", event.id)
+        }
+    }
+
+    /// Whether `name` is owed: not settled, not late (the audit finds it later, or it is
+    /// outside the contract), not deleted by the group's retention.
+    fn owed(&self, name: &str) -> bool {
+        !self.settled.contains(name)
+            && !self.late.contains(name)
+            && !self.deleted.lock().unwrap().contains(name)
+    }
+
     /// A write of the lease store, checked. (Only the events a move of the applied position
     /// passes: the ones below it were checked when it passed them.)
     fn change(&self, change: &Change) -> Option<String> {
+        if self.by_time {
+            return self.closed(change);
+        }
         let after = change.after.as_ref()?;
         let applied = after.progress.as_ref()?.applied_position.clone()?;
         let before = change
@@ -117,15 +143,53 @@ impl Model {
             if at > applied || before.as_ref().is_some_and(|b| at <= *b) {
                 continue;
             }
-            let name = format!("{stream}/{}", event.id);
-            if !self.settled.contains(&name)
-                && !self.late.contains(&name)
-                && !self.deleted.lock().unwrap().contains(&name)
-            {
+            let name = self.name(stream, event);
+            if self.owed(&name) {
                 return Some(format!(
                     "{stream}: applied position {applied} passes {}, which has not settled ({})",
                     event.id, change.operation
                 ));
+            }
+        }
+        None
+    }
+}
+
+impl Model {
+    /// A write of the lease store by the source read by timestamp, checked: `closedThrough`
+    /// never goes down (bar a seek), and every event stamped at or before it has settled, bar
+    /// late ones and deleted ones.
+    fn closed(&self, change: &Change) -> Option<String> {
+        let after = change.after.as_ref()?;
+        let closed = after.progress.as_ref()?.closed_through?;
+        let before = change
+            .before
+            .as_ref()
+            .and_then(|b| b.progress.as_ref()?.closed_through);
+        if before == Some(closed) {
+            return None;
+        }
+        if change.operation != "seek"
+            && let Some(before) = before
+            && closed < before
+        {
+            return Some(format!(
+                "closedThrough went down from {before} to {closed} ({})",
+                change.operation
+            ));
+        }
+        for (stream, events) in &self.put {
+            for event in events {
+                if event.timestamp > closed || before.is_some_and(|b| event.timestamp <= b) {
+                    continue;
+                }
+                let name = self.name(stream, event);
+                if self.owed(&name) {
+                    return Some(format!(
+                        "closedThrough {closed} passes {name} ({stream}, stamped {}), which has not settled ({})",
+                        event.timestamp, change.operation
+                    ));
+                }
             }
         }
         None
@@ -200,11 +264,14 @@ impl World {
             ledger.receipts = ledger.receipts.clone().retention(ledger.kept, seed);
             ledger
         });
+        // A third of the seeds read the group by timestamp (FilterLogEvents).
+        let by_time = StdRng::seed_from_u64(seed ^ 0xf11e_7e75).random_ratio(1, 3);
         let store = MemoryLeaseStore::new();
         store.service_limits();
         let memory = store.clone();
         let model = Arc::new(Mutex::new(Model {
             deleted: service.deleted(),
+            by_time,
             ..Model::default()
         }));
         let observer = model.clone();
@@ -305,6 +372,21 @@ impl World {
             if late.is_some() { " late" } else { "" }
         );
         model.event(Instant::now(), self.start, line);
+        if model.by_time {
+            // Read by timestamp, an event is late when it was put late: the forward poll closes
+            // its time before it is searchable. The audit looks back an hour (its lateness);
+            // later than that is outside the contract.
+            for event in &stored {
+                if late.is_some() {
+                    model.late.insert(event.event_id.clone());
+                    if event.ingestion - event.timestamp > FILTER_LATENESS.as_millis() as i64 {
+                        model.too_late.insert(event.event_id.clone());
+                    }
+                }
+            }
+            model.put.entry(stream.clone()).or_default().extend(stored);
+            return;
+        }
         let events = model.put.entry(stream.clone()).or_default();
         for event in stored {
             // Behind an event already stored: a forward token issued past that one never returns
@@ -331,8 +413,17 @@ impl World {
         let (model, start, seed) = (self.model.clone(), self.start, self.seed);
         let effects = self.ledger.is_some();
         let w = worker.clone();
+        let by_time = self.model.lock().unwrap().by_time;
+        let name_of = move |d: &Delivery| {
+            let id = d.paged_event_id().unwrap_or_default();
+            if by_time {
+                id.to_string()
+            } else {
+                format!("{}/{id}", d.shard())
+            }
+        };
         let handler = move |d: Delivery| {
-            let name = format!("{}/{}", d.shard(), d.paged_event_id().unwrap_or_default());
+            let name = name_of(&d);
             let mut h = Md5::new();
             h.update(seed.to_le_bytes());
             h.update(name.as_bytes());
@@ -366,9 +457,13 @@ impl World {
             }
         };
         let settled = self.model.clone();
-        let source = CloudWatchLogs::new(self.service.client(), GROUP);
+        let source: Arc<dyn PagedSource> = if by_time {
+            Arc::new(CloudWatchLogsFilter::new(self.service.client(), GROUP))
+        } else {
+            Arc::new(CloudWatchLogs::new(self.service.client(), GROUP))
+        };
         let (offset, drift) = self.clocks[n];
-        let mut consumer = Consumer::paged(Arc::new(source), "sim", handler)
+        let mut consumer = Consumer::paged(source, "sim", handler)
             .worker_id(&worker)
             .lanes(self.lanes)
             .poll_interval(self.poll)
@@ -380,7 +475,7 @@ impl World {
             )
             .lease_store(self.store.clone())
             .delivery_hooks(move |d: &Delivery, how: &Settled| {
-                let name = format!("{}/{}", d.shard(), d.paged_event_id().unwrap_or_default());
+                let name = name_of(d);
                 let mut model = settled.lock().unwrap();
                 model.settled.insert(name.clone());
                 model.event(Instant::now(), start, format!("settled {name} {how:?}"));
@@ -427,7 +522,7 @@ impl World {
             .put
             .iter()
             .filter(|(stream, _)| live.contains(*stream))
-            .flat_map(|(stream, events)| events.iter().map(move |e| format!("{stream}/{}", e.id)))
+            .flat_map(|(stream, events)| events.iter().map(|e| model.name(stream, e)))
             .filter(|name| {
                 !model.settled.contains(name)
                     && !model.too_late.contains(name)
@@ -513,6 +608,13 @@ impl World {
                         let stream = streams[self.rng.random_range(0..streams.len())].clone();
                         let gone = self.service.delete_stream(&stream);
                         self.event(format!("delete {stream} ({} events)", gone.len()));
+                        // Gone with the stream: no longer owed.
+                        let deleted = self.service.deleted();
+                        let mut deleted = deleted.lock().unwrap();
+                        for event in gone {
+                            deleted.insert(format!("{stream}/{}", event.id));
+                            deleted.insert(event.event_id);
+                        }
                     }
                 }
                 // The lease table throttled for 2 to 20 minutes.

@@ -97,9 +97,9 @@ enum Action {
     Crash,
     Stop,
     Start,
-    /// A worker cut off for this long: at once, or (`true`) right after its next lease-store
-    /// call is applied, before the answer reaches it.
-    Pause(Duration, bool),
+    /// A worker cut off for this long: at once, or right after its next lease-store call of a
+    /// method (a renewal or a beat) was applied and then answered this late.
+    Pause(Duration, Option<(&'static str, Duration)>),
     Steal,
     Seek,
     AgeOut,
@@ -130,7 +130,10 @@ impl Scenario {
                 54..=62 => Action::Start,
                 63..=68 => Action::Pause(
                     Duration::from_millis(rng.random_range(500..5_000)),
-                    rng.random_bool(0.5),
+                    rng.random_bool(0.5).then(|| {
+                        let method = ["renew", "beat"][rng.random_range(0..2)];
+                        (method, Duration::from_millis(rng.random_range(0..700)))
+                    }),
                 ),
                 69..=73 => Action::Steal,
                 74..=81 => Action::Seek,
@@ -544,11 +547,9 @@ impl World {
                 if let Some(i) = self.pick_up()
                     && let Slot::Up { gate, .. } = &self.slots[i]
                 {
-                    if after_an_answer {
-                        self.event(format!(
-                            "worker w{i} to be cut off after its next store call"
-                        ));
-                        gate.arm(d);
+                    if let Some((method, slow)) = after_an_answer {
+                        self.event(format!("worker w{i} to be cut off after its next {method}"));
+                        gate.arm(method, slow, d);
                         return;
                     }
                     self.event(format!("worker w{i} cut off for {} ms", d.as_millis()));

@@ -28,8 +28,11 @@ use crate::world::now_ms;
 #[derive(Debug, Clone, Default)]
 pub struct Gate {
     cut: Arc<(AtomicBool, Notify)>,
-    /// A cut to begin once the next lease-store call is applied, before its answer: for how long.
-    armed: Arc<Mutex<Option<Duration>>>,
+    /// The lease table alone cut off (the stream still reachable).
+    table: Arc<(AtomicBool, Notify)>,
+    /// A cut of the lease table to begin once the next lease-store call of a method is applied and answered after
+    /// a delay: (the method, the delay, how long the cut lasts).
+    armed: Arc<Mutex<Option<(&'static str, Duration, Duration)>>>,
 }
 
 impl Gate {
@@ -38,26 +41,41 @@ impl Gate {
     }
 
     pub fn set_cut(&self, cut: bool) {
-        self.cut.0.store(cut, Ordering::SeqCst);
-        if !cut {
-            self.cut.1.notify_waiters();
-        }
+        set(&self.cut, cut);
     }
 
-    /// Cuts the worker off for `d` right after its next lease-store call is applied, before
-    /// its answer comes back (the network breaks with a request on its way back).
-    pub fn arm(&self, d: Duration) {
-        *self.armed.lock().unwrap() = Some(d);
+    /// Answers the worker's next lease-store call of `method` `slow` after it was applied, and
+    /// cuts the worker off from the lease table (not from the stream) for `d` right after: a
+    /// slow path to DynamoDB that then breaks, while records are still read and handled.
+    pub fn arm(&self, method: &'static str, slow: Duration, d: Duration) {
+        *self.armed.lock().unwrap() = Some((method, slow, d));
     }
 
     async fn pass(&self) {
-        loop {
-            let opened = self.cut.1.notified();
-            if !self.cut.0.load(Ordering::SeqCst) {
-                return;
-            }
-            opened.await;
+        pass(&self.cut).await;
+    }
+
+    /// The lease table's gate: the worker's and the table's own.
+    async fn pass_table(&self) {
+        pass(&self.cut).await;
+        pass(&self.table).await;
+    }
+}
+
+fn set(gate: &(AtomicBool, Notify), cut: bool) {
+    gate.0.store(cut, Ordering::SeqCst);
+    if !cut {
+        gate.1.notify_waiters();
+    }
+}
+
+async fn pass(gate: &(AtomicBool, Notify)) {
+    loop {
+        let opened = gate.1.notified();
+        if !gate.0.load(Ordering::SeqCst) {
+            return;
         }
+        opened.await;
     }
 }
 
@@ -96,35 +114,47 @@ impl Layer for Store {
         forward: BoxFuture<'a, Result<T, Error>>,
     ) -> BoxFuture<'a, Result<T, Error>> {
         Box::pin(async move {
-            self.gate.pass().await;
+            self.gate.pass_table().await;
             self.calls(call.method());
             let answer = forward.await;
-            let armed = self.gate.armed.lock().unwrap().take();
-            if let Some(d) = armed {
+            let armed = {
+                let mut armed = self.gate.armed.lock().unwrap();
+                match *armed {
+                    Some((method, slow, d)) if method == call.method() => {
+                        *armed = None;
+                        Some((slow, d))
+                    }
+                    _ => None,
+                }
+            };
+            if let Some((slow, d)) = armed {
+                tokio::time::sleep(slow).await;
                 self.model.lock().unwrap().event(
                     now_ms(),
                     format!(
-                        "worker {} cut off after {} was applied, for {} ms",
+                        "worker {} cut off from the lease table after {} was answered {} ms late, for {} ms",
                         self.worker,
                         call.method(),
+                        slow.as_millis(),
                         d.as_millis()
                     ),
                 );
-                self.gate.set_cut(true);
+                set(&self.gate.table, true);
                 let (gate, model, worker) =
                     (self.gate.clone(), self.model.clone(), self.worker.clone());
                 tokio::spawn(async move {
                     tokio::time::sleep(d).await;
-                    gate.set_cut(false);
-                    model
-                        .lock()
-                        .unwrap()
-                        .event(now_ms(), format!("worker {worker} back"));
+                    set(&gate.table, false);
+                    model.lock().unwrap().event(
+                        now_ms(),
+                        format!("worker {worker} reaches the lease table again"),
+                    );
                 });
+                return answer;
             }
             // A cut that began while the call was in flight holds its answer too: applied, and
             // answered only once the worker is reachable again (a slow answer, not a lost one).
-            self.gate.pass().await;
+            self.gate.pass_table().await;
             answer
         })
     }
