@@ -534,6 +534,15 @@ impl World {
     async fn run(mut self) -> SeedResult {
         let clocks = format!("host clocks (ms ahead, ppm) {:?}", self.clocks);
         self.event(clocks);
+        let by_time = self.model.lock().unwrap().by_time;
+        self.event(
+            if by_time {
+                "read by timestamp (FilterLogEvents)"
+            } else {
+                "read stream by stream (GetLogEvents)"
+            }
+            .into(),
+        );
         for n in 0..self.workers.len() {
             self.start_worker(n).await;
         }
