@@ -23,6 +23,10 @@ use tokio::sync::Notify;
 use crate::model::Model;
 use crate::world::now_ms;
 
+/// A cut of the lease table armed for a worker's next call of a method: (the method, how late
+/// its answer comes, how long the cut lasts).
+type Armed = (&'static str, Duration, Duration);
+
 /// Open or cut: calls wait while it is cut. (One `Notify`: tokio's `watch` wakes its waiters in
 /// an order drawn from tokio's own unseeded generator, which would make runs differ.)
 #[derive(Debug, Clone, Default)]
@@ -32,7 +36,7 @@ pub struct Gate {
     table: Arc<(AtomicBool, Notify)>,
     /// A cut of the lease table to begin once the next lease-store call of a method is applied and answered after
     /// a delay: (the method, the delay, how long the cut lasts).
-    armed: Arc<Mutex<Option<(&'static str, Duration, Duration)>>>,
+    armed: Arc<Mutex<Option<Armed>>>,
 }
 
 impl Gate {
