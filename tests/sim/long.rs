@@ -483,8 +483,11 @@ impl World {
         if let Some(ledger) = &self.ledger {
             consumer = consumer.receipts(Arc::new(ledger.receipts.clone()));
         }
-        let consumer = consumer.build().expect("settings");
-        let running = on_host(HostClock::new(offset, drift), consumer.run()).await;
+        // A ledger kept shorter than a contract's own horizon is refused at build.
+        let running = match consumer.build() {
+            Ok(consumer) => on_host(HostClock::new(offset, drift), consumer.run()).await,
+            Err(e) => Err(e.into()),
+        };
         match running {
             Ok(running) => {
                 self.event(format!("start {worker}"));
