@@ -599,3 +599,97 @@ async fn a_filter_consumer_started_again_hands_out_only_what_arrived_since_its_a
     expected.sort();
     assert_eq!(handled, expected, "every event once, the late one too");
 }
+
+/// A worker killed while a page is half settled leaves its resume cursor (promoted at page
+/// barriers) behind its applied position. A late event put between the two, after the durable
+/// audit mark, is read by the next worker's forward read below the applied position (taken for a
+/// replay) and so only an audit can hand it out. Before, the attempt's first audit ran before the
+/// forward read, covered only what lay behind the resume cursor, and moved the mark past the
+/// late event: it was never handed out. Now the first audit waits until the forward read has
+/// passed the applied position.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_late_event_between_the_resume_cursor_and_the_applied_position_is_handed_out_after_a_crash()
+ {
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 29);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let start = |worker: &'static str, hold: Option<String>| {
+        let calls = calls.clone();
+        let source = CloudWatchLogs::new(service.client(), GROUP).page_limit(4);
+        Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
+            let held = hold.as_deref() == d.paged_event_id();
+            if !held {
+                calls.push(worker, &d);
+            }
+            async move {
+                if held {
+                    std::future::pending::<()>().await;
+                }
+                Outcome::Ack
+            }
+        })
+        .worker_id(worker)
+        .lanes(4)
+        .poll_interval(Duration::from_secs(5))
+        .checkpoint_interval(Duration::from_secs(1))
+        .lease_settings(
+            LeaseSettings::default()
+                .lease_duration(Duration::from_secs(10))
+                .scan_interval(Duration::from_secs(2)),
+        )
+        .lease_store(Arc::new(store.clone()))
+        .build()
+        .unwrap()
+        .run()
+    };
+    let first = put(&service, 4);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let second = put(&service, 4);
+    let w1 = start("w1", Some(second[3].clone())).await.unwrap();
+    let timestamp = |id: &str| id.split('-').next().unwrap().parse::<i64>().unwrap();
+    let below = PagePosition::from_parts(&[timestamp(&second[3]) as u64]);
+    wait_for(
+        "the second page settled but for its last",
+        Duration::from_secs(60),
+        || {
+            calls.len() == 7
+                && applied(&store).is_some_and(|a| {
+                    a < below && a > PagePosition::from_parts(&[timestamp(&second[2]) as u64])
+                })
+        },
+    )
+    .await;
+    // Late: stamped between the second page's second and third events, put after the mark.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let late = service
+        .put(
+            "s0",
+            &[(timestamp(&second[1]), "late".to_string())],
+            Duration::ZERO,
+        )
+        .expect("accepted")[0]
+        .id
+        .clone();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    w1.abort();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+
+    let w2 = start("w2", None).await.unwrap();
+    wait_for(
+        "the late event and the held one",
+        Duration::from_secs(600),
+        || {
+            let ids = calls.ids();
+            ids.contains(&late) && ids.contains(&second[3])
+        },
+    )
+    .await;
+    w2.shutdown(Duration::from_secs(5)).await;
+    let ids = calls.ids();
+    for id in first.iter().chain(&second).chain([&late]) {
+        assert!(ids.contains(id), "{id} handled: {ids:?}");
+    }
+}

@@ -88,6 +88,7 @@ impl Progress for Pages {
                 source: source.clone(),
                 partition: ownership.shard_id.clone(),
                 cursor: durable.resume_cursor.clone(),
+                applied: durable.applied_position.clone(),
                 poll_interval: settings.reader.poll_interval,
                 idle_poll_max: settings.reader.idle_poll_max,
                 max_backoff: settings.reader.max_backoff,

@@ -40,7 +40,10 @@
 //!   ingested at or before `A`, and at most the window late, was handed out. The first forward
 //!   read marks a cursor with its start less [`AUDIT_ALLOWANCE`] (30 s: the delay before an
 //!   event can be read, and up to 10 s of clock skew).
-//! - Every [`LATE_EVENT_AUDIT_INTERVAL`] (5 minutes), as each attempt starts, and once a stream
+//! - Every [`LATE_EVENT_AUDIT_INTERVAL`] (5 minutes), as each attempt starts (once its forward
+//!   read has passed the applied position it starts from, which the resume cursor, promoted at
+//!   page barriers, may lie behind: the audit covers what is behind the cursor it is given, and
+//!   its mark vouches for everything ingested before it), and once a stream
 //!   that brought events has been quiet for twice the allowance, the reader audits: it reads the
 //!   stream again (`startTime` = `A` less the window, `endTime` past the cursor's last event,
 //!   pages of 10,000) and the source returns the events ingested after `A` up to that last

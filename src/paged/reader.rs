@@ -57,6 +57,13 @@ pub(crate) struct PageReader {
     pub(crate) partition: String,
     /// Where the next fetch starts.
     pub(crate) cursor: Option<Cursor>,
+    /// The durable applied position the attempt starts from: the resume cursor (promoted at page
+    /// barriers) may lie behind it. An audit covers what is behind the cursor it is given, and
+    /// its mark then vouches for everything ingested before it; so the first audit waits until
+    /// the forward read has passed this position (or reached the partition's end), else a late
+    /// event between the cursor and this position, which the forward read takes for a replay,
+    /// would be vouched for and never handed out.
+    pub(crate) applied: Option<super::PagePosition>,
     /// Wait before fetching an unchanged cursor again.
     pub(crate) poll_interval: Duration,
     /// Longest wait between fetches of a partition that stays idle.
@@ -168,6 +175,7 @@ impl PageReader {
         });
         loop {
             if let Some(audits) = audits.as_mut()
+                && self.applied.is_none()
                 && audits.due(Instant::now())
             {
                 match self.cursor.clone() {
@@ -226,6 +234,14 @@ impl PageReader {
             };
             failures.reset();
             metrics::counter!("shardwise_paged_pages_total", &labels).increment(1);
+            // Past the applied position the attempt started from (an event beyond it), or at the
+            // partition's end (a page with nothing new): audits may begin.
+            if let Some(applied) = &self.applied {
+                let past = page.events.iter().any(|e| e.position > *applied);
+                if past || page.events.is_empty() {
+                    self.applied = None;
+                }
+            }
             let Some(next) = page.next else {
                 let _ = pages
                     .send(PageMessage::Page {
