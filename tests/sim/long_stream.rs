@@ -7,7 +7,10 @@
 //! (up to 6 hours, inside the retention period), workers that crash, stop and start, a second
 //! process with a worker's id for minutes to hours, splits and merges, and throttling of every
 //! read that lasts minutes, and of the lease table (all of it, half its calls, or the roster item)
-//! for 2 to 20 minutes; the lease store keeps DynamoDB's 1,000 writes a second per item. A third of the seeds start at the trim horizon, a third at a time
+//! for 2 to 20 minutes; the lease store keeps DynamoDB's 1,000 writes a second per item; and a
+//! worker's path to the lease table that turns slow (its next renewal applied and answered 2 to
+//! 10 s late) and then breaks for 30 s to 3 minutes while it still reads the stream. A third of
+//! the seeds start at the trim horizon, a third at a time
 //! stamp, a third at LATEST (the day begins once every shard's start is pinned, with a burst; what
 //! was put before the workers started is not owed).
 //!
@@ -16,7 +19,9 @@
 //! keeps the true time (`testing::HostClock`).
 //!
 //! Checked at every write of the lease store: a shard's checkpoint never passes a record that has
-//! not been handled (at `SHARD_END`, every record of the shard). At the end, after a quiet hour
+//! not been handled (at `SHARD_END`, every record of the shard). Checked at every dispatch: a
+//! lease another worker took as expired (without asking for it) sees no dispatch of its previous
+//! owner after the take. At the end, after a quiet hour
 //! with a worker up, every record put has been handled (none was trimmed unread: no outage outlasts
 //! the retention period).
 
@@ -24,12 +29,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use md5::{Digest, Md5};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shardwise::lease::LeaseStore;
 use shardwise::lease::{Change, Checkpoint, InitialPosition, LeaseSettings, MemoryLeaseStore};
-use shardwise::testing::{Faults, HostClock, Layered, MemoryStream, on_host};
+use shardwise::testing::{Call, Faults, HostClock, Layer, Layered, MemoryStream, on_host};
 use shardwise::{Consumer, Delivery, Outcome, Running, SequenceNumber};
 use tokio::time::Instant;
 
@@ -52,6 +58,10 @@ struct Model {
     violations: Vec<String>,
     log: EventLog,
     invocations: u64,
+    /// When each (shard, owner epoch) was taken by another worker that had not asked for it:
+    /// the lease had expired, so its owner must have stopped dispatching before (issue 27,
+    /// defect 6).
+    expired: BTreeMap<(String, u64), Instant>,
 }
 
 impl Model {
@@ -62,6 +72,19 @@ impl Model {
     fn violation(&mut self, at: Instant, start: Instant, what: String) {
         self.event(at, start, format!("VIOLATION {what}"));
         self.violations.push(what);
+    }
+
+    /// Notes a lease taken as expired (not asked for, from another worker).
+    fn taken(&mut self, change: &Change, at: Instant) {
+        if let (Some(before), Some(after)) = (&change.before, &change.after)
+            && change.operation == "take"
+            && before.owner.is_some()
+            && before.owner != after.owner
+            && before.wanted_by != after.owner
+        {
+            self.expired
+                .insert((after.shard_id.clone(), before.owner_epoch), at);
+        }
     }
 
     /// A write of the lease store, checked: the checkpoint passes no record left unhandled.
@@ -107,6 +130,45 @@ struct World {
     records: u64,
     /// Each worker's host clock: ms ahead of the stream's (behind when negative), drift in ppm.
     clocks: Vec<(i64, i64)>,
+    /// Each worker's path to the lease table.
+    links: Vec<Link>,
+}
+
+/// A worker's path to the lease table, which can turn slow and then break: its next renewal
+/// is applied, answered late, and then every call waits until the path is back (the stream is
+/// still read and records handled meanwhile).
+#[derive(Debug, Clone, Default)]
+struct Link {
+    /// The next renewal's answer delay and the cut after it.
+    armed: Arc<Mutex<Option<(Duration, Duration)>>>,
+    /// Calls wait until then.
+    cut_until: Arc<Mutex<Option<Instant>>>,
+}
+
+impl Layer for Link {
+    fn around<'a, T: Send + 'static>(
+        &'a self,
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, shardwise::Error>>,
+    ) -> BoxFuture<'a, Result<T, shardwise::Error>> {
+        Box::pin(async move {
+            let until = *self.cut_until.lock().unwrap();
+            if let Some(until) = until {
+                tokio::time::sleep_until(until).await;
+            }
+            let answer = forward.await;
+            let armed = if call.method() == "renew" {
+                self.armed.lock().unwrap().take()
+            } else {
+                None
+            };
+            if let Some((slow, cut)) = armed {
+                tokio::time::sleep(slow).await;
+                *self.cut_until.lock().unwrap() = Some(Instant::now() + cut);
+            }
+            answer
+        })
+    }
 }
 
 impl World {
@@ -125,6 +187,7 @@ impl World {
             if let Some(violation) = model.change(change) {
                 model.violation(now, start, violation);
             }
+            model.taken(change, now);
             if let Some(after) = &change.after
                 && change
                     .before
@@ -165,6 +228,7 @@ impl World {
             workers: (0..workers).map(|_| None).collect(),
             initial,
             records: 0,
+            links: (0..=workers).map(|_| Link::default()).collect(),
             clocks,
         }
     }
@@ -234,8 +298,26 @@ impl World {
         let worker = format!("w{n}");
         let (model, start, seed) = (self.model.clone(), self.start, self.seed);
         let w = worker.clone();
+        let dispatched = self.model.clone();
+        let dispatcher = worker.clone();
         let handler = move |d: Delivery| {
             let id = String::from_utf8_lossy(d.payload()).into_owned();
+            {
+                // A lease taken as expired sees no dispatch of its previous owner after the take.
+                let epoch = d.id().map_or(0, |i| i.epoch());
+                let mut model = dispatched.lock().unwrap();
+                let now = Instant::now();
+                if let Some(taken) = model.expired.get(&(d.shard().to_string(), epoch)).copied()
+                    && now > taken
+                {
+                    let what = format!(
+                        "{dispatcher} dispatches {id} of {} under epoch {epoch}, {} ms after another worker took the lease as expired",
+                        d.shard(),
+                        (now - taken).as_millis()
+                    );
+                    model.violation(now, start, what);
+                }
+            }
             let mut h = Md5::new();
             h.update(seed.to_le_bytes());
             h.update(id.as_bytes());
@@ -270,7 +352,10 @@ impl World {
                     .lease_duration(Duration::from_secs(30))
                     .scan_interval(Duration::from_secs(10)),
             )
-            .lease_store(self.store.clone())
+            .lease_store(Arc::new(Layered::new(
+                self.store.clone(),
+                self.links[host].clone(),
+            )))
             .record_source(stream.clone())
             .shard_lister(stream.clone())
             .record_sink(stream)
@@ -398,7 +483,7 @@ impl World {
                         self.event(format!("merge {a} {b} -> {child}"));
                     }
                 }
-                92..=96 => {
+                92..=94 => {
                     let minutes = self.rng.random_range(2..=20);
                     self.event(format!("throttled {minutes} min"));
                     self.stream
@@ -406,9 +491,22 @@ impl World {
                     tokio::time::sleep(Duration::from_secs(minutes * 60)).await;
                     self.stream.heal();
                 }
-                _ => {
+                _ if self.rng.random_bool(0.4) => {
                     let line = lease_trouble(&mut self.rng, &self.memory, STREAM, self.seed).await;
                     self.event(line);
+                }
+                // A worker's path to the lease table turns slow, then breaks for 30 s to 3
+                // minutes: its next renewal is answered 2 to 10 s (up to an attempt) late.
+                _ => {
+                    let n = self.rng.random_range(0..self.workers.len());
+                    let slow = Duration::from_millis(self.rng.random_range(2_000..10_000));
+                    let cut = Duration::from_secs(self.rng.random_range(30..=180));
+                    self.event(format!(
+                        "w{n}'s next renewal answered {} ms late, then no lease table for {} s",
+                        slow.as_millis(),
+                        cut.as_secs()
+                    ));
+                    *self.links[n].armed.lock().unwrap() = Some((slow, cut));
                 }
             }
             tokio::time::sleep(Duration::from_secs(self.rng.random_range(1..=60))).await;
