@@ -34,8 +34,8 @@ pub struct Gate {
     cut: Arc<(AtomicBool, Notify)>,
     /// The lease table alone cut off (the stream still reachable).
     table: Arc<(AtomicBool, Notify)>,
-    /// A cut of the lease table to begin once the next lease-store call of a method is applied and answered after
-    /// a delay: (the method, the delay, how long the cut lasts).
+    /// A cut of the lease table to begin once the next lease-store call of a method is applied
+    /// and answered after a delay.
     armed: Arc<Mutex<Option<Armed>>>,
 }
 
