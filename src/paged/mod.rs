@@ -35,6 +35,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
+use smallvec::SmallVec;
 
 use crate::error::BoxError;
 
@@ -90,18 +91,28 @@ impl fmt::Display for Cursor {
 /// Where an event stands in its partition's total order, as the source defines it: bytes compared
 /// byte by byte (DynamoDB compares binary attributes the same way). Build one from a number with
 /// [`from_u64`](Self::from_u64), from several with [`from_parts`](Self::from_parts).
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PagePosition(Bytes);
+///
+/// Up to 24 bytes (three numbers) are held inline: a position is cloned into the order check, the
+/// tracker and the delivery of every event, and those clones allocate nothing.
+#[derive(PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PagePosition(SmallVec<[u8; 24]>);
+
+impl Clone for PagePosition {
+    /// A copy of the bytes (`SmallVec`'s own clone collects them one by one).
+    fn clone(&self) -> Self {
+        Self(SmallVec::from_slice(&self.0))
+    }
+}
 
 impl PagePosition {
     /// These bytes, in this order.
     pub fn from_bytes(bytes: impl Into<Bytes>) -> Self {
-        Self(bytes.into())
+        Self(SmallVec::from_slice(&bytes.into()))
     }
 
     /// A number: eight bytes, big-endian, so byte order is numeric order.
     pub fn from_u64(n: u64) -> Self {
-        Self(Bytes::copy_from_slice(&n.to_be_bytes()))
+        Self(SmallVec::from_slice(&n.to_be_bytes()))
     }
 
     /// Several numbers, compared in turn (each eight bytes, big-endian).

@@ -11,7 +11,7 @@
 //!
 //! A page is judged whole before anything of it is handed out: an error leaves the state as it was.
 
-use std::collections::BTreeMap;
+use std::collections::VecDeque;
 
 use super::{Contract, PagePosition, PagedEvent};
 
@@ -74,8 +74,9 @@ pub(crate) struct Order {
     applied: Option<PagePosition>,
     /// The greatest position handed out.
     last: Option<PagePosition>,
-    /// Identities handed out above the applied prefix.
-    seen: BTreeMap<PagePosition, String>,
+    /// Identities handed out above the applied prefix, in position order: new events come in
+    /// order and are pushed at the back, the applied prefix moves from the front.
+    seen: VecDeque<(PagePosition, Box<str>)>,
 }
 
 impl Order {
@@ -84,45 +85,59 @@ impl Order {
             contract,
             applied,
             last: None,
-            seen: BTreeMap::new(),
+            seen: VecDeque::new(),
         }
+    }
+
+    /// The identity handed out at `position`, if any.
+    fn seen_at(&self, position: &PagePosition) -> Option<&str> {
+        self.seen
+            .binary_search_by(|(p, _)| p.cmp(position))
+            .ok()
+            .map(|i| &*self.seen[i].1)
     }
 
     /// Judges a page, all or nothing.
     pub(crate) fn classify(&mut self, events: &[PagedEvent]) -> Result<Vec<Verdict>, OrderError> {
         let mut last = self.last.clone();
-        let mut added: BTreeMap<PagePosition, &str> = BTreeMap::new();
+        // This page's new events (their indices), in page order.
+        let mut added: Vec<usize> = Vec::new();
         let mut verdicts = Vec::with_capacity(events.len());
-        for event in events {
+        for (index, event) in events.iter().enumerate() {
             let position = &event.position;
-            let seen = added
-                .get(position)
-                .copied()
-                .or_else(|| self.seen.get(position).map(String::as_str));
             let verdict = if self.applied.as_ref().is_some_and(|a| position <= a) {
                 if self.contract.backfill {
                     Verdict::Backfill
                 } else {
                     Verdict::Replay
                 }
-            } else if let Some(seen) = seen {
-                if seen != event.id {
-                    return Err(OrderError::Conflict {
-                        position: position.clone(),
-                        seen: seen.to_string(),
-                        got: event.id.clone(),
-                    });
-                }
-                Verdict::Overlap
             } else if let Some(l) = last.as_ref().filter(|l| position <= *l) {
-                if !self.contract.backfill {
+                // Everything handed out lies at or below `last`: only here can it have been.
+                let seen = added
+                    .iter()
+                    .rev()
+                    .map(|&i| &events[i])
+                    .find(|e| e.position == *position)
+                    .map(|e| e.id.as_str())
+                    .or_else(|| self.seen_at(position));
+                if let Some(seen) = seen {
+                    if seen != event.id {
+                        return Err(OrderError::Conflict {
+                            position: position.clone(),
+                            seen: seen.to_string(),
+                            got: event.id.clone(),
+                        });
+                    }
+                    Verdict::Overlap
+                } else if !self.contract.backfill {
                     return Err(OrderError::Regression {
                         position: position.clone(),
                         last: l.clone(),
                     });
+                } else {
+                    added.push(index);
+                    Verdict::New
                 }
-                added.insert(position.clone(), &event.id);
-                Verdict::New
             } else {
                 if self.contract.dense
                     && let Some(after) = last.as_ref().or(self.applied.as_ref())
@@ -135,14 +150,23 @@ impl Order {
                         });
                     }
                 }
-                added.insert(position.clone(), &event.id);
+                added.push(index);
                 last = Some(position.clone());
                 Verdict::New
             };
             verdicts.push(verdict);
         }
-        for (position, id) in added {
-            self.seen.insert(position, id.to_string());
+        for index in added {
+            let event = &events[index];
+            let entry = (event.position.clone(), Box::from(event.id.as_str()));
+            match self.seen.back() {
+                Some((greatest, _)) if *greatest >= event.position => {
+                    // A backfilled event below what was handed out: its place in the order.
+                    let at = self.seen.partition_point(|(p, _)| *p < event.position);
+                    self.seen.insert(at, entry);
+                }
+                _ => self.seen.push_back(entry),
+            }
         }
         self.last = last;
         Ok(verdicts)
@@ -154,8 +178,8 @@ impl Order {
             return;
         }
         self.applied = Some(through.clone());
-        self.seen = self.seen.split_off(through);
-        self.seen.remove(through);
+        let done = self.seen.partition_point(|(p, _)| p <= through);
+        self.seen.drain(..done);
     }
 }
 
@@ -284,6 +308,126 @@ mod tests {
                 }
             }
             assert_eq!(result.unwrap_err(), *expected, "{what}");
+        }
+    }
+
+    /// The order check as first written (identities in a `BTreeMap`, a page's new ones in
+    /// another): the model the `VecDeque` version must answer exactly like.
+    struct Model {
+        contract: Contract,
+        applied: Option<PagePosition>,
+        last: Option<PagePosition>,
+        seen: std::collections::BTreeMap<PagePosition, String>,
+    }
+
+    impl Model {
+        fn classify(&mut self, events: &[PagedEvent]) -> Result<Vec<Verdict>, OrderError> {
+            let mut last = self.last.clone();
+            let mut added = std::collections::BTreeMap::new();
+            let mut verdicts = Vec::new();
+            for event in events {
+                let position = &event.position;
+                let seen = added
+                    .get(position)
+                    .cloned()
+                    .or_else(|| self.seen.get(position).cloned());
+                let verdict = if self.applied.as_ref().is_some_and(|a| position <= a) {
+                    if self.contract.backfill {
+                        Backfill
+                    } else {
+                        Replay
+                    }
+                } else if let Some(seen) = seen {
+                    if seen != event.id {
+                        return Err(OrderError::Conflict {
+                            position: position.clone(),
+                            seen,
+                            got: event.id.clone(),
+                        });
+                    }
+                    Overlap
+                } else if let Some(l) = last.as_ref().filter(|l| position <= *l) {
+                    if !self.contract.backfill {
+                        return Err(OrderError::Regression {
+                            position: position.clone(),
+                            last: l.clone(),
+                        });
+                    }
+                    added.insert(position.clone(), event.id.clone());
+                    New
+                } else {
+                    if self.contract.dense
+                        && let Some(after) = last.as_ref().or(self.applied.as_ref())
+                    {
+                        let next = after.as_u64().and_then(|n| n.checked_add(1));
+                        if position.as_u64().is_none() || position.as_u64() != next {
+                            return Err(OrderError::Gap {
+                                after: after.clone(),
+                                got: position.clone(),
+                            });
+                        }
+                    }
+                    added.insert(position.clone(), event.id.clone());
+                    last = Some(position.clone());
+                    New
+                };
+                verdicts.push(verdict);
+            }
+            self.seen.extend(added);
+            self.last = last;
+            Ok(verdicts)
+        }
+
+        fn applied(&mut self, through: &PagePosition) {
+            if self.applied.as_ref().is_some_and(|a| a >= through) {
+                return;
+            }
+            self.applied = Some(through.clone());
+            self.seen = self.seen.split_off(through);
+            self.seen.remove(through);
+        }
+    }
+
+    proptest::proptest! {
+        /// Pages of positions 0-40 (ids mostly the position's, sometimes another), with the
+        /// applied prefix moving between them, for every contract: the same verdicts and errors
+        /// as the model, page after page.
+        #[test]
+        fn answers_exactly_as_the_model_does(
+            backfill in proptest::bool::ANY,
+            dense in proptest::bool::ANY,
+            applied in proptest::option::of(0u64..10),
+            steps in proptest::collection::vec(
+                (
+                    proptest::collection::vec((0u64..40, 0u8..20), 0..12),
+                    proptest::option::of(0u64..40),
+                ),
+                1..12,
+            ),
+        ) {
+            let contract = Contract::default().backfill(backfill).dense(dense);
+            let mut order = Order::new(contract, applied.map(p));
+            let mut model = Model {
+                contract,
+                applied: applied.map(p),
+                last: None,
+                seen: Default::default(),
+            };
+            for (events, through) in steps {
+                let events: Vec<PagedEvent> = events
+                    .iter()
+                    .map(|&(n, other)| {
+                        // One id in twenty differs from the position's own: a conflict.
+                        let id = if other == 0 { format!("x{n}") } else { format!("e{n}") };
+                        event(n, &id)
+                    })
+                    .collect();
+                proptest::prop_assert_eq!(order.classify(&events), model.classify(&events));
+                if let Some(through) = through {
+                    order.applied(&p(through));
+                    model.applied(&p(through));
+                }
+            }
         }
     }
 
