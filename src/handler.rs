@@ -78,13 +78,16 @@ struct Inner {
     stream: Arc<str>,
     shard: Arc<str>,
     position: Position,
-    partition_key: String,
+    /// `None` when none was set: a paged event's own identity stands in (its source gave it no
+    /// key); for anything else, the empty key.
+    partition_key: Option<String>,
     explicit_hash_key: Option<String>,
     payload: Bytes,
     headers: Headers,
     arrived_at: Option<SystemTime>,
     id: Option<DeliveryId>,
     lane: usize,
+    /// Set by hand; `None`: made from the record or the paged event when asked for.
     event: Option<EventId>,
     /// A paged event's position (its `position` is then zero).
     page_position: Option<PagePosition>,
@@ -131,7 +134,7 @@ impl Delivery {
             stream: stream.into(),
             shard: shard.into(),
             position,
-            partition_key: String::new(),
+            partition_key: None,
             explicit_hash_key: None,
             payload: Bytes::new(),
             headers: Headers::new(),
@@ -170,13 +173,12 @@ impl Delivery {
         partition: impl Into<Arc<str>>,
         event: &PagedEvent,
     ) -> DeliveryBuilder {
-        let (source, partition) = (source.into(), partition.into());
-        let id = EventId::paged(&source, &partition, &event.id);
+        // The event's identity (`paged/SOURCE/PARTITION/ID`) and, without a key, its partition key
+        // are made from its id when asked for: nothing is allocated for them per event.
         let mut builder = Self::builder(source, partition, Position::zero())
-            .partition_key(event.key.clone().unwrap_or_else(|| event.id.clone()))
             .payload(event.payload.clone())
-            .set_arrived_at(event.timestamp)
-            .event_id(id);
+            .set_arrived_at(event.timestamp);
+        builder.partition_key = event.key.clone();
         builder.page_position = Some(event.position.clone());
         builder.paged_id = Some(event.id.clone());
         builder
@@ -244,7 +246,10 @@ impl Delivery {
 
     /// The partition key the producer wrote.
     pub fn partition_key(&self) -> &str {
-        &self.inner.partition_key
+        match &self.inner.partition_key {
+            Some(key) => key,
+            None => self.inner.paged_id.as_deref().unwrap_or(""),
+        }
     }
 
     /// The explicit hash key, when the producer (or a KPL aggregate) set one.
@@ -324,6 +329,9 @@ impl Delivery {
         if let Some(event) = &self.inner.event {
             return event.clone();
         }
+        if let Some(id) = &self.inner.paged_id {
+            return EventId::paged(&self.inner.stream, &self.inner.shard, id);
+        }
         let h = &self.inner.headers;
         let origin = |current: &str| {
             h.get_str(current).or_else(|| {
@@ -383,7 +391,7 @@ pub struct DeliveryBuilder {
     stream: Arc<str>,
     shard: Arc<str>,
     position: Position,
-    partition_key: String,
+    partition_key: Option<String>,
     explicit_hash_key: Option<String>,
     payload: Bytes,
     headers: Headers,
@@ -411,7 +419,7 @@ impl std::fmt::Display for Locator<'_> {
 impl DeliveryBuilder {
     /// Sets the partition key.
     pub fn partition_key(mut self, key: impl Into<String>) -> Self {
-        self.partition_key = key.into();
+        self.partition_key = Some(key.into());
         self
     }
 

@@ -126,10 +126,13 @@ impl Position {
     /// Sequence number 0, sub-sequence 0: below every record (the position of a paged event,
     /// which has its own).
     pub fn zero() -> Self {
-        Self::new(
-            SequenceNumber::parse("0").expect("0 is a sequence number"),
-            0,
-        )
+        // The single digit 0 (what `SequenceNumber::parse("0")` gives), built without parsing:
+        // every paged delivery starts from it.
+        let zero = SequenceNumber {
+            len: 1,
+            packed: [0; MAX_SEQUENCE_DIGITS.div_ceil(2)],
+        };
+        Self::new(zero, 0)
     }
 
     /// The Kinesis record's sequence number.
@@ -180,6 +183,12 @@ mod tests {
 
     fn seq(s: &str) -> SequenceNumber {
         SequenceNumber::parse(s).unwrap()
+    }
+
+    #[test]
+    fn zero_is_the_number_zero() {
+        assert_eq!(Position::zero(), Position::new(seq("0"), 0));
+        assert_eq!(Position::zero().sequence().to_string(), "0");
     }
 
     #[test]
