@@ -8,10 +8,12 @@
 //! `benches/consumer.rs`).
 
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
+use foldhash::fast::RandomState;
 use futures::FutureExt;
 use tokio::sync::{Mutex, mpsc};
 use tokio::task::JoinSet;
@@ -66,8 +68,10 @@ pub(crate) struct Lanes {
     senders: Vec<mpsc::UnboundedSender<Delivery>>,
     ordering: DeliveryOrder,
     tasks: JoinSet<()>,
-    /// Per-key ordering: the lane of each key with deliveries in flight, and how many.
-    active: HashMap<String, (usize, usize)>,
+    /// Per-key ordering: the lane of each key with deliveries in flight, and how many, by the
+    /// key's hash (two keys of one hash share a lane while either is in flight: order holds).
+    active: HashMap<u64, (usize, usize), RandomState>,
+    keys: RandomState,
     /// Deliveries queued or running per lane.
     load: Vec<usize>,
 }
@@ -114,7 +118,8 @@ impl Lanes {
             senders,
             ordering,
             tasks,
-            active: HashMap::new(),
+            active: HashMap::default(),
+            keys: RandomState::default(),
         }
     }
 
@@ -123,19 +128,22 @@ impl Lanes {
     pub(crate) fn assign(&mut self, partition_key: &str) -> usize {
         let lane = match self.ordering {
             DeliveryOrder::None => 0,
-            DeliveryOrder::PerKey => match self.active.get_mut(partition_key) {
-                Some((lane, n)) => {
-                    *n += 1;
-                    *lane
+            DeliveryOrder::PerKey => {
+                match self.active.get_mut(&self.keys.hash_one(partition_key)) {
+                    Some((lane, n)) => {
+                        *n += 1;
+                        *lane
+                    }
+                    None => {
+                        let lane = (0..self.load.len())
+                            .min_by_key(|l| self.load[*l])
+                            .unwrap_or(0);
+                        self.active
+                            .insert(self.keys.hash_one(partition_key), (lane, 1));
+                        lane
+                    }
                 }
-                None => {
-                    let lane = (0..self.load.len())
-                        .min_by_key(|l| self.load[*l])
-                        .unwrap_or(0);
-                    self.active.insert(partition_key.to_string(), (lane, 1));
-                    lane
-                }
-            },
+            }
         };
         if let Some(load) = self.load.get_mut(lane) {
             *load += 1;
@@ -148,10 +156,11 @@ impl Lanes {
         if let Some(load) = self.load.get_mut(delivery.lane()) {
             *load = load.saturating_sub(1);
         }
-        if let Some((_, n)) = self.active.get_mut(delivery.partition_key()) {
+        let key = self.keys.hash_one(delivery.partition_key());
+        if let Some((_, n)) = self.active.get_mut(&key) {
             *n -= 1;
             if *n == 0 {
-                self.active.remove(delivery.partition_key());
+                self.active.remove(&key);
             }
         }
     }
@@ -190,9 +199,30 @@ async fn run_lane<H: Handler>(
     settings: LaneSettings,
 ) {
     let batching = handler.batching();
+    let mut durations = Durations::default();
     loop {
-        // The next delivery, and with a batch handler the ones behind it, up to the batch size,
-        // waiting at most `max_wait` after the first.
+        if batching.is_none() {
+            // One delivery at a time: nothing collected, nothing allocated for it.
+            let Some(delivery) = queue.lock().await.recv().await else {
+                return;
+            };
+            let done = match answered_before(&settings, &delivery).await {
+                Some(done) => done,
+                None => {
+                    // Called when polled, inside the guard: a handler that panics before its
+                    // future exists is caught too.
+                    let call = async { handler.handle(delivery.clone()).await };
+                    let answer = guarded(&delivery, 1, &settings, &mut durations, call).await;
+                    Done::Handled(answer.unwrap_or(Outcome::Retry))
+                }
+            };
+            if finished.send(Finished { delivery, done }).is_err() {
+                return;
+            }
+            continue;
+        }
+        // The next delivery and the ones behind it, up to the batch size, waiting at most
+        // `max_wait` after the first.
         let batch = {
             let mut queue = queue.lock().await;
             let Some(first) = queue.recv().await else {
@@ -213,24 +243,7 @@ async fn run_lane<H: Handler>(
         // Too old for the handler, or handled by an earlier attempt: answered at once.
         let mut young = Vec::with_capacity(batch.len());
         for delivery in batch {
-            let done = match settings
-                .max_record_age
-                .and_then(|max| age_past(&delivery, max))
-            {
-                Some(age) => Some(Done::Expired(age)),
-                None => match &settings.receipts {
-                    Some(store) => match delivery.replayable() {
-                        Replayable::Checked(sought_at) => {
-                            done_before(&**store, &delivery, sought_at)
-                                .await
-                                .then_some(Done::Replayed)
-                        }
-                        Replayable::No | Replayable::Recorded => None,
-                    },
-                    None => None,
-                },
-            };
-            match done {
+            match answered_before(&settings, &delivery).await {
                 Some(done) => {
                     if finished.send(Finished { delivery, done }).is_err() {
                         return;
@@ -243,13 +256,47 @@ async fn run_lane<H: Handler>(
         if batch.is_empty() {
             continue;
         }
-        let outcomes = run(&*handler, batching.is_some(), batch.clone(), &settings).await;
+        let outcomes = run_batch(&*handler, batch.clone(), &settings, &mut durations).await;
         for (delivery, outcome) in batch.into_iter().zip(outcomes) {
             let done = Done::Handled(outcome);
             if finished.send(Finished { delivery, done }).is_err() {
                 return;
             }
         }
+    }
+}
+
+/// A delivery answered without the handler: too old for it, or handled by an earlier attempt.
+async fn answered_before(settings: &LaneSettings, delivery: &Delivery) -> Option<Done> {
+    if let Some(age) = settings
+        .max_record_age
+        .and_then(|max| age_past(delivery, max))
+    {
+        return Some(Done::Expired(age));
+    }
+    match (&settings.receipts, delivery.replayable()) {
+        (Some(store), Replayable::Checked(sought_at)) => done_before(&**store, delivery, sought_at)
+            .await
+            .then_some(Done::Replayed),
+        _ => None,
+    }
+}
+
+/// `shardwise_handler_duration_seconds` of the stream a lane's deliveries come from, registered
+/// once (not looked up by its labels for every delivery).
+#[derive(Default)]
+struct Durations(Option<(String, metrics::Histogram)>);
+
+impl Durations {
+    fn record(&mut self, stream: &str, took: Duration) {
+        let histogram = match &self.0 {
+            Some((of, histogram)) if of == stream => histogram,
+            _ => {
+                let histogram = metrics::histogram!("shardwise_handler_duration_seconds", "stream" => stream.to_string());
+                &self.0.insert((stream.to_string(), histogram)).1
+            }
+        };
+        histogram.record(took.as_secs_f64());
     }
 }
 
@@ -276,43 +323,19 @@ fn age_past(delivery: &Delivery, max: Duration) -> Option<Duration> {
     (age > max).then_some(age)
 }
 
-/// Runs the handler on one delivery (or, `batched`, one batch) in its span, within the handler
-/// timeout: one outcome per delivery. A panic or a timeout is a retry for each.
-async fn run<H: Handler>(
+/// Runs a batch handler on one batch: one outcome per delivery; a panic or a timeout is a retry
+/// for each.
+async fn run_batch<H: Handler>(
     handler: &H,
-    batched: bool,
     batch: Vec<Delivery>,
     settings: &LaneSettings,
+    durations: &mut Durations,
 ) -> Vec<Outcome> {
     let n = batch.len();
     let first = batch[0].clone();
-    let span = info_span!(
-        "delivery",
-        stream = first.stream(),
-        shard = first.shard(),
-        seq = %first.locator(),
-        attempt = first.attempt(),
-        lane = first.lane(),
-        batch = n,
-    );
-    let started = tokio::time::Instant::now();
-    let call = async {
-        if batched {
-            handler.handle_batch(batch).await
-        } else {
-            let delivery = batch.into_iter().next().expect("one delivery");
-            vec![handler.handle(delivery).await]
-        }
-    };
-    let call = AssertUnwindSafe(call).catch_unwind().instrument(span);
-    let answer = match settings.handler_timeout {
-        Some(limit) => tokio::time::timeout(limit, call).await.ok(),
-        None => Some(call.await),
-    };
-    metrics::histogram!("shardwise_handler_duration_seconds", "stream" => first.stream().to_string())
-        .record(started.elapsed().as_secs_f64());
-    match answer {
-        Some(Ok(mut outcomes)) => {
+    let call = async { handler.handle_batch(batch).await };
+    match guarded(&first, n, settings, durations, call).await {
+        Some(mut outcomes) => {
             if outcomes.len() != n {
                 warn!(
                     stream = first.stream(),
@@ -327,6 +350,37 @@ async fn run<H: Handler>(
             }
             outcomes
         }
+        None => vec![Outcome::Retry; n],
+    }
+}
+
+/// Runs a handler's call for `n` deliveries from `first` on, in its span, within the handler
+/// timeout, and records how long it took. `None`: it panicked or timed out (logged).
+async fn guarded<T>(
+    first: &Delivery,
+    n: usize,
+    settings: &LaneSettings,
+    durations: &mut Durations,
+    call: impl Future<Output = T>,
+) -> Option<T> {
+    let span = info_span!(
+        "delivery",
+        stream = first.stream(),
+        shard = first.shard(),
+        seq = %first.locator(),
+        attempt = first.attempt(),
+        lane = first.lane(),
+        batch = n,
+    );
+    let started = tokio::time::Instant::now();
+    let call = AssertUnwindSafe(call).catch_unwind().instrument(span);
+    let answer = match settings.handler_timeout {
+        Some(limit) => tokio::time::timeout(limit, call).await.ok(),
+        None => Some(call.await),
+    };
+    durations.record(first.stream(), started.elapsed());
+    match answer {
+        Some(Ok(answer)) => Some(answer),
         Some(Err(panic)) => {
             let what = panic
                 .downcast_ref::<&str>()
@@ -342,7 +396,7 @@ async fn run<H: Handler>(
                 panic = %what,
                 "handler panicked: treated as retry"
             );
-            vec![Outcome::Retry; n]
+            None
         }
         None => {
             metrics::counter!("shardwise_handler_timeouts_total", "stream" => first.stream().to_string())
@@ -356,7 +410,7 @@ async fn run<H: Handler>(
                 timeout = ?settings.handler_timeout,
                 "handler timed out: treated as retry"
             );
-            vec![Outcome::Retry; n]
+            None
         }
     }
 }
@@ -404,7 +458,37 @@ mod tests {
         // Once all of "a" finished, it may move.
         lanes.finished(&delivery("a", a));
         lanes.finished(&delivery("a", a));
-        assert!(!lanes.active.contains_key("a"));
+        assert!(!lanes.active.contains_key(&lanes.keys.hash_one("a")));
+        lanes.abort();
+    }
+
+    /// A handler that panics when called, before it has a future to run, is a retry like one
+    /// whose future panics, and its lane goes on.
+    #[tokio::test]
+    async fn a_handler_that_panics_before_its_future_exists_is_a_retry() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let handler = Arc::new(|d: Delivery| {
+            assert!(d.partition_key() != "poison", "poison record");
+            std::future::ready(Outcome::Ack)
+        });
+        let settings = LaneSettings {
+            handler_timeout: None,
+            max_record_age: None,
+            receipts: None,
+        };
+        let mut lanes = Lanes::start(1, DeliveryOrder::PerKey, handler, tx, settings);
+        for key in ["poison", "fine"] {
+            let lane = lanes.assign(key);
+            lanes.dispatch(delivery(key, lane));
+        }
+        for expected in [Outcome::Retry, Outcome::Ack] {
+            let done = rx.recv().await.expect("the lane goes on");
+            assert!(
+                matches!(done.done, Done::Handled(ref o) if *o == expected),
+                "{:?}",
+                done.done
+            );
+        }
         lanes.abort();
     }
 }

@@ -42,7 +42,6 @@ pub(crate) fn resolve(
     let Some(id) = delivery.id() else {
         return Resolved::Hold;
     };
-    metrics::counter!("shardwise_records_total", "stream" => settings.stream.clone(), "outcome" => outcome.label()).increment(1);
     let d = delivery;
     match outcome {
         // A source that can hand the event out again after a restart: with a ledger, an ack or a

@@ -216,11 +216,16 @@ enum Halt {
 
 /// The gauge of deliveries in flight, zeroed when the lease stops here (so a lease that moved to
 /// another worker does not keep reporting its last load from this one).
-struct InFlightGauge([(&'static str, String); 2]);
+/// `shardwise_in_flight` of one partition, registered once: it is set at every turn of the loop.
+struct InFlightGauge(metrics::Gauge);
 
 impl InFlightGauge {
+    fn new(labels: &[(&'static str, String); 2]) -> Self {
+        Self(metrics::gauge!("shardwise_in_flight", labels))
+    }
+
     fn set(&self, n: usize) {
-        metrics::gauge!("shardwise_in_flight", &self.0).set(n as f64);
+        self.0.set(n as f64);
     }
 }
 
@@ -283,7 +288,7 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
         lease: Leased::new(&ownership, &ctx.store),
         in_flight: None,
     };
-    let gauge = InFlightGauge(owned.lease.labels.clone());
+    let gauge = InFlightGauge::new(&owned.lease.labels);
     let settings = &ctx.pipeline.settings;
     let mut pipeline: Pipeline<H, P::Entry> = Pipeline::new(
         ctx.pipeline.clone(),

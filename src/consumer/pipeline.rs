@@ -35,6 +35,37 @@ use crate::receipts::{Disposition, ReceiptStore};
 use crate::retry::{RetryPlan, RetryPolicy};
 use crate::track::{DeliveryId, Tracker};
 
+/// The most finished deliveries one call of [`Pipeline::next`] takes.
+const FINISHED_PER_TURN: usize = 256;
+
+/// `shardwise_records_total` of one stream, a counter per outcome, registered once (a metric
+/// looked up by its labels for every record costs more than the rest of a no-op handler's
+/// delivery).
+struct OutcomeCounters {
+    stream: String,
+    counters: Vec<(&'static str, metrics::Counter)>,
+}
+
+impl OutcomeCounters {
+    fn new(stream: &str) -> Self {
+        Self {
+            stream: stream.to_string(),
+            counters: Vec::new(),
+        }
+    }
+
+    fn count(&mut self, outcome: &Outcome) {
+        let label = outcome.label();
+        if let Some((_, counter)) = self.counters.iter().find(|(l, _)| *l == label) {
+            counter.increment(1);
+            return;
+        }
+        let counter = metrics::counter!("shardwise_records_total", "stream" => self.stream.clone(), "outcome" => label);
+        counter.increment(1);
+        self.counters.push((label, counter));
+    }
+}
+
 /// Longest wait before a paged event is run again after a plain `Retry`.
 const MAX_IN_PLACE_BACKOFF: Duration = Duration::from_secs(5);
 
@@ -107,6 +138,7 @@ pub(crate) struct Pipeline<H, E> {
     retrying: usize,
     /// The labels of `shardwise_paged_events_retrying` (stream, partition), once it was set.
     retry_labels: Option<(String, String)>,
+    records: OutcomeCounters,
 }
 
 impl<H: Handler, E> Pipeline<H, E> {
@@ -127,6 +159,7 @@ impl<H: Handler, E> Pipeline<H, E> {
             .receipts
             .clone()
             .map(|store| Ledger::new(store, worker.clone(), settings.hold_poll_interval));
+        let records = OutcomeCounters::new(&settings.stream);
         Self {
             ctx,
             retries,
@@ -142,6 +175,7 @@ impl<H: Handler, E> Pipeline<H, E> {
             worker,
             retrying: 0,
             retry_labels: None,
+            records,
         }
     }
 
@@ -298,19 +332,18 @@ impl<H: Handler, E> Pipeline<H, E> {
         };
         match event {
             Event::Finished(done) => {
-                self.lanes.finished(&done.delivery);
-                match done.done {
-                    Done::Handled(outcome) => self.resolve(done.delivery, outcome),
-                    Done::Expired(age) => self.expire(done.delivery, age),
-                    Done::Replayed => {
-                        let d = done.delivery;
-                        metrics::counter!("shardwise_replays_total", "stream" => d.stream().to_string())
-                            .increment(1);
-                        tracing::debug!(stream = d.stream(), shard = d.shard(), seq = %d.locator(), event = %d.event_id(), "replay: an earlier attempt left a terminal receipt; not handled again");
-                        d.id()
-                            .and_then(|id| self.settle(id, &d, &Settled::Replayed))
+                // What else the lanes finished meanwhile is taken too (a bounded number, so the
+                // owning loop still gets its turn): one turn of that loop for many deliveries.
+                let mut furthest = self.on_finished(done);
+                for _ in 1..FINISHED_PER_TURN {
+                    let Ok(done) = self.finished.try_recv() else {
+                        break;
+                    };
+                    if let Some(advance) = self.on_finished(done) {
+                        furthest = Some(advance);
                     }
                 }
+                furthest
             }
             Event::Write(event) => match event {
                 WriteEvent::Durable(id, d, how) => self.settle(id, &d, &how),
@@ -343,6 +376,23 @@ impl<H: Handler, E> Pipeline<H, E> {
                 furthest
             }
             Event::Task => None,
+        }
+    }
+
+    /// A delivery a lane is done with.
+    fn on_finished(&mut self, done: Finished) -> Option<Advance<E>> {
+        self.lanes.finished(&done.delivery);
+        match done.done {
+            Done::Handled(outcome) => self.resolve(done.delivery, outcome),
+            Done::Expired(age) => self.expire(done.delivery, age),
+            Done::Replayed => {
+                let d = done.delivery;
+                metrics::counter!("shardwise_replays_total", "stream" => d.stream().to_string())
+                    .increment(1);
+                tracing::debug!(stream = d.stream(), shard = d.shard(), seq = %d.locator(), event = %d.event_id(), "replay: an earlier attempt left a terminal receipt; not handled again");
+                d.id()
+                    .and_then(|id| self.settle(id, &d, &Settled::Replayed))
+            }
         }
     }
 
@@ -391,6 +441,9 @@ impl<H: Handler, E> Pipeline<H, E> {
 
     /// A handler's outcome, carried out.
     fn resolve(&mut self, delivery: Delivery, outcome: Outcome) -> Option<Advance<E>> {
+        if delivery.id().is_some() {
+            self.records.count(&outcome);
+        }
         let resolved = resolve(
             delivery,
             outcome,
