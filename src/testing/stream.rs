@@ -117,6 +117,18 @@ impl MemoryStream {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The state, if `stream` names this stream (else `StreamNotFound`, as Kinesis answers).
+    fn named(&self, stream: &str) -> Result<MutexGuard<'_, State>, Error> {
+        let state = self.state();
+        if stream == state.name {
+            Ok(state)
+        } else {
+            Err(Error::StreamNotFound {
+                stream: stream.to_string(),
+            })
+        }
+    }
+
     /// The stream's name.
     pub fn name(&self) -> String {
         self.state().name.clone()
@@ -618,43 +630,27 @@ impl ShardLister for MemoryStream {
         &'a self,
         stream: &'a str,
     ) -> BoxFuture<'a, Result<crate::receipts::SourceRetention, Error>> {
-        let result = {
-            let state = self.state();
-            if stream != state.name {
-                Err(Error::StreamNotFound {
-                    stream: stream.to_string(),
-                })
-            } else {
-                Ok(match state.limits {
-                    Some(retention) => crate::receipts::SourceRetention::For(retention),
-                    None => crate::receipts::SourceRetention::Forever,
-                })
-            }
-        };
+        let result = self.named(stream).map(|state| match state.limits {
+            Some(retention) => crate::receipts::SourceRetention::For(retention),
+            None => crate::receipts::SourceRetention::Forever,
+        });
         Box::pin(std::future::ready(result))
     }
 
     fn list_shards<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<ShardInfo>, Error>> {
         let fault = self.faults.draw(false, false);
-        let result = {
-            let state = self.state();
-            if stream != state.name {
-                Err(Error::StreamNotFound {
-                    stream: stream.to_string(),
+        let result = self.named(stream).map(|state| {
+            state
+                .shards
+                .values()
+                .filter(|s| !s.aged_out)
+                .map(|s| ShardInfo {
+                    shard_id: s.id.clone(),
+                    parents: s.parents.clone(),
+                    closed: s.closed,
                 })
-            } else {
-                Ok(state
-                    .shards
-                    .values()
-                    .filter(|s| !s.aged_out)
-                    .map(|s| ShardInfo {
-                        shard_id: s.id.clone(),
-                        parents: s.parents.clone(),
-                        closed: s.closed,
-                    })
-                    .collect())
-            }
-        };
+                .collect()
+        });
         call_fault("ListShards", stream, fault, result)
     }
 }
@@ -671,10 +667,10 @@ impl crate::producer::RecordSink for MemoryStream {
             fault,
             None | Some(Fault::LostAnswer(_) | Fault::SlowAnswer(_))
         );
-        let result = if stream != self.name() {
-            Err(Error::StreamNotFound {
-                stream: stream.to_string(),
-            })
+        // The state's lock is let go before the put takes it again.
+        let named = self.named(stream).map(drop);
+        let result = if let Err(e) = named {
+            Err(e)
         } else if applies {
             let (shard_id, sequence) = MemoryStream::put(self, partition_key, data);
             Ok(crate::producer::Written { shard_id, sequence })
@@ -688,13 +684,7 @@ impl crate::producer::RecordSink for MemoryStream {
     }
 
     fn check<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>> {
-        let result = if stream == self.name() {
-            Ok(())
-        } else {
-            Err(Error::StreamNotFound {
-                stream: stream.to_string(),
-            })
-        };
+        let result = self.named(stream).map(drop);
         Box::pin(async move { result })
     }
 }
