@@ -173,14 +173,23 @@ impl Delivery {
         partition: impl Into<Arc<str>>,
         event: &PagedEvent,
     ) -> DeliveryBuilder {
-        // The event's identity (`paged/SOURCE/PARTITION/ID`) and, without a key, its partition key
-        // are made from its id when asked for: nothing is allocated for them per event.
+        Self::from_paged(source, partition, event.clone())
+    }
+
+    /// [`paged`](Self::paged), taking the event: the consumer's own way, which copies nothing of
+    /// it. The event's identity (`paged/SOURCE/PARTITION/ID`) and, without a key, its partition
+    /// key are made from its id when asked for.
+    pub(crate) fn from_paged(
+        source: impl Into<Arc<str>>,
+        partition: impl Into<Arc<str>>,
+        event: PagedEvent,
+    ) -> DeliveryBuilder {
         let mut builder = Self::builder(source, partition, Position::zero())
-            .payload(event.payload.clone())
+            .payload(event.payload)
             .set_arrived_at(event.timestamp);
-        builder.partition_key = event.key.clone();
-        builder.page_position = Some(event.position.clone());
-        builder.paged_id = Some(event.id.clone());
+        builder.partition_key = event.key;
+        builder.page_position = Some(event.position);
+        builder.paged_id = Some(event.id);
         builder
     }
 

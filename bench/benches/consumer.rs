@@ -8,7 +8,8 @@
 //!    its receipt) against plain acks, in process (memory ledger) and live (DynamoDB ledger);
 //! 6. paged: events/s read from the scripted event API over HTTP (4 partitions, pages of 200): a raw
 //!    page loop (fetch, follow the token, nothing else) against the consumer (lanes, tracker, page
-//!    barrier, progress writes to the memory lease store), same server, same run.
+//!    barrier, progress writes to the memory lease store), same server, same run, in 5 alternating
+//!    rounds (median).
 //!
 //! Parts 3 to 5 need the emulators (`envs=$(scripts/emulators start) && eval "$envs"`) and are
 //! skipped without `AWS_ENDPOINT_URL_KINESIS`. Name parts to run only those:
@@ -38,6 +39,7 @@ struct Scale {
     receipt_records: u64,
     live_receipt_records: u64,
     paged_events: u64,
+    paged_rounds: u32,
 }
 
 /// CPU time this process has used (user and system), from /proc: the ticks are 10 ms.
@@ -430,7 +432,9 @@ async fn live(scale: &Scale) {
     receipts_live(scale, &config).await;
 }
 
-/// The scripted event API over HTTP: a raw page loop against the consumer, same server.
+/// The scripted event API over HTTP: a raw page loop against the consumer, same server, in
+/// `rounds` alternating rounds (this machine's speed wanders by a third from minute to minute: each
+/// round's pair ran back to back). Prints each round and the medians.
 async fn paged(scale: &Scale) {
     const PARTITIONS: [&str; 4] = ["p0", "p1", "p2", "p3"];
     let n = scale.paged_events;
@@ -443,11 +447,42 @@ async fn paged(scale: &Scale) {
         .await
         .expect("an HTTP port");
     let source = HttpEvents::new("bench-events", server.url());
+    let mut ratios = Vec::new();
+    let mut cpus = Vec::new();
+    for round in 1..=scale.paged_rounds {
+        let (raw, raw_cpu) = paged_raw(&source, &PARTITIONS, n).await;
+        let (consumer, with_start, consumer_cpu) = paged_consumer(&source, n).await;
+        println!(
+            "paged round {round}: raw page loop {raw:.0} events/s, consumer {consumer:.0} events/s from its first delivery ({:.0}% of raw), {with_start:.0} events/s with its start; CPU per event (server included): raw {raw_cpu:.0} ns, consumer {consumer_cpu:.0} ns",
+            100.0 * consumer / raw
+        );
+        ratios.push(consumer / raw);
+        cpus.push((raw_cpu, consumer_cpu));
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "paged, scripted event API over HTTP, {n} events over 4 partitions, pages of 200, {} rounds: consumer at {:.0}% of the raw page loop (median; rounds {}); CPU per event (server included), medians: raw {:.0} ns, consumer {:.0} ns",
+        ratios.len(),
+        100.0 * median(ratios.clone()),
+        ratios
+            .iter()
+            .map(|r| format!("{:.0}%", 100.0 * r))
+            .collect::<Vec<_>>()
+            .join(", "),
+        median(cpus.iter().map(|c| c.0).collect()),
+        median(cpus.iter().map(|c| c.1).collect()),
+    );
+}
 
-    // The raw loop: each partition read to its end, one page after another, concurrently.
+/// The raw loop: each partition read to its end, one page after another, concurrently. Events/s
+/// and CPU ns per event.
+async fn paged_raw(source: &HttpEvents, partitions: &[&str], n: u64) -> (f64, f64) {
     let started = Instant::now();
     let cpu = cpu_used();
-    let read: u64 = futures::future::join_all(PARTITIONS.iter().map(|partition| {
+    let read: u64 = futures::future::join_all(partitions.iter().map(|partition| {
         let source = source.clone();
         async move {
             let (mut cursor, mut events) = (None, 0u64);
@@ -469,19 +504,26 @@ async fn paged(scale: &Scale) {
     .sum();
     assert_eq!(read, n);
     let raw = n as f64 / started.elapsed().as_secs_f64();
-    let raw_cpu = (cpu_used() - cpu).as_secs_f64() * 1e9 / n as f64;
+    (raw, (cpu_used() - cpu).as_secs_f64() * 1e9 / n as f64)
+}
 
-    // The consumer, timed from its first delivery (the raw loop has no lease to take) to its last
-    // settlement, and from `run()`.
+/// The consumer on a fresh lease store (so from the first event), timed from its first delivery
+/// (the raw loop has no lease to take) to its last settlement, and from `run()`. Events/s both
+/// ways and CPU ns per event.
+async fn paged_consumer(source: &HttpEvents, n: u64) -> (f64, f64, f64) {
     let first: Arc<std::sync::OnceLock<Instant>> = Arc::default();
     let settled = Arc::new(AtomicU64::new(0));
     let (f, done) = (first.clone(), settled.clone());
     let started = Instant::now();
     let cpu = cpu_used();
-    let running = Consumer::paged(Arc::new(source), "bench-app", move |_d: Delivery| {
-        f.get_or_init(Instant::now);
-        std::future::ready(Outcome::Ack)
-    })
+    let running = Consumer::paged(
+        Arc::new(source.clone()),
+        "bench-app",
+        move |_d: Delivery| {
+            f.get_or_init(Instant::now);
+            std::future::ready(Outcome::Ack)
+        },
+    )
     .worker_id("bench")
     .lanes(4)
     .poll_interval(Duration::from_millis(200))
@@ -502,10 +544,7 @@ async fn paged(scale: &Scale) {
     let from_first = n as f64 / first.get().expect("a delivery").elapsed().as_secs_f64();
     let consumer_cpu = (cpu_used() - cpu).as_secs_f64() * 1e9 / n as f64;
     running.shutdown(Duration::from_secs(5)).await;
-    println!(
-        "paged, scripted event API over HTTP, {n} events over 4 partitions, pages of 200: raw page loop {raw:.0} events/s, consumer {from_first:.0} events/s from its first delivery ({:.0}% of raw), {with_start:.0} events/s with its start; CPU per event (server included): raw {raw_cpu:.0} ns, consumer {consumer_cpu:.0} ns",
-        100.0 * from_first / raw
-    );
+    (from_first, with_start, consumer_cpu)
 }
 
 fn main() {
@@ -518,6 +557,7 @@ fn main() {
             receipt_records: 100_000,
             live_receipt_records: 5_000,
             paged_events: 1_000_000,
+            paged_rounds: 5,
         }
     } else {
         Scale {
@@ -527,6 +567,7 @@ fn main() {
             receipt_records: 200,
             live_receipt_records: 0,
             paged_events: 800,
+            paged_rounds: 1,
         }
     };
     let rt = tokio::runtime::Builder::new_multi_thread()

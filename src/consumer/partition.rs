@@ -130,13 +130,13 @@ impl Progress for Pages {
                 events,
                 next,
                 watermark,
-            } => self.page(pipeline, &events, next, watermark),
+            } => self.page(pipeline, events, next, watermark),
             PageMessage::Gone => {
                 metrics::counter!("shardwise_paged_partitions_gone_total", &self.lease.labels)
                     .increment(1);
                 warn!(source = %self.lease.stream, partition = %self.lease.shard, "the partition is gone (not found, and no longer listed): it ends once every delivery settled, and its lease row is deleted");
                 self.gone = true;
-                self.page(pipeline, &[], None, None)
+                self.page(pipeline, Vec::new(), None, None)
             }
             PageMessage::Late(events) => self.late(pipeline, &events),
             PageMessage::Audited {
@@ -148,7 +148,7 @@ impl Progress for Pages {
                     handed_out.forget_before(before);
                     debug!(source = %self.lease.stream, partition = %self.lease.shard, remembered = handed_out.len(), "audit for late events done");
                 }
-                self.page(pipeline, &[], Some(next), None)
+                self.page(pipeline, Vec::new(), Some(next), None)
             }
             PageMessage::Failed(error) => {
                 Read::Failed(Error::paged(&self.lease.ownership, "fetch failed", error))
@@ -212,12 +212,12 @@ impl Pages {
     fn page<H: Handler>(
         &mut self,
         pipeline: &mut Pipeline<H, PagePosition>,
-        events: &[crate::paged::PagedEvent],
+        events: Vec<crate::paged::PagedEvent>,
         next: Option<crate::paged::Cursor>,
         watermark: Option<i64>,
     ) -> Read {
         let (source_name, partition) = (&self.lease.stream, &self.lease.shard);
-        let verdicts = match self.order.classify(events) {
+        let verdicts = match self.order.classify(&events) {
             Ok(verdicts) => verdicts,
             Err(violation) => {
                 metrics::counter!("shardwise_paged_order_violations_total", &self.lease.labels)
@@ -231,7 +231,7 @@ impl Pages {
             }
         };
         let before = pipeline.tracker().next_index();
-        for (event, verdict) in events.iter().zip(verdicts) {
+        for (event, verdict) in events.into_iter().zip(verdicts) {
             match verdict {
                 Verdict::New => {
                     if let Some(handed_out) = self.handed_out.as_mut() {
@@ -239,19 +239,21 @@ impl Pages {
                     }
                     let key = event.key.as_deref().unwrap_or(&event.id);
                     let (id, lane) = pipeline.track(event.position.clone(), key);
-                    let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
-                        .set_id(id)
-                        .set_lane(lane)
-                        .replayable(self.replayable)
-                        .build();
+                    let delivery =
+                        Delivery::from_paged(source_name.clone(), partition.clone(), event)
+                            .set_id(id)
+                            .set_lane(lane)
+                            .replayable(self.replayable)
+                            .build();
                     pipeline.dispatch(delivery);
                 }
                 Verdict::Backfill => {
                     let id = pipeline.track_only(event.position.clone());
-                    let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
-                        .set_id(id)
-                        .replayable(self.replayable)
-                        .build();
+                    let delivery =
+                        Delivery::from_paged(source_name.clone(), partition.clone(), event)
+                            .set_id(id)
+                            .replayable(self.replayable)
+                            .build();
                     pipeline.dispatch_unless_done(delivery, None);
                 }
                 Verdict::Replay => {
