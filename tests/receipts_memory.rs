@@ -648,6 +648,41 @@ async fn receipt_outcomes_without_a_ledger_hold_the_checkpoint() {
 /// The memory ledger deletes an applied receipt as DynamoDB's TTL does: never before it expires,
 /// and within 48 hours after, each at its own time; held receipts stay. A commit after the
 /// deletion applies again: what a replay after an outage longer than the retention would do.
+/// `expiresAt` is written from the committing host's clock, as `DynamoDbReceipts` writes it, and
+/// TTL deletes by the service's: receipts written on a host 10 hours behind expire 10 hours early,
+/// so all are gone 48 hours after that (39 hours after the commit for receipts kept an hour);
+/// stamped by the service's clock, about a fifth would still be there.
+#[tokio::test(start_paused = true)]
+async fn a_receipt_expires_by_the_clock_of_the_host_that_wrote_it() {
+    use shardwise::receipts::TTL_DELETION_DELAY;
+    use shardwise::testing::{HostClock, on_host};
+    let _simulated = shardwise::testing::simulate(
+        std::time::UNIX_EPOCH + Duration::from_secs(1_000 * 86_400),
+        11,
+    );
+    let hour = Duration::from_secs(3600);
+    let receipts = MemoryReceipts::new()
+        .table(COUNTS, &["id"])
+        .retention(hour, 11);
+    let all: Vec<Apply> = (0..200)
+        .map(|id: u64| Apply {
+            event: EventId::new(format!("e{id}")),
+            effects: Effect::update(COUNTS, key("id", id.to_string()))
+                .add("count", 1)
+                .into(),
+        })
+        .collect();
+    let behind = HostClock::new(-10 * 3_600_000, 0);
+    let committed = on_host(behind, receipts.commit(&all, "w1")).await.unwrap();
+    assert!(committed.iter().all(|c| *c == Committed::Applied));
+    tokio::time::sleep(TTL_DELETION_DELAY + hour - 10 * hour + Duration::from_secs(1)).await;
+    assert_eq!(
+        receipts.expired(),
+        200,
+        "deleted by 48 hours after their host's expiresAt"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_memory_ledger_deletes_expired_receipts_within_48_hours_as_ttl_does() {
     use shardwise::receipts::TTL_DELETION_DELAY;

@@ -75,9 +75,11 @@ impl MemoryReceipts {
     }
 
     /// Keeps applied receipts for `kept`, as [`DynamoDbReceipts`](super::DynamoDbReceipts) does
-    /// with TTL: each is deleted at a time drawn (from its event and `seed`) within
-    /// [`TTL_DELETION_DELAY`] after it expired, by the services' clock (the simulation's). Held
-    /// and quarantined receipts stay. Without this, receipts are kept for good.
+    /// with TTL: each expires `kept` after its commit by the clock of the host that committed it
+    /// (`expiresAt` is written from the worker's clock: a host 10 s behind expires its receipts
+    /// 10 s early), and is deleted at a time drawn (from its event and `seed`) within
+    /// [`TTL_DELETION_DELAY`] after that, by the services' clock (the simulation's). Held and
+    /// quarantined receipts stay. Without this, receipts are kept for good.
     pub fn retention(self, kept: Duration, seed: u64) -> Self {
         {
             let mut state = self.state();
@@ -224,7 +226,8 @@ impl State {
             let mut hasher = std::collections::hash_map::DefaultHasher::new();
             (self.salt, event).hash(&mut hasher);
             let delay = TTL_DELETION_DELAY.mul_f64(hasher.finish() as f64 / u64::MAX as f64);
-            let expires = crate::time::service_now() + kept;
+            // `expiresAt` as the committing worker writes it: from its own clock.
+            let expires = crate::time::now() + kept;
             self.expiring.insert((expires + delay, event.clone()));
         }
         self.receipts.insert(event.clone(), receipt);
