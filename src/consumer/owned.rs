@@ -214,9 +214,9 @@ enum Halt {
     Failed(Error),
 }
 
-/// The gauge of deliveries in flight, zeroed when the lease stops here (so a lease that moved to
-/// another worker does not keep reporting its last load from this one).
-/// `shardwise_in_flight` of one partition, registered once: it is set at every turn of the loop.
+/// The gauge of deliveries in flight (`shardwise_in_flight`), zeroed when the lease stops here (so
+/// a lease that moved to another worker does not keep reporting its last load from this one).
+/// Registered once per partition: it is set at every turn of the loop.
 struct InFlightGauge(metrics::Gauge);
 
 impl InFlightGauge {
