@@ -1769,7 +1769,9 @@ async fn a_python_handler_survives_its_own_kill_and_the_workers_losing_nothing()
     let stream = support::unique_name("pl-exec");
     let app = support::unique_name("pl-exec-app");
     live.create_stream(&stream, 4).await;
-    let (n, keys) = (6000u64, 32u64);
+    // A backlog for A, then a trickle that runs until A is killed: B, which takes its share by
+    // handoff, has records to handle whatever A finished of the backlog by then.
+    let (backlog, keys) = (4000u64, 32u64);
     let log = Log::default();
     let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(200));
     let handler = python_handler(2);
@@ -1794,10 +1796,10 @@ async fn a_python_handler_survives_its_own_kill_and_the_workers_losing_nothing()
     let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
     let writer = tokio::spawn({
         let stream = stream.clone();
-        async move { put(&stream, n, keys, 0).await }
+        async move { put(&stream, backlog, keys, 0).await }
     });
     wait_for("A handles a quarter", Duration::from_secs(90), || {
-        log.count_of("A") as u64 >= n / 4
+        log.count_of("A") as u64 >= backlog / 4
     })
     .await;
     let programs = children_of(a.child.id());
@@ -1813,21 +1815,24 @@ async fn a_python_handler_survives_its_own_kill_and_the_workers_losing_nothing()
     })
     .await;
     wait_for("A handles another quarter", Duration::from_secs(90), || {
-        log.count_of("A") as u64 >= n / 2
+        log.count_of("A") as u64 >= backlog / 2
     })
     .await;
+    writer.await.expect("put");
+    let trickle = Trickle::start(&stream, keys, backlog, 32, Duration::from_millis(250));
     let mut b = Worker::spawn(&stream, &app, "B", &args, &log);
     wait_for("B handles records", Duration::from_secs(60), || {
         log.count_of("B") > 0
     })
     .await;
     let handled_at_kill = log.distinct_ids() as u64;
+    a.kill9().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let n = trickle.stop().await;
     assert!(
         handled_at_kill < n,
         "records still to handle when A is killed"
     );
-    a.kill9().await;
-    writer.await.expect("put");
     wait_for("every id handled", Duration::from_secs(120), || {
         log.distinct_ids() as u64 >= n
     })
@@ -1857,11 +1862,7 @@ async fn a_python_handler_survives_its_own_kill_and_the_workers_losing_nothing()
         duplicates(&lines).len()
     );
     // The programs of the killed worker do not outlive it: their stdin closed.
-    let orphans: Vec<u32> = programs
-        .iter()
-        .copied()
-        .filter(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
-        .collect();
+    let orphans: Vec<u32> = programs.iter().copied().filter(|p| running(*p)).collect();
     assert!(
         orphans.is_empty(),
         "handler programs left running: {orphans:?}"

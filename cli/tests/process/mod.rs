@@ -185,7 +185,11 @@ impl Worker {
                 id,
             ])
             .args(args)
-            .env("RUST_LOG", "shardwise=info,warn")
+            .env(
+                "RUST_LOG",
+                std::env::var(format!("SHARDWISE_TEST_WORKER_LOG_{id}"))
+                    .unwrap_or_else(|_| "shardwise=info,warn".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(file)
@@ -794,6 +798,19 @@ pub async fn receipts_of(app: &str, id: Option<&str>) -> Vec<serde_json::Value> 
 pub fn python_handler(delay_ms: u64) -> String {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/exec_handler.py");
     format!("HANDLER_DELAY_MS={delay_ms} python3 -u {script}")
+}
+
+/// Whether process `pid` runs: it exists and is not a zombie (an orphan that exited stays a zombie
+/// until the container's init reaps it, and some inits never do).
+pub fn running(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // `PID (COMM) STATE ...`: the state follows the last parenthesis (COMM may hold any).
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next());
+    !matches!(state, Some("Z" | "X") | None)
 }
 
 /// The process ids of `pid`'s children (Linux: `/proc/PID/task/*/children`).
