@@ -305,6 +305,9 @@ struct Counting {
     renewals_fail: std::sync::atomic::AtomicBool,
     /// Fails this many takes (steals among them), then none.
     takes_fail: std::sync::atomic::AtomicU64,
+    /// Holds every answer this long (ms) after the store behind gave it: each request is
+    /// applied at once and answered late, as behind a slow network or on a starved CPU.
+    late_answers_ms: std::sync::atomic::AtomicU64,
 }
 
 /// The memory store behind a [`Counting`] layer.
@@ -359,6 +362,12 @@ impl Layer for Counting {
         }
         Box::pin(async move {
             let answer = forward.await;
+            let late = self
+                .late_answers_ms
+                .load(std::sync::atomic::Ordering::Relaxed);
+            if late > 0 {
+                tokio::time::sleep(Duration::from_millis(late)).await;
+            }
             if let Ok(answer) = &answer {
                 let answer = answer as &dyn std::any::Any;
                 let refused = match call {
@@ -637,6 +646,56 @@ async fn a_worker_whose_beat_fails_while_its_renewals_land_keeps_its_leases() {
         held_by_b,
         "nothing moved when the beats came back"
     );
+    drop((a, b));
+}
+
+/// Every answer of the store reaching a worker 4 s late, for a minute (each request applied at
+/// once, as behind a slow network or on a starved CPU): past the 3.3 s a renewal used to be
+/// waited for, well inside the 10 s lease. The worker keeps its leases, since each renewal counts
+/// from its send once its answer comes, and the other worker takes none of them: their counters
+/// move. Before, every renewal timed out and the worker gave up all four leases within 7 s, and
+/// the other took them (issue 27, "a slow answer is not a lost one").
+#[tokio::test(start_paused = true)]
+async fn a_worker_whose_store_answers_four_seconds_late_keeps_its_leases() {
+    let memory = MemoryLeaseStore::new();
+    let shards = Shards::open(8);
+    let slow = counting(memory.clone());
+    let (a, _a_events) = worker(&memory, &shards, "a").await;
+    let (b, mut b_events) = start_on(slow.clone(), &shards, "b").await.unwrap();
+    until(Duration::from_secs(60), || b.held().len() == 4).await;
+    let held_by_b = b.held();
+    let renewals_before = slow.layer().count("renew");
+
+    slow.layer()
+        .late_answers_ms
+        .store(4_000, std::sync::atomic::Ordering::Relaxed);
+    for _ in 0..600 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(b.held(), held_by_b, "b keeps its leases");
+        assert_eq!(a.held().len(), 4, "a takes none of them");
+    }
+    // A slow store is not sent more: at most the renewals of a store that answers at once.
+    let renewals = slow.layer().count("renew") - renewals_before;
+    let rounds = 60_000 / LeaseSettings::default().renew_interval.as_millis() as u64 + 1;
+    assert!(
+        renewals <= 4 * rounds,
+        "{renewals} renewals of 4 leases in {rounds} rounds"
+    );
+    slow.layer()
+        .late_answers_ms
+        .store(0, std::sync::atomic::Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(
+        b.held(),
+        held_by_b,
+        "nothing moved when the answers came back"
+    );
+    while let Ok(event) = b_events.try_recv() {
+        assert!(
+            !matches!(event, LeaseEvent::Lost(_)),
+            "b lost a lease: {event:?}"
+        );
+    }
     drop((a, b));
 }
 
@@ -1061,6 +1120,50 @@ async fn a_worker_restarted_under_its_id_after_a_crash_starts_and_takes_its_leas
     restarted.shutdown().await;
 }
 
+/// A worker restarted under its own id after a crash, whose predecessor's last beat lands after
+/// the restart (a request sent just before the crash, delayed on its way): one beat of another
+/// process is not a second process, so the restarted worker keeps its leases and runs on.
+/// Before, it took the late beat for a twin that came before it, gave up every lease and stopped
+/// (the simulation found it: short seed 7576 once beats were waited for longer).
+#[tokio::test(start_paused = true)]
+async fn a_crashed_workers_last_beat_landing_after_its_restart_is_not_a_second_process() {
+    let store = MemoryLeaseStore::new();
+    let shards = Shards::open(4);
+    let (crashed, _events) = worker(&store, &shards, "web-1").await;
+    until(Duration::from_secs(30), || crashed.held().len() == 4).await;
+    // The beat the crashed process last wrote, as the roster holds it (read by a passer-by that
+    // leaves again).
+    let roster = store.beat(STREAM, "reader", 1, false).await.unwrap();
+    store.forget(STREAM, "reader", None).await.unwrap();
+    let last = roster.beats["web-1"];
+    drop(crashed); // kill -9, with one more beat on its way
+
+    let (restarted, mut events) = worker(&store, &shards, "web-1").await;
+    until(Duration::from_secs(30), || restarted.held().len() == 4).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The beat on its way lands: the crashed process's next count.
+    store.beat(STREAM, "web-1", last + 1, false).await.unwrap();
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            restarted.held().len(),
+            4,
+            "the restarted worker keeps its leases"
+        );
+        assert!(
+            !restarted.probe().gave_way(),
+            "the restarted worker gave way"
+        );
+    }
+    while let Ok(event) = events.try_recv() {
+        assert!(
+            !matches!(event, LeaseEvent::Stop(_) | LeaseEvent::Lost(_)),
+            "{event:?}"
+        );
+    }
+    restarted.shutdown().await;
+}
+
 /// Two processes under one id started at the same moment: whichever order their beats take, one
 /// ends up holding every lease and the other none (it refused to start, or gave way once it saw
 /// the other's beats, and says so in its probe).
@@ -1256,9 +1359,12 @@ impl Layer for LateThenFailing {
 /// Issue 27, defect 6: the others judge a lease from when they saw its counter move, which is no
 /// earlier than when the renewal was applied; so the owner judges it from when the last renewal
 /// that landed was sent, not from when its answer came. A renewal answered 3 s late, then failing
-/// renewals: the owner gives the lease up at least a renewal interval before the others may see it
-/// expired (the renewal applied + lease_duration). Judged from the answer, it gave up 3 s later,
-/// at the very moment the others may take it.
+/// renewals: the owner gives the lease up at least half a renewal interval (the margin of
+/// `LeaseSettings::hold_until`, docs/leases.md) before the others may see it expired (the renewal
+/// applied + lease_duration). Judged from the answer, it would give it up 3 s later, after the
+/// others may take it. (This test asked for a whole renewal interval while renewals were given
+/// up round by round; a renewal answered 4 s late could then never keep a lease, which issue 27
+/// requires, and docs/leases.md has always promised 1.7 s at the defaults.)
 #[tokio::test(start_paused = true)]
 async fn a_renewal_answered_late_is_judged_from_when_it_was_sent() {
     let memory = MemoryLeaseStore::new();
@@ -1281,7 +1387,7 @@ async fn a_renewal_answered_late_is_judged_from_when_it_was_sent() {
     let settings = LeaseSettings::default();
     let others_may_take = applied_at + settings.lease_duration;
     assert!(
-        lost_at + settings.renew_interval <= others_may_take,
+        lost_at + settings.renew_interval / 2 <= others_may_take,
         "given up {:?} after the late renewal was applied; the others may see it expired {:?} after",
         lost_at - applied_at,
         settings.lease_duration

@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use futures::StreamExt;
 use futures::future::join_all;
+use futures::stream::FuturesUnordered;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
@@ -135,9 +137,8 @@ impl LeaseSettings {
     }
 
     /// How long the counter of a lease whose owner is dead by the roster must be seen still
-    /// before the lease counts as expired: two renewal rounds and a quarter. Its owner gives up a
-    /// lease whose renewal fails while its beat is silent, at most two rounds after the last
-    /// renewal that landed (the next round, failing when its attempt times out).
+    /// before the lease counts as expired: two renewal rounds and a quarter. Its owner, whose
+    /// beats are not landing, lets the lease go before (see [`Self::hold_until`]).
     fn dead_owner_stillness(&self) -> Duration {
         self.renew_interval * 2 + self.renew_interval / 4
     }
@@ -149,19 +150,41 @@ impl LeaseSettings {
         self.lease_duration + self.beat_interval
     }
 
-    /// How long after the send of the last renewal of a lease that landed its owner gives it up
-    /// when no later one has landed: `lease_duration` less one and a half renewal intervals, and
-    /// at least one and a half (a single failed round is survived). The owner checks at every
-    /// renewal round and every failed renewal, so it gives up within a renewal interval after
-    /// this, at least `lease_duration - give_up_after - renew_interval` (1.7 s at the defaults,
-    /// 3.3 s when the renewals fail at once) before any other worker can see the lease expired:
-    /// they count `lease_duration` from seeing its counter move, which is after the renewal was
-    /// applied, which is after it was sent. The same bound holds for the beat.
+    /// How long after the send of its last beat that landed a worker stops taking leases: its
+    /// view of the roster may be that old, and with it the deaths it would take leases for (the
+    /// others judge a worker dead after [`Self::silence`], far later). `lease_duration` less one
+    /// and a half renewal intervals, and at least one and a half.
     pub(crate) fn give_up_after(&self) -> Duration {
         let round_and_a_half = self.renew_interval * 3 / 2;
         self.lease_duration
             .saturating_sub(round_and_a_half)
             .max(round_and_a_half)
+    }
+
+    /// Until when this worker may hold a lease whose last renewal that landed was sent at
+    /// `renewed`, while the last of its own beats that landed was sent at `beat` (both on this
+    /// worker's clock, stamped at the send: the others see either move no earlier than it was
+    /// applied, which is after it was sent). Another worker takes the lease once it has seen its
+    /// counter still for a lease duration, or, once it judges the owner dead (its beat unchanged
+    /// for [`Self::silence`]), still for [`Self::dead_owner_stillness`]: the earliest it can is
+    /// the earlier of the two. The owner lets go half a renewal interval before that (the margin
+    /// the round-by-round check of before kept at the defaults: 1.7 s).
+    ///
+    /// A renewal or beat answered late is not a lost one: its answer, when it comes, counts from
+    /// its send, and a lease is given up only when this instant passes without a later one
+    /// (issue 27, "a slow answer is not a lost one").
+    pub(crate) fn hold_until(&self, renewed: Instant, beat: Instant) -> Instant {
+        let by_counter = renewed + self.lease_duration;
+        let as_dead = (beat + self.silence()).max(renewed + self.dead_owner_stillness());
+        // Less the timer's resolution (a millisecond, rounded up), so that a lease given up by
+        // the timer keeps the whole margin.
+        by_counter.min(as_dead) - self.renew_interval / 2 - Duration::from_millis(1)
+    }
+
+    /// How long a renewal or a beat is waited for: past this its answer can no longer keep a
+    /// lease (see [`Self::hold_until`]), so a request that may still be under way is let go.
+    fn attempt_limit(&self) -> Duration {
+        self.lease_duration - self.renew_interval / 2
     }
 
     /// How long before a worker's silence runs out the table is scanned, so that the counters of
@@ -292,6 +315,10 @@ struct Held {
     last_renewed: Instant,
 }
 
+/// The most renewals of one lease under way at once: a second covers a request lost on the way,
+/// while a slow store is not sent more than twice the writes it was.
+const RENEWALS_UNDER_WAY: usize = 2;
+
 /// The longest a worker waits before taking again a lease whose work keeps failing here.
 pub const FAILED_LEASE_MAX_WAIT: Duration = Duration::from_secs(300);
 
@@ -335,8 +362,8 @@ struct Inner {
     roster: Mutex<RosterView>,
     /// When this worker's own beat was last written.
     last_beat: Mutex<Instant>,
-    /// The beat has not been written for too long: every lease was given up, and none is taken
-    /// until a beat is written again (the others may judge this worker dead).
+    /// A failed beat found the beat silent ([`Inner::silent`]) and said so; cleared, and said
+    /// so, when a beat lands again.
     silent: AtomicBool,
     /// The next beat raises the roster's `changes`: rows were added or a lease became free, so
     /// every worker scans.
@@ -345,6 +372,8 @@ struct Inner {
     scan_now: Notify,
     /// Wakes the beat loop for a beat now (an announcement).
     beat_now: Notify,
+    /// Wakes the renewer to look at the holds again: a lease was taken.
+    held_changed: Notify,
     /// The rows of the last scan, which the shard sync compares the stream against.
     last_rows: Mutex<Option<Vec<Lease>>>,
     /// This process's tag in its beats (`roster::process_tag`): two processes under one worker
@@ -367,9 +396,14 @@ enum Twin {
     /// None seen.
     #[default]
     None,
-    /// The first beat found another process's tag in the entry: a process that ran under this
-    /// id before (a restart), or one that still does. The next beat tells.
-    Before(u64),
+    /// The first beat found another process's beat (its tag and count) in the entry: a process
+    /// that ran under this id before (a restart), or one that still does. The next beat tells.
+    Before { tag: u64, count: u64 },
+    /// A later beat found another process's beat in the entry, once: a second process beating
+    /// now, or the last beat of one that ended, delayed on its way (a request sent before a
+    /// crash can land after the restart; a process has one beat under way at a time, so it
+    /// can leave at most one). A second beat of that process, with another count, tells.
+    Seen { tag: u64, count: u64 },
     /// A later beat found another tag: a second process beats under this id now. `newer` when
     /// that process came after this one (`roster::Writer::came_before`: it refuses to run, or
     /// gives everything up, when it sees this one).
@@ -441,6 +475,7 @@ impl LeaseManager {
             announce: AtomicBool::new(false),
             scan_now: Notify::new(),
             beat_now: Notify::new(),
+            held_changed: Notify::new(),
             last_rows: Mutex::new(None),
             tag: super::roster::process_tag(
                 (crate::time::millis(crate::time::now()).max(0) / 1_000) as u64,
@@ -459,7 +494,7 @@ impl LeaseManager {
         // alone, or the roster's founder, syncs the shard list now; one that found others lets
         // them create the rows and syncs what is still missing one scan interval later.
         inner.beat().await;
-        if let Twin::Before(other) = inner.twin() {
+        if let Twin::Before { tag: other, .. } = inner.twin() {
             // The entry holds another process's beat: this id ran before (a restart), or runs
             // now in a second process. A beat interval later, a running one has beaten again.
             info!(stream = %inner.stream, worker = %inner.worker, other, "this worker id's roster entry holds another process's beat (a restart, or a second process under this id): beating once more before taking any lease");
@@ -764,16 +799,18 @@ impl Inner {
     }
 
     /// Writes this worker's beat and reads the roster back with it. `true` when the roster
-    /// changed (a worker joined, left or died, or rows were announced): time to scan. A worker
-    /// whose beat has not been written for [`LeaseSettings::give_up_after`] (from the send of
-    /// the last beat that landed) takes no lease, as the others may soon judge it dead, and gives
-    /// up each lease whose renewal fails from then on.
+    /// changed (a worker joined, left or died, or rows were announced): time to scan. A slow
+    /// answer is waited for as long as it can still count ([`LeaseSettings::attempt_limit`]):
+    /// the next beat goes out after it, so a slow store gets fewer beats, not more. A worker
+    /// whose beat has not landed for [`LeaseSettings::give_up_after`] (from the send of the last
+    /// one that did) takes no lease ([`Inner::silent`]); its leases are held as long as
+    /// [`LeaseSettings::hold_until`] allows.
     async fn beat(&self) -> bool {
         let announce = self.announce.swap(false, Ordering::Relaxed);
-        let attempt = self.settings.renew_interval;
+        let attempt = self.settings.attempt_limit();
         let count = self.beats_tried.fetch_add(1, Ordering::Relaxed) + 1;
         let beat = self.writer().beat(count);
-        // Stamped with when it was sent (see `renew_all`).
+        // Stamped with when it was sent (see `renew_loop`).
         let sent = Instant::now();
         let result = tokio::time::timeout(
             attempt,
@@ -792,19 +829,12 @@ impl Inner {
                     }
                     _ => warn!(stream = %self.stream, "writing this worker's beat timed out"),
                 }
-                let silent = self
-                    .last_beat
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .elapsed();
                 // The others may judge this worker dead now, but they take a lease of a dead
                 // worker only once its counter stops moving too: the leases whose renewals land
-                // are kept (a failed beat alone drops nothing), and the renewer gives up each
-                // one whose renewal fails from now on. No lease is taken while silent.
-                if silent >= self.settings.give_up_after()
-                    && !self.silent.swap(true, Ordering::Relaxed)
-                {
-                    warn!(stream = %self.stream, silent = ?silent, held = self.held().len(), "this worker's beat has not been written in time: others may judge it dead; its leases are kept while their renewals land, and none is taken");
+                // are kept (a failed beat alone drops nothing; `hold_until` says for how long).
+                // No lease is taken while silent.
+                if self.silent() && !self.silent.swap(true, Ordering::Relaxed) {
+                    warn!(stream = %self.stream, silent = ?self.last_beat().elapsed(), held = self.held().len(), "this worker's beat has not been written in time: others may judge it dead; its leases are kept while their renewals land, and none is taken");
                 }
                 return false;
             }
@@ -833,6 +863,18 @@ impl Inner {
         observed.changed
     }
 
+    /// When the last beat of this worker that landed was sent.
+    fn last_beat(&self) -> Instant {
+        *self.last_beat.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether this worker's beat has not landed for [`LeaseSettings::give_up_after`]: its view
+    /// of the roster may be that old, so it takes no lease. Judged by the clock, not by a failed
+    /// beat: one still awaiting its answer counts as not landed.
+    fn silent(&self) -> bool {
+        self.last_beat().elapsed() >= self.settings.give_up_after()
+    }
+
     fn writer(&self) -> Writer {
         Writer {
             tag: self.tag,
@@ -849,7 +891,8 @@ impl Inner {
     /// under this id: the one that came later gives up every lease (without a write: the rows name
     /// the id both share) and takes none, and reports it; the other reports it and goes on.
     fn twin_seen(&self, before: Option<u64>) {
-        let first = self.beats_written.fetch_add(1, Ordering::Relaxed) == 0;
+        let written = self.beats_written.fetch_add(1, Ordering::Relaxed);
+        let first = written == 0;
         let Some((other, count)) = before
             .map(|beat| (Writer::of(beat), Writer::count(beat)))
             .filter(|(w, _)| w.tag != self.tag)
@@ -859,12 +902,30 @@ impl Inner {
         let mut twin = self.twin.lock().unwrap_or_else(|e| e.into_inner());
         if first {
             self.late.store(true, Ordering::Relaxed);
-            *twin = Twin::Before(other.tag);
+            *twin = Twin::Before {
+                tag: other.tag,
+                count,
+            };
             return;
         }
         if count == 1 {
             // The other's first beat: whether it found another's before it is not written yet,
             // so which of the two came first cannot be told. Its next beat says.
+            return;
+        }
+        // Two beats of the other process prove it beats now; one may be a dead one's last,
+        // delayed. (What the first beat found counts for the start's second beat only.)
+        let again = match *twin {
+            Twin::Before { tag, count: seen } => written == 1 && tag == other.tag && seen != count,
+            Twin::Seen { tag, count: seen } => tag == other.tag && seen != count,
+            Twin::Running { tag, .. } => tag == other.tag,
+            Twin::None => false,
+        };
+        if !again {
+            *twin = Twin::Seen {
+                tag: other.tag,
+                count,
+            };
             return;
         }
         let newer = self.writer().came_before(other);
@@ -929,7 +990,14 @@ impl Inner {
                     continue;
                 }
             }
-            if self.beat().await {
+            // A stopped manager's beat under way is dropped, not left to land later: after a
+            // restart it would read as a second process under this id.
+            let changed = tokio::select! {
+                biased;
+                _ = stop.cancelled() => return,
+                changed = self.beat() => changed,
+            };
+            if changed {
                 self.scan_now.notify_one();
             }
             if let Twin::Running { newer: false, .. } = self.twin() {
@@ -976,82 +1044,125 @@ impl Inner {
         ]
     }
 
+    /// Renews every held lease each `renew_interval`, and gives each up the moment its
+    /// [`LeaseSettings::hold_until`] passes without a renewal that landed. A renewal is stamped
+    /// with when it was sent, not answered (the others see its counter move no earlier than it
+    /// was applied, which is after it was sent: issue 27, defect 6), and waited for as long as
+    /// its answer can still count ([`LeaseSettings::attempt_limit`]): a slow store costs attempts
+    /// that last longer, not leases. At most [`RENEWALS_UNDER_WAY`] renewals of one lease are
+    /// under way at once; a round skips a lease that has that many.
     async fn renew_loop(self: Arc<Self>, stop: CancellationToken) {
         let mut tick = tokio::time::interval(self.settings.renew_interval);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let attempt = self.settings.attempt_limit();
+        let mut pending = FuturesUnordered::new();
+        let mut under_way: BTreeMap<(String, u64), usize> = BTreeMap::new();
         loop {
+            let deadline = self.next_hold_deadline();
             tokio::select! {
                 biased;
                 _ = stop.cancelled() => return,
-                _ = tick.tick() => {}
+                Some((ownership, sent, result)) = pending.next() => {
+                    let ownership: Ownership = ownership;
+                    let key = (ownership.shard_id.clone(), ownership.epoch);
+                    if let Some(n) = under_way.get_mut(&key) {
+                        *n -= 1;
+                        if *n == 0 {
+                            under_way.remove(&key);
+                        }
+                    }
+                    self.renewed(&ownership, sent, result);
+                }
+                _ = async { tokio::time::sleep_until(deadline.expect("a deadline")).await }, if deadline.is_some() => {
+                    self.give_up_overdue();
+                }
+                _ = self.held_changed.notified() => {}
+                _ = tick.tick() => {
+                    self.give_up_overdue();
+                    self.held_gauge();
+                    let snapshot: Vec<Ownership> =
+                        self.held().values().map(|h| h.ownership.clone()).collect();
+                    for ownership in snapshot {
+                        let n = under_way
+                            .entry((ownership.shard_id.clone(), ownership.epoch))
+                            .or_default();
+                        if *n >= RENEWALS_UNDER_WAY {
+                            continue;
+                        }
+                        *n += 1;
+                        let this = Arc::clone(&self);
+                        let sent = Instant::now();
+                        pending.push(async move {
+                            let result = tokio::time::timeout(attempt, this.store.renew(&ownership)).await;
+                            (ownership, sent, result)
+                        });
+                    }
+                }
             }
-            self.renew_all().await;
         }
     }
 
-    async fn renew_all(&self) {
-        self.held_gauge();
-        // A lease whose last renewal that landed was sent too long ago is given up before the
-        // round, not after its renewal fails too (which can take an attempt timeout more).
-        let give_up_after = self.settings.give_up_after();
-        let stale: Vec<Ownership> = self
+    /// The earliest instant a held lease must be given up at, unless a renewal lands first.
+    fn next_hold_deadline(&self) -> Option<Instant> {
+        let beat = self.last_beat();
+        self.held()
+            .values()
+            .map(|h| self.settings.hold_until(h.last_renewed, beat))
+            .min()
+    }
+
+    /// Gives up every held lease whose [`LeaseSettings::hold_until`] has passed, saying how old
+    /// the last renewal and the last beat that landed were.
+    fn give_up_overdue(&self) {
+        let now = Instant::now();
+        let beat = self.last_beat();
+        let overdue: Vec<(Ownership, Instant)> = self
             .held()
             .values()
-            .filter(|h| h.last_renewed.elapsed() >= give_up_after)
-            .map(|h| h.ownership.clone())
+            .filter(|h| self.settings.hold_until(h.last_renewed, beat) <= now)
+            .map(|h| (h.ownership.clone(), h.last_renewed))
             .collect();
-        for ownership in &stale {
+        for (ownership, renewed) in &overdue {
             self.lose(
                 ownership,
-                "not renewed in time: others may see it expired within a renewal interval",
+                &format!(
+                    "not renewed in time (the last renewal that landed was sent {:?} ago, the last beat {:?} ago): others may soon see it expired",
+                    now - *renewed,
+                    now - beat
+                ),
             );
         }
-        let snapshot: Vec<Ownership> = self.held().values().map(|h| h.ownership.clone()).collect();
-        let attempt = self.settings.renew_interval;
-        // A renewal is stamped with when it was sent, not answered: the others see its counter
-        // move no earlier than it was applied, which is after it was sent (issue 27, defect 6).
-        let sent = Instant::now();
-        let results = join_all(snapshot.iter().map(|o| async move {
-            let r = tokio::time::timeout(attempt, self.store.renew(o)).await;
-            (o, r)
-        }))
-        .await;
-        for (ownership, result) in results {
-            match result {
-                Ok(Ok(Renewal::Renewed { wanted_by })) => {
-                    if let Some(h) = self.held().get_mut(&ownership.shard_id)
-                        && h.ownership.epoch == ownership.epoch
-                    {
-                        h.last_renewed = h.last_renewed.max(sent);
-                    }
-                    if let Some(taker) = wanted_by {
-                        self.handoff_asked(ownership, &taker);
-                    }
+    }
+
+    /// A renewal of `ownership` sent at `sent` was answered (or waited for as long as it could
+    /// count).
+    fn renewed(
+        &self,
+        ownership: &Ownership,
+        sent: Instant,
+        result: Result<Result<Renewal, Error>, tokio::time::error::Elapsed>,
+    ) {
+        match result {
+            Ok(Ok(Renewal::Renewed { wanted_by })) => {
+                if let Some(h) = self.held().get_mut(&ownership.shard_id)
+                    && h.ownership.epoch == ownership.epoch
+                {
+                    h.last_renewed = h.last_renewed.max(sent);
                 }
-                Ok(Ok(Renewal::Lost)) => {
-                    self.lose(ownership, "renewal refused: another worker holds it")
+                if let Some(taker) = wanted_by {
+                    self.handoff_asked(ownership, &taker);
                 }
-                Ok(Err(_)) | Err(_) => {
-                    // Late: the others may see it expired. Or the beat is silent too: the others
-                    // judge this worker dead, and take its lease once its counter stops moving.
-                    let late = self.silent.load(Ordering::Relaxed)
-                        || self
-                            .held()
-                            .get(&ownership.shard_id)
-                            .is_some_and(|h| h.last_renewed.elapsed() >= give_up_after);
-                    match result {
-                        Ok(Err(e)) => {
-                            warn!(shard = %ownership.shard_id, error = &e as &dyn std::error::Error, "lease renewal failed")
-                        }
-                        _ => warn!(shard = %ownership.shard_id, "lease renewal timed out"),
-                    }
-                    if late {
-                        self.lose(
-                            ownership,
-                            "not renewed in time (or not renewed while this worker's beat is silent): others may see it expired",
-                        );
-                    }
-                }
+            }
+            Ok(Ok(Renewal::Lost)) => {
+                self.lose(ownership, "renewal refused: another worker holds it")
+            }
+            // Not lost by itself: the next round tries again, and the lease is given up only
+            // when its hold runs out.
+            Ok(Err(e)) => {
+                warn!(stream = %self.stream, shard = %ownership.shard_id, error = &e as &dyn std::error::Error, "lease renewal failed")
+            }
+            Err(_) => {
+                warn!(stream = %self.stream, shard = %ownership.shard_id, waited = ?self.settings.attempt_limit(), "lease renewal not answered in time")
             }
         }
     }
@@ -1310,7 +1421,7 @@ impl Inner {
         }
         *self.last_rows.lock().unwrap_or_else(|e| e.into_inner()) = Some(rows.clone());
 
-        if self.taking.is_cancelled() || self.silent.load(Ordering::Relaxed) {
+        if self.taking.is_cancelled() || self.silent() {
             return Ok(false);
         }
         // Our requests still awaited (the row still names us as the taker), and whether the wait
@@ -1452,11 +1563,20 @@ impl Inner {
         Ok(settling || cooling)
     }
 
-    /// A lease taken by a write sent at `sent` (its renewal stamp: see `renew_all`).
+    /// A lease taken by a write sent at `sent` (its renewal stamp: see `renew_loop`).
     fn acquired(&self, lease: Lease, stolen: bool, sent: Instant) {
         let Some(ownership) = lease.ownership() else {
             return;
         };
+        if self.settings.hold_until(sent, self.last_beat()) <= Instant::now() {
+            // Its answer came after the hold it gave ran out: the others may see the lease
+            // expired already. Not started; the row names this worker, so a scan takes it again.
+            warn!(stream = %self.stream, shard = %lease.shard_id, epoch = ownership.epoch, "lease taken, but the answer came too late to hold it: given up at once");
+            metrics::counter!("shardwise_leases_lost_total", &self.labels()).increment(1);
+            self.hooks.lease_lost(&ownership);
+            self.changed_here();
+            return;
+        }
         let cancel = CancellationToken::new();
         let handoff = CancellationToken::new();
         let previous = self.held().insert(
@@ -1472,6 +1592,7 @@ impl Inner {
         if let Some(previous) = previous {
             previous.cancel.cancel();
         }
+        self.held_changed.notify_one();
         self.held_gauge();
         info!(stream = %self.stream, shard = %lease.shard_id, epoch = ownership.epoch, stolen, checkpoint = %lease.checkpoint, "lease taken");
         metrics::counter!("shardwise_leases_taken_total", &self.labels()).increment(1);
@@ -1576,5 +1697,34 @@ impl Inner {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The owner lets a lease go half a renewal interval before any other worker could take it:
+    /// by its counter a lease duration after the renewal's send, or, with the owner's beat silent
+    /// long enough for the others to judge it dead, once its counter was still for two renewal
+    /// rounds and a quarter.
+    #[test]
+    fn a_lease_is_held_until_half_a_renewal_interval_before_anyone_can_take_it() {
+        let settings = LeaseSettings::default(); // 10 s lease, 3.33 s rounds, 1 s beats
+        // Ahead of now, so that an hour before it is an instant on any machine's clock.
+        let renewed = Instant::now() + Duration::from_secs(7_200);
+        let ms = |d: Duration| d.as_millis();
+        let held = |beat_before_renewal: Duration| {
+            ms(settings.hold_until(renewed, renewed - beat_before_renewal) - renewed)
+        };
+        // Beats land: the counter decides, 10 s less 1.67 s (and the timer's millisecond).
+        assert_eq!(held(Duration::ZERO), 8_332);
+        assert_eq!(held(Duration::from_secs(1)), 8_332);
+        // The last beat 3 s before: dead to the others at 8 s (its 11 s silence from the beat).
+        assert_eq!(held(Duration::from_secs(3)), 6_332);
+        // Beats silent long before: 7.5 s of a still counter, less the margin.
+        assert_eq!(held(Duration::from_secs(60)), 5_832);
+        // At least one round and a half in every case: one failed round is survived.
+        assert!(held(Duration::from_secs(3_600)) > ms(settings.renew_interval * 3 / 2));
     }
 }

@@ -152,6 +152,17 @@ pub struct Model {
     expired: BTreeMap<(String, u64), u64>,
     /// Who took each (shard, epoch), and when.
     takes: BTreeMap<(String, u64), (String, u64)>,
+    /// When each (shard, epoch) was given up by its owner (lost, or let go when its hold ran
+    /// out): a lease taken as expired must have been given up before (issue 27).
+    given_up: BTreeMap<(String, u64), u64>,
+    /// Leases whose owner crashed or stopped while it held them: no give-up is owed.
+    left_behind: BTreeSet<(String, u64)>,
+    /// Leases each worker knew it took (its manager said so): a take whose answer was lost
+    /// leaves a row naming a worker that never held it.
+    acquired: BTreeSet<(String, u64)>,
+    /// Workers crashed or stopped and not started again: what their managers still finish
+    /// (a take under way when the world dropped them) is left behind too.
+    down: BTreeSet<String>,
     /// The first time each shard's lease was taken: a LATEST start owes every record after it.
     first_take: BTreeMap<String, u64>,
     /// Per (shard, epoch, key): the last position started, and whether it still runs.
@@ -210,6 +221,10 @@ impl Model {
             rows: BTreeMap::new(),
             superseded: BTreeMap::new(),
             expired: BTreeMap::new(),
+            given_up: BTreeMap::new(),
+            left_behind: BTreeSet::new(),
+            down: BTreeSet::new(),
+            acquired: BTreeSet::new(),
             takes: BTreeMap::new(),
             first_take: BTreeMap::new(),
             keys: BTreeMap::new(),
@@ -313,6 +328,9 @@ impl Model {
         }
         if change.operation == "take" {
             let owner = after.owner.clone().unwrap_or_default();
+            if self.down.contains(&owner) {
+                self.left_behind.insert((shard.clone(), after.owner_epoch));
+            }
             self.takes
                 .insert((shard.clone(), after.owner_epoch), (owner, at_ms));
             self.first_take.entry(shard.clone()).or_insert(at_ms);
@@ -709,8 +727,70 @@ impl Model {
         self.frontiers.insert(worker.to_string(), kept);
     }
 
+    /// `worker`'s manager took the lease of `shard` under `epoch` (and knows it).
+    pub fn acquired(&mut self, shard: &str, epoch: u64) {
+        self.acquired.insert((shard.to_string(), epoch));
+    }
+
+    /// `worker` started (again).
+    pub fn worker_up(&mut self, worker: &str) {
+        self.down.remove(worker);
+    }
+
     pub fn forget_worker(&mut self, worker: &str) {
         self.frontiers.remove(worker);
+        self.down.insert(worker.to_string());
+        // Its leases are no longer its to give up: a crashed process holds nothing, a stopped
+        // one releases what it can.
+        for (key, (owner, _)) in &self.takes {
+            if owner == worker && !self.given_up.contains_key(key) {
+                self.left_behind.insert(key.clone());
+            }
+        }
+    }
+
+    /// Leases taken as expired whose owner, still running, never gave them up: it went on
+    /// holding a lease another worker held.
+    pub fn never_given_up(&self) -> Vec<String> {
+        self.expired
+            .keys()
+            .filter(|key| {
+                self.acquired.contains(*key)
+                    && !self.given_up.contains_key(*key)
+                    && !self.left_behind.contains(*key)
+            })
+            .filter_map(|key| {
+                let (owner, _) = self.takes.get(key)?;
+                // (The world's thief holds nothing: it only writes the row.)
+                (owner != "thief")
+                    .then(|| format!("{owner} never gave up {} epoch {}", key.0, key.1))
+            })
+            .collect()
+    }
+
+    /// `worker` gave up the lease of `shard` it held under `epoch`: no later than another worker
+    /// took that lease as expired (it judged the owner silent), or the two held it at once.
+    pub fn gave_up(&mut self, at_ms: u64, worker: &str, shard: &str, epoch: u64) {
+        self.event(at_ms, format!("{worker} gave up {shard} epoch {epoch}"));
+        let key = (shard.to_string(), epoch);
+        self.given_up.entry(key.clone()).or_insert(at_ms);
+        // (A crashed process's manager may still finish a call it had under way when the world
+        // dropped it, and give up what it held then: it holds nothing by then.)
+        // (A lease whose take was answered after its hold ran out was never held: given up as
+        // it was taken, before anything started.)
+        if let Some(taken) = self.expired.get(&key).copied()
+            && self.acquired.contains(&key)
+            && !self.left_behind.contains(&key)
+            && at_ms > taken
+        {
+            self.violation(
+                at_ms,
+                format!(
+                    "{worker} gave up {shard} epoch {epoch} {} ms after another worker took it as expired",
+                    at_ms - taken
+                ),
+            );
+        }
     }
 
     // -----------------------------------------------------------------------------------------

@@ -105,6 +105,10 @@ enum Action {
     AgeOut,
     StoreFaults(bool),
     StreamFaults(bool),
+    /// A worker's beats refused as throttled for this long while its renewals land (the roster
+    /// item throttled for its writes), then, when given, the worker cut off from the lease table
+    /// for this long: the others may judge it dead by the roster before its counters stop.
+    BeatsRefused(Duration, Option<Duration>),
 }
 
 impl Scenario {
@@ -142,6 +146,16 @@ impl Scenario {
                 _ => Action::StreamFaults(rng.random_bool(0.6)),
             };
             actions.push((at, action));
+        }
+        // Apart from the other decisions, so that seeds without it stay as they were.
+        let mut beats = StdRng::seed_from_u64(seed ^ 0xbea7_5eed);
+        if beats.random_bool(0.3) {
+            let at = Duration::from_millis(beats.random_range(0..CHAOS.as_millis() as u64));
+            let refused = Duration::from_millis(beats.random_range(500..6_000));
+            let cut = beats
+                .random_bool(0.7)
+                .then(|| Duration::from_millis(beats.random_range(300..4_000)));
+            actions.push((at, Action::BeatsRefused(refused, cut)));
         }
         actions.sort_by_key(|(at, _)| *at);
         Self {
@@ -377,6 +391,7 @@ impl World {
             return;
         }
         let worker = format!("w{slot}");
+        self.model.lock().unwrap().worker_up(&worker);
         let gate = Gate::new();
         let store = Arc::new(Layered::new(
             Arc::new(self.store.clone()),
@@ -460,7 +475,11 @@ impl World {
             .lease_store(store)
             .record_source(stream.clone())
             .shard_lister(stream.clone())
-            .record_sink(stream);
+            .record_sink(stream)
+            .hooks(Arc::new(GiveUps {
+                worker: worker.to_string(),
+                model: self.model.clone(),
+            }));
         if s.dead_letter {
             builder = builder.dead_letter(DLQ);
         }
@@ -563,6 +582,41 @@ impl World {
                             .lock()
                             .unwrap()
                             .event(now_ms(), format!("worker w{i} back"));
+                    });
+                }
+            }
+            Action::BeatsRefused(refused, cut) => {
+                if let Some(i) = self.pick_up()
+                    && let Slot::Up { gate, .. } = &self.slots[i]
+                {
+                    self.event(format!(
+                        "worker w{i}: its beats refused for {} ms",
+                        refused.as_millis()
+                    ));
+                    gate.refuse_beats(true);
+                    let gate = gate.clone();
+                    let model = self.model.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(refused).await;
+                        if let Some(cut) = cut {
+                            gate.set_table_cut(true);
+                            model.lock().unwrap().event(
+                                now_ms(),
+                                format!(
+                                    "worker w{i} cut off from the lease table for {} ms",
+                                    cut.as_millis()
+                                ),
+                            );
+                            gate.refuse_beats(false);
+                            tokio::time::sleep(cut).await;
+                            gate.set_table_cut(false);
+                        } else {
+                            gate.refuse_beats(false);
+                        }
+                        model
+                            .lock()
+                            .unwrap()
+                            .event(now_ms(), format!("worker w{i}: its beats land again"));
                     });
                 }
             }
@@ -821,6 +875,13 @@ impl World {
                 break;
             }
         }
+        {
+            let mut model = self.model.lock().unwrap();
+            for what in model.never_given_up() {
+                model.event(now_ms(), format!("VIOLATION {what}"));
+                model.violations.push(what);
+            }
+        }
         // Stop everyone gracefully; their final checkpoints must cover everything handled.
         for slot in std::mem::take(&mut self.slots) {
             match slot {
@@ -884,4 +945,29 @@ pub fn run_paused(seed: u64, world: impl Future<Output = SeedResult>) -> SeedRes
         }
         result
     })
+}
+
+/// Tells the model when a worker's manager takes a lease and when it gives one up (lost, or let
+/// go when its hold ran out).
+struct GiveUps {
+    worker: String,
+    model: Arc<Mutex<Model>>,
+}
+
+impl shardwise::lease::LeaseHooks for GiveUps {
+    fn lease_taken(&self, lease: &shardwise::Lease) {
+        self.model
+            .lock()
+            .unwrap()
+            .acquired(&lease.shard_id, lease.owner_epoch);
+    }
+
+    fn lease_lost(&self, ownership: &shardwise::lease::Ownership) {
+        self.model.lock().unwrap().gave_up(
+            now_ms(),
+            &self.worker,
+            &ownership.shard_id,
+            ownership.epoch,
+        );
+    }
 }

@@ -37,6 +37,9 @@ pub struct Gate {
     /// A cut of the lease table to begin once the next lease-store call of a method is applied
     /// and answered after a delay.
     armed: Arc<Mutex<Option<Armed>>>,
+    /// This worker's beats refused as throttled (its renewals and everything else pass): the
+    /// roster item throttled for its writes.
+    beats_refused: Arc<AtomicBool>,
 }
 
 impl Gate {
@@ -53,6 +56,17 @@ impl Gate {
     /// slow path to DynamoDB that then breaks, while records are still read and handled.
     pub fn arm(&self, method: &'static str, slow: Duration, d: Duration) {
         *self.armed.lock().unwrap() = Some((method, slow, d));
+    }
+
+    /// Refuses (or, `false`, lets through again) the worker's beats.
+    pub fn refuse_beats(&self, refused: bool) {
+        self.beats_refused.store(refused, Ordering::SeqCst);
+    }
+
+    /// Cuts the worker off from the lease table alone (the stream still reachable), or lets it
+    /// back.
+    pub fn set_table_cut(&self, cut: bool) {
+        set(&self.table, cut);
     }
 
     async fn pass(&self) {
@@ -120,6 +134,13 @@ impl Layer for Store {
         Box::pin(async move {
             self.gate.pass_table().await;
             self.calls(call.method());
+            if call.method() == "beat" && self.gate.beats_refused.load(Ordering::SeqCst) {
+                return Err(Error::DynamoDb {
+                    operation: "UpdateItem",
+                    table: "memory".into(),
+                    source: "the roster item is throttled (ProvisionedThroughputExceeded)".into(),
+                });
+            }
             let answer = forward.await;
             let armed = {
                 let mut armed = self.gate.armed.lock().unwrap();
