@@ -922,10 +922,13 @@ impl Inner {
             Twin::None => false,
         };
         if !again {
-            *twin = Twin::Seen {
-                tag: other.tag,
-                count,
-            };
+            // (A clash already judged stays judged.)
+            if !matches!(*twin, Twin::Running { .. }) {
+                *twin = Twin::Seen {
+                    tag: other.tag,
+                    count,
+                };
+            }
             return;
         }
         let newer = self.writer().came_before(other);

@@ -727,7 +727,7 @@ impl Model {
         self.frontiers.insert(worker.to_string(), kept);
     }
 
-    /// `worker`'s manager took the lease of `shard` under `epoch` (and knows it).
+    /// A worker's manager took the lease of `shard` under `epoch` (and knows it).
     pub fn acquired(&mut self, shard: &str, epoch: u64) {
         self.acquired.insert((shard.to_string(), epoch));
     }
@@ -774,10 +774,9 @@ impl Model {
         self.event(at_ms, format!("{worker} gave up {shard} epoch {epoch}"));
         let key = (shard.to_string(), epoch);
         self.given_up.entry(key.clone()).or_insert(at_ms);
-        // (A crashed process's manager may still finish a call it had under way when the world
-        // dropped it, and give up what it held then: it holds nothing by then.)
-        // (A lease whose take was answered after its hold ran out was never held: given up as
-        // it was taken, before anything started.)
+        // Not owed: by a crashed process's manager, which may still finish a call it had under
+        // way when the world dropped it (it holds nothing by then); nor for a lease whose take
+        // was answered after its hold ran out (never held: given up as it was taken).
         if let Some(taken) = self.expired.get(&key).copied()
             && self.acquired.contains(&key)
             && !self.left_behind.contains(&key)
