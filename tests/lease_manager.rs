@@ -603,18 +603,45 @@ async fn four_workers_starting_together_share_200_new_shards_without_a_refused_w
     drop(started);
 }
 
+/// Worker "a" on a memory store of 8 shards, and "b" on the same store behind a [`Counting`]
+/// layer (to fail or slow its calls), balanced at 4 leases each: the store, b's layer, and each
+/// manager with its events.
+async fn beside_a_counted_worker() -> (
+    MemoryLeaseStore,
+    Arc<Layered<Counting>>,
+    (LeaseManager, UnboundedReceiver<LeaseEvent>),
+    (LeaseManager, UnboundedReceiver<LeaseEvent>),
+) {
+    let memory = MemoryLeaseStore::new();
+    let shards = Shards::open(8);
+    let counted = counting(memory.clone());
+    let (a, a_events) = worker(&memory, &shards, "a").await;
+    let (b, b_events) = start_on(counted.clone(), &shards, "b").await.unwrap();
+    until(Duration::from_secs(60), || b.held().len() == 4).await;
+    (memory, counted, (a, a_events), (b, b_events))
+}
+
+/// For a minute, checked every 100 ms: `b` keeps exactly `held_by_b`, and `a` its 4 leases,
+/// taking none of b's.
+async fn neither_moves_for_a_minute(
+    a: &LeaseManager,
+    b: &LeaseManager,
+    held_by_b: &[shardwise::lease::Ownership],
+) {
+    for _ in 0..600 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(b.held(), held_by_b, "b keeps its leases");
+        assert_eq!(a.held().len(), 4, "a takes none of them");
+    }
+}
+
 /// A worker whose beat cannot be written (the roster item throttled, say) while its renewals
 /// land keeps its leases, and the others, though they judge it dead by the roster, leave them: its
 /// counters move. It takes nothing while silent. Before, it gave up every lease after 6.7 s of
 /// failed beats and the others took them all (issue 27, defect 2).
 #[tokio::test(start_paused = true)]
 async fn a_worker_whose_beat_fails_while_its_renewals_land_keeps_its_leases() {
-    let memory = MemoryLeaseStore::new();
-    let shards = Shards::open(8);
-    let failing = counting(memory.clone());
-    let (a, _a_events) = worker(&memory, &shards, "a").await;
-    let (b, _b_events) = start_on(failing.clone(), &shards, "b").await.unwrap();
-    until(Duration::from_secs(60), || b.held().len() == 4).await;
+    let (memory, failing, (a, _a_events), (b, _b_events)) = beside_a_counted_worker().await;
     let held_by_b = b.held();
 
     failing
@@ -622,11 +649,7 @@ async fn a_worker_whose_beat_fails_while_its_renewals_land_keeps_its_leases() {
         .beats_fail
         .store(true, std::sync::atomic::Ordering::Relaxed);
     // A minute of failed beats: long past the others' judgement (a lease duration and a beat).
-    for _ in 0..600 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(b.held(), held_by_b, "b keeps its leases");
-        assert_eq!(a.held().len(), 4, "a takes none of them");
-    }
+    neither_moves_for_a_minute(&a, &b, &held_by_b).await;
     let owners = |owner: &str| {
         memory
             .snapshot()
@@ -657,23 +680,14 @@ async fn a_worker_whose_beat_fails_while_its_renewals_land_keeps_its_leases() {
 /// the other took them (issue 27, "a slow answer is not a lost one").
 #[tokio::test(start_paused = true)]
 async fn a_worker_whose_store_answers_four_seconds_late_keeps_its_leases() {
-    let memory = MemoryLeaseStore::new();
-    let shards = Shards::open(8);
-    let slow = counting(memory.clone());
-    let (a, _a_events) = worker(&memory, &shards, "a").await;
-    let (b, mut b_events) = start_on(slow.clone(), &shards, "b").await.unwrap();
-    until(Duration::from_secs(60), || b.held().len() == 4).await;
+    let (_memory, slow, (a, _a_events), (b, mut b_events)) = beside_a_counted_worker().await;
     let held_by_b = b.held();
     let renewals_before = slow.layer().count("renew");
 
     slow.layer()
         .late_answers_ms
         .store(4_000, std::sync::atomic::Ordering::Relaxed);
-    for _ in 0..600 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(b.held(), held_by_b, "b keeps its leases");
-        assert_eq!(a.held().len(), 4, "a takes none of them");
-    }
+    neither_moves_for_a_minute(&a, &b, &held_by_b).await;
     // A slow store is not sent more: at most the renewals of a store that answers at once.
     let renewals = slow.layer().count("renew") - renewals_before;
     let rounds = 60_000 / LeaseSettings::default().renew_interval.as_millis() as u64 + 1;
@@ -704,12 +718,7 @@ async fn a_worker_whose_store_answers_four_seconds_late_keeps_its_leases() {
 /// still, holds nothing.
 #[tokio::test(start_paused = true)]
 async fn a_worker_whose_beat_and_renewals_fail_gives_up_its_leases_and_the_others_take_them() {
-    let memory = MemoryLeaseStore::new();
-    let shards = Shards::open(8);
-    let failing = counting(memory.clone());
-    let (a, _a_events) = worker(&memory, &shards, "a").await;
-    let (b, _b_events) = start_on(failing.clone(), &shards, "b").await.unwrap();
-    until(Duration::from_secs(60), || b.held().len() == 4).await;
+    let (_memory, failing, (a, _a_events), (b, _b_events)) = beside_a_counted_worker().await;
 
     for fail in [&failing.layer().beats_fail, &failing.layer().renewals_fail] {
         fail.store(true, std::sync::atomic::Ordering::Relaxed);
