@@ -129,20 +129,16 @@ impl Lanes {
         let lane = match self.ordering {
             DeliveryOrder::None => 0,
             DeliveryOrder::PerKey => {
-                match self.active.get_mut(&self.keys.hash_one(partition_key)) {
-                    Some((lane, n)) => {
-                        *n += 1;
-                        *lane
-                    }
-                    None => {
-                        let lane = (0..self.load.len())
-                            .min_by_key(|l| self.load[*l])
-                            .unwrap_or(0);
-                        self.active
-                            .insert(self.keys.hash_one(partition_key), (lane, 1));
-                        lane
-                    }
-                }
+                let load = &self.load;
+                let (lane, n) = self
+                    .active
+                    .entry(self.keys.hash_one(partition_key))
+                    .or_insert_with(|| {
+                        let lane = (0..load.len()).min_by_key(|l| load[*l]).unwrap_or(0);
+                        (lane, 0)
+                    });
+                *n += 1;
+                *lane
             }
         };
         if let Some(load) = self.load.get_mut(lane) {
