@@ -1077,6 +1077,73 @@ async fn after_a_restart_no_event_an_earlier_attempt_finished_reaches_the_handle
     );
 }
 
+/// A seek stamps the row by the seeking host's clock and receipts carry the recording host's: a
+/// seek from a host whose clock is 10 s behind the workers' still reaches every event again.
+/// Before, a receipt recorded before the seek (by the true time) but stamped after it (by a
+/// clock ahead) stopped the handler, and the events handled in the 10 s before the seek were not
+/// read again; the same held for a receipt recorded in the seek's own millisecond.
+#[tokio::test(start_paused = true)]
+async fn a_seek_from_a_host_whose_clock_is_behind_still_reaches_every_event_again() {
+    use shardwise::paged::{Finality, Timestamps, Traversal};
+    use shardwise::testing::{HostClock, on_host};
+    let api = EventApi::new(SOURCE).contract(Contract::default().timestamps(Timestamps::new(
+        Traversal::Complete,
+        Finality::Lateness(Duration::from_secs(3_600)),
+    )));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    for n in 1..=4 {
+        api.push_at("p", &format!("p-{n}"), now - 60_000 + n * 1_000, "e");
+    }
+    let store = MemoryLeaseStore::new();
+    let receipts = MemoryReceipts::new();
+    let calls = Calls::default();
+    let first = builder(&api, &store, "w1", handler("w1", &calls, |_| Outcome::Ack))
+        .receipts(Arc::new(receipts.clone()))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("four receipts", Duration::from_secs(20), || {
+        receipts.receipts().len() == 4
+    })
+    .await;
+    first.shutdown(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let an_hour_ago = std::time::SystemTime::now() - Duration::from_secs(3_600);
+    let behind = HostClock::new(-10_000, 0);
+    let moved = on_host(
+        behind,
+        shardwise::seek::seek_paged(
+            &store,
+            &api,
+            &shardwise::seek::SeekTarget::Timestamp(an_hour_ago),
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(moved.moved, ["p"]);
+    let second = builder(&api, &store, "w2", handler("w2", &calls, |_| Outcome::Ack))
+        .receipts(Arc::new(receipts.clone()))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("every event handled again", Duration::from_secs(20), || {
+        calls.of("w2").len() == 4
+    })
+    .await;
+    second.shutdown(Duration::from_secs(2)).await;
+    let mut again = calls.of("w2");
+    again.sort();
+    assert_eq!(again, ["p-1", "p-2", "p-3", "p-4"]);
+}
+
 /// The lease store's progress writes, as a flaky network makes them: the first barrier write
 /// (the first to move the version) is applied and its answer lost; the writes after it fail without effect until one that differs from the first has
 /// failed too; then every write goes through.

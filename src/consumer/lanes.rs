@@ -308,8 +308,22 @@ async fn done_before(
     let receipt = read_receipt(store, &delivery.event_id(), "before handling").await;
     receipt.is_some_and(|r| {
         r.disposition.is_terminal()
-            && sought_at.is_none_or(|s| crate::time::millis(r.recorded_at) >= s)
+            && recorded_since_seek(crate::time::millis(r.recorded_at), sought_at)
     })
+}
+
+/// How far apart the wall clocks of the host that seeks and the hosts that record receipts may be
+/// for a seek to reach every event it asks for again.
+pub(crate) const SEEK_CLOCK_ALLOWANCE: Duration = Duration::from_secs(30);
+
+/// Whether a receipt recorded at `recorded_at` (ms, by the recording host's clock) is known to be
+/// later than the partition's last seek at `sought_at` (ms, by the seeking host's clock), so that
+/// it stops the handler. The two clocks differ, and a millisecond holds both a receipt and a seek:
+/// a receipt is later only by more than [`SEEK_CLOCK_ALLOWANCE`]. Every doubt goes to the seek:
+/// an event the seek asked for reaches the handler again (once more, at worst, for a receipt
+/// recorded within the allowance after it), never not at all.
+fn recorded_since_seek(recorded_at: i64, sought_at: Option<i64>) -> bool {
+    sought_at.is_none_or(|s| recorded_at > s + SEEK_CLOCK_ALLOWANCE.as_millis() as i64)
 }
 
 /// How long ago `delivery` arrived, when that is longer than `max`.
@@ -425,6 +439,24 @@ mod tests {
         .partition_key(key)
         .set_lane(lane)
         .build()
+    }
+
+    #[test]
+    fn a_receipt_stops_a_sought_event_only_when_clearly_later_than_the_seek() {
+        let seek = 1_700_000_000_000;
+        let allowance = SEEK_CLOCK_ALLOWANCE.as_millis() as i64;
+        assert!(recorded_since_seek(seek - 1, None), "no seek: any receipt");
+        assert!(
+            !recorded_since_seek(seek, Some(seek)),
+            "in the seek's millisecond: the seek may have come first"
+        );
+        assert!(
+            !recorded_since_seek(seek + 10_000, Some(seek)),
+            "10 s later by a clock 10 s ahead of the seeker's: may be before it"
+        );
+        assert!(!recorded_since_seek(seek + allowance, Some(seek)));
+        assert!(recorded_since_seek(seek + allowance + 1, Some(seek)));
+        assert!(!recorded_since_seek(seek - 1, Some(seek)));
     }
 
     #[tokio::test]
