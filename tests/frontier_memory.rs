@@ -189,19 +189,36 @@ impl LeaseStore for Tampered {
     fn beat<'a>(
         &'a self,
         stream: &'a str,
+        section: u32,
         worker: &'a str,
         beat: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>> {
-        self.inner.beat(stream, worker, beat, announce)
+        self.inner.beat(stream, section, worker, beat, announce)
     }
     fn forget<'a>(
         &'a self,
         stream: &'a str,
+        section: u32,
         worker: &'a str,
         seen: Option<u64>,
     ) -> BoxFuture<'a, Result<bool, Error>> {
-        self.inner.forget(stream, worker, seen)
+        self.inner.forget(stream, section, worker, seen)
+    }
+    fn read_roster<'a>(
+        &'a self,
+        stream: &'a str,
+        sections: &'a [u32],
+    ) -> BoxFuture<'a, Result<Vec<Roster>, Error>> {
+        self.inner.read_roster(stream, sections)
+    }
+    fn split_roster<'a>(
+        &'a self,
+        stream: &'a str,
+        from: u32,
+        to: u32,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.inner.split_roster(stream, from, to)
     }
     fn membership<'a>(
         &'a self,

@@ -846,7 +846,7 @@ async fn leases_falling_to_a_worker_that_never_takes_them_are_taken_after_a_leas
         let store = store.clone();
         async move {
             for beat in 1.. {
-                store.beat(STREAM, "ghost", beat, false).await.unwrap();
+                store.beat(STREAM, 0, "ghost", beat, false).await.unwrap();
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
@@ -950,7 +950,7 @@ async fn a_lease_asked_for_by_a_worker_that_is_gone_is_released_not_passed() {
         let store = store.clone();
         tokio::spawn(async move {
             for beat in 1.. {
-                store.beat(STREAM, "alive", beat, false).await.unwrap();
+                store.beat(STREAM, 0, "alive", beat, false).await.unwrap();
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         })
@@ -1055,7 +1055,7 @@ async fn expired_leases_of_a_gone_owner_falling_to_a_worker_that_never_takes_the
         let store = store.clone();
         async move {
             for beat in 1.. {
-                store.beat(STREAM, "ghost", beat, false).await.unwrap();
+                store.beat(STREAM, 0, "ghost", beat, false).await.unwrap();
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
@@ -1142,8 +1142,8 @@ async fn a_crashed_workers_last_beat_landing_after_its_restart_is_not_a_second_p
     until(Duration::from_secs(30), || crashed.held().len() == 4).await;
     // The beat the crashed process last wrote, as the roster holds it (read by a passer-by that
     // leaves again).
-    let roster = store.beat(STREAM, "reader", 1, false).await.unwrap();
-    store.forget(STREAM, "reader", None).await.unwrap();
+    let roster = store.beat(STREAM, 0, "reader", 1, false).await.unwrap();
+    store.forget(STREAM, 0, "reader", None).await.unwrap();
     let last = roster.beats["web-1"];
     drop(crashed); // kill -9, with one more beat on its way
 
@@ -1151,7 +1151,10 @@ async fn a_crashed_workers_last_beat_landing_after_its_restart_is_not_a_second_p
     until(Duration::from_secs(30), || restarted.held().len() == 4).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     // The beat on its way lands: the crashed process's next count.
-    store.beat(STREAM, "web-1", last + 1, false).await.unwrap();
+    store
+        .beat(STREAM, 0, "web-1", last + 1, false)
+        .await
+        .unwrap();
     for _ in 0..200 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(
@@ -1401,4 +1404,52 @@ async fn a_renewal_answered_late_is_judged_from_when_it_was_sent() {
         lost_at - applied_at,
         settings.lease_duration
     );
+}
+
+/// Issue 27, defect 2: the roster's write rate must not grow with the square of the fleet. 200
+/// workers with 40-character ids (host name, pid and a random part) start together on 400 shards,
+/// with DynamoDB's per-item limit kept (1,000 write units a second, a unit per KB written). One
+/// roster item of 200 entries is about 11 KB: 11 units a beat, 2,200 a second from 200 workers,
+/// so beats were throttled and the fleet never balanced. Split into sections of at most 32
+/// workers, no item takes more than 500 units a second, and the fleet balances within 60 s.
+#[tokio::test(start_paused = true)]
+async fn two_hundred_workers_balance_with_no_roster_item_past_500_write_units_a_second() {
+    let memory = MemoryLeaseStore::new();
+    memory.service_limits();
+    let store: Arc<dyn LeaseStore> = Arc::new(memory.clone());
+    let shards = Shards::open(400);
+    let names: Vec<String> = (0..200)
+        .map(|i| {
+            format!(
+                "ip-10-0-{:03}-{:03}.eu-west-1.compute.internal-{:06}",
+                i / 7,
+                i % 7,
+                i * 31
+            )
+        })
+        .collect();
+    assert!(names.iter().all(|n| n.len() >= 40));
+    let workers = futures::future::join_all(
+        names
+            .iter()
+            .map(|name| cooperating(store.clone(), &shards, name, LeaseSettings::default())),
+    )
+    .await;
+    let took = until(Duration::from_secs(60), || {
+        let loads: Vec<usize> = workers.iter().map(|w| w.held().len()).collect();
+        loads.iter().sum::<usize>() == 400 && loads.iter().all(|n| *n == 2)
+    })
+    .await;
+    eprintln!("200 workers balanced 400 shards in {took:?}");
+    eprintln!("starting: {:?}", memory.busiest_item());
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let loads: Vec<usize> = names.iter().map(|w| owned_by(&memory, w)).collect();
+    assert!(loads.iter().all(|n| *n == 2), "steady: {loads:?}");
+    let (item, units) = memory.busiest_item().expect("items were written");
+    eprintln!("busiest item {item}: {units} write units in one second");
+    assert!(
+        units <= 500,
+        "{item} took {units} write units in one second"
+    );
+    drop(workers);
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use futures::future::join_all;
 use shardwise::lease::{
     Checkpoint, CheckpointWrite, DynamoDbLeaseStore, ITEM_WRITES_PER_SECOND, Lease, LeaseStore,
-    MAX_SEEK_MOVES, MemoryLeaseStore, NewLease, Ownership, Renewal, SeekMove,
+    MAX_SEEK_MOVES, MemoryLeaseStore, NewLease, Ownership, Renewal, Roster, SeekMove,
 };
 use shardwise::paged::{Cursor, PagePosition, PagedProgress};
 use shardwise::{Error, Position, SequenceNumber};
@@ -551,9 +551,9 @@ async fn a_seek_clears_a_handoff_request_and_announce_raises_changes(store: &dyn
     let after = row(store, &stream).await;
     assert_eq!((after.owner, after.wanted_by), (None, None));
 
-    let before = store.beat(&stream, "w", 1, false).await.unwrap().changes;
+    let before = store.beat(&stream, 0, "w", 1, false).await.unwrap().changes;
     store.announce(&stream).await.unwrap();
-    let roster = store.beat(&stream, "w", 2, false).await.unwrap();
+    let roster = store.beat(&stream, 0, "w", 2, false).await.unwrap();
     assert_eq!(roster.changes, before + 1, "announced");
     assert_eq!(
         roster.beats.keys().collect::<Vec<_>>(),
@@ -1158,12 +1158,12 @@ async fn a_handoff_is_requested_once_and_passed_only_to_the_taker(store: &dyn Le
 async fn the_roster_counts_beats_and_forgets_a_worker_only_as_seen(store: &dyn LeaseStore) {
     let stream = stream_name();
     let other = stream_name();
-    let first = store.beat(&stream, "w1", 1, false).await.unwrap();
+    let first = store.beat(&stream, 0, "w1", 1, false).await.unwrap();
     assert_eq!(first.beats.get("w1"), Some(&1));
     assert_eq!(first.changes, 0);
     assert_eq!(first.founder.as_deref(), Some("w1"), "the first to beat");
     assert_eq!(first.beat_before, None, "no entry before");
-    let both = store.beat(&stream, "w2", 1, false).await.unwrap();
+    let both = store.beat(&stream, 0, "w2", 1, false).await.unwrap();
     assert_eq!(
         both.beats
             .iter()
@@ -1174,17 +1174,17 @@ async fn the_roster_counts_beats_and_forgets_a_worker_only_as_seen(store: &dyn L
     );
     assert_eq!(both.founder.as_deref(), Some("w1"), "the founder stays");
     assert_eq!(both.beat_before, None, "w2's own entry was new");
-    let announced = store.beat(&stream, "w1", 2, true).await.unwrap();
+    let announced = store.beat(&stream, 0, "w1", 2, true).await.unwrap();
     assert_eq!((announced.beats["w1"], announced.changes), (2, 1));
     assert_eq!(announced.beat_before, Some(1), "w1's own last beat");
     // Beats are set, not added: a value as large as a tagged beat round-trips whole.
     let tagged = (1u64 << 63) + 3;
-    let big = store.beat(&stream, "w1", tagged, false).await.unwrap();
+    let big = store.beat(&stream, 0, "w1", tagged, false).await.unwrap();
     assert_eq!((big.beats["w1"], big.beat_before), (tagged, Some(2)));
-    let again = store.beat(&stream, "w1", 4, false).await.unwrap();
+    let again = store.beat(&stream, 0, "w1", 4, false).await.unwrap();
     assert_eq!((again.beats["w1"], again.beat_before), (4, Some(tagged)));
     assert_eq!(
-        store.beat(&other, "w1", 1, false).await.unwrap().beats["w1"],
+        store.beat(&other, 0, "w1", 1, false).await.unwrap().beats["w1"],
         1,
         "each stream has its own roster"
     );
@@ -1193,23 +1193,59 @@ async fn the_roster_counts_beats_and_forgets_a_worker_only_as_seen(store: &dyn L
     assert_eq!(store.list(&stream).await.unwrap().len(), 1);
 
     assert!(
-        !store.forget(&stream, "w2", Some(7)).await.unwrap(),
+        !store.forget(&stream, 0, "w2", Some(7)).await.unwrap(),
         "w2 beat since it was seen at 7"
     );
-    assert!(store.forget(&stream, "w2", Some(1)).await.unwrap());
+    assert!(store.forget(&stream, 0, "w2", Some(1)).await.unwrap());
     assert!(
-        !store.forget(&stream, "w2", Some(1)).await.unwrap(),
+        !store.forget(&stream, 0, "w2", Some(1)).await.unwrap(),
         "forgotten already"
     );
-    let after = store.beat(&stream, "w1", 5, false).await.unwrap();
+    let after = store.beat(&stream, 0, "w1", 5, false).await.unwrap();
     assert_eq!(after.beats.keys().collect::<Vec<_>>(), ["w1"]);
     assert_eq!(after.changes, 1);
     // Leaving is unconditional and announced (every worker scans), and a worker that comes back
     // writes its beat into a new entry.
-    assert!(store.forget(&stream, "w1", None).await.unwrap());
-    let back = store.beat(&stream, "w1", 1, false).await.unwrap();
+    assert!(store.forget(&stream, 0, "w1", None).await.unwrap());
+    let back = store.beat(&stream, 0, "w1", 1, false).await.unwrap();
     assert_eq!((back.beats["w1"], back.changes), (1, 2));
     assert_eq!(back.beat_before, None, "leaving removed the entry");
+
+    // A split roster: section 0 says how many sections there are (1 until split); each section
+    // is an item of its own, with its own entries, founder and counter, and they are read in one
+    // request.
+    assert_eq!(back.sections, Some(1));
+    assert!(store.split_roster(&stream, 1, 4).await.unwrap());
+    assert!(
+        !store.split_roster(&stream, 1, 2).await.unwrap(),
+        "split already: the count read is stale"
+    );
+    let third = store.beat(&stream, 3, "w9", 7, true).await.unwrap();
+    assert_eq!(third.beats.keys().collect::<Vec<_>>(), ["w9"]);
+    assert_eq!(
+        (third.changes, third.sections, third.founder.as_deref()),
+        (1, None, Some("w9"))
+    );
+    let read = store.read_roster(&stream, &[0, 2, 3]).await.unwrap();
+    assert_eq!(read.len(), 3);
+    assert_eq!((read[0].sections, read[0].beats["w1"]), (Some(4), 1));
+    assert_eq!(read[1], Roster::default(), "a section nobody beat in");
+    assert_eq!((read[2].beats["w9"], read[2].beat_before), (7, None));
+    assert!(store.split_roster(&stream, 4, 8).await.unwrap());
+    assert_eq!(
+        store
+            .beat(&stream, 0, "w1", 2, false)
+            .await
+            .unwrap()
+            .sections,
+        Some(8)
+    );
+    assert!(store.forget(&stream, 3, "w9", Some(7)).await.unwrap());
+    assert!(
+        store.read_roster(&stream, &[3]).await.unwrap()[0]
+            .beats
+            .is_empty()
+    );
 }
 
 /// What a seek records as skipped round-trips on the row (the paged attributes and the owner
@@ -1352,28 +1388,42 @@ conformance!(
 // ---------------------------------------------------------------------------------------------
 // The DynamoDB store only: the table itself.
 
-/// With the service's limits, a roster item takes 1,000 writes a second, as a DynamoDB item does:
-/// the next beat in the same second is throttled without effect, and the next second takes more.
+/// With the service's limits, a roster item takes 1,000 write units a second, as a DynamoDB item
+/// does, and a write takes a unit per KB of the item: the next beat in the same second is
+/// throttled without effect, the next second takes more, and a larger item takes fewer beats.
 #[tokio::test(start_paused = true)]
-async fn memory_a_roster_item_takes_a_thousand_writes_a_second() {
+async fn memory_a_roster_item_takes_a_thousand_write_units_a_second() {
     let store = MemoryLeaseStore::new();
     store.service_limits();
-    for beat in 0..u64::from(ITEM_WRITES_PER_SECOND) {
-        store
-            .beat("s", &format!("w{beat}"), 1, false)
-            .await
-            .unwrap();
+    for beat in 1..=u64::from(ITEM_WRITES_PER_SECOND) {
+        store.beat("s", 0, "w", beat, false).await.unwrap();
     }
-    let refused = store.beat("s", "late", 1, false).await.unwrap_err();
+    let refused = store.beat("s", 0, "w", 1_001, false).await.unwrap_err();
     assert!(format!("{refused:?}").contains("throttled"), "{refused:?}");
-    // Another stream's roster is another item.
-    store.beat("t", "w", 1, false).await.unwrap();
+    // Another stream's roster, and another section, are other items.
+    store.beat("t", 0, "w", 1, false).await.unwrap();
+    store.beat("s", 1, "w", 1, false).await.unwrap();
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let roster = store.beat("s", "late", 1, false).await.unwrap();
+    let roster = store.beat("s", 0, "w", 2_000, false).await.unwrap();
     assert_eq!(
-        roster.beats.len(),
-        1_001,
+        roster.beat_before,
+        Some(1_000),
         "the refused beat had no effect, this one did"
+    );
+    // 40 workers with 100-character ids: an item of about 4.8 KB, 5 units a write.
+    let id = |i: usize| format!("{i:0>100}");
+    for i in 0..40 {
+        store.beat("u", 0, &id(i), 1, false).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut taken = 0;
+    while store.beat("u", 0, &id(0), taken + 2, false).await.is_ok() {
+        taken += 1;
+    }
+    assert_eq!(taken, 200, "1,000 units at 5 a write");
+    assert_eq!(
+        store.busiest_item(),
+        Some(("~workers#s".to_string(), 1_000))
     );
 }
 
@@ -1382,14 +1432,18 @@ async fn memory_a_roster_item_takes_a_thousand_writes_a_second() {
 #[tokio::test]
 async fn memory_a_throttled_roster_refuses_its_writes_until_released() {
     let store = MemoryLeaseStore::new();
-    store.beat("s", "a", 1, false).await.unwrap();
+    store.beat("s", 0, "a", 1, false).await.unwrap();
     store.throttle_roster("s", true);
-    assert!(store.beat("s", "a", 2, false).await.is_err());
-    assert!(store.forget("s", "a", None).await.is_err());
-    store.beat("t", "a", 1, false).await.unwrap();
+    assert!(store.beat("s", 0, "a", 2, false).await.is_err());
+    assert!(
+        store.beat("s", 3, "a", 2, false).await.is_err(),
+        "every section"
+    );
+    assert!(store.forget("s", 0, "a", None).await.is_err());
+    store.beat("t", 0, "a", 1, false).await.unwrap();
     assert!(store.create(&new_lease("s", SHARD)).await.unwrap());
     store.throttle_roster("s", false);
-    let roster = store.beat("s", "a", 3, false).await.unwrap();
+    let roster = store.beat("s", 0, "a", 3, false).await.unwrap();
     assert_eq!(
         roster.beat_before,
         Some(1),

@@ -61,6 +61,7 @@ mod attr {
     pub(super) const BEAT: &str = "beat:";
     pub(super) const CHANGES: &str = "changes";
     pub(super) const FOUNDER: &str = "founder";
+    pub(super) const SECTIONS: &str = "sections";
 }
 use attr::*;
 
@@ -418,15 +419,45 @@ impl DynamoDbLeaseStore {
         }
     }
 
-    /// The key of a stream's roster item (no `streamName`: no scan of the rows sees it).
-    fn roster_key(stream: &str) -> String {
-        format!("~workers#{stream}")
+    /// The key of a section of a stream's roster (no `streamName`: no scan of the rows sees it).
+    fn roster_key(stream: &str, section: u32) -> String {
+        match section {
+            0 => format!("~workers#{stream}"),
+            k => format!("~workers#{stream}#{k}"),
+        }
     }
 
-    /// `beat`: `beat:<worker>` + 1 (and `changes` + 1), the roster returned as written.
+    /// A roster section from its item's attributes (`beat_before` not set).
+    fn roster_of<'i>(
+        section: u32,
+        attributes: impl IntoIterator<Item = (&'i String, &'i AttributeValue)>,
+    ) -> Roster {
+        let number = |v: &AttributeValue| v.as_n().ok().and_then(|n| n.parse::<u64>().ok());
+        let mut roster = Roster::default();
+        for (name, value) in attributes {
+            if let Some(worker) = name.strip_prefix(BEAT) {
+                if let Some(beat) = number(value) {
+                    roster.beats.insert(worker.to_string(), beat);
+                }
+            } else if name == CHANGES {
+                roster.changes = number(value).unwrap_or(0);
+            } else if name == FOUNDER {
+                roster.founder = value.as_s().ok().cloned();
+            } else if name == SECTIONS && section == 0 {
+                roster.sections = number(value).and_then(|n| u32::try_from(n).ok());
+            }
+        }
+        if section == 0 {
+            roster.sections = Some(roster.sections.unwrap_or(1).max(1));
+        }
+        roster
+    }
+
+    /// `beat`: `beat:<worker>` + 1 (and `changes` + 1), the section returned as written.
     async fn beat_roster(
         &self,
         stream: &str,
+        section: u32,
         worker: &str,
         beat: u64,
         announce: bool,
@@ -435,7 +466,7 @@ impl DynamoDbLeaseStore {
             .client
             .update_item()
             .table_name(&self.table)
-            .key(KEY, s(Self::roster_key(stream)))
+            .key(KEY, s(Self::roster_key(stream, section)))
             .expression_attribute_names("#beat", format!("{BEAT}{worker}"))
             .expression_attribute_names("#founder", FOUNDER)
             .expression_attribute_values(":me", s(worker))
@@ -456,19 +487,7 @@ impl DynamoDbLeaseStore {
             .send()
             .await
             .map_err(|e| self.failed("UpdateItem", e))?;
-        let number = |v: &AttributeValue| v.as_n().ok().and_then(|n| n.parse::<u64>().ok());
-        let mut roster = Roster::default();
-        for (name, value) in out.attributes().into_iter().flatten() {
-            if let Some(worker) = name.strip_prefix(BEAT) {
-                if let Some(beat) = number(value) {
-                    roster.beats.insert(worker.to_string(), beat);
-                }
-            } else if name == CHANGES {
-                roster.changes = number(value).unwrap_or(0);
-            } else if name == FOUNDER {
-                roster.founder = value.as_s().ok().cloned();
-            }
-        }
+        let mut roster = Self::roster_of(section, out.attributes().into_iter().flatten());
         roster.beat_before = roster.beats.insert(worker.to_string(), beat);
         roster.changes += u64::from(announce);
         roster.founder.get_or_insert_with(|| worker.to_string());
@@ -479,6 +498,7 @@ impl DynamoDbLeaseStore {
     async fn forget_worker(
         &self,
         stream: &str,
+        section: u32,
         worker: &str,
         seen: Option<u64>,
     ) -> Result<bool, Error> {
@@ -486,7 +506,7 @@ impl DynamoDbLeaseStore {
             .client
             .update_item()
             .table_name(&self.table)
-            .key(KEY, s(Self::roster_key(stream)))
+            .key(KEY, s(Self::roster_key(stream, section)))
             .expression_attribute_names("#beat", format!("{BEAT}{worker}"));
         request = match seen {
             Some(seen) => request
@@ -499,6 +519,82 @@ impl DynamoDbLeaseStore {
                 .expression_attribute_values(":one", n(1u64)),
         };
         self.stored(request.send().await)
+    }
+
+    /// `read_roster`: the sections' items by BatchGetItem (strongly consistent; at most 100 keys a
+    /// request, keys left unprocessed asked again after a short wait).
+    async fn read_sections(&self, stream: &str, sections: &[u32]) -> Result<Vec<Roster>, Error> {
+        use aws_sdk_dynamodb::types::KeysAndAttributes;
+        let mut found: HashMap<String, Item> = HashMap::new();
+        for chunk in sections.chunks(100) {
+            let mut keys: Vec<Item> = chunk
+                .iter()
+                .map(|&k| HashMap::from([(KEY.to_string(), s(Self::roster_key(stream, k)))]))
+                .collect();
+            let mut wait = std::time::Duration::from_millis(50);
+            while !keys.is_empty() {
+                let request = KeysAndAttributes::builder()
+                    .set_keys(Some(std::mem::take(&mut keys)))
+                    .consistent_read(true)
+                    .build()
+                    .map_err(|e| self.failed("BatchGetItem", e))?;
+                let out = self
+                    .client
+                    .batch_get_item()
+                    .request_items(&self.table, request)
+                    .send()
+                    .await
+                    .map_err(|e| self.failed("BatchGetItem", e))?;
+                for item in out
+                    .responses()
+                    .and_then(|r| r.get(&self.table))
+                    .into_iter()
+                    .flatten()
+                {
+                    if let Some(key) = item.get(KEY).and_then(|k| k.as_s().ok()) {
+                        found.insert(key.clone(), item.clone());
+                    }
+                }
+                keys = out
+                    .unprocessed_keys()
+                    .and_then(|u| u.get(&self.table))
+                    .map(|k| k.keys().to_vec())
+                    .unwrap_or_default();
+                if !keys.is_empty() {
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(std::time::Duration::from_secs(1));
+                }
+            }
+        }
+        Ok(sections
+            .iter()
+            .map(|&k| match found.get(&Self::roster_key(stream, k)) {
+                Some(item) => Self::roster_of(k, item),
+                None => Self::roster_of(k, std::iter::empty()),
+            })
+            .collect())
+    }
+
+    /// `split_roster`: section 0's `sections` = `to`, if it is `from` (absent counting as 1).
+    async fn split_sections(&self, stream: &str, from: u32, to: u32) -> Result<bool, Error> {
+        let condition = if from == 1 {
+            "attribute_not_exists(#sections) OR #sections = :from"
+        } else {
+            "#sections = :from"
+        };
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, s(Self::roster_key(stream, 0)))
+            .update_expression("SET #sections = :to")
+            .condition_expression(condition)
+            .expression_attribute_names("#sections", SECTIONS)
+            .expression_attribute_values(":from", n(u64::from(from)))
+            .expression_attribute_values(":to", n(u64::from(to)))
+            .send()
+            .await;
+        self.stored(result)
     }
 
     /// `release`: owner removed, counter + 1, any handoff request removed.
@@ -1103,20 +1199,39 @@ impl LeaseStore for DynamoDbLeaseStore {
     fn beat<'a>(
         &'a self,
         stream: &'a str,
+        section: u32,
         worker: &'a str,
         beat: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>> {
-        Box::pin(self.beat_roster(stream, worker, beat, announce))
+        Box::pin(self.beat_roster(stream, section, worker, beat, announce))
     }
 
     fn forget<'a>(
         &'a self,
         stream: &'a str,
+        section: u32,
         worker: &'a str,
         seen: Option<u64>,
     ) -> BoxFuture<'a, Result<bool, Error>> {
-        Box::pin(self.forget_worker(stream, worker, seen))
+        Box::pin(self.forget_worker(stream, section, worker, seen))
+    }
+
+    fn read_roster<'a>(
+        &'a self,
+        stream: &'a str,
+        sections: &'a [u32],
+    ) -> BoxFuture<'a, Result<Vec<Roster>, Error>> {
+        Box::pin(self.read_sections(stream, sections))
+    }
+
+    fn split_roster<'a>(
+        &'a self,
+        stream: &'a str,
+        from: u32,
+        to: u32,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.split_sections(stream, from, to))
     }
 
     fn announce<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>> {
@@ -1124,7 +1239,7 @@ impl LeaseStore for DynamoDbLeaseStore {
             self.client
                 .update_item()
                 .table_name(&self.table)
-                .key(KEY, s(Self::roster_key(stream)))
+                .key(KEY, s(Self::roster_key(stream, 0)))
                 .update_expression("ADD #changes :one")
                 .expression_attribute_names("#changes", CHANGES)
                 .expression_attribute_values(":one", n(1u64))

@@ -18,7 +18,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
 
 use super::planner::{self, PlanLimits, Seen, Take};
-use super::roster::{RosterView, Writer};
+use super::roster::{READ_EVERY_BEATS, RosterView, Sections, Writer};
 use super::row::{InitialPosition, Lease, Ownership};
 use super::store::{LeaseStore, Renewal};
 use super::sync;
@@ -360,8 +360,13 @@ struct Inner {
     failing: Mutex<HashMap<String, Failing>>,
     /// The workers of the stream as their beats tell.
     roster: Mutex<RosterView>,
+    /// The roster's sections as this worker last read them, and where it beats.
+    sections: Mutex<Sections>,
     /// When this worker's own beat was last written.
     last_beat: Mutex<Instant>,
+    /// When the last read of the sections this worker does not beat in that landed was sent, and
+    /// how many sections there were (`None`: never read; a roster of one section needs none).
+    last_read: Mutex<Option<(Instant, u32)>>,
     /// A failed beat found the beat silent ([`Inner::silent`]) and said so; cleared, and said
     /// so, when a beat lands again.
     silent: AtomicBool,
@@ -469,8 +474,10 @@ impl LeaseManager {
             membership_scans: AtomicU64::new(0),
             requests: Mutex::new(HashMap::new()),
             failing: Mutex::new(HashMap::new()),
+            sections: Mutex::new(Sections::new(worker_id.clone())),
             roster: Mutex::new(RosterView::new(worker_id, silence)),
             last_beat: Mutex::new(Instant::now()),
+            last_read: Mutex::new(None),
             silent: AtomicBool::new(false),
             announce: AtomicBool::new(false),
             scan_now: Notify::new(),
@@ -684,10 +691,21 @@ impl LeaseManager {
         self.tasks.wait().await;
         // Last, once no beat can follow: leaving is a change of the roster, so the others scan
         // at their next beat and share out the released leases.
+        let (section, left) = {
+            let s = self.inner.sections();
+            (s.mine(), s.left())
+        };
+        if let Some((old, beat)) = left {
+            let _ = self
+                .inner
+                .store
+                .forget(&self.inner.stream, old, &self.inner.worker, Some(beat))
+                .await;
+        }
         if let Err(e) = self
             .inner
             .store
-            .forget(&self.inner.stream, &self.inner.worker, None)
+            .forget(&self.inner.stream, section, &self.inner.worker, None)
             .await
         {
             warn!(stream = %self.inner.stream, error = &e as &dyn std::error::Error, "leaving the roster failed; the others judge this worker gone once its beat stops");
@@ -762,6 +780,10 @@ impl Inner {
         self.roster.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn sections(&self) -> MutexGuard<'_, Sections> {
+        self.sections.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The last listing of the source and when it was taken.
     fn listing(&self) -> Option<(frontier::Listing, Instant)> {
         self.listing
@@ -810,11 +832,13 @@ impl Inner {
         let attempt = self.settings.attempt_limit();
         let count = self.beats_tried.fetch_add(1, Ordering::Relaxed) + 1;
         let beat = self.writer().beat(count);
+        let section = self.sections().mine();
         // Stamped with when it was sent (see `renew_loop`).
         let sent = Instant::now();
         let result = tokio::time::timeout(
             attempt,
-            self.store.beat(&self.stream, &self.worker, beat, announce),
+            self.store
+                .beat(&self.stream, section, &self.worker, beat, announce),
         )
         .await;
         let roster = match result {
@@ -839,18 +863,33 @@ impl Inner {
                 return false;
             }
         };
-        let now = Instant::now();
         self.twin_seen(roster.beat_before);
+        let beat_before = roster.beat_before;
+        {
+            let mut sections = self.sections();
+            sections.record(section, roster);
+            sections.landed(section, beat);
+        }
         {
             let mut last = self.last_beat.lock().unwrap_or_else(|e| e.into_inner());
             *last = (*last).max(sent);
         }
+        self.read_sections(count).await;
         if self.silent.swap(false, Ordering::Relaxed) {
             info!(stream = %self.stream, "this worker's beat is written again: taking leases again");
         }
+        self.leave_old_section().await;
+        // Judged as of after the reads: a beat seen is never dated before it was written.
+        let now = Instant::now();
+        let (roster, found) = self.sections().merged(beat_before);
         let observed = self.roster().observe(&roster, now);
         for (worker, beat) in observed.forget {
-            match self.store.forget(&self.stream, &worker, Some(beat)).await {
+            let section = found.get(&worker).copied().unwrap_or(0);
+            match self
+                .store
+                .forget(&self.stream, section, &worker, Some(beat))
+                .await
+            {
                 Ok(true) => {
                     info!(stream = %self.stream, worker = %worker, "a dead worker was removed from the roster")
                 }
@@ -860,7 +899,89 @@ impl Inner {
                 }
             }
         }
+        self.split_if_full().await;
         observed.changed
+    }
+
+    /// Reads the sections of the roster this worker does not beat in, every
+    /// [`READ_EVERY_BEATS`] beats (and at once when it never read them, or their number grew).
+    /// A roster of one section needs no read: the beat's answer is the whole roster.
+    async fn read_sections(&self, count: u64) {
+        let (others, sections) = {
+            let s = self.sections();
+            (s.others(), s.count())
+        };
+        if others.is_empty() {
+            return;
+        }
+        let last = *self.last_read.lock().unwrap_or_else(|e| e.into_inner());
+        let due = match last {
+            None => true,
+            Some((_, read)) => read != sections || count.is_multiple_of(READ_EVERY_BEATS),
+        };
+        if !due {
+            return;
+        }
+        let sent = Instant::now();
+        let result = tokio::time::timeout(
+            self.settings.attempt_limit(),
+            self.store.read_roster(&self.stream, &others),
+        )
+        .await;
+        match result {
+            Ok(Ok(read)) => {
+                let mut s = self.sections();
+                for (section, roster) in others.into_iter().zip(read) {
+                    s.record(section, roster);
+                }
+                drop(s);
+                *self.last_read.lock().unwrap_or_else(|e| e.into_inner()) = Some((sent, sections));
+            }
+            Ok(Err(e)) => {
+                warn!(stream = %self.stream, error = &e as &dyn std::error::Error, "reading the roster's other sections failed")
+            }
+            Err(_) => warn!(stream = %self.stream, "reading the roster's other sections timed out"),
+        }
+    }
+
+    /// Removes this worker's entry from a section it moved out of (only while it still holds
+    /// the beat this worker left there), so the others do not judge it dead there.
+    async fn leave_old_section(&self) {
+        let Some((section, beat)) = self.sections().left() else {
+            return;
+        };
+        match self
+            .store
+            .forget(&self.stream, section, &self.worker, Some(beat))
+            .await
+        {
+            Ok(_) => self.sections().removed(),
+            Err(e) => {
+                debug!(stream = %self.stream, section, error = &e as &dyn std::error::Error, "removing this worker's entry from the section it moved out of failed; tried again at the next beat")
+            }
+        }
+    }
+
+    /// Splits the roster in two more sections when this worker's own holds too many workers
+    /// (conditioned on the count it read: of two workers splitting at once, one does).
+    async fn split_if_full(&self) {
+        let (from, to) = {
+            let s = self.sections();
+            (s.count(), s.split())
+        };
+        let Some(to) = to else {
+            return;
+        };
+        match self.store.split_roster(&self.stream, from, to).await {
+            Ok(true) => {
+                info!(stream = %self.stream, from, to, "the roster is split into more sections: each worker beats in its own and reads the others");
+                self.sections().split_to(to);
+            }
+            Ok(false) => {}
+            Err(e) => {
+                debug!(stream = %self.stream, error = &e as &dyn std::error::Error, "splitting the roster failed; tried again at the next beat")
+            }
+        }
     }
 
     /// When the last beat of this worker that landed was sent.
@@ -872,7 +993,17 @@ impl Inner {
     /// of the roster may be that old, so it takes no lease. Judged by the clock, not by a failed
     /// beat: one still awaiting its answer counts as not landed.
     fn silent(&self) -> bool {
-        self.last_beat().elapsed() >= self.settings.give_up_after()
+        let limit = self.settings.give_up_after();
+        if self.last_beat().elapsed() >= limit {
+            return true;
+        }
+        // A split roster is known only as far as the other sections were read.
+        self.sections().count() > 1
+            && self
+                .last_read
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_none_or(|(sent, _)| sent.elapsed() >= limit)
     }
 
     fn writer(&self) -> Writer {

@@ -42,7 +42,7 @@ pub struct MemoryLeaseStore {
     rows: Arc<Mutex<BTreeMap<String, Lease>>>,
     /// Published frontier memberships, by stream.
     memberships: Arc<Mutex<BTreeMap<String, Membership>>>,
-    /// Worker rosters, by stream.
+    /// Worker rosters, by item (a stream's section: [`roster_item`]).
     rosters: Arc<Mutex<BTreeMap<String, Roster>>>,
     #[cfg(any(test, feature = "testing"))]
     faults: crate::testing::faults::Injector,
@@ -54,21 +54,26 @@ pub struct MemoryLeaseStore {
 
 /// Write limits on single items (the roster and membership items every worker writes), as
 /// DynamoDB keeps them: "a single partition can support a maximum of ... 1,000 write capacity
-/// units" per second (Developer Guide, "Partitions and data distribution"); a write of an item up to
-/// 1 KB takes one. Past the limit, or while an item is throttled by the test, a write fails as
-/// throttled, without effect.
+/// units" per second (Developer Guide, "Partitions and data distribution"); a write takes one unit
+/// for each KB of the item ("Read/write capacity mode": "one write request unit represents one
+/// write for an item up to 1 KB in size"), so a roster section of 200 workers costs about 5 units a
+/// write. Past the limit, or while an item is throttled by the test, a write fails as throttled,
+/// without effect.
 #[cfg(any(test, feature = "testing"))]
 #[derive(Debug, Default)]
 struct ItemLimits {
     /// The per-item limit is kept ([`MemoryLeaseStore::service_limits`]).
     on: bool,
-    /// Writes in the current second, by item: the second's start and the count.
+    /// Write units in the current second, by item: the second's start and the count.
     writes: BTreeMap<String, (tokio::time::Instant, u32)>,
+    /// The most write units any one second took, by item (counted with the limit off too).
+    peaks: BTreeMap<String, u32>,
     /// Items every write of which is throttled now.
     throttled: std::collections::BTreeSet<String>,
 }
 
-/// Writes a second a single item takes ("1,000 write capacity units per second" a partition).
+/// Write units a second a single item takes ("1,000 write capacity units per second" a
+/// partition; a write of an item up to 1 KB is one unit).
 #[cfg(any(test, feature = "testing"))]
 pub const ITEM_WRITES_PER_SECOND: u32 = 1_000;
 
@@ -99,9 +104,33 @@ impl fmt::Debug for MemoryLeaseStore {
     }
 }
 
-/// The item of `stream`'s roster, named as the DynamoDB store keys it.
-fn roster_item(stream: &str) -> String {
-    format!("~workers#{stream}")
+/// The item of `section` of `stream`'s roster, named as the DynamoDB store keys it.
+fn roster_item(stream: &str, section: u32) -> String {
+    match section {
+        0 => format!("~workers#{stream}"),
+        k => format!("~workers#{stream}#{k}"),
+    }
+}
+
+/// The write units a write of a roster item takes: one per KB of the item, sized as DynamoDB sizes
+/// items (attribute names and values; a number of up to 20 digits takes at most 11 bytes).
+fn roster_units(item: &str, roster: Option<&Roster>) -> u32 {
+    let size = "leaseKey".len()
+        + item.len()
+        + roster.map_or(0, |r| {
+            r.beats
+                .keys()
+                .map(|w| "beat:".len() + w.len() + 11)
+                .sum::<usize>()
+                + r.founder.as_ref().map_or(0, |f| "founder".len() + f.len())
+                + "changes".len()
+                + 11
+                + "sections".len()
+                + 11
+        });
+    u32::try_from(size.div_ceil(1024))
+        .unwrap_or(u32::MAX)
+        .max(1)
 }
 
 /// The item of `stream`'s frontier membership, named as the DynamoDB store keys it.
@@ -173,11 +202,11 @@ impl MemoryLeaseStore {
         self.items().on = true;
     }
 
-    /// Throttles every write of `stream`'s roster item (its workers' beats) until called again
-    /// with `false`: a hot item that DynamoDB throttles for minutes.
+    /// Throttles every write of `stream`'s roster items (its workers' beats, in every section)
+    /// until called again with `false`: a hot item that DynamoDB throttles for minutes.
     #[cfg(any(test, feature = "testing"))]
     pub fn throttle_roster(&self, stream: &str, throttled: bool) {
-        let item = roster_item(stream);
+        let item = roster_item(stream, 0);
         let mut items = self.items();
         if throttled {
             items.throttled.insert(item);
@@ -186,51 +215,76 @@ impl MemoryLeaseStore {
         }
     }
 
+    /// The most write units any single item took in one second since the last call (counted
+    /// whether or not [`service_limits`](Self::service_limits) are kept), and which item: the
+    /// hot spot a fleet makes.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn busiest_item(&self) -> Option<(String, u32)> {
+        let peaks = std::mem::take(&mut self.items().peaks);
+        peaks
+            .into_iter()
+            .max_by_key(|(item, units)| (*units, std::cmp::Reverse(item.clone())))
+    }
+
     #[cfg(any(test, feature = "testing"))]
     fn items(&self) -> MutexGuard<'_, ItemLimits> {
         self.items.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Counts a write of `item`, or refuses it as throttled (see [`ItemLimits`]).
+    /// Counts a write of `units` to `item`, or refuses it as throttled (see [`ItemLimits`]).
     #[cfg(any(test, feature = "testing"))]
-    fn write_item(&self, operation: &'static str, item: &str) -> Result<(), Error> {
+    fn write_item(&self, operation: &'static str, item: &str, units: u32) -> Result<(), Error> {
         let throttled = || Error::DynamoDb {
             operation,
             table: "memory".into(),
             source: format!("throttled: item {item}").into(),
         };
         let mut items = self.items();
-        if items.throttled.contains(item) {
+        // A stream's roster is throttled in every section (`throttle_roster`).
+        let roster = item.starts_with("~workers#").then(|| {
+            let stream = &item["~workers#".len()..];
+            roster_item(stream.rsplit_once('#').map_or(stream, |(s, _)| s), 0)
+        });
+        if items.throttled.contains(item) || roster.is_some_and(|r| items.throttled.contains(&r)) {
             return Err(throttled());
         }
-        if !items.on {
-            return Ok(());
-        }
+        let on = items.on;
         let now = tokio::time::Instant::now();
         let (since, count) = items.writes.entry(item.to_string()).or_insert((now, 0));
         if now.duration_since(*since) >= std::time::Duration::from_secs(1) {
             (*since, *count) = (now, 0);
         }
-        if *count >= ITEM_WRITES_PER_SECOND {
+        if on && *count + units > ITEM_WRITES_PER_SECOND {
             return Err(throttled());
         }
-        *count += 1;
+        *count += units;
+        let count = *count;
+        let peak = items.peaks.entry(item.to_string()).or_default();
+        *peak = (*peak).max(count);
         Ok(())
     }
 
-    /// [`call`](Self::call) for a write of the single item `item`, within its limits.
+    /// [`call`](Self::call) for a write of `units` to the single item `item`, within its limits.
     fn call_item<'a, T: Send + 'a>(
         &'a self,
         operation: &'static str,
         item: String,
+        units: u32,
         op: impl FnOnce(&mut Rows<'_>) -> T + Send + 'a,
     ) -> BoxFuture<'a, Result<T, Error>> {
         Box::pin(async move {
             #[cfg(any(test, feature = "testing"))]
-            self.write_item(operation, &item)?;
-            let _ = item;
+            self.write_item(operation, &item, units)?;
+            let _ = (item, units);
             self.call(operation, true, op).await
         })
+    }
+
+    /// The write units a write of `section` of `stream`'s roster takes now.
+    fn roster_units(&self, stream: &str, section: u32) -> u32 {
+        let item = roster_item(stream, section);
+        let rosters = self.rosters.lock().unwrap_or_else(PoisonError::into_inner);
+        roster_units(&item, rosters.get(&item))
     }
 
     /// Calls `observer` with every change applied from now on (see [`Observer`]).
@@ -633,27 +687,35 @@ impl LeaseStore for MemoryLeaseStore {
         next: &'a Membership,
     ) -> BoxFuture<'a, Result<bool, Error>> {
         let memberships = self.memberships.clone();
-        self.call_item("publish_membership", membership_item(stream), move |_| {
-            let mut memberships = memberships.lock().unwrap_or_else(PoisonError::into_inner);
-            if memberships.get(stream).map(|m| m.epoch) != expected {
-                return false;
-            }
-            memberships.insert(stream.to_string(), next.clone());
-            true
-        })
+        self.call_item(
+            "publish_membership",
+            membership_item(stream),
+            1,
+            move |_| {
+                let mut memberships = memberships.lock().unwrap_or_else(PoisonError::into_inner);
+                if memberships.get(stream).map(|m| m.epoch) != expected {
+                    return false;
+                }
+                memberships.insert(stream.to_string(), next.clone());
+                true
+            },
+        )
     }
 
     fn beat<'a>(
         &'a self,
         stream: &'a str,
+        section: u32,
         worker: &'a str,
         beat: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>> {
         let rosters = self.rosters.clone();
-        self.call_item("beat", roster_item(stream), move |_| {
+        let item = roster_item(stream, section);
+        let units = self.roster_units(stream, section);
+        self.call_item("beat", item.clone(), units, move |_| {
             let mut rosters = rosters.lock().unwrap_or_else(PoisonError::into_inner);
-            let roster = rosters.entry(stream.to_string()).or_default();
+            let roster = rosters.entry(item).or_default();
             let before = roster.beats.insert(worker.to_string(), beat);
             roster.founder.get_or_insert_with(|| worker.to_string());
             if announce {
@@ -661,6 +723,7 @@ impl LeaseStore for MemoryLeaseStore {
             }
             Roster {
                 beat_before: before,
+                sections: (section == 0).then(|| roster.sections.unwrap_or(1)),
                 ..roster.clone()
             }
         })
@@ -669,16 +732,18 @@ impl LeaseStore for MemoryLeaseStore {
     fn forget<'a>(
         &'a self,
         stream: &'a str,
+        section: u32,
         worker: &'a str,
         seen: Option<u64>,
     ) -> BoxFuture<'a, Result<bool, Error>> {
         let rosters = self.rosters.clone();
-        self.call_item("forget", roster_item(stream), move |_| {
+        let item = roster_item(stream, section);
+        let units = self.roster_units(stream, section);
+        self.call_item("forget", item.clone(), units, move |_| {
             let mut rosters = rosters.lock().unwrap_or_else(PoisonError::into_inner);
-            let roster = match (seen, rosters.get_mut(stream)) {
-                (_, Some(roster)) => roster,
-                (Some(_), None) => return false,
-                (None, None) => rosters.entry(stream.to_string()).or_default(),
+            let roster = match (seen, rosters.contains_key(&item)) {
+                (Some(_), false) => return false,
+                _ => rosters.entry(item).or_default(),
             };
             match (seen, roster.beats.get(worker)) {
                 (Some(seen), Some(&beat)) if beat != seen => false,
@@ -693,6 +758,49 @@ impl LeaseStore for MemoryLeaseStore {
                     true
                 }
             }
+        })
+    }
+
+    fn read_roster<'a>(
+        &'a self,
+        stream: &'a str,
+        sections: &'a [u32],
+    ) -> BoxFuture<'a, Result<Vec<Roster>, Error>> {
+        let rosters = self.rosters.clone();
+        self.call("read_roster", false, move |_| {
+            let rosters = rosters.lock().unwrap_or_else(PoisonError::into_inner);
+            sections
+                .iter()
+                .map(|&section| {
+                    let mut roster = rosters
+                        .get(&roster_item(stream, section))
+                        .cloned()
+                        .unwrap_or_default();
+                    roster.beat_before = None;
+                    roster.sections = (section == 0).then(|| roster.sections.unwrap_or(1));
+                    roster
+                })
+                .collect()
+        })
+    }
+
+    fn split_roster<'a>(
+        &'a self,
+        stream: &'a str,
+        from: u32,
+        to: u32,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        let rosters = self.rosters.clone();
+        let item = roster_item(stream, 0);
+        let units = self.roster_units(stream, 0);
+        self.call_item("split_roster", item.clone(), units, move |_| {
+            let mut rosters = rosters.lock().unwrap_or_else(PoisonError::into_inner);
+            let roster = rosters.entry(item).or_default();
+            if roster.sections.unwrap_or(1) != from {
+                return false;
+            }
+            roster.sections = Some(to);
+            true
         })
     }
 }

@@ -3,8 +3,9 @@
 //! Each worker changes its own beat in the stream's roster item every beat interval and reads the
 //! whole roster back with the write. A worker whose beat keeps changing is alive; one whose beat
 //! has not changed for the silence (a lease duration and one beat interval) on this observer's
-//! clock is dead (the same rule as a lease counter, so no clocks are compared). See
-//! `docs/leases.md`, "Scale".
+//! clock is dead (the same rule as a lease counter, so no clocks are compared). A large fleet's
+//! roster is split into sections ([`Sections`]): each worker beats in its own and reads the others
+//! every few beats. See `docs/leases.md`, "Scale".
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -73,6 +74,149 @@ impl Writer {
         } else {
             ahead < 1 << (START_BITS - 1)
         }
+    }
+}
+
+/// A section holding more workers than this splits the roster in two more: at about 40 bytes an
+/// entry a section stays near one write unit a beat (a few with 256-character ids), so each item
+/// takes tens of write units a second, not a thousand.
+pub(crate) const SECTION_WORKERS: usize = 32;
+
+/// The most sections a roster is split into (2,048 workers at 32 a section).
+pub(crate) const MAX_SECTIONS: u32 = 64;
+
+/// How many beats apart a worker reads the sections it does not beat in.
+pub(crate) const READ_EVERY_BEATS: u64 = 2;
+
+/// The section `worker` beats in when the roster has `sections`: a digest of its id, so every
+/// process and every version agrees (a split by two moves a worker to `k` or `k + sections`).
+pub(crate) fn section_of(worker: &str, sections: u32) -> u32 {
+    use md5::{Digest, Md5};
+    let digest = Md5::digest(worker.as_bytes());
+    let mut high = [0u8; 8];
+    high.copy_from_slice(&digest[..8]);
+    (u64::from_be_bytes(high) % u64::from(sections.max(1))) as u32
+}
+
+/// This worker's view of the roster's sections: how many there are (from section 0), each
+/// section as last read (its own from its beats' answers, the others from reads), and where its
+/// own beat is.
+#[derive(Debug)]
+pub(crate) struct Sections {
+    me: String,
+    count: u32,
+    read: BTreeMap<u32, Roster>,
+    /// The section this worker's beats last landed in, and the last beat written there.
+    written: Option<(u32, u64)>,
+    /// A section this worker moved out of, and its beat left there, until removed.
+    left: Option<(u32, u64)>,
+}
+
+impl Sections {
+    pub(crate) fn new(me: impl Into<String>) -> Self {
+        Self {
+            me: me.into(),
+            count: 1,
+            read: BTreeMap::new(),
+            written: None,
+            left: None,
+        }
+    }
+
+    /// How many sections the roster has, as last read.
+    pub(crate) fn count(&self) -> u32 {
+        self.count
+    }
+
+    /// The section this worker beats in now.
+    pub(crate) fn mine(&self) -> u32 {
+        section_of(&self.me, self.count)
+    }
+
+    /// The sections this worker reads rather than beats in.
+    pub(crate) fn others(&self) -> Vec<u32> {
+        let mine = self.mine();
+        (0..self.count).filter(|k| *k != mine).collect()
+    }
+
+    /// Records `section` as read or as written by a beat; section 0 tells the count.
+    pub(crate) fn record(&mut self, section: u32, roster: Roster) {
+        if let Some(count) = roster.sections {
+            // Sections only ever grow: an older read cannot shrink them.
+            self.count = self.count.max(count.clamp(1, MAX_SECTIONS));
+        }
+        self.read.insert(section, roster);
+    }
+
+    /// This worker's `beat` landed in `section`. When it moved there from another section, its
+    /// entry there is to be removed (still holding the beat returned).
+    pub(crate) fn landed(&mut self, section: u32, beat: u64) {
+        if let Some((before, last)) = self.written
+            && before != section
+        {
+            self.left = Some((before, last));
+        }
+        self.written = Some((section, beat));
+    }
+
+    /// This worker split the roster into `to` sections.
+    pub(crate) fn split_to(&mut self, to: u32) {
+        self.count = self.count.max(to.clamp(1, MAX_SECTIONS));
+    }
+
+    /// The entry this worker left in a section it moved out of, until [`removed`](Self::removed).
+    pub(crate) fn left(&self) -> Option<(u32, u64)> {
+        self.left
+    }
+
+    /// The entry left behind is gone (removed, or replaced by another process's beat).
+    pub(crate) fn removed(&mut self) {
+        self.left = None;
+    }
+
+    /// The count of sections to split into, when this worker's own section holds too many
+    /// workers that belong in it (not counting those a split moved out, whose entries stay until
+    /// their next beat: counting them split the roster again and again, to 32 sections for 200
+    /// workers).
+    pub(crate) fn split(&self) -> Option<u32> {
+        let mine = self.mine();
+        let full = self.read.get(&mine).is_some_and(|r| {
+            r.beats
+                .keys()
+                .filter(|w| section_of(w, self.count) == mine)
+                .count()
+                > SECTION_WORKERS
+        });
+        (full && self.count < MAX_SECTIONS).then(|| (self.count * 2).min(MAX_SECTIONS))
+    }
+
+    /// The whole roster from the sections as last read: each worker's beat from the section it
+    /// belongs in by the count when it is there (a worker that just moved may be in two), else
+    /// from the lowest section holding it; `changes` summed over the sections (each only grows);
+    /// section 0's founder; `beat_before` this worker's beat's. With where each worker was found.
+    pub(crate) fn merged(&self, beat_before: Option<u64>) -> (Roster, BTreeMap<String, u32>) {
+        let mut roster = Roster {
+            beat_before,
+            sections: Some(self.count),
+            ..Roster::default()
+        };
+        let mut found: BTreeMap<String, u32> = BTreeMap::new();
+        for (&section, part) in &self.read {
+            roster.changes += part.changes;
+            for (worker, &beat) in &part.beats {
+                let home = section_of(worker, self.count) == section;
+                if home || !found.contains_key(worker) {
+                    found.insert(worker.clone(), section);
+                    roster.beats.insert(worker.clone(), beat);
+                }
+            }
+        }
+        roster.founder = self
+            .read
+            .get(&0)
+            .and_then(|r| r.founder.clone())
+            .or_else(|| self.read.values().find_map(|r| r.founder.clone()));
+        (roster, found)
     }
 }
 
@@ -214,7 +358,112 @@ mod tests {
             changes,
             founder: beats.first().map(|(w, _)| w.to_string()),
             beat_before: None,
+            sections: None,
         }
+    }
+
+    #[test]
+    fn a_workers_section_is_stable_and_a_split_keeps_it_or_moves_it_by_the_old_count() {
+        let ids: Vec<String> = (0..1_000)
+            .map(|i| format!("host-{i}-{}", i * 7_919))
+            .collect();
+        for id in &ids {
+            assert_eq!(section_of(id, 1), 0);
+            for count in [2, 4, 8, 16, 32] {
+                let before = section_of(id, count / 2);
+                let after = section_of(id, count);
+                assert!(
+                    after == before || after == before + count / 2,
+                    "{id} {count}"
+                );
+            }
+        }
+        // Spread: 1,000 ids over 8 sections, none far from 125.
+        let mut sizes = [0usize; 8];
+        for id in &ids {
+            sizes[section_of(id, 8) as usize] += 1;
+        }
+        assert!(sizes.iter().all(|n| (90..160).contains(n)), "{sizes:?}");
+        // The same digest whatever runs it: a fixed value.
+        assert_eq!(section_of("worker-a", 64), section_of("worker-a", 64));
+    }
+
+    #[test]
+    fn sections_grow_from_section_zero_and_merge_each_worker_once() {
+        let mut view = Sections::new("me");
+        assert_eq!((view.count(), view.mine(), view.others()), (1, 0, vec![]));
+        assert_eq!(view.split(), None);
+        // Section 0 fills past its limit: split into two.
+        let many: Vec<(String, u64)> = (0..=SECTION_WORKERS)
+            .map(|i| (format!("w{i}"), i as u64))
+            .collect();
+        let full = Roster {
+            beats: many.iter().cloned().collect(),
+            sections: Some(1),
+            ..Roster::default()
+        };
+        view.record(0, full);
+        assert_eq!(view.split(), Some(2));
+        // Section 0 now says 2: the worker beats where its digest says, reads the other.
+        view.record(
+            0,
+            Roster {
+                beats: [("me".to_string(), 5), ("x".to_string(), 1)].into(),
+                changes: 3,
+                founder: Some("x".into()),
+                sections: Some(2),
+                ..Roster::default()
+            },
+        );
+        assert_eq!(view.count(), 2);
+        let mine = view.mine();
+        assert_eq!(view.others(), vec![1 - mine]);
+        // Entries of workers the split moved out stay in a section until their next beat: they
+        // do not make it full.
+        view.record(
+            mine,
+            Roster {
+                beats: many.iter().cloned().collect(),
+                sections: (mine == 0).then_some(2),
+                ..Roster::default()
+            },
+        );
+        let belong = many
+            .iter()
+            .filter(|(w, _)| section_of(w, 2) == mine)
+            .count();
+        assert!(belong <= SECTION_WORKERS, "{belong} of {}", many.len());
+        assert_eq!(view.split(), None);
+        // An older answer of section 0 cannot shrink the count.
+        view.record(
+            0,
+            Roster {
+                sections: Some(1),
+                ..view.read[&0].clone()
+            },
+        );
+        assert_eq!(view.count(), 2);
+        // It moved: its beat in the new section lands, the old entry is to be removed.
+        view.landed(0, 5);
+        view.record(
+            1,
+            Roster {
+                beats: [("me".to_string(), 6), ("y".to_string(), 9)].into(),
+                changes: 2,
+                ..Roster::default()
+            },
+        );
+        view.landed(1, 6);
+        assert_eq!(view.left(), Some((0, 5)));
+        let (merged, found) = view.merged(None);
+        assert_eq!(merged.changes, 5, "summed over the sections");
+        assert_eq!(merged.founder.as_deref(), Some("x"), "section 0's");
+        assert_eq!(merged.beats.len(), 3, "me, x, y once each");
+        let home = section_of("me", 2);
+        assert_eq!(found["me"], home, "from the section it belongs in");
+        assert_eq!(merged.beats["me"], if home == 1 { 6 } else { 5 });
+        view.removed();
+        assert_eq!(view.left(), None);
     }
 
     const SILENCE: Duration = Duration::from_secs(10);

@@ -45,7 +45,8 @@ impl Renewal {
     }
 }
 
-/// The workers of one stream as their beats tell (the item `~workers#<stream>`, see
+/// The workers of one stream, or of one section of them, as their beats tell (the items
+/// `~workers#<stream>` and, once the roster is split, `~workers#<stream>#<section>`; see
 /// `docs/leases.md`): each worker's beat, and a counter raised when rows were added.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -63,6 +64,9 @@ pub struct Roster {
     /// manager reads from it which process wrote it: another process than itself, after its
     /// first beat, means a second process beats under the same worker id.
     pub beat_before: Option<u64>,
+    /// In section 0 only: how many sections the roster is split into (1 until it is split).
+    /// `None` in the other sections.
+    pub sections: Option<u32>,
 }
 
 /// One row of a seek: the row as seen and where its checkpoint goes.
@@ -229,36 +233,57 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         taker: &'a str,
     ) -> BoxFuture<'a, Result<bool, Error>>;
 
-    /// Sets `worker`'s beat in the roster of `stream` to `beat` (creating the roster or the entry
-    /// when missing; the caller writes a new value each time), raises `changes` by one when
-    /// `announce`, and records `worker` as the founder when the roster has none; unconditional.
-    /// Returns the roster as written, with the beat the entry held before
-    /// ([`Roster::beat_before`]), so reading it costs no read.
+    /// Sets `worker`'s beat in `section` of the roster of `stream` to `beat` (creating the
+    /// section's item or the entry when missing; the caller writes a new value each time), raises
+    /// the section's `changes` by one when `announce`, and records `worker` as the section's
+    /// founder when it has none; unconditional. Returns the section as written, with the beat the
+    /// entry held before ([`Roster::beat_before`]), so reading it costs no read.
     fn beat<'a>(
         &'a self,
         stream: &'a str,
+        section: u32,
         worker: &'a str,
         beat: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>>;
 
-    /// Removes `worker` from the roster of `stream`: when `seen` is given only if its beat is still
-    /// that value (a dead worker, forgotten by another), else unconditionally, raising `changes`
-    /// too (a worker leaving: every worker scans, even one that sees it back before it saw it
-    /// gone). `false` when the condition failed.
+    /// Removes `worker` from `section` of the roster of `stream`: when `seen` is given only if its
+    /// beat is still that value (a dead worker, forgotten by another; a worker's entry in the
+    /// section it moved from), else unconditionally, raising the section's `changes` too (a worker
+    /// leaving: every worker scans, even one that sees it back before it saw it gone). `false`
+    /// when the condition failed.
     fn forget<'a>(
         &'a self,
         stream: &'a str,
+        section: u32,
         worker: &'a str,
         seen: Option<u64>,
     ) -> BoxFuture<'a, Result<bool, Error>>;
 
-    /// Raises the roster's `changes` of `stream` by one, so that every worker scans at its next
-    /// beat (a seek announces the rows it moved). By default through [`forget`](Self::forget) of
-    /// a worker id no worker has (`~announce`).
+    /// Reads `sections` of the roster of `stream` (strongly consistent), in that order; a
+    /// section with no item reads as an empty roster.
+    fn read_roster<'a>(
+        &'a self,
+        stream: &'a str,
+        sections: &'a [u32],
+    ) -> BoxFuture<'a, Result<Vec<Roster>, Error>>;
+
+    /// Splits the roster of `stream` from `from` sections into `to`: section 0's `sections` is
+    /// set to `to`, conditioned on it being `from` (absent counting as 1). `false` when another
+    /// worker changed it first.
+    fn split_roster<'a>(
+        &'a self,
+        stream: &'a str,
+        from: u32,
+        to: u32,
+    ) -> BoxFuture<'a, Result<bool, Error>>;
+
+    /// Raises the roster's `changes` of `stream` by one (in section 0), so that every worker
+    /// scans at its next beat (a seek announces the rows it moved). By default through
+    /// [`forget`](Self::forget) of a worker id no worker has (`~announce`).
     fn announce<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
-            self.forget(stream, "~announce", None).await?;
+            self.forget(stream, 0, "~announce", None).await?;
             Ok(())
         })
     }

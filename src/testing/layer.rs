@@ -97,13 +97,24 @@ pub enum Call<'a> {
     },
     Beat {
         stream: &'a str,
+        section: u32,
         worker: &'a str,
         announce: bool,
     },
     Forget {
         stream: &'a str,
+        section: u32,
         worker: &'a str,
         seen: Option<u64>,
+    },
+    ReadRoster {
+        stream: &'a str,
+        sections: &'a [u32],
+    },
+    SplitRoster {
+        stream: &'a str,
+        from: u32,
+        to: u32,
     },
     Membership {
         stream: &'a str,
@@ -136,6 +147,8 @@ impl Call<'_> {
             Call::Pass { .. } => "pass",
             Call::Beat { .. } => "beat",
             Call::Forget { .. } => "forget",
+            Call::ReadRoster { .. } => "read_roster",
+            Call::SplitRoster { .. } => "split_roster",
             Call::Membership { .. } => "membership",
             Call::PublishMembership { .. } => "publish_membership",
         }
@@ -324,32 +337,61 @@ impl<L: Layer> LeaseStore for Layered<L> {
     fn beat<'a>(
         &'a self,
         stream: &'a str,
+        section: u32,
         worker: &'a str,
         beat: u64,
         announce: bool,
     ) -> BoxFuture<'a, Result<Roster, Error>> {
         let call = Call::Beat {
             stream,
+            section,
             worker,
             announce,
         };
-        self.layer
-            .around(call, self.inner.beat(stream, worker, beat, announce))
+        self.layer.around(
+            call,
+            self.inner.beat(stream, section, worker, beat, announce),
+        )
     }
 
     fn forget<'a>(
         &'a self,
         stream: &'a str,
+        section: u32,
         worker: &'a str,
         seen: Option<u64>,
     ) -> BoxFuture<'a, Result<bool, Error>> {
         let call = Call::Forget {
             stream,
+            section,
             worker,
             seen,
         };
         self.layer
-            .around(call, self.inner.forget(stream, worker, seen))
+            .around(call, self.inner.forget(stream, section, worker, seen))
+    }
+
+    fn read_roster<'a>(
+        &'a self,
+        stream: &'a str,
+        sections: &'a [u32],
+    ) -> BoxFuture<'a, Result<Vec<Roster>, Error>> {
+        self.layer.around(
+            Call::ReadRoster { stream, sections },
+            self.inner.read_roster(stream, sections),
+        )
+    }
+
+    fn split_roster<'a>(
+        &'a self,
+        stream: &'a str,
+        from: u32,
+        to: u32,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.layer.around(
+            Call::SplitRoster { stream, from, to },
+            self.inner.split_roster(stream, from, to),
+        )
     }
 
     fn membership<'a>(
