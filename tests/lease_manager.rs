@@ -1451,5 +1451,37 @@ async fn two_hundred_workers_balance_with_no_roster_item_past_500_write_units_a_
         units <= 500,
         "{item} took {units} write units in one second"
     );
-    drop(workers);
+
+    // The roster holds every worker once (each moved worker removed the entry it left), in 8
+    // sections of about 25.
+    let everyone = |store: Arc<dyn LeaseStore>| async move {
+        let count = store.read_roster(STREAM, &[0]).await.unwrap()[0]
+            .sections
+            .unwrap();
+        let all: Vec<u32> = (0..count).collect();
+        let sections = store.read_roster(STREAM, &all).await.unwrap();
+        let mut entries: Vec<String> = sections
+            .iter()
+            .flat_map(|s| s.beats.keys().cloned())
+            .collect();
+        entries.sort();
+        (count, entries)
+    };
+    let mut sorted = names.clone();
+    sorted.sort();
+    let (count, entries) = everyone(store.clone()).await;
+    assert_eq!(count, 8);
+    assert_eq!(entries, sorted, "each worker once");
+
+    // One worker leaves and starts again under its id (reading the count first, it beats in its
+    // own section): it takes its share back and is in the roster once.
+    let mut workers = workers;
+    let leaving = Arc::try_unwrap(workers.remove(7)).expect("one owner");
+    leaving.shutdown().await;
+    let back = cooperating(store.clone(), &shards, &names[7], LeaseSettings::default()).await;
+    until(Duration::from_secs(30), || back.held().len() == 2).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (_, entries) = everyone(store.clone()).await;
+    assert_eq!(entries, sorted, "back in one section only");
+    drop((workers, back));
 }

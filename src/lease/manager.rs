@@ -497,6 +497,27 @@ impl LeaseManager {
         let listed = inner.shards.list_shards(&inner.stream).await?;
         inner.listed(&listed);
         inner.store.prepare().await?;
+        // How many sections the roster has, so that the first beat goes to this worker's own
+        // (and finds there what a process under this id wrote before). Unread, it is 1: the
+        // first beat goes to section 0 and the worker moves at the next.
+        match tokio::time::timeout(
+            inner.settings.attempt_limit(),
+            inner.store.read_roster(&inner.stream, &[0]),
+        )
+        .await
+        {
+            Ok(Ok(read)) => {
+                if let Some(first) = read.into_iter().next() {
+                    inner.sections().record(0, first);
+                }
+            }
+            Ok(Err(e)) => {
+                debug!(stream = %inner.stream, error = &e as &dyn std::error::Error, "reading the roster's section 0 at start failed")
+            }
+            Err(_) => {
+                debug!(stream = %inner.stream, "reading the roster's section 0 at start timed out")
+            }
+        }
         // Beat first, so workers starting together see each other before they plan. A worker
         // alone, or the roster's founder, syncs the shard list now; one that found others lets
         // them create the rows and syncs what is still missing one scan interval later.
