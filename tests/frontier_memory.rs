@@ -205,6 +205,13 @@ impl LeaseStore for Tampered {
     ) -> BoxFuture<'a, Result<bool, Error>> {
         self.inner.forget(stream, section, worker, seen)
     }
+    fn acknowledge<'a>(
+        &'a self,
+        held: &'a Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.inner.acknowledge(held, taker)
+    }
     fn read_roster<'a>(
         &'a self,
         stream: &'a str,

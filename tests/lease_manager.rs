@@ -755,10 +755,12 @@ async fn a_worker_whose_beat_and_renewals_fail_gives_up_its_leases_and_the_other
 
 /// A worker joining one that has stopped answering (paused with SIGSTOP, or killed: to the joiner
 /// they look alike) while its beat and counters still look fresh: the joiner asks for its share,
-/// gets no answer, and steals once its patience (handoff timeout + one scan + one renewal) is
-/// over, long before it could judge the owner's leases expired or the owner dead (a lease
-/// duration, and a beat, of its own observation). The settings are those of the process test
-/// `an_owner_paused_past_the_handoff_timeout_is_stolen_from_and_fenced`.
+/// gets no acknowledgement, and steals once its patience for one (two renewal intervals and a
+/// scan: the owner would have seen the request with its next renewal) is over, long before it
+/// could judge the owner's leases expired or the owner dead (a lease duration, and a beat, of its
+/// own observation). (Before the acknowledgement, issue 27 defect 5, the patience was the handoff
+/// timeout, a scan and a renewal interval from the request, acknowledged or not.) The settings
+/// are those of the process test `an_owner_paused_past_the_handoff_timeout_is_stolen_from_and_fenced`.
 #[tokio::test(start_paused = true)]
 async fn a_silent_owner_still_in_the_roster_is_stolen_from_after_the_handoff_patience() {
     let store = MemoryLeaseStore::new();
@@ -783,7 +785,8 @@ async fn a_silent_owner_still_in_the_roster_is_stolen_from_after_the_handoff_pat
     drop(a); // silent from now on: no renewal, no beat, no answer
 
     let (b, _b_events) = start("b").await.unwrap();
-    let patience = settings.handoff_timeout + settings.scan_interval + settings.renew_interval;
+    let patience = settings.renew_interval * 2 + settings.scan_interval;
+    assert!(patience + settings.scan_interval * 2 < settings.lease_duration);
     let took = until(Duration::from_secs(60), || owned_by(&store, "b") == 2).await;
     assert!(
         took >= patience,
@@ -1484,4 +1487,121 @@ async fn two_hundred_workers_balance_with_no_roster_item_past_500_write_units_a_
     let (_, entries) = everyone(store.clone()).await;
     assert_eq!(entries, sorted, "back in one section only");
     drop((workers, back));
+}
+
+/// Starts `name` on `store` and answers its handoff requests as a consumer whose drain takes
+/// `drain` does: a lease asked for is released (which passes it on) `drain` after the request was
+/// noticed. Returns the manager and the number of leases it lost (taken from it: stolen).
+async fn draining(
+    store: Arc<dyn LeaseStore>,
+    shards: &Arc<Shards>,
+    name: &str,
+    drain: Duration,
+) -> (Arc<LeaseManager>, Arc<std::sync::atomic::AtomicU64>) {
+    let (manager, mut events) = LeaseManager::start(
+        store,
+        shards.clone(),
+        STREAM,
+        name,
+        LeaseSettings::default(),
+        Arc::new(()),
+    )
+    .await
+    .expect("manager starts");
+    let manager = Arc::new(manager);
+    let lost = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let weak = Arc::downgrade(&manager);
+    let counted = lost.clone();
+    tokio::spawn(async move {
+        while let Some(event) = events.recv().await {
+            match event {
+                LeaseEvent::Acquired(held) => {
+                    let weak = weak.clone();
+                    tokio::spawn(async move {
+                        tokio::select! {
+                            _ = held.cancel.cancelled() => {}
+                            _ = held.handoff.cancelled() => {
+                                tokio::time::sleep(drain).await;
+                                if let Some(manager) = weak.upgrade() {
+                                    let _ = manager.release(&held.ownership).await;
+                                }
+                            }
+                        }
+                    });
+                }
+                LeaseEvent::Lost(_) => {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                _ => {}
+            }
+        }
+    });
+    (manager, lost)
+}
+
+/// Issue 27, defect 5: a taker's patience counts from the owner's acknowledgement, not from its
+/// own request. The owner's store answers 4 s late (each write applied at once), so it notices a
+/// request up to 7.3 s after it was made (a renewal interval, and the answer's delay); then it
+/// drains for the whole handoff timeout (5 s) and writes its final checkpoint (4 s more for the
+/// answer): 9 s. Before, the taker stole after 10.3 s from its request, while the owner was still
+/// draining (every lease it asked for was stolen, each record in flight handled twice); now the
+/// owner stamps the row when it notices, the taker waits 10.3 s from seeing that, and every lease
+/// is passed.
+#[tokio::test(start_paused = true)]
+async fn a_slow_owner_draining_for_the_whole_handoff_timeout_passes_every_lease_asked_for() {
+    let memory = MemoryLeaseStore::new();
+    let shards = Shards::open(8);
+    let slow = counting(memory.clone());
+    let (a, stolen) = draining(slow.clone(), &shards, "a", Duration::from_secs(9)).await;
+    until(Duration::from_secs(30), || a.held().len() == 8).await;
+    slow.layer()
+        .late_answers_ms
+        .store(4_000, std::sync::atomic::Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let acknowledged = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let taken_from_a = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    memory.observe({
+        let (acknowledged, taken_from_a) = (acknowledged.clone(), taken_from_a.clone());
+        Arc::new(move |change: &shardwise::lease::Change| {
+            let from_a = change
+                .before
+                .as_ref()
+                .is_some_and(|r| r.owner.as_deref() == Some("a"));
+            match change.operation {
+                "acknowledge" => {
+                    acknowledged.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                "take" if from_a => {
+                    taken_from_a.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                _ => {}
+            }
+        })
+    });
+
+    let b = cooperating(
+        Arc::new(memory.clone()),
+        &shards,
+        "b",
+        LeaseSettings::default(),
+    )
+    .await;
+    let took = until(Duration::from_secs(60), || b.held().len() == 4).await;
+    eprintln!("b holds its share after {took:?}");
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(
+        (
+            taken_from_a.load(std::sync::atomic::Ordering::Relaxed),
+            stolen.load(std::sync::atomic::Ordering::Relaxed)
+        ),
+        (0, 0),
+        "leases were stolen from the draining owner"
+    );
+    assert_eq!((owned_by(&memory, "a"), owned_by(&memory, "b")), (4, 4));
+    assert_eq!(
+        acknowledged.load(std::sync::atomic::Ordering::Relaxed),
+        4,
+        "each request acknowledged"
+    );
+    drop((a, b));
 }

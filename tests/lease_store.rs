@@ -1123,6 +1123,20 @@ async fn a_handoff_is_requested_once_and_passed_only_to_the_taker(store: &dyn Le
         CheckpointWrite::Written,
         "and checkpointing"
     );
+    // The owner acknowledges the request it noticed (the taker's patience counts from this),
+    // only that taker's and only while it holds the lease.
+    assert!(!wanted.handoff_acked);
+    assert!(
+        !store.acknowledge(&w1, "w3").await.unwrap(),
+        "not w3's request"
+    );
+    assert!(store.acknowledge(&w1, "w2").await.unwrap());
+    let acked = row(store, &stream).await;
+    assert!(acked.handoff_acked);
+    assert_eq!(
+        (acked.wanted_by.as_deref(), acked.owner_epoch),
+        (Some("w2"), w1.epoch)
+    );
     assert!(
         !store.pass(&w1, "w3").await.unwrap(),
         "only to the taker that asked"
@@ -1132,6 +1146,11 @@ async fn a_handoff_is_requested_once_and_passed_only_to_the_taker(store: &dyn Le
     assert_eq!(passed.owner.as_deref(), Some("w2"));
     assert_eq!(passed.owner_epoch, w1.epoch + 1);
     assert_eq!(passed.wanted_by, None);
+    assert!(!passed.handoff_acked, "the pass clears the acknowledgement");
+    assert!(
+        !store.acknowledge(&w1, "w2").await.unwrap(),
+        "the old owner cannot acknowledge"
+    );
     assert!(
         !store.renew(&w1).await.unwrap().is_renewed(),
         "the old owner is fenced"
@@ -1150,9 +1169,19 @@ async fn a_handoff_is_requested_once_and_passed_only_to_the_taker(store: &dyn Le
     assert_eq!((&released.owner, &released.wanted_by), (&None, &None));
     let taken = store.take(&released, "w3").await.unwrap().unwrap();
     assert!(store.request(&taken, "w4").await.unwrap());
+    assert!(
+        store
+            .acknowledge(&taken.ownership().unwrap(), "w4")
+            .await
+            .unwrap()
+    );
     let again = row(store, &stream).await;
     let stolen = store.take(&again, "w5").await.unwrap().unwrap();
-    assert_eq!(stolen.wanted_by, None, "a steal clears the request");
+    assert_eq!(
+        (stolen.wanted_by, stolen.handoff_acked),
+        (None, false),
+        "a steal clears the request and its acknowledgement"
+    );
 }
 
 async fn the_roster_counts_beats_and_forgets_a_worker_only_as_seen(store: &dyn LeaseStore) {

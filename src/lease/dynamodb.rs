@@ -51,6 +51,7 @@ mod attr {
     pub(super) const CHECKPOINT_VERSION: &str = "checkpointVersion";
     pub(super) const CLOSED_THROUGH: &str = "closedThrough";
     pub(super) const WANTED_BY: &str = "wantedBy";
+    pub(super) const HANDOFF_ACK: &str = "handoffAck";
     pub(super) const MEMBERSHIP_EPOCH: &str = "membershipEpoch";
     pub(super) const MEMBERS: &str = "members";
     pub(super) const MEMBERSHIP_SEEKS: &str = "membershipSeeks";
@@ -327,9 +328,10 @@ impl DynamoDbLeaseStore {
                 "SET #owner = :owner, \
                  #counter = if_not_exists(#counter, :zero) + :one, \
                  #epoch = if_not_exists(#epoch, :zero) + :one \
-                 REMOVE #wanted",
+                 REMOVE #wanted, #ack",
             )
             .expression_attribute_names("#wanted", WANTED_BY)
+            .expression_attribute_names("#ack", HANDOFF_ACK)
             .expression_attribute_names("#key", KEY)
             .expression_attribute_names("#owner", OWNER)
             .expression_attribute_names("#counter", COUNTER)
@@ -601,9 +603,10 @@ impl DynamoDbLeaseStore {
     async fn release_row(&self, held: &Ownership) -> Result<bool, Error> {
         let result = self
             .fenced(held, None)
-            .update_expression("REMOVE #owner, #wanted SET #counter = #counter + :one")
+            .update_expression("REMOVE #owner, #wanted, #ack SET #counter = #counter + :one")
             .expression_attribute_names("#counter", COUNTER)
             .expression_attribute_names("#wanted", WANTED_BY)
+            .expression_attribute_names("#ack", HANDOFF_ACK)
             .expression_attribute_values(":one", n(1u64))
             .send()
             .await;
@@ -631,12 +634,26 @@ impl DynamoDbLeaseStore {
             .fenced(held, Some("#wanted = :taker"))
             .update_expression(
                 "SET #owner = :taker, #epoch = #epoch + :one, #counter = #counter + :one \
-                 REMOVE #wanted",
+                 REMOVE #wanted, #ack",
             )
             .expression_attribute_names("#counter", COUNTER)
             .expression_attribute_names("#wanted", WANTED_BY)
+            .expression_attribute_names("#ack", HANDOFF_ACK)
             .expression_attribute_values(":taker", s(taker))
             .expression_attribute_values(":one", n(1u64))
+            .send()
+            .await;
+        self.stored(result)
+    }
+
+    /// `acknowledge`: `handoffAck` = the taker, under the owner, the epoch and its request.
+    async fn acknowledge_row(&self, held: &Ownership, taker: &str) -> Result<bool, Error> {
+        let result = self
+            .fenced(held, Some("#wanted = :taker"))
+            .update_expression("SET #ack = :taker")
+            .expression_attribute_names("#wanted", WANTED_BY)
+            .expression_attribute_names("#ack", HANDOFF_ACK)
+            .expression_attribute_values(":taker", s(taker))
             .send()
             .await;
         self.stored(result)
@@ -842,13 +859,14 @@ impl DynamoDbLeaseStore {
     /// The update of one seek move: its expression, names and values.
     fn seek_update(m: &SeekMove) -> (String, HashMap<String, String>, Item) {
         let mut set = String::from(
-            "REMOVE #owner, #wanted SET #cp = :cp, #sub = :sub, #cpKey = :cpKey, \
+            "REMOVE #owner, #wanted, #ack SET #cp = :cp, #sub = :sub, #cpKey = :cpKey, \
              #seek = #seek + :one, #epoch = #epoch + :one, #counter = #counter + :one, \
              #soughtAt = :soughtAt",
         );
         let mut names: HashMap<String, String> = [
             ("#owner", OWNER),
             ("#wanted", WANTED_BY),
+            ("#ack", HANDOFF_ACK),
             ("#epoch", EPOCH),
             ("#counter", COUNTER),
             ("#seek", SEEK_EPOCH),
@@ -1234,6 +1252,14 @@ impl LeaseStore for DynamoDbLeaseStore {
         Box::pin(self.split_sections(stream, from, to))
     }
 
+    fn acknowledge<'a>(
+        &'a self,
+        held: &'a Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.acknowledge_row(held, taker))
+    }
+
     fn announce<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
             self.client
@@ -1331,6 +1357,7 @@ fn parse_row(item: &Item) -> Result<Lease, Error> {
         sought_at: row.number(SOUGHT_AT)?,
         progress: row.progress()?,
         wanted_by: row.optional_string(WANTED_BY)?,
+        handoff_acked: row.optional_string(HANDOFF_ACK)?.is_some(),
         stream,
         shard_id,
     })

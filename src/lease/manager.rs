@@ -197,9 +197,21 @@ impl LeaseSettings {
         (!lead.is_zero()).then_some(lead)
     }
 
-    /// How long a taker waits for a handoff it asked for before it steals the lease.
+    /// How long a taker waits for a handoff the owner acknowledged (from when it saw the
+    /// acknowledgement on the row) before it steals the lease: the owner's drain (the handoff
+    /// timeout), its final checkpoint and pass (a renewal interval), and a scan.
     fn handoff_patience(&self) -> Duration {
         self.handoff_timeout + self.scan_interval + self.renew_interval
+    }
+
+    /// How long a taker waits for the owner to acknowledge its request (from the request)
+    /// before it steals the lease: an owner that renews sees the request with its next renewal,
+    /// sent within a renewal interval and answered within another (one answer may be that late),
+    /// and acknowledges at once; then a scan to see it. An owner that does not answer (paused,
+    /// cut off) or never acknowledges (an older version) is waited for this long, then stolen
+    /// from.
+    fn handoff_ack_patience(&self) -> Duration {
+        self.renew_interval * 2 + self.scan_interval
     }
 
     /// Checks the settings, naming the first bad field.
@@ -354,8 +366,8 @@ struct Inner {
     /// taken: the frontier withholds its scalar while a listed id has no row.
     listing: Mutex<Option<(frontier::Listing, Instant)>>,
     membership_scans: AtomicU64,
-    /// Handoffs this worker asked for, by shard, and when.
-    requests: Mutex<HashMap<String, Instant>>,
+    /// Handoffs this worker asked for, by shard: when, and when it saw the owner acknowledge.
+    requests: Mutex<HashMap<String, Awaited>>,
     /// Leases whose work failed here, by shard: not taken again by this worker until `until`.
     failing: Mutex<HashMap<String, Failing>>,
     /// The workers of the stream as their beats tell.
@@ -393,6 +405,30 @@ struct Inner {
     beats_written: AtomicU64,
     /// What this process's beats found of another process under the same worker id.
     twin: Mutex<Twin>,
+}
+
+/// A handoff this worker asked for and awaits.
+#[derive(Debug, Clone, Copy)]
+struct Awaited {
+    /// When it asked (or found on a row that it had).
+    asked: Instant,
+    /// When a scan first saw the owner's acknowledgement on the row.
+    acked: Option<Instant>,
+}
+
+impl Awaited {
+    fn new(asked: Instant) -> Self {
+        Self { asked, acked: None }
+    }
+
+    /// Whether the wait is over at `now`: patience counts from the owner's acknowledgement once
+    /// seen, else from the request.
+    fn over(&self, now: Instant, settings: &LeaseSettings) -> bool {
+        match self.acked {
+            Some(at) => now - at >= settings.handoff_patience(),
+            None => now - self.asked >= settings.handoff_ack_patience(),
+        }
+    }
 }
 
 /// Another process under this worker's id, as the tags of the beats in its roster entry show it.
@@ -784,7 +820,7 @@ impl Inner {
     }
 
     /// Forgets the held lease `ownership` names; `None` if it is not held under that epoch.
-    fn requests(&self) -> MutexGuard<'_, HashMap<String, Instant>> {
+    fn requests(&self) -> MutexGuard<'_, HashMap<String, Awaited>> {
         self.requests.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -1164,17 +1200,19 @@ impl Inner {
     }
 
     /// The owner of a held lease learned that `taker` asked for it: stop the shard gracefully;
-    /// the release then passes the lease on.
-    fn handoff_asked(&self, ownership: &Ownership, taker: &str) {
+    /// the release then passes the lease on. `true` when this is news (to acknowledge).
+    fn handoff_asked(&self, ownership: &Ownership, taker: &str) -> bool {
         let mut held = self.held();
         let Some(h) = held.get_mut(&ownership.shard_id) else {
-            return;
+            return false;
         };
         if h.wanted_by.is_none() && h.ownership == *ownership {
             info!(stream = %self.stream, shard = %ownership.shard_id, to = %taker, "handoff asked for: the shard stops reading, settles and hands over");
             h.wanted_by = Some(taker.to_string());
             h.handoff.cancel();
+            return true;
         }
+        false
     }
 
     fn remove_held(&self, ownership: &Ownership) -> Option<Held> {
@@ -1226,7 +1264,13 @@ impl Inner {
                             under_way.remove(&key);
                         }
                     }
-                    self.renewed(&ownership, sent, result);
+                    if let Some(taker) = self.renewed(&ownership, sent, result) {
+                        // Acknowledged off this loop: a slow write must not hold up renewals.
+                        let inner = self.clone();
+                        tokio::spawn(crate::time::carry(async move {
+                            inner.acknowledge(&ownership, &taker).await;
+                        }));
+                    }
                 }
                 _ = async { tokio::time::sleep_until(deadline.expect("a deadline")).await }, if deadline.is_some() => {
                     self.give_up_overdue();
@@ -1290,13 +1334,14 @@ impl Inner {
     }
 
     /// A renewal of `ownership` sent at `sent` was answered (or waited for as long as it could
-    /// count).
+    /// count). The taker, when it carried a handoff request this worker had not seen: to
+    /// acknowledge.
     fn renewed(
         &self,
         ownership: &Ownership,
         sent: Instant,
         result: Result<Result<Renewal, Error>, tokio::time::error::Elapsed>,
-    ) {
+    ) -> Option<String> {
         match result {
             Ok(Ok(Renewal::Renewed { wanted_by })) => {
                 if let Some(h) = self.held().get_mut(&ownership.shard_id)
@@ -1304,8 +1349,10 @@ impl Inner {
                 {
                     h.last_renewed = h.last_renewed.max(sent);
                 }
-                if let Some(taker) = wanted_by {
-                    self.handoff_asked(ownership, &taker);
+                if let Some(taker) = wanted_by
+                    && self.handoff_asked(ownership, &taker)
+                {
+                    return Some(taker);
                 }
             }
             Ok(Ok(Renewal::Lost)) => {
@@ -1318,6 +1365,24 @@ impl Inner {
             }
             Err(_) => {
                 warn!(stream = %self.stream, shard = %ownership.shard_id, waited = ?self.settings.attempt_limit(), "lease renewal not answered in time")
+            }
+        }
+        None
+    }
+
+    /// Stamps the row of a held lease with the acknowledgement of `taker`'s request, so the
+    /// taker counts its patience from now (issue 27, defect 5). A failed write is tried again by
+    /// the next scan that sees the request unacknowledged.
+    async fn acknowledge(&self, ownership: &Ownership, taker: &str) {
+        match self.store.acknowledge(ownership, taker).await {
+            Ok(true) => {
+                debug!(shard = %ownership.shard_id, to = %taker, "handoff request acknowledged")
+            }
+            Ok(false) => {
+                debug!(shard = %ownership.shard_id, to = %taker, "the handoff request changed before it was acknowledged")
+            }
+            Err(e) => {
+                debug!(shard = %ownership.shard_id, error = &e as &dyn std::error::Error, "acknowledging a handoff request failed")
             }
         }
     }
@@ -1571,7 +1636,15 @@ impl Inner {
         // release passes them.
         for row in &rows {
             if let (Some(taker), Some(ownership)) = (&row.wanted_by, row.ownership()) {
-                self.handoff_asked(&ownership, taker);
+                let news = self.handoff_asked(&ownership, taker);
+                // Acknowledged when news, and again while the row lacks it (a failed write).
+                let handing_off = self
+                    .held()
+                    .get(&ownership.shard_id)
+                    .is_some_and(|h| h.ownership == ownership && h.wanted_by.is_some());
+                if news || (handing_off && !row.handoff_acked) {
+                    self.acknowledge(&ownership, taker).await;
+                }
             }
         }
         *self.last_rows.lock().unwrap_or_else(|e| e.into_inner()) = Some(rows.clone());
@@ -1593,7 +1666,15 @@ impl Inner {
                     && !requests.contains_key(&row.shard_id)
                 {
                     debug!(shard = %row.shard_id, "a request of this worker found on the row: waiting for the handoff again");
-                    requests.insert(row.shard_id.clone(), now);
+                    requests.insert(row.shard_id.clone(), Awaited::new(now));
+                }
+                // Patience counts from the owner's acknowledgement, once seen.
+                if row.handoff_acked
+                    && row.wanted_by.as_deref() == Some(self.worker.as_str())
+                    && let Some(awaited) = requests.get_mut(&row.shard_id)
+                    && awaited.acked.is_none()
+                {
+                    awaited.acked = Some(now);
                 }
             }
             requests.retain(|shard, _| {
@@ -1603,10 +1684,9 @@ impl Inner {
                         && r.owner.as_deref() != Some(self.worker.as_str())
                 })
             });
-            let patience = self.settings.handoff_patience();
             requests
                 .iter()
-                .map(|(shard, at)| (shard.clone(), now - *at >= patience))
+                .map(|(shard, awaited)| (shard.clone(), awaited.over(now, &self.settings)))
                 .collect()
         };
         let held: HashSet<String> = self.held().keys().cloned().collect();
@@ -1669,7 +1749,7 @@ impl Inner {
                             info!(stream = %self.stream, shard = %shard_id, from = %from, "handoff asked for");
                             metrics::counter!("shardwise_handoffs_requested_total", &self.labels())
                                 .increment(1);
-                            self.requests().insert(shard_id.clone(), now);
+                            self.requests().insert(shard_id.clone(), Awaited::new(now));
                         }
                         Ok(false) => {
                             debug!(shard = %shard_id, "lease changed before a handoff could be asked for")

@@ -416,6 +416,7 @@ impl LeaseStore for MemoryLeaseStore {
                 sought_at: None,
                 progress: None,
                 wanted_by: None,
+                handoff_acked: false,
             };
             rows.changes.push(("create", None, Some(row.clone())));
             rows.rows.insert(key, row);
@@ -438,6 +439,7 @@ impl LeaseStore for MemoryLeaseStore {
                 row.counter += 1;
                 row.owner_epoch += 1;
                 row.wanted_by = None;
+                row.handoff_acked = false;
                 taken = Some(row.clone());
                 true
             });
@@ -551,6 +553,7 @@ impl LeaseStore for MemoryLeaseStore {
                     row.owner_epoch += 1;
                     row.owner = None;
                     row.wanted_by = None;
+                    row.handoff_acked = false;
                     row.counter += 1;
                     true
                 });
@@ -607,6 +610,7 @@ impl LeaseStore for MemoryLeaseStore {
                     row.owner = None;
                     row.counter += 1;
                     row.wanted_by = None;
+                    row.handoff_acked = false;
                     true
                 })
         })
@@ -661,6 +665,24 @@ impl LeaseStore for MemoryLeaseStore {
                     row.owner_epoch += 1;
                     row.counter += 1;
                     row.wanted_by = None;
+                    row.handoff_acked = false;
+                    true
+                })
+        })
+    }
+
+    fn acknowledge<'a>(
+        &'a self,
+        held: &'a Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.call("acknowledge", true, move |rows| {
+            rows.held(held)
+                && rows.change("acknowledge", &held.key(), |row| {
+                    if row.wanted_by.as_deref() != Some(taker) || row.handoff_acked {
+                        return false;
+                    }
+                    row.handoff_acked = true;
                     true
                 })
         })

@@ -363,6 +363,7 @@ mod tests {
             sought_at: None,
             progress: None,
             wanted_by: None,
+            handoff_acked: false,
         }
     }
 

@@ -40,6 +40,9 @@ pub struct Lease {
     /// A worker that asked the owner to hand the lease over (cooperative handoff); cleared by
     /// every take, release and pass.
     pub wanted_by: Option<String>,
+    /// The owner acknowledged the request of `wanted_by` (`handoffAck`): it is draining the
+    /// lease, and the taker counts its patience from when it saw this. Cleared with the request.
+    pub handoff_acked: bool,
 }
 
 impl Lease {

@@ -233,6 +233,15 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         taker: &'a str,
     ) -> BoxFuture<'a, Result<bool, Error>>;
 
+    /// Acknowledges the handoff request of `taker` on a held lease: `handoffAck` set, conditioned
+    /// on the owner, the epoch and `wantedBy = taker`. The taker counts its patience from when
+    /// it sees the acknowledgement, not from its request. `false` when the condition failed.
+    fn acknowledge<'a>(
+        &'a self,
+        held: &'a Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>>;
+
     /// Sets `worker`'s beat in `section` of the roster of `stream` to `beat` (creating the
     /// section's item or the entry when missing; the caller writes a new value each time), raises
     /// the section's `changes` by one when `announce`, and records `worker` as the section's

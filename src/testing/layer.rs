@@ -107,6 +107,10 @@ pub enum Call<'a> {
         worker: &'a str,
         seen: Option<u64>,
     },
+    Acknowledge {
+        held: &'a Ownership,
+        taker: &'a str,
+    },
     ReadRoster {
         stream: &'a str,
         sections: &'a [u32],
@@ -148,6 +152,7 @@ impl Call<'_> {
             Call::Beat { .. } => "beat",
             Call::Forget { .. } => "forget",
             Call::ReadRoster { .. } => "read_roster",
+            Call::Acknowledge { .. } => "acknowledge",
             Call::SplitRoster { .. } => "split_roster",
             Call::Membership { .. } => "membership",
             Call::PublishMembership { .. } => "publish_membership",
@@ -369,6 +374,17 @@ impl<L: Layer> LeaseStore for Layered<L> {
         };
         self.layer
             .around(call, self.inner.forget(stream, section, worker, seen))
+    }
+
+    fn acknowledge<'a>(
+        &'a self,
+        held: &'a Ownership,
+        taker: &'a str,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        self.layer.around(
+            Call::Acknowledge { held, taker },
+            self.inner.acknowledge(held, taker),
+        )
     }
 
     fn read_roster<'a>(
