@@ -719,3 +719,112 @@ async fn a_fourth_consumer_joining_three_on_200_shards_takes_its_share_by_handof
         .count();
     assert_eq!(stolen, 0, "a request left pending");
 }
+
+/// Lease store calls as a network that loses one kind of write for a while: every pass waits
+/// `hang` before it reaches the store.
+#[derive(Debug)]
+struct HangingPasses(Duration);
+
+impl shardwise::testing::Layer for HangingPasses {
+    fn around<'a, T: Send + 'static>(
+        &'a self,
+        call: shardwise::testing::Call<'a>,
+        forward: futures::future::BoxFuture<'a, Result<T, Error>>,
+    ) -> futures::future::BoxFuture<'a, Result<T, Error>> {
+        if !matches!(call, shardwise::testing::Call::Pass { .. }) {
+            return forward;
+        }
+        let hang = self.0;
+        Box::pin(async move {
+            tokio::time::sleep(hang).await;
+            forward.await
+        })
+    }
+}
+
+/// Issue 27, defect 5: a shard's exit (its hand-over, its end) is run off the consumer's
+/// supervisor, so one slow write holds up no other lease. w1 hands a shard to w2 and its pass
+/// hangs for a minute; meanwhile its other shard splits. Before, the supervisor awaited the pass,
+/// so the parent's exit (the SHARD_END write) waited a minute and neither child was read; now the
+/// children's records are handled within seconds.
+#[tokio::test(start_paused = true)]
+async fn a_pass_that_hangs_holds_up_no_other_shards_exit() {
+    let stream = MemoryStream::new("orders", 2);
+    let store = MemoryLeaseStore::new();
+    put(&stream, 0..100, 8);
+    let log = Log::default();
+    let start = |id: &'static str, lease_store: Arc<dyn shardwise::lease::LeaseStore>| {
+        let l = log.clone();
+        Consumer::builder(stream.name(), "memory-app", move |d: Delivery| {
+            let l = l.clone();
+            async move {
+                l.push(&d);
+                Outcome::Ack
+            }
+        })
+        .worker_id(id)
+        .poll_interval(Duration::from_millis(200))
+        .checkpoint_interval(Duration::from_millis(50))
+        .lease_settings(fast_leases().handoff_timeout(Duration::from_millis(200)))
+        .lease_store(lease_store)
+        .record_source(Arc::new(stream.clone()))
+        .shard_lister(Arc::new(stream.clone()))
+        .build()
+        .expect("valid settings")
+        .run()
+    };
+    let hanging = shardwise::testing::Layered::new(
+        Arc::new(store.clone()),
+        HangingPasses(Duration::from_secs(60)),
+    );
+    let w1 = start("w1", Arc::new(hanging)).await.expect("starts");
+    wait_for("the first records", Duration::from_secs(20), || {
+        log.len() >= 100
+    })
+    .await;
+    let w2 = start("w2", Arc::new(store.clone())).await.expect("starts");
+    let wanted = || {
+        store
+            .snapshot()
+            .into_iter()
+            .find(|r| r.wanted_by.as_deref() == Some("w2"))
+    };
+    wait_for("w2 to ask w1 for a shard", Duration::from_secs(20), || {
+        wanted().is_some()
+    })
+    .await;
+    let asked = wanted().unwrap().shard_id;
+    // The drain (200 ms) and the final checkpoint are done: the pass is under way, and hangs.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let parent = stream
+        .open_shards()
+        .into_iter()
+        .find(|s| *s != asked)
+        .unwrap();
+    assert_eq!(
+        store
+            .snapshot()
+            .iter()
+            .find(|r| r.shard_id == parent)
+            .and_then(|r| r.owner.clone())
+            .as_deref(),
+        Some("w1")
+    );
+    let (left, right) = stream.split(&parent);
+    put(&stream, 100..200, 8);
+    wait_for(
+        "the children's records, while w1's pass hangs",
+        Duration::from_secs(20),
+        || {
+            log.all()
+                .iter()
+                .filter(|h| h.shard == left || h.shard == right)
+                .count()
+                > 0
+                && log.all().iter().map(|h| h.id).collect::<HashSet<_>>().len() >= 200
+        },
+    )
+    .await;
+    w2.shutdown(Duration::from_secs(2)).await;
+    w1.shutdown(Duration::from_secs(2)).await;
+}

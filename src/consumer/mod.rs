@@ -1066,16 +1066,30 @@ async fn supervise<H: Handler>(
     progress: Arc<Mutex<ShutdownReport>>,
     fatal: tokio::sync::watch::Sender<Option<Arc<Error>>>,
 ) -> ShutdownReport {
+    let manager = Arc::new(manager);
+    let fatal = Arc::new(fatal);
     let mut shards: JoinSet<Exit> = JoinSet::new();
+    // What follows a shard's exit (a pass, a release, the SHARD_END write): each on its own task,
+    // so that a slow write holds up no other lease's start or exit (issue 27, defect 5).
+    let mut exits: JoinSet<()> = JoinSet::new();
     // Each shard task's lease, to release it if the task panics.
     let mut tasks: HashMap<tokio::task::Id, Ownership> = HashMap::new();
     let stop = work.ctx.stop.clone();
+    let exit_task = |exit, tasks: &mut HashMap<tokio::task::Id, Ownership>, stopping| {
+        let ownership = task_lease(&exit, tasks);
+        let (manager, progress, fatal) = (manager.clone(), progress.clone(), fatal.clone());
+        crate::time::carry(async move {
+            on_exit(exit, ownership, &manager, &progress, stopping, &fatal).await;
+        })
+    };
     loop {
         tokio::select! {
             biased;
             _ = stop.cancelled() => break,
             Some(exit) = shards.join_next_with_id() => {
-                on_exit(exit, &mut tasks, &manager, &progress, stop.is_cancelled(), &fatal).await;
+                exits.spawn(exit_task(exit, &mut tasks, stop.is_cancelled()));
+            }
+            Some(_) = exits.join_next() => {
                 if fatal.borrow().is_some() {
                     // Nothing more can be read: stop every shard as a shutdown would.
                     stop.cancel();
@@ -1106,10 +1120,21 @@ async fn supervise<H: Handler>(
         }
     }
     manager.stop_taking();
-    while let Some(exit) = shards.join_next_with_id().await {
-        on_exit(exit, &mut tasks, &manager, &progress, true, &fatal).await;
-        held.send_replace(manager.held());
+    loop {
+        tokio::select! {
+            Some(exit) = shards.join_next_with_id() => {
+                exits.spawn(exit_task(exit, &mut tasks, true));
+            }
+            Some(_) = exits.join_next() => {
+                held.send_replace(manager.held());
+            }
+            else => break,
+        }
     }
+    held.send_replace(manager.held());
+    let Ok(manager) = Arc::try_unwrap(manager) else {
+        unreachable!("every exit task has finished: the supervisor holds the manager alone")
+    };
     let released = manager.shutdown().await;
     held.send_replace(Vec::new());
     let mut report = progress.lock().unwrap_or_else(|e| e.into_inner());
@@ -1117,19 +1142,27 @@ async fn supervise<H: Handler>(
     report.clone()
 }
 
+/// The lease of the shard task that exited (forgotten: its task is gone).
+fn task_lease(
+    exit: &Result<(tokio::task::Id, Exit), tokio::task::JoinError>,
+    tasks: &mut HashMap<tokio::task::Id, Ownership>,
+) -> Option<Ownership> {
+    let task = match exit {
+        Ok((id, _)) => *id,
+        Err(e) => e.id(),
+    };
+    tasks.remove(&task)
+}
+
+/// What follows a shard task's exit; `ownership` is its lease, for a task that panicked.
 async fn on_exit(
     exit: Result<(tokio::task::Id, Exit), tokio::task::JoinError>,
-    tasks: &mut HashMap<tokio::task::Id, Ownership>,
+    ownership: Option<Ownership>,
     manager: &LeaseManager,
     progress: &Mutex<ShutdownReport>,
     stopping: bool,
     fatal: &tokio::sync::watch::Sender<Option<Arc<Error>>>,
 ) {
-    let task = match &exit {
-        Ok((id, _)) => *id,
-        Err(e) => e.id(),
-    };
-    let ownership = tasks.remove(&task);
     match exit.map(|(_, exit)| exit) {
         Ok(Exit::Ended(o)) => {
             if let Err(e) = manager.shard_ended(&o).await {
