@@ -1089,7 +1089,8 @@ async fn supervise<H: Handler>(
             Some(exit) = shards.join_next_with_id() => {
                 exits.spawn(exit_task(exit, &mut tasks, stop.is_cancelled()));
             }
-            Some(_) = exits.join_next() => {
+            Some(joined) = exits.join_next() => {
+                exit_task_failed(joined);
                 if fatal.borrow().is_some() {
                     // Nothing more can be read: stop every shard as a shutdown would.
                     stop.cancel();
@@ -1125,21 +1126,38 @@ async fn supervise<H: Handler>(
             Some(exit) = shards.join_next_with_id() => {
                 exits.spawn(exit_task(exit, &mut tasks, true));
             }
-            Some(_) = exits.join_next() => {
+            Some(joined) = exits.join_next() => {
+                exit_task_failed(joined);
                 held.send_replace(manager.held());
             }
             else => break,
         }
     }
     held.send_replace(manager.held());
-    let Ok(manager) = Arc::try_unwrap(manager) else {
-        unreachable!("every exit task has finished: the supervisor holds the manager alone")
+    // Every exit task has finished: the supervisor holds the manager alone.
+    let released = match Arc::try_unwrap(manager) {
+        Ok(manager) => manager.shutdown().await,
+        Err(_) => {
+            error!(
+                "the lease manager is still shared after every shard's exit: leaving without releasing; the leases will expire"
+            );
+            0
+        }
     };
-    let released = manager.shutdown().await;
     held.send_replace(Vec::new());
     let mut report = progress.lock().unwrap_or_else(|e| e.into_inner());
     report.leases_released = released;
     report.clone()
+}
+
+/// Logs an exit task that panicked (a bug in shardwise: its lease expires).
+fn exit_task_failed(joined: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = joined {
+        error!(
+            error = &e as &dyn std::error::Error,
+            "what follows a shard's exit failed; its lease will expire"
+        );
+    }
 }
 
 /// The lease of the shard task that exited (forgotten: its task is gone).
