@@ -759,12 +759,10 @@ async fn a_worker_whose_beat_and_renewals_fail_gives_up_its_leases_and_the_other
 
 /// A worker joining one that has stopped answering (paused with SIGSTOP, or killed: to the joiner
 /// they look alike) while its beat and counters still look fresh: the joiner asks for its share,
-/// gets no acknowledgement, and steals once its patience for one (two renewal intervals and a
-/// scan: the owner would have seen the request with its next renewal) is over, long before it
-/// could judge the owner's leases expired or the owner dead (a lease duration, and a beat, of its
-/// own observation). (Before the acknowledgement, issue 27 defect 5, the patience was the handoff
-/// timeout, a scan and a renewal interval from the request, acknowledged or not.) The settings
-/// are those of the process test `an_owner_paused_past_the_handoff_timeout_is_stolen_from_and_fenced`.
+/// gets no answer, and steals once its patience (handoff timeout + one scan + one renewal) is
+/// over, long before it could judge the owner's leases expired or the owner dead (a lease
+/// duration, and a beat, of its own observation). The settings are those of the process test
+/// `an_owner_paused_past_the_handoff_timeout_is_stolen_from_and_fenced`.
 #[tokio::test(start_paused = true)]
 async fn a_silent_owner_still_in_the_roster_is_stolen_from_after_the_handoff_patience() {
     let store = MemoryLeaseStore::new();
@@ -789,8 +787,7 @@ async fn a_silent_owner_still_in_the_roster_is_stolen_from_after_the_handoff_pat
     drop(a); // silent from now on: no renewal, no beat, no answer
 
     let (b, _b_events) = start("b").await.unwrap();
-    let patience = settings.renew_interval * 2 + settings.scan_interval;
-    assert!(patience + settings.scan_interval * 2 < settings.lease_duration);
+    let patience = settings.handoff_timeout + settings.scan_interval + settings.renew_interval;
     let took = until(Duration::from_secs(60), || owned_by(&store, "b") == 2).await;
     assert!(
         took >= patience,

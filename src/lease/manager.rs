@@ -205,13 +205,13 @@ impl LeaseSettings {
     }
 
     /// How long a taker waits for the owner to acknowledge its request (from the request)
-    /// before it steals the lease: an owner that renews sees the request with its next renewal,
-    /// sent within a renewal interval and answered within another (one answer may be that late),
-    /// and acknowledges at once; then a scan to see it. An owner that does not answer (paused,
-    /// cut off) or never acknowledges (an older version) is waited for this long, then stolen
-    /// from.
+    /// before it steals the lease: as long as it waited for the whole handoff before there were
+    /// acknowledgements (an owner that renews sees the request with its next renewal and
+    /// acknowledges at once; on a loaded host its answers may be seconds late). An owner that
+    /// does not answer (paused, cut off) or never acknowledges (an older version) is waited for
+    /// this long, then stolen from, as before.
     fn handoff_ack_patience(&self) -> Duration {
-        self.renew_interval * 2 + self.scan_interval
+        self.handoff_patience()
     }
 
     /// Checks the settings, naming the first bad field.
