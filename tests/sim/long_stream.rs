@@ -62,9 +62,61 @@ struct Model {
     /// the lease had expired, so its owner must have stopped dispatching before (issue 27,
     /// defect 6).
     expired: BTreeMap<(String, u64), Instant>,
+    /// Which process took each (shard, owner epoch) (lease hooks; a process is one consumer run:
+    /// a restart or a twin under the same worker id is another).
+    held_by: BTreeMap<(String, u64), u64>,
+    /// When each (shard, owner epoch) was given up by its holder (lost, or let go when its hold
+    /// ran out).
+    given_up: BTreeMap<(String, u64), Instant>,
+    /// Leases of processes that crashed or stopped before giving them up: not owed.
+    left_behind: BTreeSet<(String, u64)>,
 }
 
 impl Model {
+    /// Process `process` stopped or crashed: what it still held is no longer its to give up.
+    fn process_down(&mut self, process: u64) {
+        for (key, holder) in &self.held_by {
+            if *holder == process && !self.given_up.contains_key(key) {
+                self.left_behind.insert(key.clone());
+            }
+        }
+    }
+
+    /// `process` gave up the lease of `shard` it held under `epoch`: no later than another worker
+    /// took it as expired (issue 27: a worker gives a lease up before anyone can judge it free).
+    fn gave_up(&mut self, at: Instant, start: Instant, process: u64, shard: &str, epoch: u64) {
+        let key = (shard.to_string(), epoch);
+        self.event(
+            at,
+            start,
+            format!("p{process} gave up {shard} epoch {epoch}"),
+        );
+        self.given_up.entry(key.clone()).or_insert(at);
+        if let Some(taken) = self.expired.get(&key).copied()
+            && self.held_by.get(&key) == Some(&process)
+            && !self.left_behind.contains(&key)
+            && at > taken
+        {
+            let what = format!(
+                "p{process} gave up {shard} epoch {epoch} {} ms after another worker took it as expired",
+                (at - taken).as_millis()
+            );
+            self.violation(at, start, what);
+        }
+    }
+
+    /// Leases taken as expired whose holder, still running, never gave them up.
+    fn never_given_up(&self) -> Vec<String> {
+        self.expired
+            .keys()
+            .filter(|key| !self.given_up.contains_key(*key) && !self.left_behind.contains(*key))
+            .filter_map(|key| {
+                let holder = self.held_by.get(key)?;
+                Some(format!("p{holder} never gave up {} epoch {}", key.0, key.1))
+            })
+            .collect()
+    }
+
     fn event(&mut self, at: Instant, start: Instant, what: String) {
         self.log.push((at - start).as_millis() as u64, what);
     }
@@ -124,6 +176,10 @@ struct World {
     model: Arc<Mutex<Model>>,
     start: Instant,
     workers: Vec<Option<Running>>,
+    /// The process running as each worker (see [`Model::held_by`]), and the next process's
+    /// number.
+    processes: Vec<Option<u64>>,
+    next_process: u64,
     lanes: usize,
     poll: Duration,
     initial: InitialPosition,
@@ -226,6 +282,8 @@ impl World {
             model,
             start,
             workers: (0..workers).map(|_| None).collect(),
+            processes: (0..workers).map(|_| None).collect(),
+            next_process: 0,
             initial,
             records: 0,
             links: (0..=workers).map(|_| Link::default()).collect(),
@@ -287,15 +345,25 @@ impl World {
     }
 
     async fn start_worker(&mut self, n: usize) {
-        if let Some(running) = self.consumer(n).await {
+        if let Some((running, process)) = self.consumer(n).await {
             self.workers[n] = Some(running);
+            self.processes[n] = Some(process);
+        }
+    }
+
+    /// Worker `n`'s process stopped or crashed.
+    fn down(&mut self, n: usize) {
+        if let Some(process) = self.processes[n].take() {
+            self.model.lock().unwrap().process_down(process);
         }
     }
 
     /// Worker `n`'s consumer, started (a second process with the same worker id, when worker `n`
     /// is up: hosts that share a name, PID 1 in containers).
-    async fn consumer(&mut self, n: usize) -> Option<Running> {
+    async fn consumer(&mut self, n: usize) -> Option<(Running, u64)> {
         let worker = format!("w{n}");
+        let process = self.next_process;
+        self.next_process += 1;
         let (model, start, seed) = (self.model.clone(), self.start, self.seed);
         let w = worker.clone();
         let dispatched = self.model.clone();
@@ -359,13 +427,18 @@ impl World {
             .record_source(stream.clone())
             .shard_lister(stream.clone())
             .record_sink(stream)
+            .hooks(Arc::new(Holds {
+                process,
+                model: self.model.clone(),
+                start: self.start,
+            }))
             .build()
             .expect("settings");
         let running = on_host(HostClock::new(offset, drift), consumer.run()).await;
         match running {
             Ok(running) => {
-                self.event(format!("start {worker}"));
-                Some(running)
+                self.event(format!("start {worker} (p{process})"));
+                Some((running, process))
             }
             Err(e) => {
                 self.event(format!("start {worker} failed: {e}"));
@@ -378,6 +451,7 @@ impl World {
         if let Some(running) = self.workers[n].take() {
             self.event(format!("crash w{n}"));
             running.abort();
+            self.down(n);
         }
     }
 
@@ -455,16 +529,18 @@ impl World {
                     } else if let Some(running) = self.workers[n].take() {
                         self.event(format!("stop w{n}"));
                         running.shutdown(Duration::from_secs(5)).await;
+                        self.down(n);
                     }
                 }
                 // A second process with worker 0's id, for 10 minutes to 3 hours.
                 78..=79 => {
                     let minutes = self.rng.random_range(10..=180);
                     self.event(format!("twin of w0 for {minutes} min"));
-                    if let Some(twin) = self.consumer(0).await {
+                    if let Some((twin, process)) = self.consumer(0).await {
                         tokio::time::sleep(Duration::from_secs(minutes * 60)).await;
                         self.event("twin of w0 stops".into());
                         twin.shutdown(Duration::from_secs(5)).await;
+                        self.model.lock().unwrap().process_down(process);
                     }
                 }
                 80..=86 => {
@@ -537,6 +613,12 @@ impl World {
             }
             tokio::time::sleep(Duration::from_secs(10)).await;
         }
+        {
+            let mut model = self.model.lock().unwrap();
+            for what in model.never_given_up() {
+                model.violation(Instant::now(), self.start, what);
+            }
+        }
         for running in self.workers.iter_mut().filter_map(Option::take) {
             running.shutdown(Duration::from_secs(5)).await;
         }
@@ -552,6 +634,34 @@ impl World {
             events: model.log.count(),
             invocations: model.invocations,
         }
+    }
+}
+
+/// Tells the model when a process's lease manager takes a lease and when it gives one up (lost,
+/// or let go when its hold ran out).
+struct Holds {
+    process: u64,
+    model: Arc<Mutex<Model>>,
+    start: Instant,
+}
+
+impl shardwise::lease::LeaseHooks for Holds {
+    fn lease_taken(&self, lease: &shardwise::Lease) {
+        self.model
+            .lock()
+            .unwrap()
+            .held_by
+            .insert((lease.shard_id.clone(), lease.owner_epoch), self.process);
+    }
+
+    fn lease_lost(&self, ownership: &shardwise::lease::Ownership) {
+        self.model.lock().unwrap().gave_up(
+            Instant::now(),
+            self.start,
+            self.process,
+            &ownership.shard_id,
+            ownership.epoch,
+        );
     }
 }
 
