@@ -1661,16 +1661,7 @@ async fn draining(
     name: &str,
     drain: Duration,
 ) -> (Arc<LeaseManager>, Arc<std::sync::atomic::AtomicU64>) {
-    let (manager, mut events) = LeaseManager::start(
-        store,
-        shards.clone(),
-        STREAM,
-        name,
-        LeaseSettings::default(),
-        Arc::new(()),
-    )
-    .await
-    .expect("manager starts");
+    let (manager, mut events) = start_on(store, shards, name).await.expect("manager starts");
     let manager = Arc::new(manager);
     let lost = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let weak = Arc::downgrade(&manager);
