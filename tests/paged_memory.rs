@@ -966,12 +966,10 @@ async fn a_seek_to_a_time_needs_a_source_that_can_start_at_one() {
     let _: Option<Running> = None;
 }
 
-/// Issue 23, item 2: a source read by timestamp reads its open groups again after a restart (here
-/// a one-hour lateness bound keeps every group open, as 14 days would). With a ledger every
-/// outcome leaves a receipt (an ack and a drop too), so the next attempt recognises what an
-/// earlier one finished without calling the handler: the new owner handles only the new event.
-#[tokio::test(start_paused = true)]
-async fn after_a_restart_no_event_an_earlier_attempt_finished_reaches_the_handler_again() {
+/// A source read by timestamp whose one-hour lateness bound keeps every group open (as 14 days
+/// would), with `events` events `p-1`.. in partition `p`, a second apart, from a minute ago; and
+/// now, in ms.
+fn open_groups(events: i64) -> (EventApi, i64) {
     use shardwise::paged::{Finality, Timestamps, Traversal};
     let api = EventApi::new(SOURCE).contract(Contract::default().timestamps(Timestamps::new(
         Traversal::Complete,
@@ -981,9 +979,19 @@ async fn after_a_restart_no_event_an_earlier_attempt_finished_reaches_the_handle
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as i64;
-    for n in 1..=6 {
+    for n in 1..=events {
         api.push_at("p", &format!("p-{n}"), now - 60_000 + n * 1_000, "e");
     }
+    (api, now)
+}
+
+/// Issue 23, item 2: a source read by timestamp reads its open groups again after a restart (here
+/// a one-hour lateness bound keeps every group open, as 14 days would). With a ledger every
+/// outcome leaves a receipt (an ack and a drop too), so the next attempt recognises what an
+/// earlier one finished without calling the handler: the new owner handles only the new event.
+#[tokio::test(start_paused = true)]
+async fn after_a_restart_no_event_an_earlier_attempt_finished_reaches_the_handler_again() {
+    let (api, now) = open_groups(6);
     let store = MemoryLeaseStore::new();
     let receipts = MemoryReceipts::new().table("counts", &["id"]);
     let calls = Calls::default();
@@ -1084,19 +1092,8 @@ async fn after_a_restart_no_event_an_earlier_attempt_finished_reaches_the_handle
 /// read again; the same held for a receipt recorded in the seek's own millisecond.
 #[tokio::test(start_paused = true)]
 async fn a_seek_from_a_host_whose_clock_is_behind_still_reaches_every_event_again() {
-    use shardwise::paged::{Finality, Timestamps, Traversal};
     use shardwise::testing::{HostClock, on_host};
-    let api = EventApi::new(SOURCE).contract(Contract::default().timestamps(Timestamps::new(
-        Traversal::Complete,
-        Finality::Lateness(Duration::from_secs(3_600)),
-    )));
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64;
-    for n in 1..=4 {
-        api.push_at("p", &format!("p-{n}"), now - 60_000 + n * 1_000, "e");
-    }
+    let (api, _) = open_groups(4);
     let store = MemoryLeaseStore::new();
     let receipts = MemoryReceipts::new();
     let calls = Calls::default();
