@@ -9,12 +9,15 @@
 //! 6. paged: events/s read from the scripted event API over HTTP (4 partitions, pages of 200): a raw
 //!    page loop (fetch, follow the token, nothing else) against the consumer (lanes, tracker, page
 //!    barrier, progress writes to the memory lease store), same server, same run, in 5 alternating
-//!    rounds (median).
+//!    rounds (median);
+//! 7. start: from start to the first record of a one-shard stream, a raw GetRecords loop against
+//!    a consumer (a new application, and the same one started again), alternating rounds.
 //!
-//! Parts 3 to 5 need the emulators (`envs=$(scripts/emulators start) && eval "$envs"`) and are
+//! Parts 3 to 5 and 7 need the emulators (`envs=$(scripts/emulators start) && eval "$envs"`) and are
 //! skipped without `AWS_ENDPOINT_URL_KINESIS`. Name parts to run only those:
-//! `cargo bench -p shardwise-bench --bench consumer -- paged` (pipeline, lanes, receipts, paged, live). Under `cargo test` (no `--bench` argument) every
-//! part runs once at a tiny size, so the bench cannot rot.
+//! `cargo bench -p shardwise-bench --bench consumer -- paged` (pipeline, lanes, receipts, paged, live, start). Under `cargo test` (no `--bench` argument) every
+//! part runs once at a tiny size, so the bench cannot rot. `RUST_LOG=shardwise=debug` prints the
+//! library's log to stderr.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -40,6 +43,7 @@ struct Scale {
     live_receipt_records: u64,
     paged_events: u64,
     paged_rounds: u32,
+    start_rounds: u32,
 }
 
 /// CPU time this process has used (user and system), from /proc: the ticks are 10 ms.
@@ -432,6 +436,154 @@ async fn live(scale: &Scale) {
     receipts_live(scale, &config).await;
 }
 
+/// Live: from start to the first record of a one-shard stream that holds records, with default
+/// settings, in `rounds` alternating rounds, each with new clients: a raw loop (ListShards,
+/// GetShardIterator at TRIM_HORIZON, GetRecords) against a consumer of a fresh application (its
+/// lease table created, the roster, the shard sync, the take), and the same application started
+/// again after a graceful stop (the table, row and checkpoint there: a restart or a deploy).
+/// Prints each round and the medians.
+async fn start(rounds: u32) {
+    if std::env::var("AWS_ENDPOINT_URL_KINESIS").is_err() {
+        println!("start skipped: AWS_ENDPOINT_URL_KINESIS is not set (start scripts/emulators)");
+        return;
+    }
+    let config = aws_config::defaults(BehaviorVersion::latest()).load().await;
+    let kinesis = aws_sdk_kinesis::Client::new(&config);
+    let dynamodb = shardwise::aws_sdk_dynamodb::Client::new(&config);
+    let tag = format!(
+        "{}-{}",
+        std::process::id(),
+        Instant::now().elapsed().as_nanos()
+    );
+    let stream = format!("bench-start-{tag}");
+    filled_stream(&kinesis, &stream, 1, 100, |i| format!("{{\"id\":{i}}}")).await;
+    let (mut raws, mut fresh, mut again, mut named) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for round in 1..=rounds {
+        let t0 = Instant::now();
+        let k = aws_sdk_kinesis::Client::new(&config);
+        let shard = k
+            .list_shards()
+            .stream_name(&stream)
+            .send()
+            .await
+            .expect("list")
+            .shards()[0]
+            .shard_id()
+            .to_string();
+        let mut it = k
+            .get_shard_iterator()
+            .stream_name(&stream)
+            .shard_id(shard)
+            .shard_iterator_type(ShardIteratorType::TrimHorizon)
+            .send()
+            .await
+            .expect("iterator")
+            .shard_iterator
+            .expect("an iterator");
+        loop {
+            let page = k
+                .get_records()
+                .shard_iterator(&it)
+                .send()
+                .await
+                .expect("records");
+            if !page.records().is_empty() {
+                break;
+            }
+            it = page.next_shard_iterator.expect("an open shard");
+        }
+        let raw = t0.elapsed();
+        let app = format!("bench-start-{tag}-{round}");
+        let first = first_record(&stream, &app, &config, None).await;
+        // The first run may have handled and checkpointed every record: new ones for the next.
+        put_one(&kinesis, &stream, round).await;
+        let restart = first_record(&stream, &app, &config, None).await;
+        // A worker id set by the operator (a pod's name), stopped gracefully and started again
+        // under it: the stop removed its roster entry, so the new process takes at once (after
+        // a kill -9 the entry still holds the dead process's beat, and the new one beats once
+        // more, a beat interval later, before it takes: see `LeaseManager::start`).
+        let mut by_name = Duration::ZERO;
+        for _ in 0..2 {
+            put_one(&kinesis, &stream, round).await;
+            by_name = first_record(&stream, &app, &config, Some("bench-named")).await;
+        }
+        println!(
+            "start round {round}: raw loop {:.0} ms, consumer of a new application {:.0} ms (+{:.0}), started again {:.0} ms (+{:.0}), started again under the same worker id {:.0} ms",
+            ms(raw),
+            ms(first),
+            ms(first) - ms(raw),
+            ms(restart),
+            ms(restart) - ms(raw),
+            ms(by_name)
+        );
+        raws.push(ms(raw));
+        fresh.push(ms(first));
+        again.push(ms(restart));
+        named.push(ms(by_name));
+        let _ = dynamodb.delete_table().table_name(&app).send().await;
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (raw, fresh, again, named) = (median(raws), median(fresh), median(again), median(named));
+    println!(
+        "start to first record, one shard, default settings, {rounds} rounds (medians): raw loop {raw:.0} ms, consumer of a new application {fresh:.0} ms (+{:.0} ms), the same application started again {again:.0} ms (+{:.0} ms), started again under the worker id it ran under {named:.0} ms",
+        fresh - raw,
+        again - raw
+    );
+    let _ = kinesis.delete_stream().stream_name(&stream).send().await;
+}
+
+/// Puts one record, so that a consumer started again has one after its checkpoint.
+async fn put_one(kinesis: &aws_sdk_kinesis::Client, stream: &str, round: u32) {
+    kinesis
+        .put_record()
+        .stream_name(stream)
+        .partition_key("again")
+        .data(Blob::new(format!("{{\"again\":{round}}}")))
+        .send()
+        .await
+        .expect("put");
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// From `build()` to the first record handled by a consumer of `app` with default settings (and
+/// the default worker id unless `worker` names one); stops it gracefully.
+async fn first_record(
+    stream: &str,
+    app: &str,
+    config: &aws_config::SdkConfig,
+    worker: Option<&str>,
+) -> Duration {
+    let first = Arc::new(tokio::sync::Notify::new());
+    let f = first.clone();
+    let t0 = Instant::now();
+    let mut builder =
+        Consumer::builder(stream.to_string(), app.to_string(), move |_d: Delivery| {
+            f.notify_one();
+            std::future::ready(Outcome::Ack)
+        })
+        .aws_config(config.clone());
+    if let Some(worker) = worker {
+        builder = builder.worker_id(worker);
+    }
+    let running = builder
+        .build()
+        .expect("settings")
+        .run()
+        .await
+        .expect("start");
+    first.notified().await;
+    let took = t0.elapsed();
+    running.shutdown(Duration::from_secs(5)).await;
+    took
+}
+
 /// The scripted event API over HTTP: a raw page loop against the consumer, same server, in
 /// `rounds` alternating rounds (this machine's speed wanders by a third from minute to minute: each
 /// round's pair ran back to back). Prints each round and the medians.
@@ -558,6 +710,7 @@ fn main() {
             live_receipt_records: 5_000,
             paged_events: 1_000_000,
             paged_rounds: 5,
+            start_rounds: 7,
         }
     } else {
         Scale {
@@ -568,8 +721,15 @@ fn main() {
             live_receipt_records: 0,
             paged_events: 800,
             paged_rounds: 1,
+            start_rounds: 1,
         }
     };
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -595,6 +755,9 @@ fn main() {
         }
         if benching && part("live") {
             live(&scale).await;
+        }
+        if benching && part("start") {
+            start(scale.start_rounds).await;
         }
     });
 }
