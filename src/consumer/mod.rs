@@ -1205,7 +1205,10 @@ async fn on_exit(
                 .unwrap_or_else(|e| e.into_inner())
                 .shards_stopped += 1;
         }
-        Ok(Exit::Lost(o)) => info!(shard = %o.shard_id, "shard given up: lease lost"),
+        Ok(Exit::Lost(o)) => {
+            info!(shard = %o.shard_id, "shard given up: lease lost");
+            manager.work_ended(&o);
+        }
         Ok(Exit::Failed(o, e @ Error::StreamNotFound { .. })) => {
             // The stream was deleted: every shard would fail the same way, be released, taken
             // and fail again. The consumer stops instead, saying why.

@@ -9,7 +9,8 @@
 //!                       │
 //!                       ├──nothing more to read, every delivery settled, the progress ends──► SHARD_END ──► Ended
 //!                       └──the source cannot be read on, or a write finds the attempt stale──► FINAL WRITES ──► Failed
-//! any state ──lease lost (token), or a write refused as Lost──► Lost (nothing more written)
+//! any state ──lease given up (token)──► FINAL WRITES of what settled (fenced: refused if the row moved) ──► Lost
+//! any state ──a write refused as Lost──► Lost (nothing more written)
 //! ```
 //!
 //! Every write is the store's fenced write: owner and ownership epoch of this lease, and a
@@ -208,7 +209,11 @@ struct InFlight<W> {
 
 /// Why the loop stopped.
 enum Halt {
+    /// A write was refused: the row names another owner or epoch.
     Lost,
+    /// The manager let the lease go (its token): its hold ran out while renewals went
+    /// unanswered, or it saw the row move.
+    GivenUp,
     Stop,
     End,
     Failed(Error),
@@ -304,7 +309,7 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
         let writing = owned.in_flight.is_some();
         tokio::select! {
             biased;
-            _ = lost.cancelled() => break Halt::Lost,
+            _ = lost.cancelled() => break Halt::GivenUp,
             _ = ctx.abort.cancelled(), if !aborted => {
                 aborted = true;
                 pipeline.abort_handlers();
@@ -371,6 +376,22 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
     match halt {
         Halt::Lost => {
             info!(stream = %ownership.stream, shard = %ownership.shard_id, "lease lost: stopped, nothing more written");
+            Exit::Lost(ownership)
+        }
+        Halt::GivenUp => {
+            // Given up is not taken: when the hold ran out because renewals were answered late
+            // (a stalled store, a starved host), the row most likely still names this worker and
+            // epoch. What settled is written then, fenced by owner and epoch as every write, so
+            // the next owner (often this worker again) does not handle it again; a row another
+            // worker took refuses it. Nothing is handed out any more: the handlers are aborted.
+            match owned.flush(&mut progress, pipeline.tracker()).await {
+                Ok(()) => {
+                    info!(stream = %ownership.stream, shard = %ownership.shard_id, "lease given up: stopped; what settled is written (the row still named this worker)")
+                }
+                Err(_) => {
+                    info!(stream = %ownership.stream, shard = %ownership.shard_id, "lease lost: stopped, nothing more written")
+                }
+            }
             Exit::Lost(ownership)
         }
         Halt::Failed(e) => {

@@ -7,7 +7,8 @@
 //!              │
 //!              ├──page without a next cursor, every delivery settled──► SHARD_END ──► Ended
 //!              └──order violation, partition gone, cursor refused, a stale attempt──► Failed (lease released)
-//! any state ──lease lost, or a write refused as Lost──► Lost (nothing more written)
+//! any state ──lease given up (its token)──► FINAL WRITES of what settled (fenced: refused if the row moved) ──► Lost
+//! any state ──a write refused as Lost──► Lost (nothing more written)
 //! ```
 //!
 //! A write refused as not newer is not retried blindly: the row is read back. If it holds what

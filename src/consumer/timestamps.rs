@@ -7,7 +7,8 @@
 //! ```text
 //! TAKEN ──► POLLING ──stop──► DRAINING ──drained, or only held deliveries left, or deadline──► FINAL CLOSE ──► Stopped
 //!              └──partition gone, poll refused, an event without a timestamp, a stale attempt──► Failed (lease released)
-//! any state ──lease lost, or a close refused as Lost──► Lost (nothing more written)
+//! any state ──lease given up (its token)──► FINAL CLOSE of what settled (fenced: refused if the row moved) ──► Lost
+//! any state ──a close refused as Lost──► Lost (nothing more written)
 //! ```
 //!
 //! Every write is `closed_through: c -> c'` (c' > c) with `checkpoint_version: g -> g + 1`,

@@ -297,7 +297,9 @@ pub struct HeldLease {
     pub ownership: Ownership,
     /// The row as taken (checkpoint, lineage).
     pub lease: Lease,
-    /// Cancelled the moment the lease is lost or given up: the shard's work must stop.
+    /// Cancelled the moment the lease is lost or given up: the shard's work must stop handing
+    /// anything out. It may still write what settled, once, with the fenced writes (refused if
+    /// the row moved), then report with [`LeaseManager::work_ended`].
     pub cancel: CancellationToken,
     /// Cancelled when another worker asked for the lease (cooperative handoff): stop reading,
     /// let in-flight deliveries settle within the handoff timeout, write the final checkpoint and
@@ -311,7 +313,9 @@ pub struct HeldLease {
 pub enum LeaseEvent {
     /// Start reading this shard from its checkpoint.
     Acquired(Box<HeldLease>),
-    /// Stop reading this shard: its token is already cancelled, and nothing it settles may write.
+    /// Stop reading this shard: its token is already cancelled. What settled before may be
+    /// written once (fenced: refused if the row moved); this worker takes the lease again only
+    /// after [`LeaseManager::work_ended`] (or a lease duration).
     Lost(Ownership),
     /// Stop the consumer: this manager holds and takes no lease any more, for this reason
     /// ([`Error::WorkerIdInUse`]: another process under this worker id came first).
@@ -370,6 +374,10 @@ struct Inner {
     requests: Mutex<HashMap<String, Awaited>>,
     /// Leases whose work failed here, by shard: not taken again by this worker until `until`.
     failing: Mutex<HashMap<String, Failing>>,
+    /// Leases this worker gave up or lost whose work may still be writing what settled, by
+    /// shard: the epoch given up, and until when (at most a lease duration) this worker leaves
+    /// the lease alone unless [`LeaseManager::work_ended`] says the work is over first.
+    letting_go: Mutex<HashMap<String, (u64, Instant)>>,
     /// The workers of the stream as their beats tell.
     roster: Mutex<RosterView>,
     /// The roster's sections as this worker last read them, and where it beats.
@@ -510,6 +518,7 @@ impl LeaseManager {
             membership_scans: AtomicU64::new(0),
             requests: Mutex::new(HashMap::new()),
             failing: Mutex::new(HashMap::new()),
+            letting_go: Mutex::new(HashMap::new()),
             sections: Mutex::new(Sections::new(worker_id.clone())),
             roster: Mutex::new(RosterView::new(worker_id, silence)),
             last_beat: Mutex::new(Instant::now()),
@@ -669,6 +678,23 @@ impl LeaseManager {
         metrics::counter!("shardwise_lease_failures_total", &self.inner.labels()).increment(1);
         warn!(stream = %self.inner.stream, shard = %ownership.shard_id, ?wait, "work on the lease failed; releasing it and not taking it again before the wait is over");
         self.inner.release(ownership).await
+    }
+
+    /// The work of a lease this worker lost or gave up ([`LeaseEvent::Lost`]) has ended: its
+    /// final writes are made or refused, so this worker may take the lease again (a row still
+    /// naming it, after renewals answered too late, is taken back at the next scan, from the
+    /// checkpoint those writes left). Without this call the lease is left alone for a lease
+    /// duration after it was given up.
+    pub fn work_ended(&self, ownership: &Ownership) {
+        let mut letting_go = self.inner.letting_go();
+        if letting_go
+            .get(&ownership.shard_id)
+            .is_some_and(|(epoch, _)| *epoch == ownership.epoch)
+        {
+            letting_go.remove(&ownership.shard_id);
+            drop(letting_go);
+            self.inner.scan_now.notify_one();
+        }
     }
 
     /// Records that a held shard reached SHARD_END: releases the lease, runs the hook and syncs
@@ -831,6 +857,24 @@ impl Inner {
     /// Whether this worker waits before taking `shard` again (its work failed here).
     fn cooling(&self, shard: &str, now: Instant) -> bool {
         self.failing().get(shard).is_some_and(|f| now < f.until)
+    }
+
+    fn letting_go(&self) -> MutexGuard<'_, HashMap<String, (u64, Instant)>> {
+        self.letting_go.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the work of `shard` under an epoch this worker gave up may still be writing what
+    /// settled (see [`LeaseManager::work_ended`]).
+    fn still_letting_go(&self, shard: &str, now: Instant) -> bool {
+        let mut letting_go = self.letting_go();
+        match letting_go.get(shard) {
+            Some((_, until)) if now < *until => true,
+            Some(_) => {
+                letting_go.remove(shard);
+                false
+            }
+            None => false,
+        }
     }
 
     fn roster(&self) -> MutexGuard<'_, RosterView> {
@@ -1391,6 +1435,15 @@ impl Inner {
     fn lose(&self, ownership: &Ownership, why: &str) {
         let removed = self.remove_held(ownership);
         if let Some(h) = removed {
+            // Its work may write what settled before it stops (fenced); the lease is not taken
+            // back here before it has (see `work_ended`).
+            self.letting_go().insert(
+                ownership.shard_id.clone(),
+                (
+                    ownership.epoch,
+                    Instant::now() + self.settings.lease_duration,
+                ),
+            );
             h.cancel.cancel();
             warn!(stream = %self.stream, shard = %ownership.shard_id, epoch = ownership.epoch, "lease lost: {why}");
             metrics::counter!("shardwise_leases_lost_total", &self.labels()).increment(1);
@@ -1734,6 +1787,11 @@ impl Inner {
             };
             if self.cooling(planned, now) {
                 debug!(shard = %planned, "work on this lease failed here a moment ago: not taking it yet");
+                cooling = true;
+                continue;
+            }
+            if self.still_letting_go(planned, now) {
+                debug!(shard = %planned, "this worker let the lease go a moment ago and its work is still writing what settled: not taking it yet");
                 cooling = true;
                 continue;
             }
