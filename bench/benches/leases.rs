@@ -3,7 +3,7 @@
 //!
 //! 1. four workers start together on a new 200-shard stream: time until each holds its 50, and
 //!    every write, by kind, with the conditional writes the table refused;
-//! 2. steady state at 3, 4 and 8 balanced workers: requests and read units a minute (Scan read
+//! 2. steady state at 1, 3, 4 and 8 balanced workers: requests and read units a minute (Scan read
 //!    units from the items' sizes by DynamoDB's rules, consistent reads, 4 KB a unit), and what
 //!    that gives at 1,000 shards and 20 workers;
 //! 3. a fourth worker joins three balanced ones: time until it holds its 50, and the handoffs.
@@ -14,6 +14,10 @@
 //! Steady-state windows are 150 s: a balanced worker scans every lease duration x workers. Needs the emulators (`envs=$(scripts/emulators start) && eval
 //! "$envs"`); skipped without `AWS_ENDPOINT_URL_DYNAMODB`. Under `cargo test` (no `--bench`
 //! argument) it runs once at a tiny size (8 shards, short windows), so the bench cannot rot.
+//!
+//! `SHARDWISE_BENCH_LATENCY_MS=20-50` puts a TCP proxy between the workers and DynamoDB that
+//! holds every chunk a worker sends for a random 20 to 50 ms (the latency of a real network and
+//! a slower store than moto on loopback); the figures then say what that costs.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -29,6 +33,7 @@ use serde_json::Value;
 use shardwise::lease::{DynamoDbLeaseStore, LeaseSettings};
 use shardwise::testing::MemoryStream;
 use shardwise::{Consumer, Delivery, Outcome, Running};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// One request as counted: its kind, and what it cost.
 #[derive(Debug, Clone, Default)]
@@ -218,13 +223,18 @@ struct Bench {
     stream: MemoryStream,
     table: String,
     scale: Scale,
+    /// The delaying proxy's endpoint, when there is one.
+    through: Option<String>,
 }
 
 impl Bench {
     async fn worker(&self, id: &str) -> Running {
-        let config = aws_sdk_dynamodb::config::Builder::from(&self.sdk)
-            .interceptor(Counting(self.counter.clone()))
-            .build();
+        let mut config = aws_sdk_dynamodb::config::Builder::from(&self.sdk)
+            .interceptor(Counting(self.counter.clone()));
+        if let Some(proxy) = &self.through {
+            config = config.endpoint_url(proxy);
+        }
+        let config = config.build();
         let client = aws_sdk_dynamodb::Client::from_conf(config);
         Consumer::builder(self.stream.name(), "bench-leases", |_d: Delivery| async {
             Outcome::Ack
@@ -300,6 +310,48 @@ async fn shut_down(workers: Vec<(String, Running)>) {
     .await;
 }
 
+/// A TCP proxy on loopback in front of `upstream` (`host:port`) that holds each chunk a client
+/// sends for a random delay in `delay` before passing it on (answers pass at once). Returns the
+/// proxy's endpoint URL.
+async fn delaying_proxy(upstream: String, delay: (u64, u64)) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a port");
+    let url = format!("http://{}", listener.local_addr().expect("an address"));
+    tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                return;
+            };
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    return;
+                };
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                let to_server = async move {
+                    let mut buffer = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match client_read.read(&mut buffer).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        let ms = rand::random_range(delay.0..=delay.1);
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        if server_write.write_all(&buffer[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                };
+                let to_client = tokio::io::copy(&mut server_read, &mut client_write);
+                let _ = tokio::join!(to_server, to_client);
+            });
+        }
+    });
+    url
+}
+
 #[tokio::main]
 async fn main() {
     let measuring = std::env::args().any(|a| a == "--bench");
@@ -325,6 +377,28 @@ async fn main() {
         }
     };
     let sdk = aws_config::defaults(BehaviorVersion::latest()).load().await;
+    let mut through = None;
+    if let Ok(range) = std::env::var("SHARDWISE_BENCH_LATENCY_MS") {
+        let (low, high) = range
+            .split_once('-')
+            .map_or((range.as_str(), range.as_str()), |(l, h)| (l, h));
+        let delay = (
+            low.trim()
+                .parse()
+                .expect("SHARDWISE_BENCH_LATENCY_MS: LOW-HIGH in ms"),
+            high.trim()
+                .parse()
+                .expect("SHARDWISE_BENCH_LATENCY_MS: LOW-HIGH in ms"),
+        );
+        let endpoint = std::env::var("AWS_ENDPOINT_URL_DYNAMODB").unwrap_or_default();
+        let upstream = endpoint.trim_start_matches("http://").trim_end_matches('/');
+        let proxy = delaying_proxy(upstream.to_string(), delay).await;
+        println!(
+            "leases: every request to DynamoDB held {}-{} ms by a proxy ({proxy} -> {endpoint})",
+            delay.0, delay.1
+        );
+        through = Some(proxy);
+    }
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -340,6 +414,7 @@ async fn main() {
         stream,
         table: format!("bench-leases-{nanos}"),
         scale,
+        through,
     };
     let shards = bench.scale.shards;
     println!(
@@ -393,6 +468,14 @@ async fn main() {
     bench.balanced(&workers, Instant::now()).await;
     let (counts8, reads8) = bench.steady(8).await;
 
+    // And down to one worker: the other seven leave gracefully.
+    while workers.len() > 1 {
+        let (_, leaving) = workers.pop().expect("more than one");
+        leaving.shutdown(Duration::from_secs(10)).await;
+    }
+    bench.balanced(&workers, Instant::now()).await;
+    let (_, reads1) = bench.steady(1).await;
+
     let per_row = bench.counter.bytes_per_row();
     let scans_per_minute = counts8.get("scan").map_or(0, |t| t.requests) as f64
         / (bench.scale.window.as_secs_f64() / 60.0);
@@ -403,7 +486,7 @@ async fn main() {
     let units_per_scan = (1000.0 * per_row / 4096.0).ceil();
     let before = 20.0 * (60.0 / bench.scale.settings.scan_interval.as_secs_f64()) * units_per_scan;
     println!(
-        "2. read units a minute at steady state: {reads3:.0} (3 workers), {reads4:.0} (4), {reads8:.0} (8); {scans_per_minute:.1} scans a minute with 8"
+        "2. read units a minute at steady state: {reads1:.0} (1 worker), {reads3:.0} (3), {reads4:.0} (4), {reads8:.0} (8); {scans_per_minute:.1} scans a minute with 8"
     );
     println!(
         "   estimate at 1,000 shards and 20 workers: {:.0} read units a minute ({scans_at_scale:.0} scans x {units_per_scan:.0} units; {per_row:.0} bytes a row), against {before:.0} when every worker scanned every scan interval",
