@@ -92,7 +92,8 @@ fn kind_of(target: &str, body: &Value) -> &'static str {
         "DeleteItem" => "delete",
         "TransactWriteItems" => "transaction",
         "DescribeTable" | "CreateTable" | "DescribeContinuousBackups" | "TagResource" => "table",
-        "UpdateItem" if key.starts_with("~workers#") && update.contains("ADD #beat") => "beat",
+        "BatchGetItem" => "roster read",
+        "UpdateItem" if key.starts_with("~workers#") && update.contains("#beat = :beat") => "beat",
         "UpdateItem" if key.starts_with("~workers#") => "forget",
         "UpdateItem" if key.starts_with("~membership#") => "membership",
         "UpdateItem" if update == "SET #counter = #counter + :one" => "renew",
@@ -175,13 +176,21 @@ impl Intercept for Counting {
                 b.contains("ConditionalCheckFailed") || b.contains("TransactionCanceled")
             });
         let mut read_units = 0;
-        if kind == "scan" || kind == "get" {
+        if kind == "scan" || kind == "get" || kind == "roster read" {
             let body: Value = serde_json::from_slice(bytes).unwrap_or(Value::Null);
             let items: Vec<&serde_json::Map<String, Value>> = match kind {
                 "scan" => body["Items"]
                     .as_array()
                     .map(|a| a.iter().filter_map(Value::as_object).collect())
                     .unwrap_or_default(),
+                "roster read" => body["Responses"]
+                    .as_object()
+                    .into_iter()
+                    .flat_map(|tables| tables.values())
+                    .filter_map(Value::as_array)
+                    .flatten()
+                    .filter_map(Value::as_object)
+                    .collect(),
                 _ => body["Item"].as_object().into_iter().collect(),
             };
             let sizes: Vec<u64> = items.iter().map(|i| item_size(i)).collect();
@@ -197,7 +206,12 @@ impl Intercept for Counting {
                 seen.0 += bytes;
                 seen.1 += sizes.len() as u64;
             } else {
-                read_units = bytes.div_ceil(4096).max(1);
+                // Each item of a batch is billed on its own, rounded up to 4 KB.
+                read_units = sizes
+                    .iter()
+                    .map(|b| b.div_ceil(4096).max(1))
+                    .sum::<u64>()
+                    .max(1);
             }
         }
         let mut by_kind = self.0.by_kind.lock().unwrap();

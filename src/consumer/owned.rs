@@ -386,7 +386,7 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
             // worker took refuses it. Nothing is handed out any more: the handlers are aborted.
             match owned.flush(&mut progress, pipeline.tracker()).await {
                 Ok(()) => {
-                    info!(stream = %ownership.stream, shard = %ownership.shard_id, "lease given up: stopped; what settled is written (the row still named this worker)")
+                    info!(stream = %ownership.stream, shard = %ownership.shard_id, "lease given up: stopped; what settled is written (fenced: the row still named this worker and epoch), if anything was left to write")
                 }
                 Err(_) => {
                     info!(stream = %ownership.stream, shard = %ownership.shard_id, "lease lost: stopped, nothing more written")

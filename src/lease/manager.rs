@@ -335,6 +335,9 @@ struct Held {
 /// while a slow store is not sent more than twice the writes it was.
 const RENEWALS_UNDER_WAY: usize = 2;
 
+/// The most lease rows a shard sync creates at once.
+const CREATES_AT_ONCE: usize = 16;
+
 /// The longest a worker waits before taking again a lease whose work keeps failing here.
 pub const FAILED_LEASE_MAX_WAIT: Duration = Duration::from_secs(300);
 
@@ -1951,15 +1954,33 @@ impl Inner {
         };
         let existing: HashSet<String> = rows.iter().map(|r| r.shard_id.clone()).collect();
         let mut created = 0;
-        for new in sync::new_leases(
+        // A generation's rows `CREATES_AT_ONCE` at a time, parents' generations first (200 rows
+        // one by one took 7 s at 35 ms a request).
+        for generation in sync::generations(sync::new_leases(
             &self.stream,
             &shards,
             &existing,
             self.settings.initial_position,
-        ) {
-            if self.store.create(&new).await? {
-                created += 1;
-                debug!(stream = %self.stream, shard = %new.shard_id, checkpoint = %new.checkpoint, "lease row created");
+        )) {
+            let mut failed = None;
+            for batch in generation.chunks(CREATES_AT_ONCE) {
+                let answers = join_all(batch.iter().map(|new| self.store.create(new))).await;
+                for (new, answer) in batch.iter().zip(answers) {
+                    match answer {
+                        Ok(true) => {
+                            created += 1;
+                            debug!(stream = %self.stream, shard = %new.shard_id, checkpoint = %new.checkpoint, "lease row created");
+                        }
+                        Ok(false) => {}
+                        Err(e) => failed = failed.or(Some(e)),
+                    }
+                }
+            }
+            if let Some(e) = failed {
+                if created > 0 {
+                    self.changed_here();
+                }
+                return Err(e);
             }
         }
         if created > 0 {

@@ -63,6 +63,28 @@ pub(crate) fn new_leases(
     out
 }
 
+/// Rows to create (as [`new_leases`] orders them, parents first) in generations: a row goes in
+/// the first generation after every generation holding one of its parents, so the rows of one
+/// generation can be created at once and each parent's row exists before its children's.
+pub(crate) fn generations(new: Vec<NewLease>) -> Vec<Vec<NewLease>> {
+    let mut depth_of: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    let mut out: Vec<Vec<NewLease>> = Vec::new();
+    for lease in new {
+        let depth = lease
+            .parents
+            .iter()
+            .filter_map(|p| depth_of.get(p).map(|d| d + 1))
+            .max()
+            .unwrap_or(0);
+        depth_of.insert(lease.shard_id.clone(), depth);
+        if out.len() <= depth {
+            out.resize_with(depth + 1, Vec::new);
+        }
+        out[depth].push(lease);
+    }
+    out
+}
+
 /// Rows that can go: at SHARD_END, held by nobody, no longer listed by the stream (aged out of
 /// retention), and with every recorded child already started (its checkpoint past a start
 /// sentinel), so no child waits on them and no frontier member needs them.
@@ -101,6 +123,28 @@ fn start_of(shard: &ShardInfo, known_lineage: bool, initial: InitialPosition) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_are_created_in_generations_each_after_its_parents() {
+        let shards = [
+            shard("a", &[], true),
+            shard("b", &[], false),
+            shard("c", &["a"], true),
+            shard("d", &["a"], false),
+            shard("e", &["c", "b"], false),
+            shard("f", &["z"], false),
+        ];
+        let existing: HashSet<String> = ["z".to_string()].into();
+        let new = new_leases("s", &shards, &existing, InitialPosition::TrimHorizon);
+        let generations = generations(new);
+        let ids: Vec<Vec<&str>> = generations
+            .iter()
+            .map(|g| g.iter().map(|l| l.shard_id.as_str()).collect())
+            .collect();
+        // `f`'s parent has a row already: it needs no generation before its own.
+        assert_eq!(ids, [vec!["a", "b", "f"], vec!["c", "d"], vec!["e"]]);
+        assert!(super::generations(Vec::new()).is_empty());
+    }
 
     fn shard(id: &str, parents: &[&str], closed: bool) -> ShardInfo {
         ShardInfo {
