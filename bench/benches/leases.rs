@@ -408,7 +408,7 @@ async fn main() {
         let upstream = endpoint.trim_start_matches("http://").trim_end_matches('/');
         let proxy = delaying_proxy(upstream.to_string(), delay).await;
         println!(
-            "leases: every request to DynamoDB held {}-{} ms by a proxy ({proxy} -> {endpoint})",
+            "leases: every chunk a worker sends to DynamoDB held {}-{} ms by a proxy ({proxy} -> {endpoint})",
             delay.0, delay.1
         );
         through = Some(proxy);
