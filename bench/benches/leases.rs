@@ -18,6 +18,7 @@
 //! `SHARDWISE_BENCH_LATENCY_MS=20-50` puts a TCP proxy between the workers and DynamoDB that
 //! holds every chunk a worker sends for a random 20 to 50 ms (the latency of a real network and
 //! a slower store than moto on loopback); the figures then say what that costs.
+//! `RUST_LOG=shardwise=info` prints the library's log to stderr.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -368,6 +369,12 @@ async fn delaying_proxy(upstream: String, delay: (u64, u64)) -> String {
 
 #[tokio::main]
 async fn main() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let measuring = std::env::args().any(|a| a == "--bench");
     if std::env::var_os("AWS_ENDPOINT_URL_DYNAMODB").is_none() {
         println!("leases: skipped (no AWS_ENDPOINT_URL_DYNAMODB; start the emulators first)");
