@@ -299,6 +299,20 @@ async fn receipts_live(scale: &Scale, config: &aws_config::SdkConfig) {
     }
 }
 
+/// A shard iterator at the trim horizon of `shard`: where each raw loop starts.
+async fn trim_horizon(kinesis: &aws_sdk_kinesis::Client, stream: &str, shard: &str) -> String {
+    kinesis
+        .get_shard_iterator()
+        .stream_name(stream)
+        .shard_id(shard)
+        .shard_iterator_type(ShardIteratorType::TrimHorizon)
+        .send()
+        .await
+        .expect("GetShardIterator")
+        .shard_iterator
+        .expect("an iterator")
+}
+
 async fn live(scale: &Scale) {
     if std::env::var("AWS_ENDPOINT_URL_KINESIS").is_err() {
         println!(
@@ -330,16 +344,7 @@ async fn live(scale: &Scale) {
     for shard in shard_ids {
         let (k, s) = (kinesis.clone(), stream.clone());
         tasks.push(tokio::spawn(async move {
-            let mut it = k
-                .get_shard_iterator()
-                .stream_name(&s)
-                .shard_id(&shard)
-                .shard_iterator_type(ShardIteratorType::TrimHorizon)
-                .send()
-                .await
-                .unwrap()
-                .shard_iterator
-                .unwrap();
+            let mut it = trim_horizon(&k, &s, &shard).await;
             let mut got = 0u64;
             loop {
                 let page = k
@@ -471,16 +476,7 @@ async fn start(rounds: u32) {
             .shards()[0]
             .shard_id()
             .to_string();
-        let mut it = k
-            .get_shard_iterator()
-            .stream_name(&stream)
-            .shard_id(shard)
-            .shard_iterator_type(ShardIteratorType::TrimHorizon)
-            .send()
-            .await
-            .expect("iterator")
-            .shard_iterator
-            .expect("an iterator");
+        let mut it = trim_horizon(&k, &stream, &shard).await;
         loop {
             let page = k
                 .get_records()
@@ -523,10 +519,6 @@ async fn start(rounds: u32) {
         named.push(ms(by_name));
         let _ = dynamodb.delete_table().table_name(&app).send().await;
     }
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let (raw, fresh, again, named) = (median(raws), median(fresh), median(again), median(named));
     println!(
         "start to first record, one shard, default settings, {rounds} rounds (medians): raw loop {raw:.0} ms, consumer of a new application {fresh:.0} ms (+{:.0} ms), the same application started again {again:.0} ms (+{:.0} ms), started again under the worker id it ran under {named:.0} ms",
@@ -546,6 +538,12 @@ async fn put_one(kinesis: &aws_sdk_kinesis::Client, stream: &str, round: u32) {
         .send()
         .await
         .expect("put");
+}
+
+/// The middle of `v` (the upper one of an even count).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 fn ms(d: Duration) -> f64 {
@@ -611,10 +609,6 @@ async fn paged(scale: &Scale) {
         ratios.push(consumer / raw);
         cpus.push((raw_cpu, consumer_cpu));
     }
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     println!(
         "paged, scripted event API over HTTP, {n} events over 4 partitions, pages of 200, {} rounds: consumer at {:.0}% of the raw page loop (median; rounds {}); CPU per event (server included), medians: raw {:.0} ns, consumer {:.0} ns",
         ratios.len(),
@@ -724,12 +718,7 @@ fn main() {
             start_rounds: 1,
         }
     };
-    if std::env::var_os("RUST_LOG").is_some() {
-        tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_writer(std::io::stderr)
-            .init();
-    }
+    shardwise_bench::log_from_env();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -369,12 +369,7 @@ async fn delaying_proxy(upstream: String, delay: (u64, u64)) -> String {
 
 #[tokio::main]
 async fn main() {
-    if std::env::var_os("RUST_LOG").is_some() {
-        tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_writer(std::io::stderr)
-            .init();
-    }
+    shardwise_bench::log_from_env();
     let measuring = std::env::args().any(|a| a == "--bench");
     if std::env::var_os("AWS_ENDPOINT_URL_DYNAMODB").is_none() {
         println!("leases: skipped (no AWS_ENDPOINT_URL_DYNAMODB; start the emulators first)");
