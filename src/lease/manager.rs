@@ -11,12 +11,13 @@ use std::time::Duration;
 use futures::StreamExt;
 use futures::future::join_all;
 use futures::stream::FuturesUnordered;
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
 
+use super::local::{Effect, Leases, NotNow};
 use super::planner::{self, PlanLimits, Seen, Take};
 use super::roster::{READ_EVERY_BEATS, RosterView, Sections, Writer};
 use super::row::{InitialPosition, Lease, Ownership};
@@ -322,13 +323,19 @@ pub enum LeaseEvent {
     Stop(Arc<Error>),
 }
 
-struct Held {
-    ownership: Ownership,
-    cancel: CancellationToken,
-    handoff: CancellationToken,
-    /// The worker that asked for the lease, once a scan saw the request.
-    wanted_by: Option<String>,
-    last_renewed: Instant,
+/// What the lease task is asked to do besides renewing: every write to a row this worker holds
+/// (renew, acknowledge, pass, release) is made by that one task.
+enum Command {
+    /// Give a held lease back, its work having ended: pass it to the worker that asked for it
+    /// when `may_pass` (and the row is not at SHARD_END), else release it. The answer: `false`
+    /// when the lease was lost already.
+    GiveBack {
+        ownership: Ownership,
+        may_pass: bool,
+        reply: oneshot::Sender<Result<bool, Error>>,
+    },
+    /// Stamp the row of a held lease with the acknowledgement of `to`'s request.
+    Acknowledge { ownership: Ownership, to: String },
 }
 
 /// The most renewals of one lease under way at once: a second covers a request lost on the way,
@@ -364,7 +371,11 @@ struct Inner {
     worker: String,
     settings: LeaseSettings,
     hooks: Arc<dyn LeaseHooks>,
-    held: Mutex<BTreeMap<String, Held>>,
+    /// Every lease this worker holds, gives back, lost or waits for, in one explicit state each
+    /// (`local`): changed only by that module's transitions.
+    leases: Mutex<Leases>,
+    /// To the lease task (`lease_loop`).
+    commands: mpsc::UnboundedSender<Command>,
     observed: Mutex<BTreeMap<String, Observation>>,
     events: mpsc::UnboundedSender<LeaseEvent>,
     sync_now: Notify,
@@ -376,14 +387,8 @@ struct Inner {
     /// taken: the frontier withholds its scalar while a listed id has no row.
     listing: Mutex<Option<(frontier::Listing, Instant)>>,
     membership_scans: AtomicU64,
-    /// Handoffs this worker asked for, by shard: when, and when it saw the owner acknowledge.
-    requests: Mutex<HashMap<String, Awaited>>,
     /// Leases whose work failed here, by shard: not taken again by this worker until `until`.
     failing: Mutex<HashMap<String, Failing>>,
-    /// Leases this worker gave up or lost whose work may still be writing what settled, by
-    /// shard: the epoch given up, and until when (at most a lease duration) this worker leaves
-    /// the lease alone unless [`LeaseManager::work_ended`] says the work is over first.
-    letting_go: Mutex<HashMap<String, (u64, Instant)>>,
     /// The workers of the stream as their beats tell.
     roster: Mutex<RosterView>,
     /// The roster's sections as this worker last read them, and where it beats.
@@ -403,7 +408,7 @@ struct Inner {
     scan_now: Notify,
     /// Wakes the beat loop for a beat now (an announcement).
     beat_now: Notify,
-    /// Wakes the renewer to look at the holds again: a lease was taken.
+    /// Wakes the lease task to look at the holds again: a lease was taken.
     held_changed: Notify,
     /// The rows of the last scan, which the shard sync compares the stream against.
     last_rows: Mutex<Option<Vec<Lease>>>,
@@ -419,30 +424,6 @@ struct Inner {
     beats_written: AtomicU64,
     /// What this process's beats found of another process under the same worker id.
     twin: Mutex<Twin>,
-}
-
-/// A handoff this worker asked for and awaits.
-#[derive(Debug, Clone, Copy)]
-struct Awaited {
-    /// When it asked (or found on a row that it had).
-    asked: Instant,
-    /// When a scan first saw the owner's acknowledgement on the row.
-    acked: Option<Instant>,
-}
-
-impl Awaited {
-    fn new(asked: Instant) -> Self {
-        Self { asked, acked: None }
-    }
-
-    /// Whether the wait is over at `now`: patience counts from the owner's acknowledgement once
-    /// seen, else from the request.
-    fn over(&self, now: Instant, settings: &LeaseSettings) -> bool {
-        match self.acked {
-            Some(at) => now - at >= settings.handoff_patience(),
-            None => now - self.asked >= settings.handoff_ack_patience(),
-        }
-    }
 }
 
 /// Another process under this worker's id, as the tags of the beats in its roster entry show it.
@@ -479,7 +460,7 @@ impl fmt::Debug for LeaseManager {
         f.debug_struct("LeaseManager")
             .field("stream", &self.inner.stream)
             .field("worker", &self.inner.worker)
-            .field("held", &self.held().len())
+            .field("held", &self.inner.leases().holding().count())
             .finish()
     }
 }
@@ -504,6 +485,7 @@ impl LeaseManager {
     ) -> Result<(Self, mpsc::UnboundedReceiver<LeaseEvent>), Error> {
         settings.validate()?;
         let (events, rx) = mpsc::unbounded_channel();
+        let (commands, commands_rx) = mpsc::unbounded_channel();
         let worker: String = worker.into();
         let (worker_id, silence) = (worker.clone(), settings.silence());
         let inner = Arc::new(Inner {
@@ -513,7 +495,8 @@ impl LeaseManager {
             worker,
             settings,
             hooks,
-            held: Mutex::new(BTreeMap::new()),
+            leases: Mutex::new(Leases::default()),
+            commands,
             observed: Mutex::new(BTreeMap::new()),
             events,
             sync_now: Notify::new(),
@@ -522,9 +505,7 @@ impl LeaseManager {
             membership: Mutex::new(None),
             listing: Mutex::new(None),
             membership_scans: AtomicU64::new(0),
-            requests: Mutex::new(HashMap::new()),
             failing: Mutex::new(HashMap::new()),
-            letting_go: Mutex::new(HashMap::new()),
             sections: Mutex::new(Sections::new(worker_id.clone())),
             roster: Mutex::new(RosterView::new(worker_id, silence)),
             last_beat: Mutex::new(Instant::now()),
@@ -594,7 +575,7 @@ impl LeaseManager {
         let renewing = CancellationToken::new();
         let tasks = TaskTracker::new();
         tasks.spawn(crate::time::carry(
-            Arc::clone(&inner).renew_loop(renewing.clone()),
+            Arc::clone(&inner).lease_loop(renewing.clone(), commands_rx),
         ));
         tasks.spawn(crate::time::carry(
             Arc::clone(&inner).beat_loop(renewing.clone()),
@@ -625,11 +606,7 @@ impl LeaseManager {
 
     /// The leases held now.
     pub fn held(&self) -> Vec<Ownership> {
-        self.inner
-            .held()
-            .values()
-            .map(|h| h.ownership.clone())
-            .collect()
+        self.inner.held()
     }
 
     /// The stream frontier, recomputed from the lease table on every scan. While any receiver
@@ -692,13 +669,8 @@ impl LeaseManager {
     /// checkpoint those writes left). Without this call the lease is left alone for a lease
     /// duration after it was given up.
     pub fn work_ended(&self, ownership: &Ownership) {
-        let mut letting_go = self.inner.letting_go();
-        if letting_go
-            .get(&ownership.shard_id)
-            .is_some_and(|(epoch, _)| *epoch == ownership.epoch)
-        {
-            letting_go.remove(&ownership.shard_id);
-            drop(letting_go);
+        let ended = self.inner.leases().work_ended(ownership);
+        if ended {
             self.inner.scan_now.notify_one();
         }
     }
@@ -822,7 +794,7 @@ impl fmt::Debug for LeaseProbe {
 impl LeaseProbe {
     /// Leases held now.
     pub fn held(&self) -> usize {
-        self.0.held().len()
+        self.0.leases().holding().count()
     }
 
     /// The stream frontier (see [`LeaseManager::frontier`]).
@@ -839,21 +811,24 @@ impl LeaseProbe {
     /// Since the held lease renewed longest ago was last renewed (`None`: none held).
     pub fn oldest_renewal(&self) -> Option<Duration> {
         self.0
-            .held()
-            .values()
+            .leases()
+            .holding()
             .map(|h| h.last_renewed.elapsed())
             .max()
     }
 }
 
 impl Inner {
-    fn held(&self) -> MutexGuard<'_, BTreeMap<String, Held>> {
-        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    fn leases(&self) -> MutexGuard<'_, Leases> {
+        self.leases.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Forgets the held lease `ownership` names; `None` if it is not held under that epoch.
-    fn requests(&self) -> MutexGuard<'_, HashMap<String, Awaited>> {
-        self.requests.lock().unwrap_or_else(|e| e.into_inner())
+    /// The leases held now.
+    fn held(&self) -> Vec<Ownership> {
+        self.leases()
+            .holding()
+            .map(|h| h.ownership.clone())
+            .collect()
     }
 
     fn failing(&self) -> MutexGuard<'_, HashMap<String, Failing>> {
@@ -863,24 +838,6 @@ impl Inner {
     /// Whether this worker waits before taking `shard` again (its work failed here).
     fn cooling(&self, shard: &str, now: Instant) -> bool {
         self.failing().get(shard).is_some_and(|f| now < f.until)
-    }
-
-    fn letting_go(&self) -> MutexGuard<'_, HashMap<String, (u64, Instant)>> {
-        self.letting_go.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Whether the work of `shard` under an epoch this worker gave up may still be writing what
-    /// settled (see [`LeaseManager::work_ended`]).
-    fn still_letting_go(&self, shard: &str, now: Instant) -> bool {
-        let mut letting_go = self.letting_go();
-        match letting_go.get(shard) {
-            Some((_, until)) if now < *until => true,
-            Some(_) => {
-                letting_go.remove(shard);
-                false
-            }
-            None => false,
-        }
     }
 
     fn roster(&self) -> MutexGuard<'_, RosterView> {
@@ -940,7 +897,7 @@ impl Inner {
         let count = self.beats_tried.fetch_add(1, Ordering::Relaxed) + 1;
         let beat = self.writer().beat(count);
         let section = self.sections().mine();
-        // Stamped with when it was sent (see `renew_loop`).
+        // Stamped with when it was sent (see `lease_loop`).
         let sent = Instant::now();
         let result = tokio::time::timeout(
             attempt,
@@ -965,7 +922,7 @@ impl Inner {
                 // are kept (a failed beat alone drops nothing; `hold_until` says for how long).
                 // No lease is taken while silent.
                 if self.silent() && !self.silent.swap(true, Ordering::Relaxed) {
-                    warn!(stream = %self.stream, silent = ?self.last_beat().elapsed(), held = self.held().len(), "this worker's beat has not been written in time: others may judge it dead; its leases are kept while their renewals land, and none is taken");
+                    warn!(stream = %self.stream, silent = ?self.last_beat().elapsed(), held = self.leases().holding().count(), "this worker's beat has not been written in time: others may judge it dead; its leases are kept while their renewals land, and none is taken");
                 }
                 return false;
             }
@@ -1186,7 +1143,7 @@ impl Inner {
         }
         error!(stream = %self.stream, worker = %self.worker, "a second process beats under this worker id, which came before this one: this one gives up every lease (without writing: the rows name the id both share), takes none and stops; give each process its own worker id");
         self.taking.cancel();
-        let held: Vec<Ownership> = self.held().values().map(|h| h.ownership.clone()).collect();
+        let held = self.held();
         for ownership in held {
             self.lose(&ownership, "a second process beats under this worker id");
         }
@@ -1249,34 +1206,10 @@ impl Inner {
         }
     }
 
-    /// The owner of a held lease learned that `taker` asked for it: stop the shard gracefully;
-    /// the release then passes the lease on. `true` when this is news (to acknowledge).
-    fn handoff_asked(&self, ownership: &Ownership, taker: &str) -> bool {
-        let mut held = self.held();
-        let Some(h) = held.get_mut(&ownership.shard_id) else {
-            return false;
-        };
-        if h.wanted_by.is_none() && h.ownership == *ownership {
-            info!(stream = %self.stream, shard = %ownership.shard_id, to = %taker, "handoff asked for: the shard stops reading, settles and hands over");
-            h.wanted_by = Some(taker.to_string());
-            h.handoff.cancel();
-            return true;
-        }
-        false
-    }
-
-    fn remove_held(&self, ownership: &Ownership) -> Option<Held> {
-        let mut held = self.held();
-        match held.get(&ownership.shard_id) {
-            Some(h) if h.ownership.epoch == ownership.epoch => held.remove(&ownership.shard_id),
-            _ => None,
-        }
-    }
-
     /// Sets `shardwise_leases_held` to the leases held now (set, not counted up and down, so an
     /// exporter that drops idle series never makes it wrong; the renewer sets it every round).
     fn held_gauge(&self) {
-        let held = self.held().len();
+        let held = self.leases().holding().count();
         metrics::gauge!("shardwise_leases_held", &self.labels()).set(held as f64);
     }
 
@@ -1287,18 +1220,27 @@ impl Inner {
         ]
     }
 
-    /// Renews every held lease each `renew_interval`, and gives each up the moment its
-    /// [`LeaseSettings::hold_until`] passes without a renewal that landed. A renewal is stamped
-    /// with when it was sent, not answered (the others see its counter move no earlier than it
-    /// was applied, which is after it was sent: issue 27, defect 6), and waited for as long as
-    /// its answer can still count ([`LeaseSettings::attempt_limit`]): a slow store costs attempts
+    /// The lease task: the one task that writes the rows this worker holds. It renews every held
+    /// lease each `renew_interval`, and gives each up the moment its
+    /// [`LeaseSettings::hold_until`] passes without a renewal that landed; it acknowledges
+    /// handoff requests and makes the pass or release of every lease given back ([`Command`]),
+    /// each off the loop so that one slow write holds up no renewal. A renewal is stamped with
+    /// when it was sent, not answered (the others see its counter move no earlier than it was
+    /// applied, which is after it was sent: issue 27, defect 6), and waited for as long as its
+    /// answer can still count ([`LeaseSettings::attempt_limit`]): a slow store costs attempts
     /// that last longer, not leases. At most [`RENEWALS_UNDER_WAY`] renewals of one lease are
     /// under way at once; a round skips a lease that has that many.
-    async fn renew_loop(self: Arc<Self>, stop: CancellationToken) {
+    async fn lease_loop(
+        self: Arc<Self>,
+        stop: CancellationToken,
+        mut commands: mpsc::UnboundedReceiver<Command>,
+    ) {
         let mut tick = tokio::time::interval(self.settings.renew_interval);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let attempt = self.settings.attempt_limit();
         let mut pending = FuturesUnordered::new();
+        let mut writes: FuturesUnordered<futures::future::BoxFuture<'static, ()>> =
+            FuturesUnordered::new();
         let mut under_way: BTreeMap<(String, u64), usize> = BTreeMap::new();
         loop {
             let deadline = self.next_hold_deadline();
@@ -1314,14 +1256,30 @@ impl Inner {
                             under_way.remove(&key);
                         }
                     }
-                    if let Some(taker) = self.renewed(&ownership, sent, result) {
-                        // Acknowledged off this loop: a slow write must not hold up renewals.
-                        let inner = self.clone();
-                        tokio::spawn(crate::time::carry(async move {
-                            inner.acknowledge(&ownership, &taker).await;
-                        }));
-                    }
+                    self.renewed(&ownership, sent, result);
                 }
+                Some(command) = commands.recv() => match command {
+                    Command::GiveBack { ownership, may_pass, reply } => {
+                        let Some(give) = self.leases().give(&ownership, may_pass) else {
+                            let _ = reply.send(Ok(false));
+                            continue;
+                        };
+                        self.held_gauge();
+                        let inner = Arc::clone(&self);
+                        writes.push(Box::pin(crate::time::carry(async move {
+                            let answer = inner.hand_back(&ownership, give, may_pass).await;
+                            inner.leases().given(&ownership);
+                            let _ = reply.send(answer);
+                        })));
+                    }
+                    Command::Acknowledge { ownership, to } => {
+                        let inner = Arc::clone(&self);
+                        writes.push(Box::pin(crate::time::carry(async move {
+                            inner.acknowledge(&ownership, &to).await;
+                        })));
+                    }
+                },
+                Some(()) = writes.next() => {}
                 _ = async { tokio::time::sleep_until(deadline.expect("a deadline")).await }, if deadline.is_some() => {
                     self.give_up_overdue();
                 }
@@ -1329,9 +1287,7 @@ impl Inner {
                 _ = tick.tick() => {
                     self.give_up_overdue();
                     self.held_gauge();
-                    let snapshot: Vec<Ownership> =
-                        self.held().values().map(|h| h.ownership.clone()).collect();
-                    for ownership in snapshot {
+                    for ownership in self.held() {
                         let n = under_way
                             .entry((ownership.shard_id.clone(), ownership.epoch))
                             .or_default();
@@ -1354,8 +1310,8 @@ impl Inner {
     /// The earliest instant a held lease must be given up at, unless a renewal lands first.
     fn next_hold_deadline(&self) -> Option<Instant> {
         let beat = self.last_beat();
-        self.held()
-            .values()
+        self.leases()
+            .holding()
             .map(|h| self.settings.hold_until(h.last_renewed, beat))
             .min()
     }
@@ -1366,8 +1322,8 @@ impl Inner {
         let now = Instant::now();
         let beat = self.last_beat();
         let overdue: Vec<(Ownership, Instant)> = self
-            .held()
-            .values()
+            .leases()
+            .holding()
             .filter(|h| self.settings.hold_until(h.last_renewed, beat) <= now)
             .map(|h| (h.ownership.clone(), h.last_renewed))
             .collect();
@@ -1384,26 +1340,19 @@ impl Inner {
     }
 
     /// A renewal of `ownership` sent at `sent` was answered (or waited for as long as it could
-    /// count). The taker, when it carried a handoff request this worker had not seen: to
-    /// acknowledge.
+    /// count). A request it carried that this worker had not seen starts the handoff.
     fn renewed(
         &self,
         ownership: &Ownership,
         sent: Instant,
         result: Result<Result<Renewal, Error>, tokio::time::error::Elapsed>,
-    ) -> Option<String> {
+    ) {
         match result {
             Ok(Ok(Renewal::Renewed { wanted_by })) => {
-                if let Some(h) = self.held().get_mut(&ownership.shard_id)
-                    && h.ownership.epoch == ownership.epoch
-                {
-                    h.last_renewed = h.last_renewed.max(sent);
-                }
-                if let Some(taker) = wanted_by
-                    && self.handoff_asked(ownership, &taker)
-                {
-                    return Some(taker);
-                }
+                let effect =
+                    self.leases()
+                        .renewed(ownership, sent, wanted_by.as_deref(), Instant::now());
+                self.carry_out(effect, "");
             }
             Ok(Ok(Renewal::Lost)) => {
                 self.lose(ownership, "renewal refused: another worker holds it")
@@ -1417,7 +1366,31 @@ impl Inner {
                 warn!(stream = %self.stream, shard = %ownership.shard_id, waited = ?self.settings.attempt_limit(), "lease renewal not answered in time")
             }
         }
-        None
+    }
+
+    /// Carries out what a transition of [`Leases`] asked for; `why` a lease was lost.
+    fn carry_out(&self, effects: impl IntoIterator<Item = Effect>, why: &str) {
+        for effect in effects {
+            match effect {
+                Effect::HandingOff { ownership, to } => {
+                    info!(stream = %self.stream, shard = %ownership.shard_id, to = %to, "handoff asked for: the shard stops reading, settles and hands over");
+                    let _ = self.commands.send(Command::Acknowledge { ownership, to });
+                }
+                Effect::Acknowledge { ownership, to } => {
+                    let _ = self.commands.send(Command::Acknowledge { ownership, to });
+                }
+                Effect::Lost { ownership } => {
+                    warn!(stream = %self.stream, shard = %ownership.shard_id, epoch = ownership.epoch, "lease lost: {why}");
+                    metrics::counter!("shardwise_leases_lost_total", &self.labels()).increment(1);
+                    self.held_gauge();
+                    self.hooks.lease_lost(&ownership);
+                    let _ = self.events.send(LeaseEvent::Lost(ownership));
+                    // The row may be free now (a seek) or still name this worker (given up
+                    // locally).
+                    self.changed_here();
+                }
+            }
+        }
     }
 
     /// Stamps the row of a held lease with the acknowledgement of `taker`'s request, so the
@@ -1437,28 +1410,14 @@ impl Inner {
         }
     }
 
-    /// Drops a lease this worker held under `ownership` (no-op for another epoch) and cancels its work.
+    /// Gives up a lease this worker held under `ownership` (no-op for another epoch) and cancels
+    /// its work. Its work may write what settled before it stops (fenced); the lease is not
+    /// taken back here before it has (see [`LeaseManager::work_ended`]).
     fn lose(&self, ownership: &Ownership, why: &str) {
-        let removed = self.remove_held(ownership);
-        if let Some(h) = removed {
-            // Its work may write what settled before it stops (fenced); the lease is not taken
-            // back here before it has (see `work_ended`).
-            self.letting_go().insert(
-                ownership.shard_id.clone(),
-                (
-                    ownership.epoch,
-                    Instant::now() + self.settings.lease_duration,
-                ),
-            );
-            h.cancel.cancel();
-            warn!(stream = %self.stream, shard = %ownership.shard_id, epoch = ownership.epoch, "lease lost: {why}");
-            metrics::counter!("shardwise_leases_lost_total", &self.labels()).increment(1);
-            self.held_gauge();
-            self.hooks.lease_lost(ownership);
-            let _ = self.events.send(LeaseEvent::Lost(ownership.clone()));
-            // The row may be free now (a seek) or still name this worker (given up locally).
-            self.changed_here();
-        }
+        let effect = self
+            .leases()
+            .lose(ownership, Instant::now(), self.settings.lease_duration);
+        self.carry_out(effect, why);
     }
 
     /// Gives a held lease back: to the worker that asked for it when one did (a pass), else
@@ -1467,16 +1426,32 @@ impl Inner {
         self.give_back(ownership, true).await
     }
 
-    /// Gives a held lease back; passes it to a worker that asked for it only when `may_pass` and
-    /// the row is not at SHARD_END. An ended row is never passed: a taker never takes an ended
-    /// row, and one left owned is never cleaned up.
+    /// Gives a held lease back through the lease task; passes it to a worker that asked for it
+    /// only when `may_pass` and the row is not at SHARD_END. `false` when it was lost already,
+    /// or the manager stopped (the lease then expires).
     async fn give_back(&self, ownership: &Ownership, may_pass: bool) -> Result<bool, Error> {
-        let removed = self.remove_held(ownership);
-        let Some(h) = removed else { return Ok(false) };
-        h.cancel.cancel();
-        self.held_gauge();
+        let (reply, answer) = oneshot::channel();
+        let command = Command::GiveBack {
+            ownership: ownership.clone(),
+            may_pass,
+            reply,
+        };
+        if self.commands.send(command).is_err() {
+            return Ok(false);
+        }
+        answer.await.unwrap_or(Ok(false))
+    }
+
+    /// The pass or release of a lease given back (its state is `Giving`): an ended row is never
+    /// passed (a taker never takes an ended row, and one left owned is never cleaned up).
+    async fn hand_back(
+        &self,
+        ownership: &Ownership,
+        give: super::local::Give,
+        may_pass: bool,
+    ) -> Result<bool, Error> {
         // A request may have come since the last scan: the row tells.
-        let wanted = match h.wanted_by {
+        let wanted = match give.to {
             _ if !may_pass => None,
             Some(taker) => Some(taker),
             None => self
@@ -1496,7 +1471,8 @@ impl Inner {
             if !self.roster().live(Instant::now()).contains(&taker) {
                 info!(stream = %self.stream, shard = %ownership.shard_id, to = %taker, "the worker that asked for the lease is not alive by the roster: releasing it instead of handing it over");
             } else if self.store.pass(ownership, &taker).await? {
-                info!(stream = %self.stream, shard = %ownership.shard_id, to = %taker, "lease handed over");
+                let after = give.asked_since.map(|since| since.elapsed());
+                info!(stream = %self.stream, shard = %ownership.shard_id, to = %taker, ?after, "lease handed over");
                 metrics::counter!("shardwise_handoffs_total", &self.labels()).increment(1);
                 if !self.taking.is_cancelled() {
                     // Announced: the taker scans now, and so does every worker, which sees
@@ -1675,80 +1651,35 @@ impl Inner {
             })
         };
 
-        // A row that names another owner or epoch than the one we hold: it was taken from us.
-        let taken_from_us: Vec<Ownership> = {
-            let held = self.held();
-            rows.iter()
-                .filter_map(|row| {
-                    let h = held.get(&row.shard_id)?;
-                    let ours = row.owner.as_deref() == Some(self.worker.as_str())
-                        && row.owner_epoch == h.ownership.epoch;
-                    (!ours).then(|| h.ownership.clone())
-                })
-                .collect()
-        };
-        for o in &taken_from_us {
-            self.lose(o, "the lease row names another owner");
-        }
-
-        // Requests for leases we hold (renewals see them too): stop those shards gracefully; the
-        // release passes them.
-        for row in &rows {
-            if let (Some(taker), Some(ownership)) = (&row.wanted_by, row.ownership()) {
-                let news = self.handoff_asked(&ownership, taker);
-                // Acknowledged when news, and again while the row lacks it (a failed write).
-                let handing_off = self
-                    .held()
-                    .get(&ownership.shard_id)
-                    .is_some_and(|h| h.ownership == ownership && h.wanted_by.is_some());
-                if news || (handing_off && !row.handoff_acked) {
-                    self.acknowledge(&ownership, taker).await;
-                }
-            }
-        }
+        // The owner side: a held lease whose row names another owner or epoch was taken from us;
+        // a request on a held lease's row stops its shard gracefully (the give-back then passes
+        // it), and is acknowledged when news, and again while the row lacks it (a failed write).
+        let effects =
+            self.leases()
+                .observe_held(&rows, &self.worker, now, self.settings.lease_duration);
+        let lost_some = effects.iter().any(|e| matches!(e, Effect::Lost { .. }));
+        self.carry_out(effects, "the lease row names another owner");
         *self.last_rows.lock().unwrap_or_else(|e| e.into_inner()) = Some(rows.clone());
 
         if self.taking.is_cancelled() || self.silent() {
             return Ok(false);
         }
-        // Our requests still awaited (the row still names us as the taker), and whether the wait
-        // is over.
-        let requests: HashMap<String, bool> = {
-            let mut requests = self.requests();
-            // A row that names this worker as its taker is a request of ours, even one this
-            // process does not remember (asked before a restart, or a steal that failed): its
-            // wait starts now, and it is stolen once it is over.
-            for row in &rows {
-                if row.wanted_by.as_deref() == Some(self.worker.as_str())
-                    && row.owner.is_some()
-                    && row.owner.as_deref() != Some(self.worker.as_str())
-                    && !requests.contains_key(&row.shard_id)
-                {
-                    debug!(shard = %row.shard_id, "a request of this worker found on the row: waiting for the handoff again");
-                    requests.insert(row.shard_id.clone(), Awaited::new(now));
-                }
-                // Patience counts from the owner's acknowledgement, once seen.
-                if row.handoff_acked
-                    && row.wanted_by.as_deref() == Some(self.worker.as_str())
-                    && let Some(awaited) = requests.get_mut(&row.shard_id)
-                    && awaited.acked.is_none()
-                {
-                    awaited.acked = Some(now);
-                }
-            }
-            requests.retain(|shard, _| {
-                rows.iter().any(|r| {
-                    &r.shard_id == shard
-                        && r.wanted_by.as_deref() == Some(self.worker.as_str())
-                        && r.owner.as_deref() != Some(self.worker.as_str())
-                })
-            });
-            requests
-                .iter()
-                .map(|(shard, awaited)| (shard.clone(), awaited.over(now, &self.settings)))
-                .collect()
-        };
-        let held: HashSet<String> = self.held().keys().cloned().collect();
+        // The taker side: our requests still awaited (the row still names us as the taker, even
+        // one this process does not remember: asked before a restart, or a steal that failed),
+        // and whether each wait is over (patience counts from the owner's acknowledgement, once
+        // seen).
+        let requests = self.leases().observe_awaited(
+            &rows,
+            &self.worker,
+            now,
+            self.settings.handoff_patience(),
+            self.settings.handoff_ack_patience(),
+        );
+        let held: HashSet<String> = self
+            .leases()
+            .holding()
+            .map(|h| h.ownership.shard_id.clone())
+            .collect();
         let seen: Vec<Seen<'_>> = rows
             .iter()
             .zip(&judged)
@@ -1779,8 +1710,7 @@ impl Inner {
             self.sync_now.notify_one();
         }
         let mut cooling = false;
-        let settling =
-            plan.settling || !requests.is_empty() || !taken_from_us.is_empty() || judging;
+        let settling = plan.settling || !requests.is_empty() || lost_some || judging;
         if !plan.takes.is_empty() {
             debug!(stream = %self.stream, active = plan.active, workers = plan.workers, target = plan.target, takes = plan.takes.len(), "lease plan");
         }
@@ -1797,8 +1727,17 @@ impl Inner {
                 cooling = true;
                 continue;
             }
-            if self.still_letting_go(planned, now) {
-                debug!(shard = %planned, "this worker let the lease go a moment ago and its work is still writing what settled: not taking it yet");
+            let may_take = self.leases().may_take(planned, now);
+            if let Err(not_now) = may_take {
+                match not_now {
+                    NotNow::Giving => {
+                        debug!(shard = %planned, "this worker is giving the lease back: not taking it back")
+                    }
+                    NotNow::LettingGo => {
+                        debug!(shard = %planned, "this worker let the lease go a moment ago and its work is still writing what settled: not taking it yet")
+                    }
+                    NotNow::Holding => debug!(shard = %planned, "held already"),
+                }
                 cooling = true;
                 continue;
             }
@@ -1814,7 +1753,7 @@ impl Inner {
                             info!(stream = %self.stream, shard = %shard_id, from = %from, "handoff asked for");
                             metrics::counter!("shardwise_handoffs_requested_total", &self.labels())
                                 .increment(1);
-                            self.requests().insert(shard_id.clone(), Awaited::new(now));
+                            self.leases().asked(shard_id, now);
                         }
                         Ok(false) => {
                             debug!(shard = %shard_id, "lease changed before a handoff could be asked for")
@@ -1877,7 +1816,7 @@ impl Inner {
         Ok(settling || cooling)
     }
 
-    /// A lease taken by a write sent at `sent` (its renewal stamp: see `renew_loop`).
+    /// A lease taken by a write sent at `sent` (its renewal stamp: see `lease_loop`).
     fn acquired(&self, lease: Lease, stolen: bool, sent: Instant) {
         let Some(ownership) = lease.ownership() else {
             return;
@@ -1891,21 +1830,8 @@ impl Inner {
             self.changed_here();
             return;
         }
-        let cancel = CancellationToken::new();
-        let handoff = CancellationToken::new();
-        let previous = self.held().insert(
-            lease.shard_id.clone(),
-            Held {
-                ownership: ownership.clone(),
-                cancel: cancel.clone(),
-                handoff: handoff.clone(),
-                wanted_by: None,
-                last_renewed: sent,
-            },
-        );
-        if let Some(previous) = previous {
-            previous.cancel.cancel();
-        }
+        // A take ends a request of ours; an older holding's work is cancelled.
+        let holding = self.leases().taken(ownership.clone(), sent);
         self.held_changed.notify_one();
         self.held_gauge();
         info!(stream = %self.stream, shard = %lease.shard_id, epoch = ownership.epoch, stolen, checkpoint = %lease.checkpoint, "lease taken");
@@ -1914,12 +1840,11 @@ impl Inner {
             metrics::counter!("shardwise_leases_stolen_total", &self.labels()).increment(1);
         }
         self.hooks.lease_taken(&lease);
-        self.requests().remove(&lease.shard_id);
         let _ = self.events.send(LeaseEvent::Acquired(Box::new(HeldLease {
             ownership,
             lease,
-            cancel,
-            handoff,
+            cancel: holding.cancel,
+            handoff: holding.handoff,
         })));
     }
 
