@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -15,11 +15,11 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, info, warn};
 
+use super::liveness::{Liveness, Twin};
 use super::local::{Effect, Leases, NotNow};
 use super::planner::{self, PlanLimits, Seen, Take};
-use super::roster::{READ_EVERY_BEATS, RosterView, Sections, Writer};
 use super::row::{InitialPosition, Lease, Ownership};
 use super::store::{LeaseStore, Renewal};
 use super::sync;
@@ -147,7 +147,7 @@ impl LeaseSettings {
     /// A worker is dead once its beat has not changed for a lease duration and one beat
     /// interval: its last renewal came at most one beat interval after its last beat, so a lease
     /// is never taken earlier than a lease duration after its last renewal.
-    fn silence(&self) -> Duration {
+    pub(super) fn silence(&self) -> Duration {
         self.lease_duration + self.beat_interval
     }
 
@@ -184,7 +184,7 @@ impl LeaseSettings {
 
     /// How long a renewal or a beat is waited for: past this its answer can no longer keep a
     /// lease (see [`Self::hold_until`]), so a request that may still be under way is let go.
-    fn attempt_limit(&self) -> Duration {
+    pub(super) fn attempt_limit(&self) -> Duration {
         self.lease_duration - self.renew_interval / 2
     }
 
@@ -364,6 +364,17 @@ struct Observation {
     since: Instant,
 }
 
+/// What a scan observed ([`Inner::observe`]).
+struct Observed {
+    /// Each row, in order: (expired, neglected), as the planner's [`Seen`] takes them.
+    judged: Vec<(bool, bool)>,
+    /// A lease of a worker dead by the roster whose counter has not been seen still long enough
+    /// yet: scan again soon, to see whether it moves.
+    judging: bool,
+    /// A lease this worker held was found taken.
+    lost_some: bool,
+}
+
 struct Inner {
     store: Arc<dyn LeaseStore>,
     shards: Arc<dyn ShardLister>,
@@ -389,61 +400,14 @@ struct Inner {
     membership_scans: AtomicU64,
     /// Leases whose work failed here, by shard: not taken again by this worker until `until`.
     failing: Mutex<HashMap<String, Failing>>,
-    /// The workers of the stream as their beats tell.
-    roster: Mutex<RosterView>,
-    /// The roster's sections as this worker last read them, and where it beats.
-    sections: Mutex<Sections>,
-    /// When this worker's own beat was last written.
-    last_beat: Mutex<Instant>,
-    /// When the last read of the sections this worker does not beat in that landed was sent, and
-    /// how many sections there were (`None`: never read; a roster of one section needs none).
-    last_read: Mutex<Option<(Instant, u32)>>,
-    /// A failed beat found the beat silent ([`Inner::silent`]) and said so; cleared, and said
-    /// so, when a beat lands again.
-    silent: AtomicBool,
-    /// The next beat raises the roster's `changes`: rows were added or a lease became free, so
-    /// every worker scans.
-    announce: AtomicBool,
+    /// This worker's beat and its view of the roster.
+    liveness: Liveness,
     /// Wakes the taker for a scan now (a lease lost, a shard ended, rows created).
     scan_now: Notify,
-    /// Wakes the beat loop for a beat now (an announcement).
-    beat_now: Notify,
     /// Wakes the lease task to look at the holds again: a lease was taken.
     held_changed: Notify,
     /// The rows of the last scan, which the shard sync compares the stream against.
     last_rows: Mutex<Option<Vec<Lease>>>,
-    /// This process's tag in its beats (`roster::process_tag`): two processes under one worker
-    /// id tell each other apart by it.
-    tag: u64,
-    /// This process's first beat found another process's beat in its entry: it started while
-    /// another ran under its id, or after one crashed. Written in its later beats.
-    late: AtomicBool,
-    /// Beats this process has tried to write (each writes the next count).
-    beats_tried: AtomicU64,
-    /// Beats this process has written.
-    beats_written: AtomicU64,
-    /// What this process's beats found of another process under the same worker id.
-    twin: Mutex<Twin>,
-}
-
-/// Another process under this worker's id, as the tags of the beats in its roster entry show it.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-enum Twin {
-    /// None seen.
-    #[default]
-    None,
-    /// The first beat found another process's beat (its tag and count) in the entry: a process
-    /// that ran under this id before (a restart), or one that still does. The next beat tells.
-    Before { tag: u64, count: u64 },
-    /// A later beat found another process's beat in the entry, once: a second process beating
-    /// now, or the last beat of one that ended, delayed on its way (a request sent before a
-    /// crash can land after the restart; a process has one beat under way at a time, so it
-    /// can leave at most one). A second beat of that process, with another count, tells.
-    Seen { tag: u64, count: u64 },
-    /// A later beat found another tag: a second process beats under this id now. `newer` when
-    /// that process came after this one (`roster::Writer::came_before`: it refuses to run, or
-    /// gives everything up, when it sees this one).
-    Running { tag: u64, newer: bool },
 }
 
 /// Runs the lease protocol for one worker on one stream. Background tasks stop on
@@ -487,11 +451,17 @@ impl LeaseManager {
         let (events, rx) = mpsc::unbounded_channel();
         let (commands, commands_rx) = mpsc::unbounded_channel();
         let worker: String = worker.into();
-        let (worker_id, silence) = (worker.clone(), settings.silence());
+        let stream: String = stream.into();
+        let liveness = Liveness::new(
+            Arc::clone(&store),
+            stream.clone(),
+            worker.clone(),
+            settings.clone(),
+        );
         let inner = Arc::new(Inner {
             store,
             shards,
-            stream: stream.into(),
+            stream,
             worker,
             settings,
             hooks,
@@ -506,24 +476,10 @@ impl LeaseManager {
             listing: Mutex::new(None),
             membership_scans: AtomicU64::new(0),
             failing: Mutex::new(HashMap::new()),
-            sections: Mutex::new(Sections::new(worker_id.clone())),
-            roster: Mutex::new(RosterView::new(worker_id, silence)),
-            last_beat: Mutex::new(Instant::now()),
-            last_read: Mutex::new(None),
-            silent: AtomicBool::new(false),
-            announce: AtomicBool::new(false),
+            liveness,
             scan_now: Notify::new(),
-            beat_now: Notify::new(),
             held_changed: Notify::new(),
             last_rows: Mutex::new(None),
-            tag: super::roster::process_tag(
-                (crate::time::millis(crate::time::now()).max(0) / 1_000) as u64,
-                (crate::backoff::fraction() * f64::from(1u32 << 19)) as u64,
-            ),
-            late: AtomicBool::new(false),
-            beats_tried: AtomicU64::new(0),
-            beats_written: AtomicU64::new(0),
-            twin: Mutex::new(Twin::None),
         });
         // The stream first: a missing stream must not leave a new lease table behind.
         let listed = inner.shards.list_shards(&inner.stream).await?;
@@ -540,7 +496,7 @@ impl LeaseManager {
         {
             Ok(Ok(read)) => {
                 if let Some(first) = read.into_iter().next() {
-                    inner.sections().record(0, first);
+                    inner.liveness.sections().record(0, first);
                 }
             }
             Ok(Err(e)) => {
@@ -554,20 +510,20 @@ impl LeaseManager {
         // alone, or the roster's founder, syncs the shard list now; one that found others lets
         // them create the rows and syncs what is still missing one scan interval later.
         inner.beat().await;
-        if let Twin::Before { tag: other, .. } = inner.twin() {
+        if let Twin::Before { tag: other, .. } = inner.liveness.twin() {
             // The entry holds another process's beat: this id ran before (a restart), or runs
             // now in a second process. A beat interval later, a running one has beaten again.
             info!(stream = %inner.stream, worker = %inner.worker, other, "this worker id's roster entry holds another process's beat (a restart, or a second process under this id): beating once more before taking any lease");
             tokio::time::sleep(inner.settings.beat_interval).await;
             inner.beat().await;
         }
-        if let Twin::Running { newer: false, .. } = inner.twin() {
+        if let Twin::Running { newer: false, .. } = inner.liveness.twin() {
             return Err(Error::WorkerIdInUse {
                 stream: inner.stream.clone(),
                 worker: inner.worker.clone(),
             });
         }
-        let alone = inner.roster().syncs_at_start();
+        let alone = inner.liveness.roster().syncs_at_start();
         if alone {
             inner.sync_shards(true).await?;
         }
@@ -716,7 +672,10 @@ impl LeaseManager {
         self.inner.taking.cancel();
         let held = self.held();
         let released = join_all(held.iter().map(|o| self.inner.release(o))).await;
-        if matches!(self.inner.twin(), Twin::Running { newer: false, .. }) {
+        if matches!(
+            self.inner.liveness.twin(),
+            Twin::Running { newer: false, .. }
+        ) {
             // Gave way to a process under the same id: the rows and the roster entry that name
             // the id are that process's.
             self.renewing.cancel();
@@ -753,7 +712,7 @@ impl LeaseManager {
         // Last, once no beat can follow: leaving is a change of the roster, so the others scan
         // at their next beat and share out the released leases.
         let (section, left) = {
-            let s = self.inner.sections();
+            let s = self.inner.liveness.sections();
             (s.mine(), s.left())
         };
         if let Some((old, beat)) = left {
@@ -805,7 +764,7 @@ impl LeaseProbe {
     /// Whether this process gave way to another that beats under the same worker id and came
     /// before it: it holds and takes no lease (see [`Error::WorkerIdInUse`]).
     pub fn gave_way(&self) -> bool {
-        matches!(self.0.twin(), Twin::Running { newer: false, .. })
+        matches!(self.0.liveness.twin(), Twin::Running { newer: false, .. })
     }
 
     /// Since the held lease renewed longest ago was last renewed (`None`: none held).
@@ -840,14 +799,6 @@ impl Inner {
         self.failing().get(shard).is_some_and(|f| now < f.until)
     }
 
-    fn roster(&self) -> MutexGuard<'_, RosterView> {
-        self.roster.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn sections(&self) -> MutexGuard<'_, Sections> {
-        self.sections.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// The last listing of the source and when it was taken.
     fn listing(&self) -> Option<(frontier::Listing, Instant)> {
         self.listing
@@ -868,8 +819,7 @@ impl Inner {
     /// Something every worker should scan for happened here (rows created, a lease freed or
     /// lost): the next beat, sent now, announces it, and this worker scans too.
     fn changed_here(&self) {
-        self.announce.store(true, Ordering::Relaxed);
-        self.beat_now.notify_one();
+        self.liveness.announce();
         self.scan_now.notify_one();
     }
 
@@ -878,281 +828,30 @@ impl Inner {
     /// spread out again.
     fn idle_scan_interval(&self) -> Duration {
         let base = self.settings.idle_scan_interval.unwrap_or_else(|| {
-            let workers = self.roster().live(Instant::now()).len();
+            let workers = self.liveness.roster().live(Instant::now()).len();
             self.settings.lease_duration * u32::try_from(workers).unwrap_or(u32::MAX)
         });
         base.mul_f64(0.8 + 0.4 * crate::backoff::fraction())
     }
 
-    /// Writes this worker's beat and reads the roster back with it. `true` when the roster
-    /// changed (a worker joined, left or died, or rows were announced): time to scan. A slow
-    /// answer is waited for as long as it can still count ([`LeaseSettings::attempt_limit`]):
-    /// the next beat goes out after it, so a slow store gets fewer beats, not more. A worker
-    /// whose beat has not landed for [`LeaseSettings::give_up_after`] (from the send of the last
-    /// one that did) takes no lease ([`Inner::silent`]); its leases are held as long as
-    /// [`LeaseSettings::hold_until`] allows.
+    /// Beats ([`Liveness::beat`]); `true` when the roster changed. A process that finds it
+    /// came after another under its worker id gives way: it gives up every lease (without a
+    /// write: the rows name the id both share), takes none, and tells the consumer to stop.
     async fn beat(&self) -> bool {
-        let announce = self.announce.swap(false, Ordering::Relaxed);
-        let attempt = self.settings.attempt_limit();
-        let count = self.beats_tried.fetch_add(1, Ordering::Relaxed) + 1;
-        let beat = self.writer().beat(count);
-        let section = self.sections().mine();
-        // Stamped with when it was sent (see `lease_loop`).
-        let sent = Instant::now();
-        let result = tokio::time::timeout(
-            attempt,
-            self.store
-                .beat(&self.stream, section, &self.worker, beat, announce),
-        )
-        .await;
-        let roster = match result {
-            Ok(Ok(roster)) => roster,
-            failed => {
-                if announce {
-                    self.announce.store(true, Ordering::Relaxed);
-                }
-                match failed {
-                    Ok(Err(e)) => {
-                        warn!(stream = %self.stream, error = &e as &dyn std::error::Error, "writing this worker's beat failed")
-                    }
-                    _ => warn!(stream = %self.stream, "writing this worker's beat timed out"),
-                }
-                // The others may judge this worker dead now, but they take a lease of a dead
-                // worker only once its counter stops moving too: the leases whose renewals land
-                // are kept (a failed beat alone drops nothing; `hold_until` says for how long).
-                // No lease is taken while silent.
-                if self.silent() && !self.silent.swap(true, Ordering::Relaxed) {
-                    warn!(stream = %self.stream, silent = ?self.last_beat().elapsed(), held = self.leases().holding().count(), "this worker's beat has not been written in time: others may judge it dead; its leases are kept while their renewals land, and none is taken");
-                }
-                return false;
+        let beat = self.liveness.beat().await;
+        if beat.gave_way {
+            self.taking.cancel();
+            for ownership in self.held() {
+                self.lose(&ownership, "a second process beats under this worker id");
             }
-        };
-        self.twin_seen(roster.beat_before);
-        let beat_before = roster.beat_before;
-        {
-            let mut sections = self.sections();
-            sections.record(section, roster);
-            sections.landed(section, beat);
+            let _ = self
+                .events
+                .send(LeaseEvent::Stop(Arc::new(Error::WorkerIdInUse {
+                    stream: self.stream.clone(),
+                    worker: self.worker.clone(),
+                })));
         }
-        {
-            let mut last = self.last_beat.lock().unwrap_or_else(|e| e.into_inner());
-            *last = (*last).max(sent);
-        }
-        self.read_sections(count).await;
-        if self.silent.swap(false, Ordering::Relaxed) {
-            info!(stream = %self.stream, "this worker's beat is written again: taking leases again");
-        }
-        self.leave_old_section().await;
-        // Judged as of after the reads: a beat seen is never dated before it was written.
-        let now = Instant::now();
-        let (roster, found) = self.sections().merged(beat_before);
-        let observed = self.roster().observe(&roster, now);
-        for (worker, beat) in observed.forget {
-            let section = found.get(&worker).copied().unwrap_or(0);
-            match self
-                .store
-                .forget(&self.stream, section, &worker, Some(beat))
-                .await
-            {
-                Ok(true) => {
-                    info!(stream = %self.stream, worker = %worker, "a dead worker was removed from the roster")
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    debug!(worker = %worker, error = &e as &dyn std::error::Error, "removing a dead worker from the roster failed")
-                }
-            }
-        }
-        self.split_if_full().await;
-        observed.changed
-    }
-
-    /// Reads the sections of the roster this worker does not beat in, every
-    /// [`READ_EVERY_BEATS`] beats (and at once when it never read them, or their number grew).
-    /// A roster of one section needs no read: the beat's answer is the whole roster.
-    async fn read_sections(&self, count: u64) {
-        let (others, sections) = {
-            let s = self.sections();
-            (s.others(), s.count())
-        };
-        if others.is_empty() {
-            return;
-        }
-        let last = *self.last_read.lock().unwrap_or_else(|e| e.into_inner());
-        let due = match last {
-            None => true,
-            Some((_, read)) => read != sections || count.is_multiple_of(READ_EVERY_BEATS),
-        };
-        if !due {
-            return;
-        }
-        let sent = Instant::now();
-        let result = tokio::time::timeout(
-            self.settings.attempt_limit(),
-            self.store.read_roster(&self.stream, &others),
-        )
-        .await;
-        match result {
-            Ok(Ok(read)) => {
-                let mut s = self.sections();
-                for (section, roster) in others.into_iter().zip(read) {
-                    s.record(section, roster);
-                }
-                drop(s);
-                *self.last_read.lock().unwrap_or_else(|e| e.into_inner()) = Some((sent, sections));
-            }
-            Ok(Err(e)) => {
-                warn!(stream = %self.stream, error = &e as &dyn std::error::Error, "reading the roster's other sections failed")
-            }
-            Err(_) => warn!(stream = %self.stream, "reading the roster's other sections timed out"),
-        }
-    }
-
-    /// Removes this worker's entry from a section it moved out of (only while it still holds
-    /// the beat this worker left there), so the others do not judge it dead there.
-    async fn leave_old_section(&self) {
-        let Some((section, beat)) = self.sections().left() else {
-            return;
-        };
-        match self
-            .store
-            .forget(&self.stream, section, &self.worker, Some(beat))
-            .await
-        {
-            Ok(_) => self.sections().removed(),
-            Err(e) => {
-                debug!(stream = %self.stream, section, error = &e as &dyn std::error::Error, "removing this worker's entry from the section it moved out of failed; tried again at the next beat")
-            }
-        }
-    }
-
-    /// Splits the roster in two more sections when this worker's own holds too many workers
-    /// (conditioned on the count it read: of two workers splitting at once, one does).
-    async fn split_if_full(&self) {
-        let (from, to) = {
-            let s = self.sections();
-            (s.count(), s.split())
-        };
-        let Some(to) = to else {
-            return;
-        };
-        match self.store.split_roster(&self.stream, from, to).await {
-            Ok(true) => {
-                info!(stream = %self.stream, from, to, "the roster is split into more sections: each worker beats in its own and reads the others");
-                self.sections().split_to(to);
-            }
-            Ok(false) => {}
-            Err(e) => {
-                debug!(stream = %self.stream, error = &e as &dyn std::error::Error, "splitting the roster failed; tried again at the next beat")
-            }
-        }
-    }
-
-    /// When the last beat of this worker that landed was sent.
-    fn last_beat(&self) -> Instant {
-        *self.last_beat.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Whether this worker's beat has not landed for [`LeaseSettings::give_up_after`]: its view
-    /// of the roster may be that old, so it takes no lease. Judged by the clock, not by a failed
-    /// beat: one still awaiting its answer counts as not landed.
-    fn silent(&self) -> bool {
-        let limit = self.settings.give_up_after();
-        if self.last_beat().elapsed() >= limit {
-            return true;
-        }
-        // A split roster is known only as far as the other sections were read.
-        self.sections().count() > 1
-            && self
-                .last_read
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_none_or(|(sent, _)| sent.elapsed() >= limit)
-    }
-
-    fn writer(&self) -> Writer {
-        Writer {
-            tag: self.tag,
-            late: self.late.load(Ordering::Relaxed),
-        }
-    }
-
-    fn twin(&self) -> Twin {
-        *self.twin.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Judges what a beat found in this worker's roster entry before writing its own. After
-    /// this process's first beat, another process's tag there means a second process beats
-    /// under this id: the one that came later gives up every lease (without a write: the rows name
-    /// the id both share) and takes none, and reports it; the other reports it and goes on.
-    fn twin_seen(&self, before: Option<u64>) {
-        let written = self.beats_written.fetch_add(1, Ordering::Relaxed);
-        let first = written == 0;
-        let Some((other, count)) = before
-            .map(|beat| (Writer::of(beat), Writer::count(beat)))
-            .filter(|(w, _)| w.tag != self.tag)
-        else {
-            return;
-        };
-        let mut twin = self.twin.lock().unwrap_or_else(|e| e.into_inner());
-        if first {
-            self.late.store(true, Ordering::Relaxed);
-            *twin = Twin::Before {
-                tag: other.tag,
-                count,
-            };
-            return;
-        }
-        if count == 1 {
-            // The other's first beat: whether it found another's before it is not written yet,
-            // so which of the two came first cannot be told. Its next beat says.
-            return;
-        }
-        // Two beats of the other process prove it beats now; one may be a dead one's last,
-        // delayed. (What the first beat found counts for the start's second beat only.)
-        let again = match *twin {
-            Twin::Before { tag, count: seen } => written == 1 && tag == other.tag && seen != count,
-            Twin::Seen { tag, count: seen } => tag == other.tag && seen != count,
-            Twin::Running { tag, .. } => tag == other.tag,
-            Twin::None => false,
-        };
-        if !again {
-            // (A clash already judged stays judged.)
-            if !matches!(*twin, Twin::Running { .. }) {
-                *twin = Twin::Seen {
-                    tag: other.tag,
-                    count,
-                };
-            }
-            return;
-        }
-        let newer = self.writer().came_before(other);
-        let seen_before = matches!(*twin, Twin::Running { .. });
-        *twin = Twin::Running {
-            tag: other.tag,
-            newer,
-        };
-        drop(twin);
-        metrics::counter!("shardwise_worker_id_clashes_total", &self.labels()).increment(1);
-        if seen_before {
-            return;
-        }
-        if newer {
-            error!(stream = %self.stream, worker = %self.worker, "a second process beats under this worker id, which came after this one: it refuses to run, or gives up its leases and takes none; give each process its own worker id");
-            return;
-        }
-        error!(stream = %self.stream, worker = %self.worker, "a second process beats under this worker id, which came before this one: this one gives up every lease (without writing: the rows name the id both share), takes none and stops; give each process its own worker id");
-        self.taking.cancel();
-        let held = self.held();
-        for ownership in held {
-            self.lose(&ownership, "a second process beats under this worker id");
-        }
-        let _ = self
-            .events
-            .send(LeaseEvent::Stop(Arc::new(Error::WorkerIdInUse {
-                stream: self.stream.clone(),
-                worker: self.worker.clone(),
-            })));
+        beat.changed
     }
 
     async fn beat_loop(self: Arc<Self>, stop: CancellationToken) {
@@ -1167,7 +866,7 @@ impl Inner {
             // leases count as expired once they have also been seen still long enough.
             let now = Instant::now();
             let (death, suspicion) = {
-                let roster = self.roster();
+                let roster = self.liveness.roster();
                 let suspicion = lead.and_then(|lead| Some(roster.next_death(now + lead)? - lead));
                 (roster.next_death(now), suspicion)
             };
@@ -1175,9 +874,9 @@ impl Inner {
                 biased;
                 _ = stop.cancelled() => return,
                 _ = tick.tick() => {}
-                _ = self.beat_now.notified() => {}
+                _ = self.liveness.beat_now.notified() => {}
                 _ = async { tokio::time::sleep_until(death.expect("a death")).await }, if death.is_some() => {
-                    if self.roster().recheck(Instant::now()) {
+                    if self.liveness.roster().recheck(Instant::now()) {
                         self.scan_now.notify_one();
                     }
                     continue;
@@ -1198,7 +897,7 @@ impl Inner {
             if changed {
                 self.scan_now.notify_one();
             }
-            if let Twin::Running { newer: false, .. } = self.twin() {
+            if let Twin::Running { newer: false, .. } = self.liveness.twin() {
                 // This process gave way to one that came before it under the same id: its beats
                 // would only keep reporting the clash there.
                 return;
@@ -1309,7 +1008,7 @@ impl Inner {
 
     /// The earliest instant a held lease must be given up at, unless a renewal lands first.
     fn next_hold_deadline(&self) -> Option<Instant> {
-        let beat = self.last_beat();
+        let beat = self.liveness.last_beat();
         self.leases()
             .holding()
             .map(|h| self.settings.hold_until(h.last_renewed, beat))
@@ -1320,7 +1019,7 @@ impl Inner {
     /// the last renewal and the last beat that landed were.
     fn give_up_overdue(&self) {
         let now = Instant::now();
-        let beat = self.last_beat();
+        let beat = self.liveness.last_beat();
         let overdue: Vec<(Ownership, Instant)> = self
             .leases()
             .holding()
@@ -1468,7 +1167,7 @@ impl Inner {
         if let Some(taker) = wanted {
             // Passed only to a taker alive by the roster: a row passed to a worker that is gone
             // (scaled in, killed) would wait for the others to judge it by its counter alone.
-            if !self.roster().live(Instant::now()).contains(&taker) {
+            if !self.liveness.roster().live(Instant::now()).contains(&taker) {
                 info!(stream = %self.stream, shard = %ownership.shard_id, to = %taker, "the worker that asked for the lease is not alive by the roster: releasing it instead of handing it over");
             } else if self.store.pass(ownership, &taker).await? {
                 let after = give.asked_since.map(|since| since.elapsed());
@@ -1577,13 +1276,29 @@ impl Inner {
         Ok(latest)
     }
 
-    /// One scan: observe counters, notice leases taken from us, plan, and take. `true` while
-    /// something moves (see [`planner::Plan::settling`], and handoffs this worker awaits): scan
-    /// again soon.
+    /// One scan: read the table, observe (the frontier, counters, the owner's side of each
+    /// lease), plan (pure), and execute the plan's takes and requests. `true` while something
+    /// moves (see [`planner::Plan::settling`], handoffs this worker awaits, leases lost or being
+    /// judged, takes put off): scan again soon.
     async fn scan_table(&self) -> Result<bool, Error> {
         let rows = self.store.list(&self.stream).await?;
         let now = Instant::now();
-        match self.publish_frontier(&rows).await {
+        self.update_frontier(&rows, now).await;
+        let observed = self.observe(&rows, now);
+        *self.last_rows.lock().unwrap_or_else(|e| e.into_inner()) = Some(rows.clone());
+        if self.taking.is_cancelled() || self.liveness.silent() {
+            return Ok(false);
+        }
+        let (plan, awaited) = self.plan(&rows, &observed.judged, now);
+        let settling = plan.settling || awaited > 0 || observed.lost_some || observed.judging;
+        let put_off = self.execute(plan.takes, &rows, now).await;
+        Ok(settling || put_off)
+    }
+
+    /// Publishes the frontier over `rows` (and syncs now when listed partitions still have no
+    /// rows a scan interval after the listing).
+    async fn update_frontier(&self, rows: &[Lease], now: Instant) {
+        match self.publish_frontier(rows).await {
             Ok(latest) => {
                 // Rows read a scan interval after a listing still lack some it found (their
                 // creation failed, or was left to a worker that has not done it): list and create
@@ -1605,9 +1320,15 @@ impl Inner {
                 warn!(stream = %self.stream, error = &e as &dyn std::error::Error, "reading or publishing the frontier membership failed; the frontier is not updated this scan");
             }
         }
+    }
+
+    /// What a scan's `rows` show at `now`: each row's counter judged (expired, neglected) on
+    /// this worker's clock, and the owner's side of each lease this worker holds (lost, or
+    /// asked for).
+    fn observe(&self, rows: &[Lease], now: Instant) -> Observed {
         let judged: Vec<(bool, bool)> = {
             let mut observed = self.observed.lock().unwrap_or_else(|e| e.into_inner());
-            let roster = self.roster();
+            let roster = self.liveness.roster();
             rows.iter()
                 .map(|row| {
                     let o = observed.entry(row.shard_id.clone()).or_insert(Observation {
@@ -1645,7 +1366,7 @@ impl Inner {
         // A lease of a worker dead by the roster whose counter has not been seen still for long
         // enough yet: scan again soon, to see whether it moves.
         let judging = {
-            let roster = self.roster();
+            let roster = self.liveness.roster();
             rows.iter().zip(&expired).any(|(row, &expired)| {
                 !expired && row.owner.as_deref().is_some_and(|w| roster.dead(w, now))
             })
@@ -1656,20 +1377,30 @@ impl Inner {
         // it), and is acknowledged when news, and again while the row lacks it (a failed write).
         let effects =
             self.leases()
-                .observe_held(&rows, &self.worker, now, self.settings.lease_duration);
+                .observe_held(rows, &self.worker, now, self.settings.lease_duration);
         let lost_some = effects.iter().any(|e| matches!(e, Effect::Lost { .. }));
         self.carry_out(effects, "the lease row names another owner");
-        *self.last_rows.lock().unwrap_or_else(|e| e.into_inner()) = Some(rows.clone());
-
-        if self.taking.is_cancelled() || self.silent() {
-            return Ok(false);
+        Observed {
+            judged,
+            judging,
+            lost_some,
         }
+    }
+
+    /// The plan for a scan's `rows` (`judged` by [`Inner::observe`]), and how many handoffs
+    /// this worker awaits.
+    fn plan(
+        &self,
+        rows: &[Lease],
+        judged: &[(bool, bool)],
+        now: Instant,
+    ) -> (planner::Plan, usize) {
         // The taker side: our requests still awaited (the row still names us as the taker, even
         // one this process does not remember: asked before a restart, or a steal that failed),
         // and whether each wait is over (patience counts from the owner's acknowledgement, once
         // seen).
         let requests = self.leases().observe_awaited(
-            &rows,
+            rows,
             &self.worker,
             now,
             self.settings.handoff_patience(),
@@ -1682,14 +1413,14 @@ impl Inner {
             .collect();
         let seen: Vec<Seen<'_>> = rows
             .iter()
-            .zip(&judged)
+            .zip(judged)
             .map(|(lease, &(expired, neglected))| Seen {
                 lease,
                 expired,
                 neglected,
             })
             .collect();
-        let roster: Vec<String> = self.roster().live(now).into_iter().collect();
+        let roster: Vec<String> = self.liveness.roster().live(now).into_iter().collect();
         let listing = self.listing();
         let plan = planner::plan_listed(
             &self.worker,
@@ -1709,15 +1440,22 @@ impl Inner {
             debug!(stream = %self.stream, "a child waits for a listed parent without a row: listing the shards again");
             self.sync_now.notify_one();
         }
-        let mut cooling = false;
-        let settling = plan.settling || !requests.is_empty() || lost_some || judging;
         if !plan.takes.is_empty() {
             debug!(stream = %self.stream, active = plan.active, workers = plan.workers, target = plan.target, takes = plan.takes.len(), "lease plan");
         }
+        (plan, requests.len())
+    }
+
+    /// Carries out a plan's `takes` against the `rows` it was made from: asks for handoffs,
+    /// and takes and steals `TAKES_AT_ONCE` at a time, each conditioned on the row as read.
+    /// `true` when a take was put off (a lease whose work failed here a moment ago, or one this
+    /// worker is giving back or letting go): scan again soon.
+    async fn execute(&self, takes: Vec<Take>, rows: &[Lease], now: Instant) -> bool {
+        let mut cooling = false;
         let by_shard: HashMap<&str, &Lease> =
             rows.iter().map(|r| (r.shard_id.as_str(), r)).collect();
         let mut to_take: Vec<(&Lease, bool)> = Vec::new();
-        for take in plan.takes {
+        for take in takes {
             let planned = match &take {
                 Take::Free(s) => s,
                 Take::Steal { shard_id, .. } | Take::Request { shard_id, .. } => shard_id,
@@ -1813,7 +1551,7 @@ impl Inner {
             }
         }
         // A lease skipped while its wait runs is taken at a scan soon after.
-        Ok(settling || cooling)
+        cooling
     }
 
     /// A lease taken by a write sent at `sent` (its renewal stamp: see `lease_loop`).
@@ -1821,7 +1559,7 @@ impl Inner {
         let Some(ownership) = lease.ownership() else {
             return;
         };
-        if self.settings.hold_until(sent, self.last_beat()) <= Instant::now() {
+        if self.settings.hold_until(sent, self.liveness.last_beat()) <= Instant::now() {
             // Its answer came after the hold it gave ran out: the others may see the lease
             // expired already. Not started; the row names this worker, so a scan takes it again.
             warn!(stream = %self.stream, shard = %lease.shard_id, epoch = ownership.epoch, "lease taken, but the answer came too late to hold it: given up at once");
@@ -1866,7 +1604,7 @@ impl Inner {
             };
             let start_sync = std::mem::take(&mut owed);
             let fresh = asked || start_sync;
-            if !(fresh || self.roster().syncs(Instant::now())) {
+            if !(fresh || self.liveness.roster().syncs(Instant::now())) {
                 continue;
             }
             if let Err(e) = self.sync_shards(fresh).await {

@@ -6,6 +6,7 @@
 //! under the same ownership epoch and only forward.
 
 mod dynamodb;
+mod liveness;
 mod local;
 #[cfg_attr(not(feature = "testing"), allow(unreachable_pub, dead_code))]
 mod manager;
