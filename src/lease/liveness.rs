@@ -126,8 +126,8 @@ impl Liveness {
         self.beat_now.notify_one();
     }
 
-    /// Writes this worker's beat and reads the roster back with it. `true` when the roster
-    /// changed (a worker joined, left or died, or rows were announced): time to scan. A slow
+    /// Writes this worker's beat and reads the roster back with it, saying whether the roster
+    /// changed and whether this process is to give way to another under its id ([`Beat`]). A slow
     /// answer is waited for as long as it can still count ([`LeaseSettings::attempt_limit`]):
     /// the next beat goes out after it, so a slow store gets fewer beats, not more. A worker
     /// whose beat has not landed for [`LeaseSettings::give_up_after`] (from the send of the last
