@@ -626,7 +626,10 @@ async fn a_joining_workers_slow_requests_do_not_hold_up_its_takes() {
     let d = cooperating(slow, &shards, "d", LeaseSettings::default()).await;
     let took = until(Duration::from_secs(60), || d.held().len() == 50).await;
     eprintln!("d reached its share of 50 in {took:?}");
-    assert!(took < Duration::from_secs(8), "d reached its share in {took:?}");
+    assert!(
+        took < Duration::from_secs(8),
+        "d reached its share in {took:?}"
+    );
 }
 
 /// Four workers starting at the same moment on a new 200-shard stream: one creates the rows, each
