@@ -17,7 +17,8 @@
 //! skipped without `AWS_ENDPOINT_URL_KINESIS`. Name parts to run only those:
 //! `cargo bench -p shardwise-bench --bench consumer -- paged` (pipeline, lanes, receipts, paged, live, start). Under `cargo test` (no `--bench` argument) every
 //! part runs once at a tiny size, so the bench cannot rot. `RUST_LOG=shardwise=debug` prints the
-//! library's log to stderr.
+//! library's log to stderr. `--features mimalloc` runs everything on mimalloc instead of the
+//! system's allocator.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -47,6 +48,18 @@ struct Scale {
 }
 
 /// CPU time this process has used (user and system), from /proc: the ticks are 10 ms.
+/// With `--features mimalloc`, every part runs on mimalloc instead of the system's allocator.
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// The allocator this run uses, for the printed figures.
+const ALLOCATOR_NAME: &str = if cfg!(feature = "mimalloc") {
+    "mimalloc"
+} else {
+    "the system allocator"
+};
+
 fn cpu_used() -> Duration {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
     // Fields after the command (which may hold spaces): state is the 3rd field, utime the 14th.
@@ -610,7 +623,7 @@ async fn paged(scale: &Scale) {
         cpus.push((raw_cpu, consumer_cpu));
     }
     println!(
-        "paged, scripted event API over HTTP, {n} events over 4 partitions, pages of 200, {} rounds: consumer at {:.0}% of the raw page loop (median; rounds {}); CPU per event (server included), medians: raw {:.0} ns, consumer {:.0} ns",
+        "paged, scripted event API over HTTP, {n} events over 4 partitions, pages of 200, {ALLOCATOR_NAME}, {} rounds: consumer at {:.0}% of the raw page loop (median; rounds {}); CPU per event (server included), medians: raw {:.0} ns, consumer {:.0} ns",
         ratios.len(),
         100.0 * median(ratios.clone()),
         ratios

@@ -1,13 +1,19 @@
 //! Lanes: the tasks that run the handler. Each lane runs its deliveries one at a time, in the order
 //! it received them.
 //!
+//! With per-key ordering the deliveries of a page go to each lane together (one message per lane
+//! per page, [`Lanes::flush`]), and a lane sends back what it finished in runs: everything it
+//! finished since it last waited, sent before it waits (for more work, a handler that is not
+//! ready at once, a receipt read, or its turn). A no-op handler costs a channel message per run,
+//! not two per delivery; a handler that waits still settles each delivery as it finishes.
+//!
 //! With per-key ordering, a key that has deliveries queued or running stays on the lane that has
 //! them, so its deliveries run one at a time in shard order; a key with nothing in flight goes to
 //! the lane with the fewest deliveries queued. Static hashing would leave lanes unevenly loaded
 //! (64 keys over 8 lanes by hash gave 5.3 times one lane's throughput; by load, see
 //! `benches/consumer.rs`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -62,10 +68,23 @@ impl LaneSettings {
     }
 }
 
+/// What a lane is sent: one delivery, or the deliveries of a page for that lane, in order.
+#[derive(Debug)]
+pub(crate) enum Work {
+    One(Delivery),
+    Many(Vec<Delivery>),
+}
+
+/// What a lane finished since it last waited, in the order it finished them.
+pub(crate) type FinishedRun = Vec<Finished>;
+
 /// The lanes of one shard. Dropping them aborts every running handler.
 #[derive(Debug)]
 pub(crate) struct Lanes {
-    senders: Vec<mpsc::UnboundedSender<Delivery>>,
+    senders: Vec<mpsc::UnboundedSender<Work>>,
+    /// Per-key ordering: deliveries dispatched to each lane and not sent yet (see
+    /// [`Lanes::flush`]).
+    pending: Vec<Vec<Delivery>>,
     ordering: DeliveryOrder,
     tasks: JoinSet<()>,
     /// Per-key ordering: the lane of each key with deliveries in flight, and how many, by the
@@ -81,7 +100,7 @@ impl Lanes {
         count: usize,
         ordering: DeliveryOrder,
         handler: Arc<H>,
-        finished: mpsc::UnboundedSender<Finished>,
+        finished: mpsc::UnboundedSender<FinishedRun>,
         settings: LaneSettings,
     ) -> Self {
         let mut tasks = JoinSet::new();
@@ -115,6 +134,7 @@ impl Lanes {
         }
         Self {
             load: vec![0; count],
+            pending: senders.iter().map(|_| Vec::new()).collect(),
             senders,
             ordering,
             tasks,
@@ -162,89 +182,211 @@ impl Lanes {
     }
 
     /// Queues a delivery again (its hold was released): on the lane its key has deliveries on now,
-    /// if any, so the key still runs one delivery at a time.
+    /// if any, so the key still runs one delivery at a time. Sent at once, behind whatever was
+    /// dispatched to that lane before it.
     pub(crate) fn redispatch(&mut self, delivery: Delivery) {
         let lane = self.assign(delivery.partition_key());
         self.dispatch(delivery.on_lane(lane));
+        self.flush();
     }
 
-    /// Queues a delivery on the lane [`Lanes::assign`] gave it. Lanes take work until they are
-    /// aborted, also once the shard reads no more: a held delivery released then runs again.
-    pub(crate) fn dispatch(&self, delivery: Delivery) {
-        let lane = match self.ordering {
-            DeliveryOrder::PerKey => delivery.lane(),
-            DeliveryOrder::None => 0,
-        };
-        // No lane means the shard is being torn down; the delivery stays unsettled.
-        if let Some(sender) = self.senders.get(lane) {
-            let _ = sender.send(delivery);
+    /// Queues a delivery on the lane [`Lanes::assign`] gave it. With per-key ordering it is sent
+    /// with the rest of its page at the next [`Lanes::flush`]; without, at once, to whichever lane
+    /// is idle first. Lanes take work until they are aborted, also once the shard reads no more: a
+    /// held delivery released then runs again.
+    pub(crate) fn dispatch(&mut self, delivery: Delivery) {
+        match self.ordering {
+            DeliveryOrder::PerKey => {
+                // No lane means the shard is being torn down; the delivery stays unsettled.
+                if let Some(pending) = self.pending.get_mut(delivery.lane()) {
+                    pending.push(delivery);
+                }
+            }
+            DeliveryOrder::None => {
+                if let Some(sender) = self.senders.first() {
+                    let _ = sender.send(Work::One(delivery));
+                }
+            }
+        }
+    }
+
+    /// Sends every lane what was dispatched to it since the last flush, in dispatch order.
+    pub(crate) fn flush(&mut self) {
+        for (sender, pending) in self.senders.iter().zip(self.pending.iter_mut()) {
+            match pending.len() {
+                0 => {}
+                1 => {
+                    let _ = sender.send(Work::One(pending.pop().expect("one")));
+                }
+                _ => {
+                    let _ = sender.send(Work::Many(std::mem::take(pending)));
+                }
+            }
         }
     }
 
     /// Aborts every running handler (their deliveries stay unsettled).
     pub(crate) fn abort(&mut self) {
         self.senders.clear();
+        self.pending.clear();
         self.tasks.abort_all();
     }
 }
 
+/// A lane's side of its channels: the work it was sent and has not started, and what it finished
+/// and has not sent back.
+struct LaneQueue {
+    work: Arc<Mutex<mpsc::UnboundedReceiver<Work>>>,
+    queued: VecDeque<Delivery>,
+    finished: mpsc::UnboundedSender<FinishedRun>,
+    done: FinishedRun,
+}
+
+/// The shard's pipeline is gone: the lane ends.
+struct Closed;
+
+impl LaneQueue {
+    /// The next delivery: a queued one, what was sent meanwhile, or, after sending back what it
+    /// finished, whatever comes next. `None`: nothing more will come.
+    async fn next(&mut self) -> Option<Delivery> {
+        if let Some(delivery) = self.queued.pop_front() {
+            return Some(delivery);
+        }
+        let work = self.work.clone();
+        let received = {
+            // Lanes without per-key order share one queue: waiting for it, what was finished
+            // is sent back first.
+            let mut work = match work.try_lock() {
+                Ok(work) => work,
+                Err(_) => {
+                    self.send_back().ok()?;
+                    work.lock().await
+                }
+            };
+            match work.try_recv() {
+                Ok(work) => Some(work),
+                Err(mpsc::error::TryRecvError::Disconnected) => None,
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    self.send_back().ok()?;
+                    work.recv().await
+                }
+            }
+        };
+        match received? {
+            Work::One(delivery) => Some(delivery),
+            Work::Many(deliveries) => {
+                self.queued.extend(deliveries);
+                self.queued.pop_front()
+            }
+        }
+    }
+
+    /// A delivery is done with: sent back with the rest of the run.
+    fn finish(&mut self, delivery: Delivery, done: Done) {
+        self.done.push(Finished { delivery, done });
+    }
+
+    /// Sends back what was finished since the last time.
+    fn send_back(&mut self) -> Result<(), Closed> {
+        if self.done.is_empty() {
+            return Ok(());
+        }
+        self.finished
+            .send(std::mem::take(&mut self.done))
+            .map_err(|_| Closed)
+    }
+
+    /// Runs `work` to its end; if it is not ready at once, what was finished is sent back first,
+    /// so nothing finished waits behind a handler that waits.
+    async fn unless_waiting<T>(&mut self, work: impl Future<Output = T>) -> Result<T, Closed> {
+        let mut work = std::pin::pin!(work);
+        if let std::task::Poll::Ready(answer) = futures::poll!(work.as_mut()) {
+            return Ok(answer);
+        }
+        self.send_back()?;
+        Ok(work.await)
+    }
+}
+
 async fn run_lane<H: Handler>(
-    queue: Arc<Mutex<mpsc::UnboundedReceiver<Delivery>>>,
+    work: Arc<Mutex<mpsc::UnboundedReceiver<Work>>>,
     handler: Arc<H>,
-    finished: mpsc::UnboundedSender<Finished>,
+    finished: mpsc::UnboundedSender<FinishedRun>,
     settings: LaneSettings,
 ) {
     let batching = handler.batching();
     let mut durations = Durations::default();
+    let mut lane = LaneQueue {
+        work,
+        queued: VecDeque::new(),
+        finished,
+        done: Vec::new(),
+    };
     loop {
+        // A lane that always finds work ready still gives other tasks their turn (and sends back
+        // what it finished before it does).
+        if lane
+            .unless_waiting(tokio::task::coop::consume_budget())
+            .await
+            .is_err()
+        {
+            return;
+        }
         if batching.is_none() {
             // One delivery at a time: nothing collected, nothing allocated for it.
-            let Some(delivery) = queue.lock().await.recv().await else {
+            let Some(delivery) = lane.next().await else {
+                let _ = lane.send_back();
                 return;
             };
-            let done = match answered_before(&settings, &delivery).await {
+            let Ok(answered) = lane
+                .unless_waiting(answered_before(&settings, &delivery))
+                .await
+            else {
+                return;
+            };
+            let done = match answered {
                 Some(done) => done,
                 None => {
                     // Called when polled, inside the guard: a handler that panics before its
                     // future exists is caught too.
                     let call = async { handler.handle(delivery.clone()).await };
-                    let answer = guarded(&delivery, 1, &settings, &mut durations, call).await;
+                    let answer = guarded(&delivery, 1, &settings, &mut durations, call);
+                    let Ok(answer) = lane.unless_waiting(answer).await else {
+                        return;
+                    };
                     Done::Handled(answer.unwrap_or(Outcome::Retry))
                 }
             };
-            if finished.send(Finished { delivery, done }).is_err() {
-                return;
-            }
+            lane.finish(delivery, done);
             continue;
         }
         // The next delivery and the ones behind it, up to the batch size, waiting at most
         // `max_wait` after the first.
-        let batch = {
-            let mut queue = queue.lock().await;
-            let Some(first) = queue.recv().await else {
-                return;
-            };
-            let mut batch = vec![first];
-            if let Some(b) = batching {
-                let deadline = tokio::time::Instant::now() + b.max_wait;
-                while batch.len() < b.max_size {
-                    match tokio::time::timeout_at(deadline, queue.recv()).await {
-                        Ok(Some(next)) => batch.push(next),
-                        Ok(None) | Err(_) => break,
-                    }
+        let Some(first) = lane.next().await else {
+            let _ = lane.send_back();
+            return;
+        };
+        let mut batch = vec![first];
+        if let Some(b) = batching {
+            let deadline = tokio::time::Instant::now() + b.max_wait;
+            while batch.len() < b.max_size {
+                match tokio::time::timeout_at(deadline, lane.next()).await {
+                    Ok(Some(next)) => batch.push(next),
+                    Ok(None) | Err(_) => break,
                 }
             }
-            batch
-        };
+        }
         // Too old for the handler, or handled by an earlier attempt: answered at once.
         let mut young = Vec::with_capacity(batch.len());
         for delivery in batch {
-            match answered_before(&settings, &delivery).await {
-                Some(done) => {
-                    if finished.send(Finished { delivery, done }).is_err() {
-                        return;
-                    }
-                }
+            let Ok(answered) = lane
+                .unless_waiting(answered_before(&settings, &delivery))
+                .await
+            else {
+                return;
+            };
+            match answered {
+                Some(done) => lane.finish(delivery, done),
                 None => young.push(delivery),
             }
         }
@@ -252,12 +394,12 @@ async fn run_lane<H: Handler>(
         if batch.is_empty() {
             continue;
         }
-        let outcomes = run_batch(&*handler, batch.clone(), &settings, &mut durations).await;
+        let outcomes = run_batch(&*handler, batch.clone(), &settings, &mut durations);
+        let Ok(outcomes) = lane.unless_waiting(outcomes).await else {
+            return;
+        };
         for (delivery, outcome) in batch.into_iter().zip(outcomes) {
-            let done = Done::Handled(outcome);
-            if finished.send(Finished { delivery, done }).is_err() {
-                return;
-            }
+            lane.finish(delivery, Done::Handled(outcome));
         }
     }
 }
@@ -490,6 +632,92 @@ mod tests {
         lanes.abort();
     }
 
+    /// The deliveries of a page go to a lane together, and what the lane finished is sent back
+    /// before it waits for a handler that is not ready: a delivery that finished is never held
+    /// back by the one behind it.
+    #[tokio::test]
+    async fn what_a_lane_finished_is_sent_back_before_it_waits_for_a_handler() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+        let release = Arc::new(std::sync::Mutex::new(Some(release_rx)));
+        let handler = Arc::new(move |d: Delivery| {
+            let wait = (d.partition_key() == "slow")
+                .then(|| release.lock().unwrap().take())
+                .flatten();
+            async move {
+                if let Some(wait) = wait {
+                    let _ = wait.await;
+                }
+                Outcome::Ack
+            }
+        });
+        let settings = LaneSettings {
+            handler_timeout: None,
+            max_record_age: None,
+            receipts: None,
+        };
+        let mut lanes = Lanes::start(1, DeliveryOrder::PerKey, handler, tx, settings);
+        for key in ["quick", "also-quick", "slow"] {
+            let lane = lanes.assign(key);
+            lanes.dispatch(delivery(key, lane));
+        }
+        lanes.flush();
+        let run = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("the quick ones are sent back while the slow one waits")
+            .expect("a run");
+        let keys: Vec<_> = run.iter().map(|f| f.delivery.partition_key()).collect();
+        assert_eq!(keys, ["quick", "also-quick"]);
+        release_tx.send(()).unwrap();
+        let run = rx.recv().await.expect("the slow one, once released");
+        assert_eq!(run.len(), 1);
+        assert_eq!(run[0].delivery.partition_key(), "slow");
+        lanes.abort();
+    }
+
+    /// Without per-key order the lanes share one queue, which a lane with nothing to do holds
+    /// while it waits for work: a lane that finished a delivery sends it back before it waits
+    /// for that queue.
+    #[tokio::test(start_paused = true)]
+    async fn lanes_sharing_a_queue_send_back_what_they_finished_while_they_wait_for_it() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+        let release = Arc::new(std::sync::Mutex::new(Some(release_rx)));
+        let handler = Arc::new(move |d: Delivery| {
+            let wait = (d.partition_key() == "slow")
+                .then(|| release.lock().unwrap().take())
+                .flatten();
+            async move {
+                if let Some(wait) = wait {
+                    let _ = wait.await;
+                }
+                Outcome::Ack
+            }
+        });
+        let settings = LaneSettings {
+            handler_timeout: None,
+            max_record_age: None,
+            receipts: None,
+        };
+        let mut lanes = Lanes::start(2, DeliveryOrder::None, handler, tx, settings);
+        for key in ["slow", "quick"] {
+            let lane = lanes.assign(key);
+            lanes.dispatch(delivery(key, lane));
+        }
+        lanes.flush();
+        let run = rx.recv().await.expect("a run");
+        assert_eq!(run[0].delivery.partition_key(), "quick");
+        // The lane that ran "quick" now holds the queue, waiting for work.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        release_tx.send(()).unwrap();
+        let run = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+            .await
+            .expect("the slow one is sent back while its lane waits for the queue")
+            .expect("a run");
+        assert_eq!(run[0].delivery.partition_key(), "slow");
+        lanes.abort();
+    }
+
     /// A handler that panics when called, before it has a future to run, is a retry like one
     /// whose future panics, and its lane goes on.
     #[tokio::test]
@@ -509,8 +737,12 @@ mod tests {
             let lane = lanes.assign(key);
             lanes.dispatch(delivery(key, lane));
         }
-        for expected in [Outcome::Retry, Outcome::Ack] {
-            let done = rx.recv().await.expect("the lane goes on");
+        lanes.flush();
+        let mut finished = Vec::new();
+        while finished.len() < 2 {
+            finished.extend(rx.recv().await.expect("the lane goes on"));
+        }
+        for (done, expected) in finished.into_iter().zip([Outcome::Retry, Outcome::Ack]) {
             assert!(
                 matches!(done.done, Done::Handled(ref o) if *o == expected),
                 "{:?}",

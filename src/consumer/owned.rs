@@ -340,7 +340,9 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
             message = messages.recv(), if reading == Reading::Open && room => match message {
                 None => reading = Reading::Stopped,
                 Some(message) => {
-                    match progress.read(message, &mut pipeline).await {
+                    let read = progress.read(message, &mut pipeline).await;
+                    pipeline.flush();
+                    match read {
                         Read::Page => owned.health.read(),
                         Read::LastPage => {
                             owned.health.read();

@@ -26,7 +26,7 @@ use super::config::Settings;
 use super::copies::{PendingWrite, StuckWrites, WriteEvent};
 use super::ending::{self, Reading, ShardState, Step};
 use super::hooks::{DeliveryHooks, Settled};
-use super::lanes::{Done, Finished, LaneSettings, Lanes};
+use super::lanes::{Done, Finished, FinishedRun, LaneSettings, Lanes};
 use super::ledger::{self, Ledger, LedgerEvent};
 use super::outcome::{Resolved, resolve};
 use crate::handler::{Delivery, Handler, Outcome};
@@ -122,7 +122,7 @@ pub(crate) struct Pipeline<H, E> {
     ctx: PipelineContext<H>,
     retries: Retries,
     lanes: Lanes,
-    finished: mpsc::UnboundedReceiver<Finished>,
+    finished: mpsc::UnboundedReceiver<FinishedRun>,
     tracker: Tracker<E>,
     /// Deliveries whose retry was refused (logged once each).
     refused: HashSet<DeliveryId>,
@@ -145,7 +145,7 @@ impl<H: Handler, E> Pipeline<H, E> {
     /// Starts the lanes; deliveries are tracked under `epoch` (the ownership epoch).
     pub(crate) fn new(ctx: PipelineContext<H>, epoch: u64, retries: Retries) -> Self {
         let settings = &ctx.settings;
-        let (finished_tx, finished) = mpsc::unbounded_channel::<Finished>();
+        let (finished_tx, finished) = mpsc::unbounded_channel::<FinishedRun>();
         let lanes = Lanes::start(
             settings.lanes,
             settings.ordering,
@@ -185,9 +185,16 @@ impl<H: Handler, E> Pipeline<H, E> {
         (id, self.lanes.assign(partition_key))
     }
 
-    /// Hands a tracked delivery to its lane.
+    /// Hands a tracked delivery to its lane: sent with the rest of what was read at the next
+    /// [`flush`](Self::flush) (the owning loop flushes after each read, and [`next`](Self::next)
+    /// before it waits).
     pub(crate) fn dispatch(&mut self, delivery: Delivery) {
         self.lanes.dispatch(delivery);
+    }
+
+    /// Sends the lanes what was dispatched since the last flush.
+    pub(crate) fn flush(&mut self) {
+        self.lanes.flush();
     }
 
     /// Tracks the next delivery without a lane yet (see [`dispatch_unless_done`](Self::dispatch_unless_done)).
@@ -305,11 +312,13 @@ impl<H: Handler, E> Pipeline<H, E> {
     /// them is cancellation safe.
     pub(crate) async fn next(&mut self) -> Option<Advance<E>> {
         enum Event {
-            Finished(Finished),
+            Finished(FinishedRun),
             Write(WriteEvent),
             Ledger(Vec<LedgerEvent>),
             Task,
         }
+        // Nothing dispatched waits unsent while this waits.
+        self.lanes.flush();
         let busy = self.ledger.as_ref().is_some_and(Ledger::busy);
         // Biased, in this order: the same events in the same order always do the same (the
         // simulation relies on it).
@@ -331,16 +340,25 @@ impl<H: Handler, E> Pipeline<H, E> {
             else => std::future::pending().await,
         };
         match event {
-            Event::Finished(done) => {
+            Event::Finished(run) => {
                 // What else the lanes finished meanwhile is taken too (a bounded number, so the
                 // owning loop still gets its turn): one turn of that loop for many deliveries.
-                let mut furthest = self.on_finished(done);
-                for _ in 1..FINISHED_PER_TURN {
-                    let Ok(done) = self.finished.try_recv() else {
-                        break;
-                    };
+                let mut taken = run.len();
+                let mut furthest = None;
+                for done in run {
                     if let Some(advance) = self.on_finished(done) {
                         furthest = Some(advance);
+                    }
+                }
+                while taken < FINISHED_PER_TURN {
+                    let Ok(run) = self.finished.try_recv() else {
+                        break;
+                    };
+                    taken += run.len();
+                    for done in run {
+                        if let Some(advance) = self.on_finished(done) {
+                            furthest = Some(advance);
+                        }
                     }
                 }
                 furthest
