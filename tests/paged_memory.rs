@@ -660,6 +660,65 @@ async fn with_no_cap_a_failing_event_retries_in_place_until_it_succeeds() {
     }
 }
 
+/// Invariant 6 through retries in place: while an event waits to run again, the later events of
+/// its key wait behind it (and run after it succeeded, in order); events of other keys go on.
+#[tokio::test(start_paused = true)]
+async fn the_events_of_a_key_wait_behind_one_that_runs_again_in_place() {
+    let api = EventApi::new(SOURCE);
+    for (n, key) in [(1, "k"), (2, "k"), (3, "other"), (4, "k"), (5, "other")] {
+        api.append(
+            "p",
+            ScriptedEvent {
+                key: Some(key.into()),
+                ..event(&format!("p-{n}"), n)
+            },
+        );
+    }
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let running = builder(
+        &api,
+        &store,
+        "w1",
+        handler("w1", &calls, |d| {
+            // p-1 fails twice, then succeeds.
+            if d.paged_event_id() == Some("p-1") && d.attempt() < 3 {
+                Outcome::Retry
+            } else {
+                Outcome::Ack
+            }
+        }),
+    )
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("everything settled", Duration::from_secs(30), || {
+        applied(&store, "p") == Some(5)
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    let all = calls.all();
+    let at = |id: &str, attempt: u32| {
+        all.iter()
+            .position(|(_, i, a)| i == id && *a == attempt)
+            .unwrap_or_else(|| panic!("{id} attempt {attempt} in {all:?}"))
+    };
+    let succeeded = at("p-1", 3);
+    assert!(
+        at("p-2", 1) > succeeded && at("p-4", 1) > at("p-2", 1),
+        "the events of key k ran out of order: {all:?}"
+    );
+    assert!(
+        at("p-3", 1) < succeeded && at("p-5", 1) < succeeded,
+        "the other key waited for the retries: {all:?}"
+    );
+    for id in ["p-2", "p-3", "p-4", "p-5"] {
+        assert_eq!(calls.count(id), 1, "{id}: {all:?}");
+    }
+}
+
 /// With a cap and a dead-letter stream, a spent event is written to the stream (with its
 /// partition, position, identity, timestamp, attempts and reason) before it settles; a dead
 /// letter that cannot be written yet holds the barrier until it is.

@@ -9,7 +9,10 @@
 //!
 //! With per-key ordering, a key that has deliveries queued or running stays on the lane that has
 //! them, so its deliveries run one at a time in shard order; a key with nothing in flight goes to
-//! the lane with the fewest deliveries queued. Static hashing would leave lanes unevenly loaded
+//! the lane with the fewest deliveries queued. Where a failing delivery runs again in place (a
+//! paged source), its lane parks its key when the handler answers with a retry: the key's later
+//! deliveries are put aside, in order, while other keys go on, until the delivery comes back
+//! ([`Work::Again`]) and succeeds or the pipeline gives it up ([`Work::Unpark`]). Static hashing would leave lanes unevenly loaded
 //! (64 keys over 8 lanes by hash gave 5.3 times one lane's throughput; by load, see
 //! `benches/consumer.rs`).
 
@@ -56,23 +59,45 @@ pub(crate) struct LaneSettings {
     /// The receipt ledger, read before the handler runs for a delivery an earlier attempt may
     /// have handled ([`Replayable::Checked`]).
     pub(crate) receipts: Option<Arc<dyn ReceiptStore>>,
+    /// Failing deliveries run again on their lane (a paged source) with per-key ordering: a
+    /// retry parks its key (see [`parks`]).
+    pub(crate) park_retries: bool,
 }
 
 impl LaneSettings {
-    pub(crate) fn of(settings: &Settings, receipts: Option<Arc<dyn ReceiptStore>>) -> Self {
+    pub(crate) fn of(
+        settings: &Settings,
+        receipts: Option<Arc<dyn ReceiptStore>>,
+        in_place: bool,
+    ) -> Self {
         Self {
             handler_timeout: settings.handler_timeout,
             max_record_age: settings.max_record_age,
             receipts,
+            park_retries: in_place && settings.ordering == DeliveryOrder::PerKey,
         }
     }
 }
 
-/// What a lane is sent: one delivery, or the deliveries of a page for that lane, in order.
+/// Whether a lane that parks retries parked the key of this finished delivery: the handler
+/// answered with a retry (a panic or a timeout is one). The pipeline then either sends it back
+/// ([`Lanes::again`]) or gives it up ([`Lanes::unpark`]).
+pub(crate) fn parks(park_retries: bool, done: &Done) -> bool {
+    park_retries && matches!(done, Done::Handled(Outcome::Retry | Outcome::RetryAfter(_)))
+}
+
+/// What a lane is sent: one delivery, or the deliveries of a page for that lane, in order; a
+/// delivery whose key it parked, to run again now; or a key to unpark.
 #[derive(Debug)]
 pub(crate) enum Work {
     One(Delivery),
     Many(Vec<Delivery>),
+    /// The next attempt of the delivery that parked its key: it runs though the key is parked,
+    /// and its success unparks the key.
+    Again(Delivery),
+    /// The delivery that parked this key will not run again (spent, held, or given up): the
+    /// key's deliveries put aside run now, in order.
+    Unpark(String),
 }
 
 /// What a lane finished since it last waited, in the order it finished them.
@@ -93,6 +118,8 @@ pub(crate) struct Lanes {
     keys: RandomState,
     /// Deliveries queued or running per lane.
     load: Vec<usize>,
+    /// Whether a retry parks its key ([`LaneSettings::park_retries`]).
+    park_retries: bool,
 }
 
 impl Lanes {
@@ -105,6 +132,7 @@ impl Lanes {
     ) -> Self {
         let mut tasks = JoinSet::new();
         let mut senders = Vec::new();
+        let park_retries = settings.park_retries;
         match ordering {
             DeliveryOrder::PerKey => {
                 for _ in 0..count {
@@ -135,6 +163,7 @@ impl Lanes {
         Self {
             load: vec![0; count],
             pending: senders.iter().map(|_| Vec::new()).collect(),
+            park_retries,
             senders,
             ordering,
             tasks,
@@ -210,6 +239,32 @@ impl Lanes {
         }
     }
 
+    /// Whether the lane of this finished delivery parked its key ([`parks`]): then it is still
+    /// counted in flight there, and comes back with [`again`](Self::again) or ends with
+    /// [`unpark`](Self::unpark).
+    pub(crate) fn parked(&self, finished: &Finished) -> bool {
+        parks(self.park_retries, &finished.done)
+    }
+
+    /// The next attempt of a delivery whose key its lane parked: to that lane, which runs it
+    /// ahead of the key's deliveries put aside.
+    pub(crate) fn again(&mut self, delivery: Delivery) {
+        self.flush();
+        if let Some(sender) = self.senders.get(delivery.lane()) {
+            let _ = sender.send(Work::Again(delivery));
+        }
+    }
+
+    /// A delivery whose key its lane parked will not run again: it is done with its lane, and
+    /// the key's deliveries put aside run.
+    pub(crate) fn unpark(&mut self, delivery: &Delivery) {
+        self.finished(delivery);
+        self.flush();
+        if let Some(sender) = self.senders.get(delivery.lane()) {
+            let _ = sender.send(Work::Unpark(delivery.partition_key().to_string()));
+        }
+    }
+
     /// Sends every lane what was dispatched to it since the last flush, in dispatch order.
     pub(crate) fn flush(&mut self) {
         for (sender, pending) in self.senders.iter().zip(self.pending.iter_mut()) {
@@ -240,50 +295,98 @@ struct LaneQueue {
     queued: VecDeque<Delivery>,
     finished: mpsc::UnboundedSender<FinishedRun>,
     done: FinishedRun,
+    /// Whether a retry parks its key.
+    park_retries: bool,
+    /// Parked keys, each with its deliveries put aside, in the order they came.
+    parked: HashMap<String, VecDeque<Delivery>>,
+    /// Deliveries sent back to run again while their key is parked, running now.
+    again: Vec<crate::track::DeliveryId>,
 }
 
 /// The shard's pipeline is gone: the lane ends.
 struct Closed;
 
 impl LaneQueue {
-    /// The next delivery: a queued one, what was sent meanwhile, or, after sending back what it
-    /// finished, whatever comes next. `None`: nothing more will come.
+    /// The next delivery to run: a queued one, what was sent meanwhile, or, after sending back
+    /// what it finished, whatever comes next; a delivery of a parked key is put aside instead.
+    /// `None`: nothing more will come.
     async fn next(&mut self) -> Option<Delivery> {
-        if let Some(delivery) = self.queued.pop_front() {
+        loop {
+            let delivery = match self.queued.pop_front() {
+                Some(delivery) => delivery,
+                None => match self.receive().await? {
+                    Work::One(delivery) => delivery,
+                    Work::Many(deliveries) => {
+                        self.queued.extend(deliveries);
+                        continue;
+                    }
+                    Work::Again(delivery) => {
+                        self.again.extend(delivery.id());
+                        return Some(delivery);
+                    }
+                    Work::Unpark(key) => {
+                        self.unpark(&key);
+                        continue;
+                    }
+                },
+            };
+            if !self.parked.is_empty()
+                && let Some(aside) = self.parked.get_mut(delivery.partition_key())
+            {
+                aside.push_back(delivery);
+                continue;
+            }
             return Some(delivery);
         }
+    }
+
+    /// What was sent to the lane next, sending back what it finished before it waits.
+    async fn receive(&mut self) -> Option<Work> {
         let work = self.work.clone();
-        let received = {
-            // Lanes without per-key order share one queue: waiting for it, what was finished
-            // is sent back first.
-            let mut work = match work.try_lock() {
-                Ok(work) => work,
-                Err(_) => {
-                    self.send_back().ok()?;
-                    work.lock().await
-                }
-            };
-            match work.try_recv() {
-                Ok(work) => Some(work),
-                Err(mpsc::error::TryRecvError::Disconnected) => None,
-                Err(mpsc::error::TryRecvError::Empty) => {
-                    self.send_back().ok()?;
-                    work.recv().await
-                }
+        // Lanes without per-key order share one queue: waiting for it, what was finished is
+        // sent back first.
+        let mut work = match work.try_lock() {
+            Ok(work) => work,
+            Err(_) => {
+                self.send_back().ok()?;
+                work.lock().await
             }
         };
-        match received? {
-            Work::One(delivery) => Some(delivery),
-            Work::Many(deliveries) => {
-                self.queued.extend(deliveries);
-                self.queued.pop_front()
+        match work.try_recv() {
+            Ok(work) => Some(work),
+            Err(mpsc::error::TryRecvError::Disconnected) => None,
+            Err(mpsc::error::TryRecvError::Empty) => {
+                self.send_back().ok()?;
+                work.recv().await
             }
         }
     }
 
-    /// A delivery is done with: sent back with the rest of the run.
+    /// A delivery is done with: sent back with the rest of the run. A retry parks its key; the
+    /// success of a delivery sent back to run again unparks it.
     fn finish(&mut self, delivery: Delivery, done: Done) {
+        let again = delivery
+            .id()
+            .and_then(|id| self.again.iter().position(|a| *a == id))
+            .map(|at| self.again.swap_remove(at))
+            .is_some();
+        if parks(self.park_retries, &done) {
+            self.parked
+                .entry(delivery.partition_key().to_string())
+                .or_default();
+        } else if again {
+            self.unpark(delivery.partition_key());
+        }
         self.done.push(Finished { delivery, done });
+    }
+
+    /// The deliveries of `key` put aside run next, in the order they came.
+    fn unpark(&mut self, key: &str) {
+        if let Some(aside) = self.parked.remove(key) {
+            for delivery in aside.into_iter().rev() {
+                self.queued.push_front(delivery);
+            }
+        }
     }
 
     /// Sends back what was finished since the last time.
@@ -321,6 +424,9 @@ async fn run_lane<H: Handler>(
         queued: VecDeque::new(),
         finished,
         done: Vec::new(),
+        park_retries: settings.park_retries,
+        parked: HashMap::new(),
+        again: Vec::new(),
     };
     loop {
         // A lane that always finds work ready still gives other tasks their turn (and sends back
@@ -609,6 +715,7 @@ mod tests {
             handler_timeout: None,
             max_record_age: None,
             receipts: None,
+            park_retries: false,
         };
         let mut lanes = Lanes::start(3, DeliveryOrder::PerKey, handler, tx, settings);
         let a = lanes.assign("a");
@@ -655,6 +762,7 @@ mod tests {
             handler_timeout: None,
             max_record_age: None,
             receipts: None,
+            park_retries: false,
         };
         let mut lanes = Lanes::start(1, DeliveryOrder::PerKey, handler, tx, settings);
         for key in ["quick", "also-quick", "slow"] {
@@ -698,6 +806,7 @@ mod tests {
             handler_timeout: None,
             max_record_age: None,
             receipts: None,
+            park_retries: false,
         };
         let mut lanes = Lanes::start(2, DeliveryOrder::None, handler, tx, settings);
         for key in ["slow", "quick"] {
@@ -718,6 +827,79 @@ mod tests {
         lanes.abort();
     }
 
+    /// Where retries run in place, a retry parks its key on its lane: the key's later
+    /// deliveries wait, in order, until the retried one comes back and succeeds (`again`), or is
+    /// given up (`unpark`); other keys go on meanwhile.
+    #[tokio::test]
+    async fn a_retry_parks_its_key_until_it_comes_back_and_succeeds_or_is_given_up() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        // "a1" and "b1" fail on their first attempt.
+        let handler = Arc::new(|d: Delivery| {
+            let first = d.attempt() == 1 && d.payload().ends_with(b"1");
+            std::future::ready(if first { Outcome::Retry } else { Outcome::Ack })
+        });
+        let settings = LaneSettings {
+            handler_timeout: None,
+            max_record_age: None,
+            receipts: None,
+            park_retries: true,
+        };
+        let mut lanes = Lanes::start(1, DeliveryOrder::PerKey, handler, tx, settings);
+        let mut tracker = crate::track::Tracker::new(1);
+        let mut sent = Vec::new();
+        for (key, name) in [
+            ("a", "a1"),
+            ("a", "a2"),
+            ("b", "b1"),
+            ("c", "c1"),
+            ("b", "b2"),
+        ] {
+            let lane = lanes.assign(key);
+            let d = Delivery::builder(
+                "s",
+                "shard",
+                Position::new(SequenceNumber::parse("1").unwrap(), 0),
+            )
+            .partition_key(key)
+            .payload(bytes::Bytes::from(name))
+            .set_id(tracker.track(()))
+            .set_lane(lane)
+            .build();
+            sent.push(d.clone());
+            lanes.dispatch(d);
+        }
+        lanes.flush();
+        let name = |f: &Finished| String::from_utf8_lossy(f.delivery.payload()).into_owned();
+        let mut order = Vec::new();
+        while order.len() < 3 {
+            let run = rx.recv().await.expect("a run");
+            order.extend(run.iter().map(name));
+        }
+        assert_eq!(
+            order,
+            ["a1", "b1", "c1"],
+            "a2 and b2 wait behind their keys' retries"
+        );
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), rx.recv())
+                .await
+                .is_err(),
+            "nothing of a parked key runs"
+        );
+        // a1 runs again and succeeds: a2 follows it.
+        lanes.again(sent[0].next_attempt());
+        let mut order = Vec::new();
+        while order.len() < 2 {
+            order.extend(rx.recv().await.expect("a run").iter().map(name));
+        }
+        assert_eq!(order, ["a1", "a2"]);
+        // b1 is given up (spent): b2 runs.
+        lanes.unpark(&sent[2]);
+        let run = rx.recv().await.expect("a run");
+        assert_eq!(run.iter().map(name).collect::<Vec<_>>(), ["b2"]);
+        lanes.abort();
+    }
+
     /// A handler that panics when called, before it has a future to run, is a retry like one
     /// whose future panics, and its lane goes on.
     #[tokio::test]
@@ -731,6 +913,7 @@ mod tests {
             handler_timeout: None,
             max_record_age: None,
             receipts: None,
+            park_retries: false,
         };
         let mut lanes = Lanes::start(1, DeliveryOrder::PerKey, handler, tx, settings);
         for key in ["poison", "fine"] {

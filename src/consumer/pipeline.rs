@@ -126,6 +126,9 @@ pub(crate) struct Pipeline<H, E> {
     tracker: Tracker<E>,
     /// Deliveries whose retry was refused (logged once each).
     refused: HashSet<DeliveryId>,
+    /// Deliveries waiting to run again in place whose lane parked their key: they go back to
+    /// that lane ([`Lanes::again`]).
+    parked: HashSet<DeliveryId>,
     /// Copies and dead letters whose writes fail for good right now.
     stuck_writes: usize,
     write_tx: mpsc::UnboundedSender<WriteEvent>,
@@ -151,7 +154,7 @@ impl<H: Handler, E> Pipeline<H, E> {
             settings.ordering,
             ctx.handler.clone(),
             finished_tx,
-            LaneSettings::of(settings, ctx.receipts.clone()),
+            LaneSettings::of(settings, ctx.receipts.clone(), retries == Retries::InPlace),
         );
         let (write_tx, write_rx) = mpsc::unbounded_channel();
         let worker: Arc<str> = Arc::from(settings.worker_id.as_str());
@@ -167,6 +170,7 @@ impl<H: Handler, E> Pipeline<H, E> {
             finished,
             tracker: Tracker::new(epoch),
             refused: HashSet::new(),
+            parked: HashSet::new(),
             stuck_writes: 0,
             write_tx,
             write_rx,
@@ -380,7 +384,10 @@ impl<H: Handler, E> Pipeline<H, E> {
                     None
                 }
                 WriteEvent::Redeliver(d) => {
-                    self.lanes.redispatch(d);
+                    match d.id().is_some_and(|id| self.parked.remove(&id)) {
+                        true => self.lanes.again(d),
+                        false => self.lanes.redispatch(d),
+                    }
                     None
                 }
             },
@@ -399,9 +406,14 @@ impl<H: Handler, E> Pipeline<H, E> {
 
     /// A delivery a lane is done with.
     fn on_finished(&mut self, done: Finished) -> Option<Advance<E>> {
-        self.lanes.finished(&done.delivery);
+        // A retry whose lane parked its key stays in flight there until it succeeds or is given
+        // up.
+        let parked = self.lanes.parked(&done);
+        if !parked {
+            self.lanes.finished(&done.delivery);
+        }
         match done.done {
-            Done::Handled(outcome) => self.resolve(done.delivery, outcome),
+            Done::Handled(outcome) => self.resolve(done.delivery, outcome, parked),
             Done::Expired(age) => self.expire(done.delivery, age),
             Done::Replayed => {
                 let d = done.delivery;
@@ -457,11 +469,18 @@ impl<H: Handler, E> Pipeline<H, E> {
         }
     }
 
-    /// A handler's outcome, carried out.
-    fn resolve(&mut self, delivery: Delivery, outcome: Outcome) -> Option<Advance<E>> {
+    /// A handler's outcome, carried out. `parked`: its lane parked its key; unless it runs again
+    /// in place, the key is unparked.
+    fn resolve(
+        &mut self,
+        delivery: Delivery,
+        outcome: Outcome,
+        parked: bool,
+    ) -> Option<Advance<E>> {
         if delivery.id().is_some() {
             self.records.count(&outcome);
         }
+        let on_lane = parked.then(|| delivery.clone());
         let resolved = resolve(
             delivery,
             outcome,
@@ -470,6 +489,16 @@ impl<H: Handler, E> Pipeline<H, E> {
             &self.ctx.settings,
             self.ledger.is_some(),
         );
+        if let Some(d) = on_lane {
+            match (&resolved, d.id()) {
+                (Resolved::Write(write), Some(id))
+                    if self.retries == Retries::InPlace && !write.dead_letter =>
+                {
+                    self.parked.insert(id);
+                }
+                _ => self.lanes.unpark(&d),
+            }
+        }
         self.carry_out(resolved)
     }
 
@@ -589,7 +618,7 @@ impl<H: Handler, E> Pipeline<H, E> {
     fn on_ledger(&mut self, event: LedgerEvent) -> Option<Advance<E>> {
         match event {
             LedgerEvent::Settle(id, d, how) => self.settle(id, &d, &how),
-            LedgerEvent::Retry(d) => self.resolve(d, Outcome::Retry),
+            LedgerEvent::Retry(d) => self.resolve(d, Outcome::Retry, false),
             LedgerEvent::Spent(d, reason) => {
                 self.spend(d, format!("effects not committed: {reason}"))
             }
