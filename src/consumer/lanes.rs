@@ -9,12 +9,14 @@
 //!
 //! With per-key ordering, a key that has deliveries queued or running stays on the lane that has
 //! them, so its deliveries run one at a time in shard order; a key with nothing in flight goes to
-//! the lane with the fewest deliveries queued. Where a failing delivery runs again in place (a
-//! paged source), its lane parks its key when the handler answers with a retry: the key's later
-//! deliveries are put aside, in order, while other keys go on, until the delivery comes back
-//! ([`Work::Again`]) and succeeds or the pipeline gives it up ([`Work::Unpark`]). Static hashing would leave lanes unevenly loaded
+//! the lane with the fewest deliveries queued. Static hashing would leave lanes unevenly loaded
 //! (64 keys over 8 lanes by hash gave 5.3 times one lane's throughput; by load, see
 //! `benches/consumer.rs`).
+//!
+//! Where a failing delivery runs again in place (a paged source), its lane parks its key when the
+//! handler answers with a retry: the key's later deliveries are put aside, in order, while other
+//! keys go on, until the delivery comes back ([`Work::Again`]) and succeeds or the pipeline gives
+//! it up ([`Work::Unpark`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
