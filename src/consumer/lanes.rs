@@ -691,6 +691,37 @@ mod tests {
         .build()
     }
 
+    fn lane_settings(park_retries: bool) -> LaneSettings {
+        LaneSettings {
+            handler_timeout: None,
+            max_record_age: None,
+            receipts: None,
+            park_retries,
+        }
+    }
+
+    /// A handler that acks at once, except the delivery of key "slow", which waits until the
+    /// returned sender is used.
+    fn slow_until_released() -> (
+        Arc<impl Fn(Delivery) -> futures::future::BoxFuture<'static, Outcome> + Send + Sync>,
+        tokio::sync::oneshot::Sender<()>,
+    ) {
+        let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+        let release = Arc::new(std::sync::Mutex::new(Some(release_rx)));
+        let handler = Arc::new(move |d: Delivery| {
+            let wait = (d.partition_key() == "slow")
+                .then(|| release.lock().unwrap().take())
+                .flatten();
+            Box::pin(async move {
+                if let Some(wait) = wait {
+                    let _ = wait.await;
+                }
+                Outcome::Ack
+            }) as futures::future::BoxFuture<'static, Outcome>
+        });
+        (handler, release_tx)
+    }
+
     #[test]
     fn a_receipt_stops_a_sought_event_only_when_clearly_later_than_the_seek() {
         let seek = 1_700_000_000_000;
@@ -713,13 +744,7 @@ mod tests {
     async fn a_key_stays_on_its_lane_while_in_flight_and_new_keys_go_to_the_least_loaded() {
         let (tx, _rx) = mpsc::unbounded_channel();
         let handler = Arc::new(|_d: Delivery| async { Outcome::Ack });
-        let settings = LaneSettings {
-            handler_timeout: None,
-            max_record_age: None,
-            receipts: None,
-            park_retries: false,
-        };
-        let mut lanes = Lanes::start(3, DeliveryOrder::PerKey, handler, tx, settings);
+        let mut lanes = Lanes::start(3, DeliveryOrder::PerKey, handler, tx, lane_settings(false));
         let a = lanes.assign("a");
         assert_eq!(lanes.assign("a"), a, "in flight: same lane");
         let b = lanes.assign("b");
@@ -747,26 +772,8 @@ mod tests {
     #[tokio::test]
     async fn what_a_lane_finished_is_sent_back_before_it_waits_for_a_handler() {
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
-        let release = Arc::new(std::sync::Mutex::new(Some(release_rx)));
-        let handler = Arc::new(move |d: Delivery| {
-            let wait = (d.partition_key() == "slow")
-                .then(|| release.lock().unwrap().take())
-                .flatten();
-            async move {
-                if let Some(wait) = wait {
-                    let _ = wait.await;
-                }
-                Outcome::Ack
-            }
-        });
-        let settings = LaneSettings {
-            handler_timeout: None,
-            max_record_age: None,
-            receipts: None,
-            park_retries: false,
-        };
-        let mut lanes = Lanes::start(1, DeliveryOrder::PerKey, handler, tx, settings);
+        let (handler, release_tx) = slow_until_released();
+        let mut lanes = Lanes::start(1, DeliveryOrder::PerKey, handler, tx, lane_settings(false));
         for key in ["quick", "also-quick", "slow"] {
             let lane = lanes.assign(key);
             lanes.dispatch(delivery(key, lane));
@@ -791,26 +798,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn lanes_sharing_a_queue_send_back_what_they_finished_while_they_wait_for_it() {
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
-        let release = Arc::new(std::sync::Mutex::new(Some(release_rx)));
-        let handler = Arc::new(move |d: Delivery| {
-            let wait = (d.partition_key() == "slow")
-                .then(|| release.lock().unwrap().take())
-                .flatten();
-            async move {
-                if let Some(wait) = wait {
-                    let _ = wait.await;
-                }
-                Outcome::Ack
-            }
-        });
-        let settings = LaneSettings {
-            handler_timeout: None,
-            max_record_age: None,
-            receipts: None,
-            park_retries: false,
-        };
-        let mut lanes = Lanes::start(2, DeliveryOrder::None, handler, tx, settings);
+        let (handler, release_tx) = slow_until_released();
+        let mut lanes = Lanes::start(2, DeliveryOrder::None, handler, tx, lane_settings(false));
         for key in ["slow", "quick"] {
             let lane = lanes.assign(key);
             lanes.dispatch(delivery(key, lane));
@@ -840,13 +829,7 @@ mod tests {
             let first = d.attempt() == 1 && d.payload().ends_with(b"1");
             std::future::ready(if first { Outcome::Retry } else { Outcome::Ack })
         });
-        let settings = LaneSettings {
-            handler_timeout: None,
-            max_record_age: None,
-            receipts: None,
-            park_retries: true,
-        };
-        let mut lanes = Lanes::start(1, DeliveryOrder::PerKey, handler, tx, settings);
+        let mut lanes = Lanes::start(1, DeliveryOrder::PerKey, handler, tx, lane_settings(true));
         let mut tracker = crate::track::Tracker::new(1);
         let mut sent = Vec::new();
         for (key, name) in [
@@ -911,13 +894,7 @@ mod tests {
             assert!(d.partition_key() != "poison", "poison record");
             std::future::ready(Outcome::Ack)
         });
-        let settings = LaneSettings {
-            handler_timeout: None,
-            max_record_age: None,
-            receipts: None,
-            park_retries: false,
-        };
-        let mut lanes = Lanes::start(1, DeliveryOrder::PerKey, handler, tx, settings);
+        let mut lanes = Lanes::start(1, DeliveryOrder::PerKey, handler, tx, lane_settings(false));
         for key in ["poison", "fine"] {
             let lane = lanes.assign(key);
             lanes.dispatch(delivery(key, lane));
