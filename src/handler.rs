@@ -261,6 +261,12 @@ impl Delivery {
         }
     }
 
+    /// Whether it has a partition key of its own: a paged event without one is keyed by its
+    /// identity, and orders against nothing.
+    pub(crate) fn has_key(&self) -> bool {
+        self.inner.partition_key.is_some()
+    }
+
     /// The explicit hash key, when the producer (or a KPL aggregate) set one.
     pub fn explicit_hash_key(&self) -> Option<&str> {
         self.inner.explicit_hash_key.as_deref()

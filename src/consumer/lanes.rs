@@ -14,9 +14,10 @@
 //! `benches/consumer.rs`).
 //!
 //! Where a failing delivery runs again in place (a paged source), its lane parks its key when the
-//! handler answers with a retry: the key's later deliveries are put aside, in order, while other
-//! keys go on, until the delivery comes back ([`Work::Again`]) and succeeds or the pipeline gives
-//! it up ([`Work::Unpark`]).
+//! handler answers with a retry, or with effects whose commit may be refused: the key's later
+//! deliveries are put aside, in order, while other keys go on, until the delivery comes back
+//! ([`Work::Again`]) and succeeds, or the pipeline unparks the key once its outcome is durable
+//! ([`Work::Unpark`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
@@ -81,11 +82,18 @@ impl LaneSettings {
     }
 }
 
-/// Whether a lane that parks retries parked the key of this finished delivery: the handler
-/// answered with a retry (a panic or a timeout is one). The pipeline then either sends it back
-/// ([`Lanes::again`]) or gives it up ([`Lanes::unpark`]).
-pub(crate) fn parks(park_retries: bool, done: &Done) -> bool {
-    park_retries && matches!(done, Done::Handled(Outcome::Retry | Outcome::RetryAfter(_)))
+/// Whether a lane that parks retries parked the key of this finished delivery: it has a key (a
+/// keyless paged event orders against nothing), and the handler answered with a retry (a panic
+/// or a timeout is one) or with effects, whose commit may be refused and send it the retry way.
+/// The pipeline then either sends it back ([`Lanes::again`]) or, once its outcome is durable,
+/// unparks the key ([`Lanes::unpark`]).
+pub(crate) fn parks(park_retries: bool, delivery: &Delivery, done: &Done) -> bool {
+    park_retries
+        && delivery.has_key()
+        && matches!(
+            done,
+            Done::Handled(Outcome::Retry | Outcome::RetryAfter(_) | Outcome::Apply(_))
+        )
 }
 
 /// What a lane is sent: one delivery, or the deliveries of a page for that lane, in order; a
@@ -245,7 +253,7 @@ impl Lanes {
     /// counted in flight there, and comes back with [`again`](Self::again) or ends with
     /// [`unpark`](Self::unpark).
     pub(crate) fn parked(&self, finished: &Finished) -> bool {
-        parks(self.park_retries, &finished.done)
+        parks(self.park_retries, &finished.delivery, &finished.done)
     }
 
     /// The next attempt of a delivery whose key its lane parked: to that lane, which runs it
@@ -372,7 +380,7 @@ impl LaneQueue {
             .and_then(|id| self.again.iter().position(|a| *a == id))
             .map(|at| self.again.swap_remove(at))
             .is_some();
-        if parks(self.park_retries, &done) {
+        if parks(self.park_retries, &delivery, &done) {
             self.parked
                 .entry(delivery.partition_key().to_string())
                 .or_default();

@@ -129,6 +129,10 @@ pub(crate) struct Pipeline<H, E> {
     /// Deliveries waiting to run again in place whose lane parked their key: they go back to
     /// that lane ([`Lanes::again`]).
     parked: HashSet<DeliveryId>,
+    /// Deliveries whose lane parked their key until their outcome is durable (effects being
+    /// committed, a quarantine or dead letter being written): the key is unparked when they
+    /// settle or are held, or they go back to the lane if their commit is refused.
+    releasing: HashSet<DeliveryId>,
     /// Copies and dead letters whose writes fail for good right now.
     stuck_writes: usize,
     write_tx: mpsc::UnboundedSender<WriteEvent>,
@@ -171,6 +175,7 @@ impl<H: Handler, E> Pipeline<H, E> {
             tracker: Tracker::new(epoch),
             refused: HashSet::new(),
             parked: HashSet::new(),
+            releasing: HashSet::new(),
             stuck_writes: 0,
             write_tx,
             write_rx,
@@ -378,6 +383,7 @@ impl<H: Handler, E> Pipeline<H, E> {
                     None
                 }
                 WriteEvent::Held(id, d) => {
+                    self.release(id, &d);
                     if let Some(ledger) = self.ledger.as_mut() {
                         ledger.hold(id, d);
                     }
@@ -445,7 +451,8 @@ impl<H: Handler, E> Pipeline<H, E> {
         self.lanes.abort();
     }
 
-    /// A delivery's outcome is durable: the prefix may pass it.
+    /// A delivery's outcome is durable: the prefix may pass it, and a key its lane parked for it
+    /// goes on.
     fn settle(&mut self, id: DeliveryId, delivery: &Delivery, how: &Settled) -> Option<Advance<E>> {
         let settlement = self.tracker.settle(id);
         if settlement.accepted() {
@@ -460,6 +467,7 @@ impl<H: Handler, E> Pipeline<H, E> {
                 self.retrying_gauge(Some(delivery));
             }
         }
+        self.release(id, delivery);
         match settlement {
             crate::track::Settlement::Advanced { index, position } => Some(Advance {
                 index,
@@ -469,8 +477,16 @@ impl<H: Handler, E> Pipeline<H, E> {
         }
     }
 
-    /// A handler's outcome, carried out. `parked`: its lane parked its key; unless it runs again
-    /// in place, the key is unparked.
+    /// A key its lane parked for this delivery goes on, if it did.
+    fn release(&mut self, id: DeliveryId, delivery: &Delivery) {
+        if !self.releasing.is_empty() && self.releasing.remove(&id) {
+            self.lanes.unpark(delivery);
+        }
+    }
+
+    /// A handler's outcome, carried out. `parked`: its lane parked its key; the key stays parked
+    /// while the delivery runs again in place or its outcome is being made durable, and is
+    /// unparked once it is.
     fn resolve(
         &mut self,
         delivery: Delivery,
@@ -489,14 +505,22 @@ impl<H: Handler, E> Pipeline<H, E> {
             &self.ctx.settings,
             self.ledger.is_some(),
         );
-        if let Some(d) = on_lane {
-            match (&resolved, d.id()) {
-                (Resolved::Write(write), Some(id))
-                    if self.retries == Retries::InPlace && !write.dead_letter =>
-                {
-                    self.parked.insert(id);
-                }
-                _ => self.lanes.unpark(&d),
+        let Some(d) = on_lane else {
+            return self.carry_out(resolved);
+        };
+        match (&resolved, d.id()) {
+            (Resolved::Write(write), Some(id))
+                if self.retries == Retries::InPlace && !write.dead_letter =>
+            {
+                self.parked.insert(id);
+            }
+            (Resolved::Write(_) | Resolved::Apply(..) | Resolved::Record(..), Some(id)) => {
+                self.releasing.insert(id);
+            }
+            _ => {
+                let advance = self.carry_out(resolved);
+                self.lanes.unpark(&d);
+                return advance;
             }
         }
         self.carry_out(resolved)
@@ -618,7 +642,11 @@ impl<H: Handler, E> Pipeline<H, E> {
     fn on_ledger(&mut self, event: LedgerEvent) -> Option<Advance<E>> {
         match event {
             LedgerEvent::Settle(id, d, how) => self.settle(id, &d, &how),
-            LedgerEvent::Retry(d) => self.resolve(d, Outcome::Retry, false),
+            LedgerEvent::Retry(d) => {
+                // Its lane parked its key while the effects were committed: it runs again there.
+                let parked = d.id().is_some_and(|id| self.releasing.remove(&id));
+                self.resolve(d, Outcome::Retry, parked)
+            }
             LedgerEvent::Spent(d, reason) => {
                 self.spend(d, format!("effects not committed: {reason}"))
             }

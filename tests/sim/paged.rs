@@ -11,6 +11,13 @@
 //! spent events are quarantined by receipt; without one nothing is capped and every event runs
 //! again in place until it succeeds.
 //!
+//! Events carry one of up to three ordering keys, or none (a keyless event orders against
+//! nothing). Checked at every handler call (invariant 6, per-key order): within one ownership of
+//! a partition (one process, one epoch), no event is handed to the handler after a later event
+//! of its key was: an event that runs again (a retry, a panic, a timeout, effects whose condition
+//! was refused) runs before the later events of its key. A held event an operator released is
+//! handled again out of order, as the operator asked (exempt).
+//!
 //! Checked at every write of the lease store (seed 003's invariants):
 //! - a partition's `appliedPosition` and `checkpointVersion` never go down, except by a seek;
 //! - every event at or below `appliedPosition` has a durable outcome (it settled) when the write
@@ -28,7 +35,7 @@
 //! and every event at or before `closedThrough` has settled. At the end every event has settled
 //! and every group the contract can prove complete is closed.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -43,7 +50,7 @@ use shardwise::receipts::{
     Disposition, Effect, Effects, Expect, MemoryReceipts, ReceiptStore, key,
 };
 use shardwise::seek::SeekTarget;
-use shardwise::testing::{EventApi, Faults, Script, Ties};
+use shardwise::testing::{EventApi, Faults, Script, ScriptedEvent, Ties};
 use shardwise::{Consumer, Delivery, Outcome, Running};
 use tokio::time::Instant;
 
@@ -55,11 +62,19 @@ const CHAOS: Duration = Duration::from_secs(15);
 const QUIET: Duration = Duration::from_secs(120);
 const STEP: Duration = Duration::from_millis(50);
 
+/// One ownership of a partition by one process (its number, the partition, the epoch the
+/// deliveries were read under) and one ordering key in it.
+type KeyRun = (u64, String, u64, String);
+
 /// What the checks see: the events that settled, the violations, and the trace.
 #[derive(Default)]
 struct Model {
     /// Event ids (`partition-position`) with a durable outcome.
     settled: BTreeSet<String>,
+    /// Per key and ownership, the latest event handed to the handler: its arrival index and id.
+    latest: HashMap<KeyRun, (u64, String)>,
+    /// Events the handler held (an operator's release hands them out again, out of order).
+    held: BTreeSet<String>,
     /// The source, when it is read by timestamp (its events' timestamps are checked against
     /// `closedThrough`).
     by_time: Option<EventApi>,
@@ -118,7 +133,38 @@ impl Model {
     }
 }
 
+/// Where the per-key order check files a delivery of process `process`, and its arrival index.
+fn key_run(process: u64, d: &Delivery) -> (KeyRun, u64) {
+    let id = d.id().expect("a delivery the consumer tracks");
+    let run = (
+        process,
+        d.shard().to_string(),
+        id.epoch(),
+        d.partition_key().to_string(),
+    );
+    (run, id.index())
+}
+
 impl Model {
+    /// A handler call, checked for per-key order: no later event of its key in the same
+    /// ownership was handed out before it.
+    fn called(&mut self, process: u64, d: &Delivery, id: &str) -> Option<String> {
+        let (run, index) = key_run(process, d);
+        let latest = self.latest.entry(run).or_insert((index, id.to_string()));
+        if index >= latest.0 {
+            *latest = (index, id.to_string());
+            return None;
+        }
+        (!self.held.contains(id)).then(|| {
+            format!(
+                "{id} (key {}, attempt {}) was handed to the handler after {}, later in its key",
+                d.partition_key(),
+                d.attempt(),
+                latest.1
+            )
+        })
+    }
+
     /// A write of a partition read by timestamp, checked: `closedThrough` and the version never go
     /// down except by a seek, and no event at or before `closedThrough` lacks a durable outcome.
     fn closed_change(&mut self, change: &Change) -> Option<String> {
@@ -226,6 +272,12 @@ struct World {
     capped: bool,
     /// With a ledger: a handler timeout of 30 ms.
     timeout: bool,
+    /// How many ordering keys the events share (a quarter have none), and the generator that
+    /// picks each event's.
+    keys: u32,
+    keying: StdRng,
+    /// Processes started so far (each start of a worker is a new process).
+    processes: u64,
 }
 
 impl World {
@@ -251,14 +303,18 @@ impl World {
             }
         }
         let mut last = std::collections::BTreeMap::new();
+        // A separate generator, so the seeds' other choices stay as they were.
+        let mut keying = StdRng::seed_from_u64(seed ^ 0x6b65_7973);
+        let keys = keying.random_range(1..=3);
         for partition in &partitions {
             for _ in 0..rng.random_range(0..30) {
+                let key = pick_key(&mut keying, keys);
                 match by_time {
                     None => {
-                        api.push(partition, "e");
+                        push(&api, partition, 0, key);
                     }
                     Some(finality) => {
-                        push_at(&api, &mut last, &mut kind, finality, partition, 0);
+                        push_at(&api, &mut last, &mut kind, finality, partition, 0, key);
                     }
                 }
             }
@@ -299,6 +355,9 @@ impl World {
         Self {
             capped,
             timeout,
+            keys,
+            keying,
+            processes: 0,
             seed,
             lanes: rng.random_range(1..=4),
             ledger: receipts.then(|| MemoryReceipts::new().table(COUNTS, &["id"])),
@@ -316,19 +375,19 @@ impl World {
 
     /// Puts an event on `partition` (by timestamp: at a time the contract allows); its id.
     fn put(&mut self, partition: &str) -> String {
+        let key = pick_key(&mut self.keying, self.keys);
+        let elapsed = (Instant::now() - self.start).as_millis() as i64;
         match self.by_time {
-            None => format!("{partition}-{}", self.api.push(partition, "e")),
-            Some(finality) => {
-                let elapsed = (Instant::now() - self.start).as_millis() as i64;
-                push_at(
-                    &self.api,
-                    &mut self.last,
-                    &mut self.rng,
-                    finality,
-                    partition,
-                    elapsed,
-                )
-            }
+            None => push(&self.api, partition, elapsed, key),
+            Some(finality) => push_at(
+                &self.api,
+                &mut self.last,
+                &mut self.rng,
+                finality,
+                partition,
+                elapsed,
+                key,
+            ),
         }
     }
 
@@ -355,6 +414,8 @@ impl World {
         let (model, seed, receipts) = (self.model.clone(), self.seed, self.ledger.is_some());
         let start = self.start;
         let w = worker.clone();
+        self.processes += 1;
+        let process = self.processes;
         let handler = move |d: Delivery| {
             let id = event_name(&d);
             let (answer, took) = decide(seed, &id, d.attempt(), receipts);
@@ -367,6 +428,13 @@ impl World {
                 };
                 let line = format!("call {w} {id} attempt={} -> {label}", d.attempt());
                 model.event(Instant::now(), start, line);
+                if let Some(violation) = model.called(process, &d, &id) {
+                    model.event(Instant::now(), start, format!("VIOLATION {violation}"));
+                    model.violations.push(violation);
+                }
+                if matches!(answer, Answer::Outcome(Outcome::Hold(_))) {
+                    model.held.insert(id);
+                }
             }
             async move {
                 tokio::time::sleep(took).await;
@@ -649,6 +717,42 @@ pub fn base_ms() -> i64 {
     millis(crate::world::base())
 }
 
+/// An event's ordering key: one of `keys`, or for a quarter of the events none.
+fn pick_key(rng: &mut StdRng, keys: u32) -> Option<String> {
+    rng.random_bool(0.75)
+        .then(|| format!("k{}", rng.random_range(0..keys)))
+}
+
+/// Appends an event to `partition` at its next position, stamped `at` (ms); its identity is
+/// `PARTITION-POSITION` unless given.
+fn append(
+    api: &EventApi,
+    partition: &str,
+    id: Option<String>,
+    at: i64,
+    key: Option<String>,
+) -> String {
+    let position = api.events(partition).last().map_or(1, |e| e.position + 1);
+    let id = id.unwrap_or_else(|| format!("{partition}-{position}"));
+    api.append(
+        partition,
+        ScriptedEvent {
+            id: id.clone(),
+            position,
+            payload: "e".into(),
+            timestamp: Some(std::time::UNIX_EPOCH + Duration::from_millis(at as u64)),
+            key,
+        },
+    );
+    id
+}
+
+/// Puts the next event of `partition`, `elapsed` ms into the run, for a source read by cursor;
+/// returns its id (`p0-7`).
+fn push(api: &EventApi, partition: &str, elapsed: i64, key: Option<String>) -> String {
+    append(api, partition, None, base_ms() + elapsed, key)
+}
+
 /// Puts the next event of `partition` at a time the finality contract allows, `elapsed` ms into
 /// the run; returns its id (`p0-7`). A later-timestamp source never goes back (ties are common);
 /// the others take events up to a second late.
@@ -659,6 +763,7 @@ fn push_at(
     finality: Finality,
     partition: &str,
     elapsed: i64,
+    key: Option<String>,
 ) -> String {
     let now = base_ms() + elapsed;
     let (latest, count) = last.get(partition).copied().unwrap_or((now - 1_000, 0));
@@ -666,8 +771,13 @@ fn push_at(
         Finality::LaterTimestamp => latest.max(now - rng.random_range(0..500)),
         _ => now - rng.random_range(0..1_000),
     };
-    let id = format!("{partition}-{}", count + 1);
-    api.push_at(partition, &id, at, "e");
+    let id = append(
+        api,
+        partition,
+        Some(format!("{partition}-{}", count + 1)),
+        at,
+        key,
+    );
     last.insert(partition.to_string(), (latest.max(at), count + 1));
     id
 }
