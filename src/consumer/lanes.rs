@@ -826,6 +826,48 @@ mod tests {
         lanes.abort();
     }
 
+    /// What parks a key: with retries in place, a keyed delivery answered with a retry or with
+    /// effects (their commit may be refused); never an ack, a keyless paged event, or where
+    /// retries are copies.
+    #[test]
+    fn retries_and_effects_of_keyed_deliveries_park_their_key() {
+        let keyed = delivery("k", 0);
+        let event = crate::paged::PagedEvent {
+            id: "e1".into(),
+            position: crate::paged::PagePosition::from_u64(1),
+            payload: bytes::Bytes::new(),
+            timestamp: None,
+            key: None,
+        };
+        let keyless = Delivery::paged("source", "partition", &event).build();
+        let effects = || Outcome::Apply(crate::receipts::Effects::new());
+        for (park_retries, d, outcome, parks_key) in [
+            (true, &keyed, Outcome::Retry, true),
+            (
+                true,
+                &keyed,
+                Outcome::RetryAfter(Duration::from_secs(1)),
+                true,
+            ),
+            (true, &keyed, effects(), true),
+            (true, &keyed, Outcome::Ack, false),
+            (true, &keyed, Outcome::Drop, false),
+            (true, &keyless, Outcome::Retry, false),
+            (true, &keyless, effects(), false),
+            (false, &keyed, Outcome::Retry, false),
+            (false, &keyed, effects(), false),
+        ] {
+            let label = outcome.label();
+            assert_eq!(
+                parks(park_retries, d, &Done::Handled(outcome)),
+                parks_key,
+                "{label}, keyed {}, in place {park_retries}",
+                d.has_key()
+            );
+        }
+        assert!(!parks(true, &keyed, &Done::Replayed));
+    }
+
     /// Where retries run in place, a retry parks its key on its lane: the key's later
     /// deliveries wait, in order, until the retried one comes back and succeeds (`again`), or is
     /// given up (`unpark`); other keys go on meanwhile.

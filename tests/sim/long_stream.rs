@@ -21,7 +21,10 @@
 //! Checked at every write of the lease store: a shard's checkpoint never passes a record that has
 //! not been handled (at `SHARD_END`, every record of the shard). Checked at every dispatch: a
 //! lease another worker took as expired (without asking for it) sees no dispatch of its previous
-//! owner after the take. At the end, after a quiet hour
+//! owner after the take. Checked in every quiet phase, the lease duration plus two scan
+//! intervals (50 s) after the last change: every readable lease (not ended, its parents ended) is
+//! held by a running worker's process that took it under the row's epoch. At the end, after a
+//! quiet hour
 //! with a worker up, every record put has been handled (none was trimmed unread: no outage outlasts
 //! the retention period).
 
@@ -47,6 +50,9 @@ const STREAM: &str = "orders";
 const HOUR: u64 = 3_600;
 const DAY: Duration = Duration::from_secs(24 * HOUR);
 const QUIET: Duration = Duration::from_secs(HOUR);
+/// How long a lease may go unread after a change once the fleet is quiet: the lease duration
+/// (30 s) plus two scan intervals (10 s).
+const UNREAD_BOUND: Duration = Duration::from_secs(30 + 2 * 10);
 
 #[derive(Default)]
 struct Model {
@@ -70,11 +76,14 @@ struct Model {
     given_up: BTreeMap<(String, u64), Instant>,
     /// Leases of processes that crashed or stopped before giving them up: not owed.
     left_behind: BTreeSet<(String, u64)>,
+    /// Processes that crashed or stopped (a take of theirs still in flight may land after).
+    down: BTreeSet<u64>,
 }
 
 impl Model {
     /// Process `process` stopped or crashed: what it still held is no longer its to give up.
     fn process_down(&mut self, process: u64) {
+        self.down.insert(process);
         for (key, holder) in &self.held_by {
             if *holder == process && !self.given_up.contains_key(key) {
                 self.left_behind.insert(key.clone());
@@ -455,6 +464,72 @@ impl World {
         }
     }
 
+    /// Once the fleet is quiet, every lease is read again within the lease duration plus two
+    /// scan intervals of the last change (issue 25): checked that long into a quiet phase, after
+    /// the end of any cut-off of a worker's path to the lease table. Not checked with no worker
+    /// up, nor while a cut-off is still to come.
+    async fn check_leases_read(&mut self) {
+        if self.workers.iter().all(Option::is_none)
+            || self.links.iter().any(|l| l.armed.lock().unwrap().is_some())
+        {
+            return;
+        }
+        let mut last_change = Instant::now();
+        for link in &self.links {
+            if let Some(until) = *link.cut_until.lock().unwrap() {
+                last_change = last_change.max(until);
+            }
+        }
+        tokio::time::sleep_until(last_change + UNREAD_BOUND).await;
+        let unread = self.unread_leases();
+        if !unread.is_empty() {
+            let what = format!(
+                "leases unread {} s after the last change, the fleet quiet: {unread:?}",
+                UNREAD_BOUND.as_secs()
+            );
+            self.model
+                .lock()
+                .unwrap()
+                .violation(Instant::now(), self.start, what);
+        }
+    }
+
+    /// The readable leases (not at `SHARD_END`, every parent's row at it) that no running process
+    /// reads: the row must name a running worker whose process took it under the row's epoch
+    /// and has not given it up.
+    fn unread_leases(&self) -> Vec<String> {
+        let rows: Vec<_> = self
+            .memory
+            .snapshot()
+            .into_iter()
+            .filter(|r| r.stream == STREAM && r.shard_id.starts_with("shardId-"))
+            .collect();
+        let ended: BTreeSet<&str> = rows
+            .iter()
+            .filter(|r| r.checkpoint == Checkpoint::ShardEnd)
+            .map(|r| r.shard_id.as_str())
+            .collect();
+        let model = self.model.lock().unwrap();
+        rows.iter()
+            .filter(|r| {
+                r.checkpoint != Checkpoint::ShardEnd
+                    && r.parents.iter().all(|p| ended.contains(p.as_str()))
+            })
+            .filter(|r| {
+                let key = (r.shard_id.clone(), r.owner_epoch);
+                let reader = r
+                    .owner
+                    .as_deref()
+                    .and_then(|o| o.strip_prefix('w')?.parse::<usize>().ok())
+                    .and_then(|n| self.processes.get(n).copied().flatten());
+                reader.is_none()
+                    || model.held_by.get(&key) != reader.as_ref()
+                    || model.given_up.contains_key(&key)
+            })
+            .map(|r| format!("{} owner {:?} epoch {}", r.shard_id, r.owner, r.owner_epoch))
+            .collect()
+    }
+
     fn unhandled(&self) -> Vec<String> {
         let model = self.model.lock().unwrap();
         model
@@ -507,7 +582,9 @@ impl World {
                 45..=59 => {
                     let hours = self.rng.random_range(1..=6);
                     self.event(format!("quiet {hours} h"));
-                    tokio::time::sleep(Duration::from_secs(hours * HOUR)).await;
+                    let end = Instant::now() + Duration::from_secs(hours * HOUR);
+                    self.check_leases_read().await;
+                    tokio::time::sleep_until(end).await;
                 }
                 60..=64 => {
                     let hours = self.rng.random_range(1..=6);
@@ -647,11 +724,13 @@ struct Holds {
 
 impl shardwise::lease::LeaseHooks for Holds {
     fn lease_taken(&self, lease: &shardwise::Lease) {
-        self.model
-            .lock()
-            .unwrap()
-            .held_by
-            .insert((lease.shard_id.clone(), lease.owner_epoch), self.process);
+        let mut model = self.model.lock().unwrap();
+        let key = (lease.shard_id.clone(), lease.owner_epoch);
+        // A take that lands after its process went down is left behind with it.
+        if model.down.contains(&self.process) {
+            model.left_behind.insert(key.clone());
+        }
+        model.held_by.insert(key, self.process);
     }
 
     fn lease_lost(&self, ownership: &shardwise::lease::Ownership) {
