@@ -22,6 +22,11 @@
 //! | `Retry` / `RetryAfter(d)` | at the cap, dead-letter stream | n | dead letter |
 //! | `Retry` / `RetryAfter(d)` | at the cap, receipt ledger | n | `quarantined` receipt with the reason |
 //! | `Retry` / `RetryAfter(d)` | at the cap, neither | n | refused at build (`ConfigError`) |
+//!
+//! A Kinesis consumer with [`RetryMode::InPlace`](crate::consumer::RetryMode::InPlace) retries as
+//! a paged source does (a "copy" is then the next attempt on the lane, never a record written),
+//! except that a spent record with no dead-letter stream is dropped where the application said so
+//! (`on_spent(OnSpent::Drop)`), and a bound with neither is refused at build.
 
 use std::num::NonZeroU32;
 use std::time::Duration;
@@ -71,23 +76,27 @@ pub const PAGE_POSITION_HEADER: &str = "x-shardwise-page-position";
 pub(crate) struct RetryPolicy {
     pub(crate) max_attempts: Option<NonZeroU32>,
     pub(crate) dead_letter: Option<String>,
-    /// Where a spent event goes when there is no dead-letter stream (and whether retries run
-    /// again in place).
+    /// Where a spent event goes when there is no dead-letter stream.
     pub(crate) spent: Spent,
+    /// Whether retries run the delivery again where it is (a paged source, or a Kinesis
+    /// consumer with [`RetryMode::InPlace`](crate::consumer::RetryMode::InPlace)).
+    pub(crate) in_place: bool,
 }
 
 /// What becomes of a delivery whose attempts are spent when there is no dead-letter stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) enum Spent {
-    /// Kinesis: settles as a drop (warned), as retry copies have always done.
+    /// Kinesis: settles as a drop (warned), as retry copies have always done, or, in place, where
+    /// the application said so (`on_spent(OnSpent::Drop)`).
     #[default]
     Drop,
     /// A paged source with a receipt ledger: a `quarantined` receipt, then it settles. Retries
     /// run again in place, without a cap unless one is declared.
     Quarantine,
-    /// A paged source with neither a ledger nor a dead-letter stream: nothing durable can record
-    /// it, so it never settles (the build refuses a cap here; this is the last guard). Retries run
-    /// again in place, without a cap unless one is declared.
+    /// A paged source with neither a ledger nor a dead-letter stream, or a Kinesis record retried
+    /// in place with no dead-letter stream and no `on_spent`: nothing may record or drop it, so it
+    /// never settles (the build refuses a bound here; this is the last guard). Retries run again
+    /// in place, without a cap unless one is declared.
     Hold,
 }
 
@@ -117,9 +126,9 @@ impl RetryPolicy {
             .map_or(DEFAULT_MAX_ATTEMPTS, NonZeroU32::get)
     }
 
-    /// Whether retries run the delivery again where it is (a paged source).
+    /// Whether retries run the delivery again where it is.
     fn in_place(&self) -> bool {
-        self.spent != Spent::Drop
+        self.in_place
     }
 
     /// Decides what a retry outcome becomes. `None` for outcomes that are not retries.
@@ -245,6 +254,7 @@ mod tests {
             max_attempts: max.and_then(NonZeroU32::new),
             dead_letter: dl.map(str::to_string),
             spent: Spent::Drop,
+            in_place: false,
         }
     }
 
@@ -352,6 +362,7 @@ mod tests {
             max_attempts: max.and_then(NonZeroU32::new),
             dead_letter: dl.map(str::to_string),
             spent,
+            in_place: true,
         };
         /// (what, outcome, max_attempts, dead letter, spent, attempt, expected plan)
         type Row<'a> = (
@@ -426,6 +437,24 @@ mod tests {
                 Spent::Hold,
                 3,
                 "refuse",
+            ),
+            (
+                "Kinesis in place, at the cap, on_spent(Drop): dropped, as the application said",
+                Outcome::Retry,
+                Some(3),
+                None,
+                Spent::Drop,
+                3,
+                "drop",
+            ),
+            (
+                "Kinesis in place, no cap, on_spent(Drop): runs again (nothing is spent)",
+                Outcome::RetryAfter(ms),
+                None,
+                None,
+                Spent::Drop,
+                DEFAULT_MAX_ATTEMPTS,
+                "copy",
             ),
         ];
         for (what, outcome, max, dl, spent, attempt, want) in rows {

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use wait::wait_for;
 
+use shardwise::consumer::{OnSpent, RetryMode};
 use shardwise::envelope::{self, Format};
 use shardwise::lease::{Checkpoint, LeaseSettings, MemoryLeaseStore};
 use shardwise::producer::MAX_RECORD_BYTES;
@@ -422,4 +423,309 @@ async fn records_from_other_producers_arrive_as_plain_payloads_at_attempt_one() 
         assert_eq!(payload.as_slice(), blob, "byte for byte");
         assert_eq!((*attempt, *headers), (1, 0));
     }
+}
+
+/// A handler that records every call (payload, attempt, when) and fails `fail`'s first
+/// `failures` attempts (`u32::MAX`: every attempt) with `Retry`.
+fn failing_first(
+    seen: &Seen,
+    fail: &'static str,
+    failures: u32,
+) -> impl Fn(Delivery) -> std::future::Ready<Outcome> + Clone + use<> {
+    let seen = seen.clone();
+    move |d: Delivery| {
+        let text = String::from_utf8_lossy(d.payload()).to_string();
+        let failing = text == fail && d.attempt() <= failures;
+        seen.lock()
+            .unwrap()
+            .push((text, d.attempt(), Instant::now()));
+        std::future::ready(if failing {
+            Outcome::Retry
+        } else {
+            Outcome::Ack
+        })
+    }
+}
+
+/// Where in `seen` the call of `payload`'s `attempt` is.
+fn call_at(seen: &Seen, payload: &str, attempt: u32) -> usize {
+    let seen = seen.lock().unwrap();
+    seen.iter()
+        .position(|(p, a, _)| p == payload && *a == attempt)
+        .unwrap_or_else(|| panic!("{payload} attempt {attempt} in {seen:?}"))
+}
+
+/// In place (Lambda's and KCL's way), a failing record runs again on its lane after a back-off,
+/// as the next attempt, with nothing written to the stream; the later records of its key wait
+/// behind it in order, other keys go on, and the checkpoint holds behind it until it succeeds.
+#[tokio::test(start_paused = true)]
+async fn in_place_a_failing_record_runs_again_and_the_later_records_of_its_key_wait_behind_it() {
+    let stream = MemoryStream::new("orders", 1);
+    let sink = MemoryStreams::new([stream.clone()]);
+    let store = MemoryLeaseStore::new();
+    for (key, payload) in [
+        ("k0", "z0"),
+        ("k1", "a1"),
+        ("k1", "a2"),
+        ("k2", "b1"),
+        ("k1", "a3"),
+        ("k2", "b2"),
+    ] {
+        stream.put(key, payload);
+    }
+    let seen: Seen = Arc::default();
+    let running = consumer(&stream, &sink, &store, failing_first(&seen, "a1", 3))
+        .lanes(2)
+        .retries(RetryMode::InPlace)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("the other keys", Duration::from_secs(10), || {
+        seen.lock().unwrap().iter().any(|(p, _, _)| p == "b2")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    let waiting = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(p, _, _)| p == "a1")
+        .count();
+    assert!(waiting < 4, "a1 still failing: {:?}", seen.lock().unwrap());
+    let z0 = stream.records()[0].record.sequence;
+    assert_eq!(
+        store.snapshot()[0].checkpoint,
+        Checkpoint::At(Position::new(z0, 0)),
+        "the checkpoint holds behind the failing record"
+    );
+    let last = stream.records()[5].record.sequence;
+    wait_for("everything settled", Duration::from_secs(10), || {
+        store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+
+    let succeeded = call_at(&seen, "a1", 4);
+    for attempt in 1..4 {
+        assert!(call_at(&seen, "a1", attempt) < succeeded);
+    }
+    assert!(
+        call_at(&seen, "a2", 1) > succeeded && call_at(&seen, "a3", 1) > call_at(&seen, "a2", 1),
+        "key k1 out of order: {:?}",
+        seen.lock().unwrap()
+    );
+    assert!(
+        call_at(&seen, "b1", 1) < call_at(&seen, "a1", 2)
+            && call_at(&seen, "b2", 1) < call_at(&seen, "a1", 2),
+        "key k2 waited for k1's back-off: {:?}",
+        seen.lock().unwrap()
+    );
+    assert_eq!(
+        stream.records().len(),
+        6,
+        "nothing was written to the stream"
+    );
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        9,
+        "a1 four times, the others once"
+    );
+}
+
+/// In place, a record that keeps failing goes to the dead-letter stream after `max_attempts`,
+/// all attempts made on the original; its key's later records wait until the dead letter is
+/// written.
+#[tokio::test(start_paused = true)]
+async fn in_place_a_record_that_keeps_failing_is_dead_lettered_after_max_attempts() {
+    let stream = MemoryStream::new("orders", 1);
+    let dlq = MemoryStream::new("orders-dlq", 1);
+    let sink = MemoryStreams::new([stream.clone(), dlq.clone()]);
+    let store = MemoryLeaseStore::new();
+    stream.put("k1", "poison");
+    stream.put("k1", "after");
+    let seen: Seen = Arc::default();
+    let running = consumer(
+        &stream,
+        &sink,
+        &store,
+        failing_first(&seen, "poison", u32::MAX),
+    )
+    .retries(RetryMode::InPlace)
+    .max_attempts(NonZeroU32::new(3).unwrap())
+    .dead_letter("orders-dlq")
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    let last = stream.records()[1].record.sequence;
+    wait_for("everything settled", Duration::from_secs(10), || {
+        store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    let calls: Vec<(String, u32)> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(p, a, _)| (p.clone(), *a))
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            ("poison".to_string(), 1),
+            ("poison".to_string(), 2),
+            ("poison".to_string(), 3),
+            ("after".to_string(), 1)
+        ]
+    );
+    assert_eq!(stream.records().len(), 2, "no copies in place");
+    let letters = dlq.records();
+    assert_eq!(letters.len(), 1);
+    let letter = envelope::decode(letters[0].record.data.clone());
+    assert_eq!(letter.payload.as_ref(), b"poison");
+    assert_eq!(letter.headers.get_str(ATTEMPTS_HEADER), Some("3"));
+}
+
+/// In place, a spent record with no dead-letter stream is dropped only where the application
+/// said so; a bound with neither is refused at build, naming the field.
+#[tokio::test(start_paused = true)]
+async fn in_place_a_spent_record_is_dropped_only_where_on_spent_says_so() {
+    let stream = MemoryStream::new("orders", 1);
+    let sink = MemoryStreams::new([stream.clone()]);
+    let store = MemoryLeaseStore::new();
+    let seen: Seen = Arc::default();
+    let refused = |builder: ConsumerBuilder<_>| {
+        builder
+            .retries(RetryMode::InPlace)
+            .build()
+            .err()
+            .map(|e| e.field().to_string())
+    };
+    let handler = failing_first(&seen, "poison", u32::MAX);
+    assert_eq!(
+        refused(
+            consumer(&stream, &sink, &store, handler.clone())
+                .max_attempts(NonZeroU32::new(2).unwrap())
+        ),
+        Some("max_attempts".into())
+    );
+    assert_eq!(
+        refused(
+            consumer(&stream, &sink, &store, handler.clone())
+                .max_record_age(Duration::from_secs(60))
+        ),
+        Some("max_record_age".into())
+    );
+    assert_eq!(
+        refused(consumer(&stream, &sink, &store, handler.clone())),
+        None,
+        "no bound: a failing record runs again until it succeeds"
+    );
+
+    stream.put("k1", "poison");
+    stream.put("k1", "after");
+    let running = consumer(&stream, &sink, &store, handler)
+        .retries(RetryMode::InPlace)
+        .max_attempts(NonZeroU32::new(2).unwrap())
+        .on_spent(OnSpent::Drop)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    let last = stream.records()[1].record.sequence;
+    wait_for("everything settled", Duration::from_secs(10), || {
+        store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    let calls: Vec<(String, u32)> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(p, a, _)| (p.clone(), *a))
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            ("poison".to_string(), 1),
+            ("poison".to_string(), 2),
+            ("after".to_string(), 1)
+        ]
+    );
+}
+
+/// A worker killed while a record waits to run again in place loses nothing: the next owner
+/// reads it again from the checkpoint (attempts start again at 1: they are not stored).
+#[tokio::test(start_paused = true)]
+async fn in_place_a_worker_killed_while_a_record_waits_loses_nothing() {
+    let stream = MemoryStream::new("orders", 1);
+    let sink = MemoryStreams::new([stream.clone()]);
+    let store = MemoryLeaseStore::new();
+    for (key, payload) in [
+        ("k0", "z0"),
+        ("k1", "poison"),
+        ("k1", "after"),
+        ("k2", "b1"),
+    ] {
+        stream.put(key, payload);
+    }
+    let seen: Seen = Arc::default();
+    let running = consumer(
+        &stream,
+        &sink,
+        &store,
+        failing_first(&seen, "poison", u32::MAX),
+    )
+    .retries(RetryMode::InPlace)
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("a few attempts", Duration::from_secs(10), || {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .filter(|(p, _, _)| p == "poison")
+            .count()
+            >= 3
+    })
+    .await;
+    running.abort();
+    let z0 = stream.records()[0].record.sequence;
+    assert_eq!(
+        store.snapshot()[0].checkpoint,
+        Checkpoint::At(Position::new(z0, 0))
+    );
+    assert!(!seen.lock().unwrap().iter().any(|(p, _, _)| p == "after"));
+
+    tokio::time::sleep(Duration::from_secs(2)).await; // the lease expires
+    let again: Seen = Arc::default();
+    let running = consumer(&stream, &sink, &store, failing_first(&again, "", 0))
+        .worker_id("w2")
+        .retries(RetryMode::InPlace)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    let last = stream.records()[3].record.sequence;
+    wait_for("everything settled", Duration::from_secs(10), || {
+        store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    let calls: Vec<(String, u32)> = again
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(p, a, _)| (p.clone(), *a))
+        .collect();
+    assert!(calls.contains(&("poison".to_string(), 1)), "{calls:?}");
+    assert!(calls.contains(&("after".to_string(), 1)), "{calls:?}");
+    assert!(!calls.iter().any(|(p, _)| p == "z0"), "{calls:?}");
 }

@@ -14,7 +14,7 @@ use aws_config::SdkConfig;
 use base64::Engine;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
-use shardwise::consumer::Settled;
+use shardwise::consumer::{OnSpent, RetryMode, Settled};
 use shardwise::lease::{Billing, InitialPosition, LeaseSettings, TableOptions};
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
 use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, SourceRetention, key};
@@ -113,6 +113,19 @@ pub(crate) struct Args {
     /// --receipts to record it once its attempts are spent.
     #[arg(long, value_name = "N")]
     max_attempts: Option<NonZeroU32>,
+
+    /// Where a failing Kinesis record runs again: `copy` writes a counted copy at the tip of the
+    /// stream (ruststream's x-ruststream-retry-count); `in-place` runs it again on its lane after
+    /// a back-off (100 ms doubling to 5 s, with jitter), the later records of its key waiting
+    /// behind it, as Lambda's trigger and KCL do. In place, --max-attempts and --max-record-age
+    /// need --dead-letter or --on-spent drop. (With --log-group retries always run in place.)
+    #[arg(long, value_name = "copy|in-place", default_value = "copy", value_parser = parse_retries)]
+    retries: RetryMode,
+
+    /// With --retries in-place: `drop` drops a record whose attempts are spent when there is no
+    /// --dead-letter (a warning and shardwise_records_total{outcome="spent"}).
+    #[arg(long, value_name = "drop", value_parser = parse_on_spent)]
+    on_spent: Option<OnSpent>,
 
     /// The Kinesis stream spent records (with --log-group: spent events, with their partition,
     /// position, identity, timestamp, attempts and reason) go to, written before they settle.
@@ -306,6 +319,7 @@ impl Args {
             "scan_interval" => Some(self.scan_interval_ms.to_string()),
             "handoff_timeout" => Some(self.handoff_timeout_ms.to_string()),
             "dead_letter" => self.dead_letter.clone(),
+            "on_spent" => self.on_spent.map(|_| "drop".to_string()),
             "max_attempts" => self.max_attempts.map(|n| n.to_string()),
             "receipt_retention" => self
                 .receipt_retention
@@ -355,6 +369,7 @@ fn source_of(setting: &str) -> Option<Source> {
         "scan_interval" => "--scan-interval-ms",
         "handoff_timeout" => "--handoff-timeout-ms",
         "dead_letter" => "--dead-letter",
+        "on_spent" => "--on-spent",
         "max_attempts" => "--max-attempts",
         "receipt_retention" => "--receipt-retention",
         "hold_poll_interval" => "--hold-poll-interval-ms",
@@ -365,6 +380,21 @@ fn source_of(setting: &str) -> Option<Source> {
         _ => return None,
     };
     Some(Source::Flag(flag))
+}
+
+fn parse_retries(s: &str) -> std::result::Result<RetryMode, String> {
+    match s {
+        "copy" => Ok(RetryMode::Copy),
+        "in-place" => Ok(RetryMode::InPlace),
+        other => Err(format!("`{other}`: expected copy or in-place")),
+    }
+}
+
+fn parse_on_spent(s: &str) -> std::result::Result<OnSpent, String> {
+    match s {
+        "drop" => Ok(OnSpent::Drop),
+        other => Err(format!("`{other}`: expected drop")),
+    }
 }
 
 fn parse_ordering(s: &str) -> std::result::Result<DeliveryOrder, String> {
@@ -667,6 +697,10 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
     }
     if let Some(dl) = &args.dead_letter {
         builder = builder.dead_letter(dl.clone());
+    }
+    builder = builder.retries(args.retries);
+    if let Some(what) = args.on_spent {
+        builder = builder.on_spent(what);
     }
     // With --exec the timeout restarts the program instead (see `exec.rs`).
     if args.exec.is_none() {
@@ -1014,6 +1048,13 @@ mod tests {
                 &["--max-record-age", "10ms"],
                 "invalid --max-record-age 10ms: must be at least 1s (arrival times are whole \
                  milliseconds from another clock)",
+            ),
+            (
+                &["--retries", "in-place", "--max-attempts", "3"],
+                "invalid --max-attempts 3: with retries in place, --max-attempts can end a \
+                 record's attempts, and a spent record needs somewhere to go: set --dead-letter (a \
+                 dead-letter stream), or say with --on-spent that it may be dropped; without \
+                 either, leave them unset and a failing record runs again until it succeeds",
             ),
             (
                 &["--dead-letter", "dead letters"],

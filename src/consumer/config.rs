@@ -18,6 +18,34 @@ pub enum DeliveryOrder {
     None,
 }
 
+/// Where a Kinesis record whose handler asks for a retry (or panics, or runs past
+/// `handler_timeout`) runs again. A paged source always runs it again in place: it has no stream
+/// to copy to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum RetryMode {
+    /// A counted copy at the tip of the stream (ruststream's `x-ruststream-retry-count`); the
+    /// record settles once the copy is written. Other consumers of the stream see the copy, and
+    /// per-key order is lost for it. The default.
+    #[default]
+    Copy,
+    /// Again on its lane after a capped exponential back-off with jitter, as Lambda's Kinesis
+    /// trigger and KCL applications retry: while it waits, the later records of its partition
+    /// key wait behind it (with [`DeliveryOrder::None`], only the record itself), other keys go
+    /// on, and the checkpoint holds behind it.
+    InPlace,
+}
+
+/// What becomes of a Kinesis record retried in place whose attempts are spent
+/// (`max_attempts`, `max_record_age`) when no dead-letter stream takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnSpent {
+    /// It is dropped (a warning, `shardwise_records_total{outcome="spent"}`): the application says
+    /// it can lose such records.
+    Drop,
+}
+
 /// The old name of [`DeliveryOrder`], which shadowed `std::cmp::Ordering` in a glob import.
 #[deprecated(since = "0.2.0", note = "renamed `DeliveryOrder`")]
 pub type Ordering = DeliveryOrder;
@@ -54,6 +82,11 @@ pub struct Settings {
     pub max_attempts: Option<NonZeroU32>,
     /// Where records go when their attempts are spent.
     pub dead_letter: Option<String>,
+    /// Where a Kinesis record that asks for a retry runs again.
+    pub retries: RetryMode,
+    /// What becomes of a record retried in place whose attempts are spent when no dead-letter
+    /// stream takes it; `None`: a bound on attempts needs a dead-letter stream (refused at build).
+    pub on_spent: Option<OnSpent>,
     /// With a clock-skew allowance, an idle shard whose last read was empty at the tip advances its
     /// frontier coordinate to (now - allowance); without one, an idle shard holds it.
     pub caught_up_skew: Option<Duration>,
@@ -124,6 +157,8 @@ impl Settings {
             lease: LeaseSettings::default(),
             max_attempts: None,
             dead_letter: None,
+            retries: RetryMode::Copy,
+            on_spent: None,
             caught_up_skew: None,
             frontier_interval: Duration::from_secs(5),
             latest_margin: DEFAULT_LATEST_MARGIN,

@@ -29,7 +29,9 @@ use tracing::{error, info, warn};
 
 #[allow(deprecated)]
 pub use config::Ordering;
-pub use config::{DEFAULT_LATEST_MARGIN, DeliveryOrder, Settings, Unproven, default_worker_id};
+pub use config::{
+    DEFAULT_LATEST_MARGIN, DeliveryOrder, OnSpent, RetryMode, Settings, Unproven, default_worker_id,
+};
 pub use copies::StuckWrite;
 pub use health::{Health, HealthLimits, RetryingEvent, ShardHealth};
 pub use hooks::{DeliveryHooks, Settled};
@@ -92,12 +94,24 @@ impl fmt::Debug for Reads {
 
 impl Reads {
     /// What a spent delivery becomes when no dead-letter stream takes it.
-    fn spent(&self, ledger: bool) -> crate::retry::Spent {
+    fn spent(&self, ledger: bool, settings: &Settings) -> crate::retry::Spent {
+        use crate::retry::Spent;
         match (self, ledger) {
-            (Reads::Stream, _) => crate::retry::Spent::Drop,
-            (Reads::Pages(_), true) => crate::retry::Spent::Quarantine,
-            (Reads::Pages(_), false) => crate::retry::Spent::Hold,
+            (Reads::Stream, _) if settings.retries == RetryMode::Copy => Spent::Drop,
+            // In place, a record is dropped only where the application said so (the build
+            // refuses a bound with no destination: this is the last guard).
+            (Reads::Stream, _) => match settings.on_spent {
+                Some(OnSpent::Drop) => Spent::Drop,
+                None => Spent::Hold,
+            },
+            (Reads::Pages(_), true) => Spent::Quarantine,
+            (Reads::Pages(_), false) => Spent::Hold,
         }
+    }
+
+    /// Whether a failing delivery runs again where it is (always, for a paged source).
+    fn in_place(&self, settings: &Settings) -> bool {
+        matches!(self, Reads::Pages(_)) || settings.retries == RetryMode::InPlace
     }
 
     /// Moves the checkpoints `target` names.
@@ -224,6 +238,28 @@ impl<H: Handler> ConsumerBuilder<H> {
     /// and a consumer with neither is refused at build (nothing could record the event).
     pub fn max_attempts(mut self, n: NonZeroU32) -> Self {
         self.settings.max_attempts = Some(n);
+        self
+    }
+
+    /// Where a Kinesis record whose handler asks for a retry runs again: a counted copy at the tip
+    /// of the stream ([`RetryMode::Copy`], the default) or again on its lane, in order with its
+    /// key ([`RetryMode::InPlace`]). A paged source always retries in place.
+    ///
+    /// In place, a failing record runs again after a back-off that doubles from 100 ms to at most
+    /// 5 s, with jitter (`RetryAfter(d)`: after `d`), until it succeeds, or until `max_attempts` or
+    /// `max_record_age` is reached; then it goes to the dead-letter stream, or is dropped where
+    /// [`on_spent`](Self::on_spent) says so (a bound with neither is refused at build). Without a
+    /// bound it runs again until it succeeds, and [`Running::health`] names it.
+    pub fn retries(mut self, mode: RetryMode) -> Self {
+        self.settings.retries = mode;
+        self
+    }
+
+    /// What becomes of a record retried in place whose attempts are spent when no dead-letter
+    /// stream takes it: [`OnSpent::Drop`] drops it. Not for paged sources (a paged event is never
+    /// dropped).
+    pub fn on_spent(mut self, what: OnSpent) -> Self {
+        self.settings.on_spent = Some(what);
         self
     }
 
@@ -405,9 +441,48 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
+    /// The checks of a Kinesis consumer's settings, besides [`Settings::validate`]: with retries
+    /// in place, a bound on attempts needs somewhere for a spent record to go.
+    fn check_stream(&self) -> Result<(), ConfigError> {
+        let set = &self.settings;
+        set.validate()?;
+        if set.retries == RetryMode::InPlace && set.dead_letter.is_none() && set.on_spent.is_none()
+        {
+            let bounds: Vec<(&'static str, String)> = [
+                ("max_attempts", set.max_attempts.map(|n| format!("{n:?}"))),
+                (
+                    "max_record_age",
+                    set.max_record_age.map(|d| format!("{d:?}")),
+                ),
+            ]
+            .into_iter()
+            .filter_map(|(field, value)| Some((field, value?)))
+            .collect();
+            if let Some((field, value)) = bounds.first() {
+                let fields: Vec<&str> = bounds.iter().map(|(f, _)| *f).collect();
+                return Err(ConfigError::new(
+                    field,
+                    format_args!("{value}"),
+                    format!(
+                        "with retries in place, {} can end a record's attempts, and a spent record needs somewhere to go: set dead_letter (a dead-letter stream), or say with on_spent that it may be dropped; without either, leave them unset and a failing record runs again until it succeeds",
+                        fields.join(", ")
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The checks of a paged consumer's settings, besides [`Settings::validate_paged`].
     fn check_paged(&self, source: &dyn PagedSource) -> Result<(), ConfigError> {
         self.settings.validate_paged()?;
+        if let Some(what) = self.settings.on_spent {
+            return Err(ConfigError::new(
+                "on_spent",
+                format_args!("{what:?}"),
+                "a paged event is never dropped: a spent one goes to the dead-letter stream or gets a quarantined receipt",
+            ));
+        }
         if self.settings.dead_letter.is_none() && self.receipts.is_none() {
             // Seed 003, rule 1: an event whose attempts end must get a durable terminal outcome,
             // and with neither a ledger nor a dead-letter stream nothing could record one.
@@ -493,7 +568,7 @@ impl<H: Handler> ConsumerBuilder<H> {
     /// Checks every setting; the error names the field and the value.
     pub fn build(self) -> Result<Consumer<H>, ConfigError> {
         match &self.reads {
-            Reads::Stream => self.settings.validate()?,
+            Reads::Stream => self.check_stream()?,
             Reads::Pages(source) => self.check_paged(source.as_ref())?,
         }
         Ok(Consumer {
@@ -709,10 +784,12 @@ impl<H: Handler> Consumer<H> {
             producer,
             retry: Arc::new(RetryPolicy {
                 // A paged event is retried in place, without a cap unless one is declared; a spent
-                // one needs a durable outcome (a dead letter, else a quarantined receipt).
+                // one needs a durable outcome (a dead letter, else a quarantined receipt). So is a
+                // Kinesis record with retries in place, whose spent end the application chose.
                 max_attempts: settings.max_attempts,
                 dead_letter: settings.dead_letter.clone(),
-                spent: reads.spent(self.receipts.is_some()),
+                spent: reads.spent(self.receipts.is_some(), &settings),
+                in_place: reads.in_place(&settings),
             }),
             stuck: stuck.clone(),
             receipts: self.receipts,

@@ -295,11 +295,14 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
     };
     let gauge = InFlightGauge::new(&owned.lease.labels);
     let settings = &ctx.pipeline.settings;
-    let mut pipeline: Pipeline<H, P::Entry> = Pipeline::new(
-        ctx.pipeline.clone(),
-        owned.lease.ownership.epoch,
-        P::RETRIES,
-    );
+    // A Kinesis consumer may run its retries in place too.
+    let retries = if ctx.pipeline.retry.in_place {
+        Retries::InPlace
+    } else {
+        P::RETRIES
+    };
+    let mut pipeline: Pipeline<H, P::Entry> =
+        Pipeline::new(ctx.pipeline.clone(), owned.lease.ownership.epoch, retries);
     let mut tick = tokio::time::interval(settings.checkpoint_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut aborted = false;

@@ -659,14 +659,29 @@ impl<H: Handler, E> Pipeline<H, E> {
     }
 }
 
-/// A paged event retried in place: after the retry's delay (`RetryAfter(d)`: `d`; a plain
-/// `Retry`: a backoff that doubles with each attempt from 100 ms to 5 s), the next attempt runs on
-/// its lane. The delivery
-/// stays unsettled meanwhile; a crash reads it again from the unchanged cursor.
+/// How long a delivery retried in place with a plain `Retry` waits before attempt `n + 1`: a
+/// back-off that doubles with each attempt from 100 ms to at most 5 s, of which the upper half is
+/// jitter. The jitter comes from the record's identity and attempt, not a random source: records
+/// that failed together spread out, and a run (a simulation seed) is reproducible.
+fn in_place_backoff(d: &Delivery) -> Duration {
+    use std::hash::{Hash, Hasher};
+    let attempt = d.attempt();
+    let full = Duration::from_millis(100u64 << attempt.saturating_sub(1).min(6))
+        .min(MAX_IN_PLACE_BACKOFF)
+        .as_millis() as u64;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    d.event_id().as_str().hash(&mut hasher);
+    attempt.hash(&mut hasher);
+    Duration::from_millis(full / 2 + hasher.finish() % (full / 2 + 1))
+}
+
+/// A delivery retried in place (a paged event, or a Kinesis record with retries in place): after
+/// the retry's delay (`RetryAfter(d)`: `d`; a plain `Retry`: [`in_place_backoff`]), the next
+/// attempt runs on its lane. The delivery stays unsettled meanwhile; a crash reads it again from
+/// the unchanged cursor or checkpoint.
 async fn run_again(write: PendingWrite, events: mpsc::UnboundedSender<WriteEvent>) {
-    let attempt = write.delivery.attempt();
     let wait = if write.delay.is_zero() {
-        Duration::from_millis(100u64 << attempt.saturating_sub(1).min(6)).min(MAX_IN_PLACE_BACKOFF)
+        in_place_backoff(&write.delivery)
     } else {
         write.delay
     };
