@@ -651,3 +651,103 @@ async fn a_ledger_that_forgets_before_the_stream_trims_is_refused() {
     live.delete_table(&app).await;
     live.delete_stream(&stream).await;
 }
+
+/// Retries in place on kinesis-mock: a key whose record fails three times and then succeeds is
+/// handled in order (its later records wait), another key is not held up, nothing is written to
+/// the stream, and the checkpoint never passes the failing record; a record that always fails
+/// goes to the dead-letter stream after `max_attempts`, all attempts made on the original.
+#[tokio::test]
+async fn retries_in_place_keep_the_key_in_order_and_dead_letter_a_record_that_keeps_failing() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("inplace");
+    let dlq = support::unique_name("inplace-dlq");
+    let app = support::unique_name("inplace-app");
+    live.create_stream(&stream, 1).await;
+    live.create_stream(&dlq, 1).await;
+    let first = put_blob(&live, &stream, "fine", Bytes::from_static(b"z0")).await;
+    for (key, payload) in [
+        ("k1", "a1"),
+        ("k1", "a2"),
+        ("k2", "b1"),
+        ("poison", "p1"),
+        ("k1", "a3"),
+        ("k2", "b2"),
+    ] {
+        put_blob(&live, &stream, key, Bytes::from(payload)).await;
+    }
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    let running = builder(&stream, &app, move |d: Delivery| {
+        record(&s, &d);
+        let fails = match d.payload().as_ref() {
+            b"a1" => d.attempt() <= 3,
+            b"p1" => true,
+            _ => false,
+        };
+        async move { if fails { Outcome::Retry } else { Outcome::Ack } }
+    })
+    .lanes(3)
+    .retries(shardwise::consumer::RetryMode::InPlace)
+    .max_attempts(NonZeroU32::new(5).unwrap())
+    .dead_letter(dlq.clone())
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    let payloads = |seen: &Seen| -> Vec<(String, u32)> {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .map(|r| (String::from_utf8_lossy(&r.0).into_owned(), r.4))
+            .collect()
+    };
+    wait_for("k2's records", Duration::from_secs(30), || {
+        payloads(&seen).iter().any(|(p, _)| p == "b2")
+    })
+    .await;
+    if !payloads(&seen).contains(&("a1".to_string(), 4)) {
+        let (checkpoint, _) = stored_checkpoint(&live, &app, &stream).await;
+        assert!(
+            checkpoint == first || checkpoint == "TRIM_HORIZON",
+            "the checkpoint passed a1 while it waited: {checkpoint}"
+        );
+    }
+    let letters = loop {
+        let letters = read_all(&live, &dlq).await;
+        if !letters.is_empty() && payloads(&seen).iter().any(|(p, _)| p == "a3") {
+            break letters;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    running.shutdown(Duration::from_secs(5)).await;
+
+    let calls = payloads(&seen);
+    let at = |payload: &str, attempt: u32| {
+        calls
+            .iter()
+            .position(|(p, a)| p == payload && *a == attempt)
+            .unwrap_or_else(|| panic!("{payload} attempt {attempt} in {calls:?}"))
+    };
+    assert!(
+        at("a2", 1) > at("a1", 4) && at("a3", 1) > at("a2", 1),
+        "k1 out of order: {calls:?}"
+    );
+    assert!(at("b1", 1) < at("a1", 2), "k2 waited: {calls:?}");
+    let poison: Vec<u32> = calls
+        .iter()
+        .filter(|(p, _)| p == "p1")
+        .map(|(_, a)| *a)
+        .collect();
+    assert_eq!(poison, [1, 2, 3, 4, 5]);
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].payload.as_ref(), b"p1");
+    assert_eq!(letters[0].headers.get_str(ATTEMPTS_HEADER), Some("5"));
+    assert_eq!(
+        read_all(&live, &stream).await.len(),
+        7,
+        "nothing was written to the stream"
+    );
+    live.delete_stream(&stream).await;
+    live.delete_stream(&dlq).await;
+}

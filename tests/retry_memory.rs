@@ -494,6 +494,16 @@ async fn in_place_a_failing_record_runs_again_and_the_later_records_of_its_key_w
         .filter(|(p, _, _)| p == "a1")
         .count();
     assert!(waiting < 4, "a1 still failing: {:?}", seen.lock().unwrap());
+    let health = running.health();
+    let retry = health.shards[0].oldest_retry.clone().expect("a1 named");
+    let a1 = stream.records()[1].record.sequence;
+    assert_eq!(
+        (retry.key.as_str(), retry.attempts),
+        ("k1", waiting as u32),
+        "{retry:?}"
+    );
+    assert!(retry.event.contains(&a1.to_string()), "{retry:?}");
+    assert_eq!(health.shards[0].retrying, 1);
     let z0 = stream.records()[0].record.sequence;
     assert_eq!(
         store.snapshot()[0].checkpoint,

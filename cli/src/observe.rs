@@ -129,6 +129,7 @@ fn report(observed: &Observed, health: &Health, problems: &[String]) -> serde_js
                 "retrying": s.retrying,
                 "oldest_retry": s.oldest_retry.as_ref().map(|r| json!({
                     "event": r.event,
+                    "key": r.key,
                     "attempts": r.attempts,
                     "failing_for_s": r.failing_for.as_secs_f64(),
                 })),

@@ -54,12 +54,16 @@ pub struct ShardHealth {
     pub oldest_retry: Option<RetryingEvent>,
 }
 
-/// A paged event that failed and runs again in place.
+/// A paged event, or a Kinesis record retried in place, that failed and runs again in place.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RetryingEvent {
-    /// The event's identity (`paged/SOURCE/PARTITION/ID`).
+    /// The event's identity (`paged/SOURCE/PARTITION/ID`; a Kinesis record's
+    /// `kinesis/STREAM/SHARD/SEQUENCE[/SUB]`).
     pub event: String,
+    /// Its partition key, whose later records wait behind it (a keyless paged event's is its
+    /// identity's last part).
+    pub key: String,
     /// Attempts so far (the first delivery counts).
     pub attempts: u32,
     /// Since its first failure.
@@ -129,7 +133,8 @@ struct Slot {
     written: Option<Instant>,
     unwritten_since: Option<Instant>,
     /// Events running again in place: attempts so far, and since their first failure.
-    retrying: BTreeMap<String, (u32, Instant)>,
+    /// Events running again in place: identity -> (partition key, attempts, first failure).
+    retrying: BTreeMap<String, (String, u32, Instant)>,
 }
 
 /// Every shard's slot, shared by the shard loops and the consumer's handle.
@@ -173,9 +178,10 @@ impl Board {
                 oldest_retry: slot
                     .retrying
                     .iter()
-                    .min_by_key(|(_, (_, since))| *since)
-                    .map(|(event, (attempts, since))| RetryingEvent {
+                    .min_by_key(|(_, (_, _, since))| *since)
+                    .map(|(event, (key, attempts, since))| RetryingEvent {
                         event: event.clone(),
+                        key: key.clone(),
                         attempts: *attempts,
                         failing_for: now - *since,
                     }),
@@ -185,15 +191,15 @@ impl Board {
 
     /// `event` of `shard` failed at attempt `attempts` and runs again in place. Returns how many
     /// events of the shard do now.
-    pub(crate) fn retrying(&self, shard: &str, event: &str, attempts: u32) -> usize {
+    pub(crate) fn retrying(&self, shard: &str, event: &str, key: &str, attempts: u32) -> usize {
         let mut slots = self.slots();
         let Some(slot) = slots.get_mut(shard) else {
             return 0;
         };
         slot.retrying
             .entry(event.to_string())
-            .and_modify(|(n, _)| *n = attempts)
-            .or_insert((attempts, Instant::now()));
+            .and_modify(|(_, n, _)| *n = attempts)
+            .or_insert((key.to_string(), attempts, Instant::now()));
         slot.retrying.len()
     }
 
@@ -286,11 +292,11 @@ mod tests {
     async fn events_retrying_in_place_are_named_with_their_attempts_until_they_settle() {
         let board = Board::default();
         let _entry = board.enter("p");
-        assert_eq!(board.retrying("p", "paged/s/p/7", 2), 1);
+        assert_eq!(board.retrying("p", "paged/s/p/7", "k", 2), 1);
         tokio::time::sleep(Duration::from_secs(3)).await;
-        assert_eq!(board.retrying("p", "paged/s/p/9", 2), 2);
+        assert_eq!(board.retrying("p", "paged/s/p/9", "k", 2), 2);
         assert_eq!(
-            board.retrying("p", "paged/s/p/7", 3),
+            board.retrying("p", "paged/s/p/7", "k", 3),
             2,
             "the same event again"
         );
@@ -300,6 +306,7 @@ mod tests {
             shard.oldest_retry,
             Some(RetryingEvent {
                 event: "paged/s/p/7".into(),
+                key: "k".into(),
                 attempts: 3,
                 failing_for: Duration::from_secs(3),
             })
@@ -307,7 +314,7 @@ mod tests {
         assert_eq!(board.settled("p", "paged/s/p/7"), Some(1));
         assert_eq!(board.settled("p", "paged/s/p/7"), None, "settled once");
         assert_eq!(
-            board.retrying("q", "paged/s/q/1", 2),
+            board.retrying("q", "paged/s/q/1", "k", 2),
             0,
             "no slot, no entry"
         );

@@ -532,10 +532,12 @@ impl<H: Handler, E> Pipeline<H, E> {
             Resolved::Hold => {}
             Resolved::Write(write) if self.retries == Retries::InPlace && !write.dead_letter => {
                 let d = write.delivery.clone();
-                self.retrying =
-                    self.ctx
-                        .health
-                        .retrying(d.shard(), d.event_id().as_str(), d.attempt());
+                self.retrying = self.ctx.health.retrying(
+                    d.shard(),
+                    d.event_id().as_str(),
+                    d.partition_key(),
+                    d.attempt(),
+                );
                 self.retrying_gauge(Some(&d));
                 self.tasks
                     .spawn(crate::time::carry(run_again(write, self.write_tx.clone())));
