@@ -6,13 +6,17 @@
 //! answer is lost). Half the seeds add a receipt ledger: handlers answer with effects (two
 //! counters in one transaction), quarantines and holds, an operator releases or quarantines held
 //! records, and the ledger gets faults too. Three seeds in ten hand deliveries to a batch
-//! handler (`Batched`), three in ten run under a handler timeout that some handlers exceed. Invariants are checked as each event happens (see
-//! `sim/model.rs`), among them that no effect is applied twice; at the end everything owed must
-//! have been handled and be covered by the final checkpoints. A panic in shardwise fails the seed.
+//! handler (`Batched`), three in ten run under a handler timeout that some handlers exceed, and
+//! about three in ten of the others retry in place (`RetryMode::InPlace`) instead of copying.
+//! Invariants are checked as each event happens (see `sim/model.rs`), among them per-key order
+//! within an ownership (in place: a record's next attempt before any later record of its key)
+//! and that no effect is applied twice; at the end everything owed must have been handled and be
+//! covered by the final checkpoints. A panic in shardwise fails the seed.
 //!
 //! The paged world (`sim/paged.rs`) does the same for a paged source: the consumer on the scripted
-//! event API, with misbehaving pages, crashes, seeks, faults and receipts; it checks seed 003's
-//! invariants at every write of the lease store.
+//! event API, with misbehaving pages, crashes, seeks, faults, receipts and ordering keys; it
+//! checks seed 003's invariants at every write of the lease store, and per-key order at every
+//! handler call.
 //!
 //! Long seeds (`--long`) live for simulated days against models of the services at their
 //! documented limits: a day of Kinesis (`sim/long_stream.rs`) and a week of a CloudWatch Logs

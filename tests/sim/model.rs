@@ -207,6 +207,8 @@ pub struct Model {
     event_ids: BTreeMap<EventId, u64>,
     /// The ledger check failed once (reported once).
     ledger_broken: bool,
+    /// Retries run in place (see [`Model::in_place`]).
+    in_place: bool,
 }
 
 impl Model {
@@ -249,7 +251,15 @@ impl Model {
             held: BTreeSet::new(),
             event_ids: BTreeMap::new(),
             ledger_broken: false,
+            in_place: false,
         }
+    }
+
+    /// Retries run in place: a delivery may start again at its own position (the next attempt),
+    /// never after a later delivery of its key started.
+    pub fn in_place(mut self, on: bool) -> Self {
+        self.in_place = on;
+        self
     }
 
     pub fn event(&mut self, at_ms: u64, event: impl Into<String>) {
@@ -544,6 +554,8 @@ impl Model {
         } else if let Some(last) = last
             && last >= position
             && !released
+            // In place, the same delivery's next attempt: nothing of its key started since.
+            && !(self.in_place && last == position && attempt > 1)
         {
             self.violation(
                 at_ms,
@@ -826,7 +838,9 @@ impl Model {
         let (id, attempt) = (id_of(&decoded.payload), decoded.headers.attempt());
         self.copies.iter().any(|((w, i, a), times)| {
             *i == id
-                && *a == attempt
+                // In place the record on the stream stays attempt 1 while its attempts go up:
+                // its dead letter is of any attempt.
+                && (*a == attempt || self.in_place)
                 && worker.is_none_or(|worker| worker == w)
                 && times.iter().any(|t| *t >= after_ms)
         })

@@ -11,6 +11,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use shardwise::consumer::{OnSpent, RetryMode};
 use shardwise::lease::{Change, InitialPosition, LeaseSettings, LeaseStore, MemoryLeaseStore};
 use shardwise::receipts::{Disposition, Effect, Effects, MemoryReceipts, ReceiptStore, key};
 use shardwise::seek::SeekTarget;
@@ -85,6 +86,10 @@ struct Scenario {
     batch: Option<usize>,
     /// A handler (or batch) running longer than this is dropped and retried.
     handler_timeout: Option<Duration>,
+    /// Retries run in place (`RetryMode::InPlace`) instead of as copies; without a dead-letter
+    /// stream, a spent record is dropped (`OnSpent::Drop`). Not with batches: a batch's records
+    /// of the failing one's key ran in it (bisection is not built).
+    in_place: bool,
     /// (time, action), in time order.
     actions: Vec<(Duration, Action)>,
 }
@@ -179,6 +184,9 @@ impl Scenario {
                     StdRng::seed_from_u64(seed ^ 0x71e0_0075).random_range(120..=600),
                 )
             }),
+            // Apart from the other decisions too.
+            in_place: !matches!(seed % 10, 2 | 6 | 7)
+                && StdRng::seed_from_u64(seed ^ 0x1a9c_e000).random_bool(0.4),
             actions,
         }
         .timeouts_dead_letter()
@@ -293,11 +301,9 @@ impl World {
                 .table(COUNTS, &["id"])
                 .table(KEYS, &["key"])
         });
-        let model = Arc::new(Mutex::new(Model::new(
-            STALE_BOUND,
-            stream.clone(),
-            ledger.clone(),
-        )));
+        let model = Arc::new(Mutex::new(
+            Model::new(STALE_BOUND, stream.clone(), ledger.clone()).in_place(scenario.in_place),
+        ));
         let observer = model.clone();
         store.observe(Arc::new(move |change: &Change| {
             observer.lock().unwrap().change(now_ms(), change);
@@ -482,6 +488,12 @@ impl World {
             }));
         if s.dead_letter {
             builder = builder.dead_letter(DLQ);
+        }
+        if s.in_place {
+            builder = builder.retries(RetryMode::InPlace);
+            if !s.dead_letter {
+                builder = builder.on_spent(OnSpent::Drop);
+            }
         }
         if let Some(ledger) = &self.ledger {
             builder = builder
