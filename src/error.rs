@@ -134,6 +134,21 @@ pub enum Error {
         detail: String,
     },
 
+    /// An on-failure destination (an SQS queue, an S3 bucket) could not be written or checked.
+    #[error("on-failure destination `{destination}`: {operation} failed")]
+    Destination {
+        /// The destination's name (`sqs:URL`, `s3://BUCKET/PREFIX`).
+        destination: String,
+        /// The API operation, e.g. `SendMessage`.
+        operation: &'static str,
+        /// Whether repeating it cannot help until someone changes something (a missing queue or
+        /// bucket, a refused permission, a message too large).
+        permanent: bool,
+        /// What the SDK (or the size check) reported.
+        #[source]
+        source: BoxError,
+    },
+
     /// A value read from the store or the stream breaks shardwise's expectations.
     #[error("corrupt {what}: {detail}")]
     Corrupt {
@@ -156,6 +171,10 @@ impl Error {
                 | Error::RecordTooLarge { .. }
                 | Error::LeaseTableSchema { .. }
                 | Error::Table { .. }
+                | Error::Destination {
+                    permanent: true,
+                    ..
+                }
         )
     }
 

@@ -41,6 +41,7 @@
 mod backoff;
 mod checkpoint;
 pub mod consumer;
+pub mod destination;
 mod dynamo;
 pub mod envelope;
 mod error;
@@ -75,6 +76,10 @@ pub use aws_config;
 pub use aws_sdk_cloudwatchlogs;
 pub use aws_sdk_dynamodb;
 pub use aws_sdk_kinesis;
+#[cfg(feature = "s3")]
+pub use aws_sdk_s3;
+#[cfg(feature = "sqs")]
+pub use aws_sdk_sqs;
 pub use consumer::{Consumer, ConsumerBuilder, DeliveryOrder, Running, ShutdownReport, Unproven};
 pub use error::{AckError, BoxError, ConfigError, Error};
 pub use handler::{BatchHandler, Batched, Batching, Delivery, DeliveryBuilder, Handler, Outcome};

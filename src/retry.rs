@@ -170,7 +170,17 @@ impl RetryPolicy {
     /// dead-letter stream, a drop (Kinesis), a `quarantined` receipt (paged, with a ledger) or a
     /// refusal that holds it (paged, with neither).
     pub(crate) fn spent(&self, delivery: &Delivery, reason: String) -> RetryPlan {
-        let attempt = delivery.attempt();
+        self.spent_after(delivery, delivery.attempt(), reason)
+    }
+
+    /// [`spent`](Self::spent), for a delivery that got `attempt` attempts (a record too old for
+    /// its next attempt got one fewer than its count).
+    pub(crate) fn spent_after(
+        &self,
+        delivery: &Delivery,
+        attempt: u32,
+        reason: String,
+    ) -> RetryPlan {
         match &self.dead_letter {
             None if self.spent == Spent::Quarantine => RetryPlan::Quarantine {
                 reason: format!("{reason} (attempts: {attempt})"),

@@ -122,6 +122,35 @@ const LOGS: &[&str] = &[
     "get_query_results",
 ];
 
+/// Operations of aws-sdk-sqs an on-failure destination or a tool might call, as fluent methods.
+const SQS: &[&str] = &[
+    "create_queue",
+    "delete_message",
+    "delete_queue",
+    "get_queue_attributes",
+    "get_queue_url",
+    "list_queues",
+    "purge_queue",
+    "receive_message",
+    "send_message",
+    "send_message_batch",
+    "set_queue_attributes",
+];
+
+/// Operations of aws-sdk-s3 an on-failure destination or a tool might call, as fluent methods.
+const S3: &[&str] = &[
+    "create_bucket",
+    "delete_bucket",
+    "delete_object",
+    "get_bucket_location",
+    "get_object",
+    "head_bucket",
+    "head_object",
+    "list_buckets",
+    "list_objects_v2",
+    "put_object",
+];
+
 /// Actions IAM requires for a call besides the call's own: creating a table with tags needs
 /// `TagResource` too.
 const IMPLIED: &[(&str, &str)] = &[("dynamodb:CreateTable", "dynamodb:TagResource")];
@@ -129,15 +158,22 @@ const IMPLIED: &[(&str, &str)] = &[("dynamodb:CreateTable", "dynamodb:TagResourc
 /// Operations that are not IAM actions themselves, and the actions that authorize them: each
 /// action of a `TransactWriteItems` is authorized as the item operation it is (DynamoDB developer
 /// guide, "Using IAM with DynamoDB transactions"); there is no `dynamodb:TransactWriteItems`.
-const AUTHORIZED_AS: &[(&str, &[&str])] = &[(
-    "dynamodb:TransactWriteItems",
-    &[
-        "dynamodb:ConditionCheckItem",
-        "dynamodb:PutItem",
-        "dynamodb:UpdateItem",
-        "dynamodb:DeleteItem",
-    ],
-)];
+/// S3's reads of a bucket are authorized as `s3:ListBucket` and of an object's head as
+/// `s3:GetObject` (S3 user guide, "Actions, resources, and condition keys for Amazon S3").
+const AUTHORIZED_AS: &[(&str, &[&str])] = &[
+    (
+        "dynamodb:TransactWriteItems",
+        &[
+            "dynamodb:ConditionCheckItem",
+            "dynamodb:PutItem",
+            "dynamodb:UpdateItem",
+            "dynamodb:DeleteItem",
+        ],
+    ),
+    ("s3:HeadBucket", &["s3:ListBucket"]),
+    ("s3:ListObjectsV2", &["s3:ListBucket"]),
+    ("s3:HeadObject", &["s3:GetObject"]),
+];
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -174,7 +210,13 @@ fn called(dir: &Path) -> BTreeSet<String> {
     let mut actions = BTreeSet::new();
     for file in files {
         let text = std::fs::read_to_string(&file).unwrap();
-        let services = [("kinesis", KINESIS), ("dynamodb", DYNAMODB), ("logs", LOGS)];
+        let services = [
+            ("kinesis", KINESIS),
+            ("dynamodb", DYNAMODB),
+            ("logs", LOGS),
+            ("sqs", SQS),
+            ("s3", S3),
+        ];
         for (service, operations) in services {
             for op in operations.iter().copied() {
                 if !text.contains(&format!(".{op}()")) {

@@ -15,6 +15,7 @@ use base64::Engine;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
 use shardwise::consumer::{OnSpent, RetryMode, Settled};
+use shardwise::destination::{Destination, S3Destination, SqsDestination};
 use shardwise::lease::{Billing, InitialPosition, LeaseSettings, TableOptions};
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
 use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, SourceRetention, key};
@@ -126,6 +127,13 @@ pub(crate) struct Args {
     /// --dead-letter (a warning and shardwise_records_total{outcome="spent"}).
     #[arg(long, value_name = "drop", value_parser = parse_on_spent)]
     on_spent: Option<OnSpent>,
+
+    /// Where spent records go instead of a --dead-letter stream: `sqs:QUEUE_URL` (one message a
+    /// record) or `s3:BUCKET/PREFIX` (one object a record, at PREFIX STREAM/SHARD/SEQUENCE-SUB.json),
+    /// each a JSON document with the record's data (base64), stream, shard, sequence number,
+    /// partition key, arrival time, attempts and reason. Checked at start.
+    #[arg(long, value_name = "sqs:URL|s3:BUCKET/PREFIX", value_parser = parse_on_failure, conflicts_with = "dead_letter")]
+    on_failure: Option<OnFailure>,
 
     /// The Kinesis stream spent records (with --log-group: spent events, with their partition,
     /// position, identity, timestamp, attempts and reason) go to, written before they settle.
@@ -319,6 +327,10 @@ impl Args {
             "scan_interval" => Some(self.scan_interval_ms.to_string()),
             "handoff_timeout" => Some(self.handoff_timeout_ms.to_string()),
             "dead_letter" => self.dead_letter.clone(),
+            "on_failure" => self.on_failure.as_ref().map(|o| match o {
+                OnFailure::Sqs(url) => format!("sqs:{url}"),
+                OnFailure::S3 { bucket, prefix } => format!("s3:{bucket}/{prefix}"),
+            }),
             "on_spent" => self.on_spent.map(|_| "drop".to_string()),
             "max_attempts" => self.max_attempts.map(|n| n.to_string()),
             "receipt_retention" => self
@@ -369,6 +381,7 @@ fn source_of(setting: &str) -> Option<Source> {
         "scan_interval" => "--scan-interval-ms",
         "handoff_timeout" => "--handoff-timeout-ms",
         "dead_letter" => "--dead-letter",
+        "on_failure" => "--on-failure",
         "on_spent" => "--on-spent",
         "max_attempts" => "--max-attempts",
         "receipt_retention" => "--receipt-retention",
@@ -380,6 +393,62 @@ fn source_of(setting: &str) -> Option<Source> {
         _ => return None,
     };
     Some(Source::Flag(flag))
+}
+
+/// An on-failure destination as `--on-failure` names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum OnFailure {
+    Sqs(String),
+    S3 { bucket: String, prefix: String },
+}
+
+fn parse_on_failure(s: &str) -> std::result::Result<OnFailure, String> {
+    if let Some(url) = s.strip_prefix("sqs:") {
+        if !url.starts_with("http://") && !url.starts_with("https://") {
+            return Err(format!(
+                "`{s}`: sqs: takes the queue's URL (https://sqs.REGION.amazonaws.com/ACCOUNT/QUEUE)"
+            ));
+        }
+        return Ok(OnFailure::Sqs(url.to_string()));
+    }
+    if let Some(path) = s.strip_prefix("s3://").or_else(|| s.strip_prefix("s3:")) {
+        let (bucket, prefix) = path.split_once('/').unwrap_or((path, ""));
+        if bucket.len() < 3 || bucket.len() > 63 {
+            return Err(format!(
+                "`{s}`: s3: takes BUCKET/PREFIX, the bucket 3 to 63 characters"
+            ));
+        }
+        return Ok(OnFailure::S3 {
+            bucket: bucket.to_string(),
+            prefix: prefix.to_string(),
+        });
+    }
+    Err(format!("`{s}`: expected sqs:QUEUE_URL or s3:BUCKET/PREFIX"))
+}
+
+impl OnFailure {
+    /// The destination, with clients from `config` (S3 by path when an endpoint is configured,
+    /// as emulators need).
+    fn destination(&self, config: &SdkConfig) -> Arc<dyn Destination> {
+        match self {
+            OnFailure::Sqs(url) => Arc::new(SqsDestination::new(
+                shardwise::aws_sdk_sqs::Client::new(config),
+                url.clone(),
+            )),
+            OnFailure::S3 { bucket, prefix } => {
+                let by_path = config.endpoint_url().is_some()
+                    || std::env::var_os("AWS_ENDPOINT_URL_S3").is_some();
+                let s3 = shardwise::aws_sdk_s3::config::Builder::from(config)
+                    .force_path_style(by_path)
+                    .build();
+                Arc::new(S3Destination::new(
+                    shardwise::aws_sdk_s3::Client::from_conf(s3),
+                    bucket.clone(),
+                    prefix.clone(),
+                ))
+            }
+        }
+    }
 }
 
 fn parse_retries(s: &str) -> std::result::Result<RetryMode, String> {
@@ -675,6 +744,7 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
             handler,
         ),
     };
+    let destination = args.on_failure.as_ref().map(|o| o.destination(&config));
     let mut builder = builder
         .worker_id(args.worker())
         .lanes(args.lanes)
@@ -697,6 +767,9 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
     }
     if let Some(dl) = &args.dead_letter {
         builder = builder.dead_letter(dl.clone());
+    }
+    if let Some(destination) = destination {
+        builder = builder.on_failure(destination);
     }
     builder = builder.retries(args.retries);
     if let Some(what) = args.on_spent {
@@ -1063,6 +1136,32 @@ mod tests {
         ];
         for (extra, expected) in cases {
             assert_eq!(rejection(extra), *expected, "{extra:?}");
+        }
+    }
+
+    #[test]
+    fn on_failure_names_a_queue_url_or_a_bucket_and_prefix() {
+        let url = "https://sqs.eu-west-1.amazonaws.com/123456789012/spent";
+        assert_eq!(
+            parse_on_failure(&format!("sqs:{url}")),
+            Ok(OnFailure::Sqs(url.into()))
+        );
+        for (given, bucket, prefix) in [
+            ("s3:spent-records/failed/", "spent-records", "failed/"),
+            ("s3://spent-records/failed/", "spent-records", "failed/"),
+            ("s3:spent-records", "spent-records", ""),
+        ] {
+            assert_eq!(
+                parse_on_failure(given),
+                Ok(OnFailure::S3 {
+                    bucket: bucket.into(),
+                    prefix: prefix.into()
+                }),
+                "{given}"
+            );
+        }
+        for bad in ["sqs:spent", "s3:ab/x", "kinesis:spent", "spent"] {
+            assert!(parse_on_failure(bad).is_err(), "{bad}");
         }
     }
 

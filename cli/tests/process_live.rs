@@ -2083,3 +2083,122 @@ async fn a_stream_deleted_under_consume_stops_it_with_an_error_naming_the_stream
     );
     live.delete_table(&app).await;
 }
+
+/// `consume --retries in-place --on-failure sqs:URL`: the records of a key that always fails
+/// run again where they are (the key's records one after another, each attempt before the next
+/// record's), reach the SQS queue after `--max-attempts`, with their data and where they came
+/// from; a `kill -9` while one waits loses nothing: the next owner retries it, and every record
+/// of that key ends in the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_place_retries_send_spent_records_to_sqs_and_a_kill_while_one_waits_loses_nothing() {
+    use base64::Engine;
+    use shardwise::aws_sdk_sqs;
+    let _turn = EMULATORS.read().await;
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-inplace");
+    let app = support::unique_name("pl-inplace-app");
+    live.create_stream(&stream, 1).await;
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .load()
+        .await;
+    let sqs = aws_sdk_sqs::Client::new(&config);
+    let queue = sqs
+        .create_queue()
+        .queue_name(support::unique_name("pl-spent"))
+        .send()
+        .await
+        .expect("CreateQueue")
+        .queue_url
+        .expect("a queue URL");
+    let (n, keys) = (40u64, 4u64);
+    put(&stream, n, keys, 0).await;
+    let on_failure = format!("sqs:{queue}");
+    let mut args: Vec<&str> = FAST.to_vec();
+    args.extend([
+        "--lanes",
+        "2",
+        "--retries",
+        "in-place",
+        "--max-attempts",
+        "3",
+        "--fail-keys",
+        "key-1",
+        "--on-failure",
+        &on_failure,
+    ]);
+    let log = Log::default();
+    let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
+    // Killed while key-1's records go through their attempts one after another.
+    wait_for("W is on key-1's records", Duration::from_secs(30), || {
+        log.snapshot()
+            .iter()
+            .filter(|h| h.key == "key-1" && h.id >= 9)
+            .count()
+            >= 1
+    })
+    .await;
+    w.kill9().await;
+    let mut b = Worker::spawn(&stream, &app, "B", &args, &log);
+    wait_for(
+        "B handled key-1's last record",
+        Duration::from_secs(60),
+        || {
+            log.snapshot()
+                .iter()
+                .any(|h| h.worker == "B" && h.id == n - 3)
+        },
+    )
+    .await;
+    // Every key-1 record in the queue (one sent before the kill may be sent again).
+    let mut spent: BTreeMap<String, Value> = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while spent.len() < (n / keys) as usize && Instant::now() < deadline {
+        let out = sqs
+            .receive_message()
+            .queue_url(&queue)
+            .max_number_of_messages(10)
+            .send()
+            .await
+            .expect("ReceiveMessage");
+        for message in out.messages.unwrap_or_default() {
+            let doc: Value = serde_json::from_str(message.body().unwrap()).unwrap();
+            spent.insert(doc["sequenceNumber"].as_str().unwrap().to_string(), doc);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    b.stop_gracefully(Duration::from_secs(30)).await;
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    let records = read_shard(&live, &stream, "shardId-000000000000").await;
+    assert_eq!(records.len() as u64, n, "nothing was written to the stream");
+    let ids: BTreeSet<u64> = spent
+        .values()
+        .map(|doc| {
+            assert_eq!(doc["partitionKey"], "key-1", "{doc}");
+            assert_eq!(doc["attempts"], 3, "{doc}");
+            assert_eq!(doc["stream"], stream.as_str(), "{doc}");
+            let data = base64::engine::general_purpose::STANDARD
+                .decode(doc["data"].as_str().unwrap())
+                .unwrap();
+            let data: Value = serde_json::from_slice(&data).unwrap();
+            data["id"].as_u64().unwrap()
+        })
+        .collect();
+    let expected: BTreeSet<u64> = (0..n).filter(|id| id % keys == 1).collect();
+    assert_eq!(ids, expected, "every record of key-1 in the queue");
+    // Per worker, key-1's records in order: each one's attempts before the next one's.
+    for worker in ["W", "B"] {
+        let key1: Vec<u64> = lines
+            .iter()
+            .filter(|h| h.worker == worker && h.key == "key-1")
+            .map(|h| h.id)
+            .collect();
+        assert!(
+            key1.windows(2).all(|w| w[0] <= w[1]),
+            "{worker} ran key-1 out of order: {key1:?}"
+        );
+    }
+    live.delete_stream(&stream).await;
+}

@@ -23,6 +23,7 @@ use tracing::{error, info, warn};
 
 use super::hooks::Settled;
 use crate::backoff::Backoff;
+use crate::destination::Destination;
 use crate::envelope::Headers;
 use crate::error::Error;
 use crate::handler::Delivery;
@@ -151,6 +152,7 @@ impl PendingWrite {
     pub(crate) async fn run(
         mut self,
         producer: Producer,
+        destination: Option<Arc<dyn Destination>>,
         policy: Arc<RetryPolicy>,
         stuck: StuckWrites,
         events: mpsc::UnboundedSender<WriteEvent>,
@@ -165,7 +167,20 @@ impl PendingWrite {
         let mut transient = Backoff::new(MAX_BACKOFF);
         let mut stuck_for = Backoff::new(STUCK_BACKOFF);
         loop {
-            let put = producer.put(&self.stream, d.partition_key(), &self.headers, d.payload());
+            // A dead letter goes to the on-failure destination when there is one (the policy then
+            // names it as the dead-letter "stream"); anything else to a stream.
+            let put = async {
+                match (&destination, self.dead_letter) {
+                    (Some(destination), true) => destination
+                        .send(&d, &self.headers)
+                        .await
+                        .map(|()| destination.name().to_string()),
+                    _ => producer
+                        .put(&self.stream, d.partition_key(), &self.headers, d.payload())
+                        .await
+                        .map(|written| written.shard_id),
+                }
+            };
             // A producer that panics is a failed write, written again: the task owns a tracked
             // delivery, which must end written or held, never left behind by a dead task.
             let Ok(result) = std::panic::AssertUnwindSafe(put).catch_unwind().await else {
@@ -188,7 +203,7 @@ impl PendingWrite {
                         seq = %d.locator(),
                         to = %self.stream,
                         attempt = d.attempt(),
-                        written_to = %written.shard_id,
+                        written_to = %written,
                         "{what}"
                     );
                     if entry.listed {

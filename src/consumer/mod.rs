@@ -36,6 +36,7 @@ pub use copies::StuckWrite;
 pub use health::{Health, HealthLimits, RetryingEvent, ShardHealth};
 pub use hooks::{DeliveryHooks, Settled};
 
+use crate::destination::Destination;
 use crate::error::{ConfigError, Error};
 use crate::frontier::Frontier;
 use crate::handler::Handler;
@@ -70,6 +71,7 @@ pub struct ConsumerBuilder<H> {
     hooks: Option<Arc<dyn LeaseHooks>>,
     delivery_hooks: Option<Arc<dyn DeliveryHooks>>,
     receipts: Option<Arc<dyn ReceiptStore>>,
+    destination: Option<Arc<dyn Destination>>,
     seek: Option<SeekTarget>,
     reads: Reads,
 }
@@ -272,6 +274,17 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
+    /// Where spent records go instead of a dead-letter stream: an SQS queue
+    /// ([`SqsDestination`](crate::destination::SqsDestination), feature `sqs`) or an S3 bucket
+    /// ([`S3Destination`](crate::destination::S3Destination), feature `s3`), each record with its
+    /// payload and where it came from (see [`crate::destination`]). Written before the record
+    /// settles, checked at [`run`](Consumer::run); a consumer has one destination, this or
+    /// [`dead_letter`](Self::dead_letter).
+    pub fn on_failure(mut self, destination: Arc<dyn Destination>) -> Self {
+        self.destination = Some(destination);
+        self
+    }
+
     /// Lets an idle shard whose last read came back empty at the tip advance its frontier
     /// coordinate to (now - `skew`), written at most once per `frontier_interval` (default 5 s).
     /// Without it an idle shard holds the frontier and writes nothing.
@@ -446,7 +459,11 @@ impl<H: Handler> ConsumerBuilder<H> {
     fn check_stream(&self) -> Result<(), ConfigError> {
         let set = &self.settings;
         set.validate()?;
-        if set.retries == RetryMode::InPlace && set.dead_letter.is_none() && set.on_spent.is_none()
+        self.check_destination()?;
+        if set.retries == RetryMode::InPlace
+            && set.dead_letter.is_none()
+            && self.destination.is_none()
+            && set.on_spent.is_none()
         {
             let bounds: Vec<(&'static str, String)> = [
                 ("max_attempts", set.max_attempts.map(|n| format!("{n:?}"))),
@@ -473,9 +490,24 @@ impl<H: Handler> ConsumerBuilder<H> {
         Ok(())
     }
 
+    /// One on-failure destination at most: a dead-letter stream or another.
+    fn check_destination(&self) -> Result<(), ConfigError> {
+        if let (Some(destination), Some(stream)) = (&self.destination, &self.settings.dead_letter) {
+            return Err(ConfigError::new(
+                "on_failure",
+                destination.name(),
+                format!(
+                    "a consumer has one on-failure destination, and dead_letter names the stream `{stream}` too: keep one"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The checks of a paged consumer's settings, besides [`Settings::validate_paged`].
     fn check_paged(&self, source: &dyn PagedSource) -> Result<(), ConfigError> {
         self.settings.validate_paged()?;
+        self.check_destination()?;
         if let Some(what) = self.settings.on_spent {
             return Err(ConfigError::new(
                 "on_spent",
@@ -483,7 +515,10 @@ impl<H: Handler> ConsumerBuilder<H> {
                 "a paged event is never dropped: a spent one goes to the dead-letter stream or gets a quarantined receipt",
             ));
         }
-        if self.settings.dead_letter.is_none() && self.receipts.is_none() {
+        if self.settings.dead_letter.is_none()
+            && self.destination.is_none()
+            && self.receipts.is_none()
+        {
             // Seed 003, rule 1: an event whose attempts end must get a durable terminal outcome,
             // and with neither a ledger nor a dead-letter stream nothing could record one.
             let set = &self.settings;
@@ -582,6 +617,7 @@ impl<H: Handler> ConsumerBuilder<H> {
             hooks: self.hooks.unwrap_or_else(|| Arc::new(())),
             delivery_hooks: self.delivery_hooks.unwrap_or_else(|| Arc::new(())),
             receipts: self.receipts,
+            destination: self.destination,
             seek: self.seek,
             reads: self.reads,
         })
@@ -600,6 +636,7 @@ pub struct Consumer<H> {
     hooks: Arc<dyn LeaseHooks>,
     delivery_hooks: Arc<dyn DeliveryHooks>,
     receipts: Option<Arc<dyn ReceiptStore>>,
+    destination: Option<Arc<dyn Destination>>,
     seek: Option<SeekTarget>,
     reads: Reads,
 }
@@ -645,6 +682,7 @@ impl Consumer<()> {
             hooks: None,
             delivery_hooks: None,
             receipts: None,
+            destination: None,
             seek: None,
             reads: Reads::Stream,
         }
@@ -745,6 +783,9 @@ impl<H: Handler> Consumer<H> {
         if let Some(dead_letter) = &settings.dead_letter {
             producer.check(dead_letter).await?;
         }
+        if let Some(destination) = &self.destination {
+            destination.check().await?;
+        }
         if let Some(receipts) = &self.receipts {
             receipts.prepare().await?;
             // After an outage a handled event can be handed out again for as long as the source
@@ -787,11 +828,17 @@ impl<H: Handler> Consumer<H> {
                 // one needs a durable outcome (a dead letter, else a quarantined receipt). So is a
                 // Kinesis record with retries in place, whose spent end the application chose.
                 max_attempts: settings.max_attempts,
-                dead_letter: settings.dead_letter.clone(),
+                // A spent record's dead letter goes to the stream, or to the destination by its
+                // name.
+                dead_letter: settings
+                    .dead_letter
+                    .clone()
+                    .or_else(|| self.destination.as_ref().map(|d| d.name().to_string())),
                 spent: reads.spent(self.receipts.is_some(), &settings),
                 in_place: reads.in_place(&settings),
             }),
             stuck: stuck.clone(),
+            destination: self.destination,
             receipts: self.receipts,
             hooks: self.delivery_hooks,
             health: health_board.clone(),

@@ -79,6 +79,8 @@ pub(crate) struct PipelineContext<H> {
     pub(crate) retry: Arc<RetryPolicy>,
     /// Copies and dead letters whose writes fail for good, for every partition of the consumer.
     pub(crate) stuck: StuckWrites,
+    /// Where dead letters go when not to a stream.
+    pub(crate) destination: Option<Arc<dyn crate::destination::Destination>>,
     /// The receipt ledger, if the consumer has one.
     pub(crate) receipts: Option<Arc<dyn ReceiptStore>>,
     /// Told how each delivery settled.
@@ -95,6 +97,7 @@ impl<H> Clone for PipelineContext<H> {
             producer: self.producer.clone(),
             retry: self.retry.clone(),
             stuck: self.stuck.clone(),
+            destination: self.destination.clone(),
             receipts: self.receipts.clone(),
             hooks: self.hooks.clone(),
             health: self.health.clone(),
@@ -545,6 +548,7 @@ impl<H: Handler, E> Pipeline<H, E> {
             Resolved::Write(write) => {
                 self.tasks.spawn(crate::time::carry(write.run(
                     self.ctx.producer.clone(),
+                    self.ctx.destination.clone(),
                     self.ctx.retry.clone(),
                     self.ctx.stuck.clone(),
                     self.write_tx.clone(),
@@ -589,8 +593,14 @@ impl<H: Handler, E> Pipeline<H, E> {
     /// there is one; else settled as a drop (Kinesis), or, paged, recorded as `quarantined` in the
     /// receipt ledger, or held where neither can record it (the build refuses such a consumer).
     fn spend(&mut self, d: Delivery, reason: String) -> Option<Advance<E>> {
+        let attempts = d.attempt();
+        self.spend_after(d, attempts, reason)
+    }
+
+    /// [`spend`](Self::spend), for a delivery that got `attempts` attempts.
+    fn spend_after(&mut self, d: Delivery, attempts: u32, reason: String) -> Option<Advance<E>> {
         let id = d.id()?;
-        let resolved = match self.ctx.retry.spent(&d, reason) {
+        let resolved = match self.ctx.retry.spent_after(&d, attempts, reason) {
             plan @ RetryPlan::DeadLetter { .. } => match PendingWrite::new(id, d, plan) {
                 Some(write) => Resolved::Write(write),
                 None => Resolved::Hold,
@@ -630,8 +640,11 @@ impl<H: Handler, E> Pipeline<H, E> {
             dead_letter = self.ctx.retry.dead_letter.is_some(),
             "record older than max_record_age: not handled"
         );
-        self.spend(
+        // Its attempt was not made: it got one fewer.
+        let attempts = d.attempt().saturating_sub(1);
+        self.spend_after(
             d,
+            attempts,
             format!(
                 "record too old: arrived {:.3} s ago, max_record_age {:.3} s",
                 age.as_secs_f64(),
