@@ -99,6 +99,21 @@ fn event(id: &str, position: u64) -> ScriptedEvent {
     }
 }
 
+/// A source whose partition `p` holds events `p-1`, `p-2`, ... with these keys.
+fn keyed(keys: &[&str]) -> EventApi {
+    let api = EventApi::new(SOURCE);
+    for (n, key) in (1..).zip(keys) {
+        api.append(
+            "p",
+            ScriptedEvent {
+                key: Some(key.to_string()),
+                ..event(&format!("p-{n}"), n)
+            },
+        );
+    }
+    api
+}
+
 /// Gives `partition` a row whose durable progress is `progress`, as a crashed earlier owner left it.
 async fn start_at(store: &MemoryLeaseStore, partition: &str, progress: &PagedProgress) {
     let new = NewLease {
@@ -666,16 +681,7 @@ async fn with_no_cap_a_failing_event_retries_in_place_until_it_succeeds() {
 /// its key wait behind it (and run after it succeeded, in order); events of other keys go on.
 #[tokio::test(start_paused = true)]
 async fn the_events_of_a_key_wait_behind_one_that_runs_again_in_place() {
-    let api = EventApi::new(SOURCE);
-    for (n, key) in [(1, "k"), (2, "k"), (3, "other"), (4, "k"), (5, "other")] {
-        api.append(
-            "p",
-            ScriptedEvent {
-                key: Some(key.into()),
-                ..event(&format!("p-{n}"), n)
-            },
-        );
-    }
+    let api = keyed(&["k", "k", "other", "k", "other"]);
     let store = MemoryLeaseStore::new();
     let calls = Calls::default();
     let running = builder(
@@ -702,11 +708,7 @@ async fn the_events_of_a_key_wait_behind_one_that_runs_again_in_place() {
     .await;
     running.shutdown(Duration::from_secs(2)).await;
     let all = calls.all();
-    let at = |id: &str, attempt: u32| {
-        all.iter()
-            .position(|(_, i, a)| i == id && *a == attempt)
-            .unwrap_or_else(|| panic!("{id} attempt {attempt} in {all:?}"))
-    };
+    let at = |id: &str, attempt: u32| calls.at(id, attempt);
     let succeeded = at("p-1", 3);
     assert!(
         at("p-2", 1) > succeeded && at("p-4", 1) > at("p-2", 1),
@@ -727,16 +729,7 @@ async fn the_events_of_a_key_wait_behind_one_that_runs_again_in_place() {
 /// the key ran before the refused one ran again; a paged simulation seed with keys found it.)
 #[tokio::test(start_paused = true)]
 async fn the_events_of_a_key_wait_behind_effects_whose_condition_is_refused() {
-    let api = EventApi::new(SOURCE);
-    for (n, key) in [(1, "k"), (2, "k"), (3, "other"), (4, "k")] {
-        api.append(
-            "p",
-            ScriptedEvent {
-                key: Some(key.into()),
-                ..event(&format!("p-{n}"), n)
-            },
-        );
-    }
+    let api = keyed(&["k", "k", "other", "k"]);
     let store = MemoryLeaseStore::new();
     let receipts = MemoryReceipts::new().table("counts", &["id"]);
     let calls = Calls::default();
@@ -771,11 +764,7 @@ async fn the_events_of_a_key_wait_behind_effects_whose_condition_is_refused() {
     .await;
     running.shutdown(Duration::from_secs(2)).await;
     let all = calls.all();
-    let at = |id: &str, attempt: u32| {
-        all.iter()
-            .position(|(_, i, a)| i == id && *a == attempt)
-            .unwrap_or_else(|| panic!("{id} attempt {attempt} in {all:?}"))
-    };
+    let at = |id: &str, attempt: u32| calls.at(id, attempt);
     assert!(
         at("p-2", 1) > at("p-1", 2) && at("p-4", 1) > at("p-2", 1),
         "the events of key k ran out of order: {all:?}"

@@ -447,6 +447,24 @@ fn failing_first(
     }
 }
 
+/// Every call made, as (payload, attempt), in order.
+fn calls_made(seen: &Seen) -> Vec<(String, u32)> {
+    seen.lock()
+        .unwrap()
+        .iter()
+        .map(|(p, a, _)| (p.clone(), *a))
+        .collect()
+}
+
+/// Waits until the one shard's checkpoint is at its `index`-th record: everything settled.
+async fn settled_through(stream: &MemoryStream, store: &MemoryLeaseStore, index: usize) {
+    let last = stream.records()[index].record.sequence;
+    wait_for("everything settled", Duration::from_secs(10), || {
+        store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
+    })
+    .await;
+}
+
 /// Where in `seen` the call of `payload`'s `attempt` is.
 fn call_at(seen: &Seen, payload: &str, attempt: u32) -> usize {
     let seen = seen.lock().unwrap();
@@ -510,11 +528,7 @@ async fn in_place_a_failing_record_runs_again_and_the_later_records_of_its_key_w
         Checkpoint::At(Position::new(z0, 0)),
         "the checkpoint holds behind the failing record"
     );
-    let last = stream.records()[5].record.sequence;
-    wait_for("everything settled", Duration::from_secs(10), || {
-        store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
-    })
-    .await;
+    settled_through(&stream, &store, 5).await;
     running.shutdown(Duration::from_secs(2)).await;
 
     let succeeded = call_at(&seen, "a1", 4);
@@ -570,18 +584,9 @@ async fn in_place_a_record_that_keeps_failing_is_dead_lettered_after_max_attempt
     .run()
     .await
     .unwrap();
-    let last = stream.records()[1].record.sequence;
-    wait_for("everything settled", Duration::from_secs(10), || {
-        store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
-    })
-    .await;
+    settled_through(&stream, &store, 1).await;
     running.shutdown(Duration::from_secs(2)).await;
-    let calls: Vec<(String, u32)> = seen
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(p, a, _)| (p.clone(), *a))
-        .collect();
+    let calls = calls_made(&seen);
     assert_eq!(
         calls,
         [
@@ -646,18 +651,9 @@ async fn in_place_a_spent_record_is_dropped_only_where_on_spent_says_so() {
         .run()
         .await
         .unwrap();
-    let last = stream.records()[1].record.sequence;
-    wait_for("everything settled", Duration::from_secs(10), || {
-        store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
-    })
-    .await;
+    settled_through(&stream, &store, 1).await;
     running.shutdown(Duration::from_secs(2)).await;
-    let calls: Vec<(String, u32)> = seen
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(p, a, _)| (p.clone(), *a))
-        .collect();
+    let calls = calls_made(&seen);
     assert_eq!(
         calls,
         [
@@ -723,18 +719,9 @@ async fn in_place_a_worker_killed_while_a_record_waits_loses_nothing() {
         .run()
         .await
         .unwrap();
-    let last = stream.records()[3].record.sequence;
-    wait_for("everything settled", Duration::from_secs(10), || {
-        store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
-    })
-    .await;
+    settled_through(&stream, &store, 3).await;
     running.shutdown(Duration::from_secs(2)).await;
-    let calls: Vec<(String, u32)> = again
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(p, a, _)| (p.clone(), *a))
-        .collect();
+    let calls = calls_made(&again);
     assert!(calls.contains(&("poison".to_string(), 1)), "{calls:?}");
     assert!(calls.contains(&("after".to_string(), 1)), "{calls:?}");
     assert!(!calls.iter().any(|(p, _)| p == "z0"), "{calls:?}");

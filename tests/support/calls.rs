@@ -54,4 +54,13 @@ impl Calls {
     pub fn count(&self, id: &str) -> usize {
         self.0.lock().unwrap().iter().filter(|c| c.1 == id).count()
     }
+
+    /// Where in [`all`](Self::all) the call of `id`'s `attempt` is (panics, listing every call,
+    /// when there is none).
+    pub fn at(&self, id: &str, attempt: u32) -> usize {
+        let all = self.all();
+        all.iter()
+            .position(|(_, i, a)| i == id && *a == attempt)
+            .unwrap_or_else(|| panic!("{id} attempt {attempt} in {all:?}"))
+    }
 }
