@@ -599,12 +599,34 @@ pub struct Batching {
     pub max_size: usize,
     /// How long a lane waits after a batch's first delivery for more.
     pub max_wait: Duration,
+    /// Whether a batch whose call fails as a whole (the handler panics or runs past
+    /// `handler_timeout`) is handled again in halves, down to the delivery that fails
+    /// ([`bisect_on_failure`](Self::bisect_on_failure)).
+    pub bisect: bool,
 }
 
 impl Batching {
     /// Batches of at most `max_size` deliveries, gathered for at most `max_wait`.
     pub fn new(max_size: usize, max_wait: Duration) -> Self {
-        Self { max_size, max_wait }
+        Self {
+            max_size,
+            max_wait,
+            bisect: false,
+        }
+    }
+
+    /// A batch whose call fails as a whole (the handler panics, or runs past `handler_timeout`)
+    /// is handled again in halves, one after the other, each half that fails split again, down
+    /// to the single delivery that fails, which then takes the retry way alone (Lambda's
+    /// `BisectBatchOnFunctionError`). The outcomes of the halves that succeed stand: those
+    /// deliveries settle and are not handled again (they may have been handed to the failed
+    /// calls before: at least once, as always). A batch of `n` with one poison delivery finds it
+    /// in `ceil(log2(n))` splits (7 for 100). Without it (the default), every delivery of a
+    /// failed batch is a retry. A batch answered with outcomes is never split: per-delivery
+    /// outcomes already say which failed.
+    pub fn bisect_on_failure(mut self, on: bool) -> Self {
+        self.bisect = on;
+        self
     }
 }
 

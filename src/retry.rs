@@ -26,7 +26,8 @@
 //! A Kinesis consumer with [`RetryMode::InPlace`](crate::consumer::RetryMode::InPlace) retries as
 //! a paged source does (a "copy" is then the next attempt on the lane, never a record written),
 //! except that a spent record with no dead-letter stream is dropped where the application said so
-//! (`on_spent(OnSpent::Drop)`), and a bound with neither is refused at build.
+//! (`on_spent(OnSpent::Drop)`), else quarantined by receipt with a ledger, and a bound with none
+//! of these is refused at build.
 
 use std::num::NonZeroU32;
 use std::time::Duration;

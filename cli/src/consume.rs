@@ -1126,8 +1126,10 @@ mod tests {
                 &["--retries", "in-place", "--max-attempts", "3"],
                 "invalid --max-attempts 3: with retries in place, --max-attempts can end a \
                  record's attempts, and a spent record needs somewhere to go: set --dead-letter (a \
-                 dead-letter stream), or say with --on-spent that it may be dropped; without \
-                 either, leave them unset and a failing record runs again until it succeeds",
+                 dead-letter stream), --on-failure (a queue or bucket) or a receipt ledger \
+                 (receipts: it is then quarantined), or say with --on-spent that it may be \
+                 dropped; without any, leave them unset and a failing record runs again until it \
+                 succeeds",
             ),
             (
                 &["--dead-letter", "dead letters"],

@@ -29,7 +29,7 @@ use foldhash::fast::RandomState;
 use futures::FutureExt;
 use tokio::sync::{Mutex, mpsc};
 use tokio::task::JoinSet;
-use tracing::{Instrument, error, info_span, warn};
+use tracing::{Instrument, error, info, info_span, warn};
 
 use super::config::{DeliveryOrder, Settings};
 use super::ledger::read_receipt;
@@ -510,7 +510,8 @@ async fn run_lane<H: Handler>(
         if batch.is_empty() {
             continue;
         }
-        let outcomes = run_batch(&*handler, batch.clone(), &settings, &mut durations);
+        let bisect = batching.is_some_and(|b| b.bisect);
+        let outcomes = run_batch(&*handler, batch.clone(), &settings, &mut durations, bisect);
         let Ok(outcomes) = lane.unless_waiting(outcomes).await else {
             return;
         };
@@ -591,35 +592,60 @@ fn age_past(delivery: &Delivery, max: Duration) -> Option<Duration> {
     (age > max).then_some(age)
 }
 
-/// Runs a batch handler on one batch: one outcome per delivery; a panic or a timeout is a retry
-/// for each.
-async fn run_batch<H: Handler>(
-    handler: &H,
+/// Runs a batch handler on one batch: one outcome per delivery. A panic or a timeout fails the
+/// whole batch: each delivery is a retry, or, with `bisect` ([`Batching::bisect_on_failure`]),
+/// the batch is handled again in halves, one after the other, down to the delivery that fails;
+/// the outcomes of the halves that succeed stand.
+fn run_batch<'a, H: Handler>(
+    handler: &'a H,
     batch: Vec<Delivery>,
-    settings: &LaneSettings,
-    durations: &mut Durations,
-) -> Vec<Outcome> {
-    let n = batch.len();
-    let first = batch[0].clone();
-    let call = async { handler.handle_batch(batch).await };
-    match guarded(&first, n, settings, durations, call).await {
-        Some(mut outcomes) => {
-            if outcomes.len() != n {
-                warn!(
-                    stream = first.stream(),
-                    shard = first.shard(),
-                    seq = %first.locator(),
-                    batch = n,
-                    outcomes = outcomes.len(),
-                    "the batch handler answered with {} outcomes for {n} deliveries: the ones without an outcome are retried",
-                    outcomes.len()
-                );
-                outcomes.resize(n, Outcome::Retry);
+    settings: &'a LaneSettings,
+    durations: &'a mut Durations,
+    bisect: bool,
+) -> futures::future::BoxFuture<'a, Vec<Outcome>> {
+    Box::pin(async move {
+        let n = batch.len();
+        let first = batch[0].clone();
+        let halves = (bisect && n > 1).then(|| batch.clone());
+        let call = async { handler.handle_batch(batch).await };
+        match guarded(&first, n, settings, durations, call).await {
+            Some(mut outcomes) => {
+                if outcomes.len() != n {
+                    warn!(
+                        stream = first.stream(),
+                        shard = first.shard(),
+                        seq = %first.locator(),
+                        batch = n,
+                        outcomes = outcomes.len(),
+                        "the batch handler answered with {} outcomes for {n} deliveries: the ones without an outcome are retried",
+                        outcomes.len()
+                    );
+                    outcomes.resize(n, Outcome::Retry);
+                }
+                outcomes
             }
-            outcomes
+            None => match halves {
+                None => vec![Outcome::Retry; n],
+                Some(mut front) => {
+                    let back = front.split_off(n / 2);
+                    metrics::counter!("shardwise_batch_bisections_total", "stream" => first.stream().to_string())
+                        .increment(1);
+                    info!(
+                        stream = first.stream(),
+                        shard = first.shard(),
+                        seq = %first.locator(),
+                        batch = n,
+                        "the batch failed as a whole: handling it again in halves of {} and {}",
+                        front.len(),
+                        back.len()
+                    );
+                    let mut outcomes = run_batch(handler, front, settings, durations, true).await;
+                    outcomes.extend(run_batch(handler, back, settings, durations, true).await);
+                    outcomes
+                }
+            },
         }
-        None => vec![Outcome::Retry; n],
-    }
+    })
 }
 
 /// Runs a handler's call for `n` deliveries from `first` on, in its span, within the handler

@@ -100,11 +100,13 @@ impl Reads {
         use crate::retry::Spent;
         match (self, ledger) {
             (Reads::Stream, _) if settings.retries == RetryMode::Copy => Spent::Drop,
-            // In place, a record is dropped only where the application said so (the build
-            // refuses a bound with no destination: this is the last guard).
-            (Reads::Stream, _) => match settings.on_spent {
-                Some(OnSpent::Drop) => Spent::Drop,
-                None => Spent::Hold,
+            // In place, a record is dropped only where the application said so; with a ledger
+            // it is quarantined by receipt, as a paged event is (the build refuses a bound with
+            // none of these: holding it is the last guard).
+            (Reads::Stream, ledger) => match (settings.on_spent, ledger) {
+                (Some(OnSpent::Drop), _) => Spent::Drop,
+                (None, true) => Spent::Quarantine,
+                (None, false) => Spent::Hold,
             },
             (Reads::Pages(_), true) => Spent::Quarantine,
             (Reads::Pages(_), false) => Spent::Hold,
@@ -463,6 +465,7 @@ impl<H: Handler> ConsumerBuilder<H> {
         if set.retries == RetryMode::InPlace
             && set.dead_letter.is_none()
             && self.destination.is_none()
+            && self.receipts.is_none()
             && set.on_spent.is_none()
         {
             let bounds: Vec<(&'static str, String)> = [
@@ -481,7 +484,7 @@ impl<H: Handler> ConsumerBuilder<H> {
                     field,
                     format_args!("{value}"),
                     format!(
-                        "with retries in place, {} can end a record's attempts, and a spent record needs somewhere to go: set dead_letter (a dead-letter stream), or say with on_spent that it may be dropped; without either, leave them unset and a failing record runs again until it succeeds",
+                        "with retries in place, {} can end a record's attempts, and a spent record needs somewhere to go: set dead_letter (a dead-letter stream), on_failure (a queue or bucket) or a receipt ledger (receipts: it is then quarantined), or say with on_spent that it may be dropped; without any, leave them unset and a failing record runs again until it succeeds",
                         fields.join(", ")
                     ),
                 ));
