@@ -13,6 +13,7 @@ use shardwise::consumer::{OnSpent, RetryMode};
 use shardwise::envelope::{self, Format};
 use shardwise::lease::{Checkpoint, LeaseSettings, MemoryLeaseStore};
 use shardwise::producer::MAX_RECORD_BYTES;
+use shardwise::receipts::{Disposition, MemoryReceipts};
 use shardwise::retry::{ATTEMPTS_HEADER, DEAD_LETTER_REASON_HEADER, ORIGIN_SEQUENCE_HEADER};
 use shardwise::testing::{MemoryStream, MemoryStreams};
 use shardwise::{Consumer, ConsumerBuilder, Delivery, Error, Outcome, Position};
@@ -725,4 +726,52 @@ async fn in_place_a_worker_killed_while_a_record_waits_loses_nothing() {
     assert!(calls.contains(&("poison".to_string(), 1)), "{calls:?}");
     assert!(calls.contains(&("after".to_string(), 1)), "{calls:?}");
     assert!(!calls.iter().any(|(p, _)| p == "z0"), "{calls:?}");
+}
+
+/// In place with a receipt ledger and no dead-letter stream, a spent record gets a terminal
+/// `quarantined` receipt (with the reason) and settles, as a paged event does.
+#[tokio::test(start_paused = true)]
+async fn in_place_with_receipts_a_spent_record_is_quarantined_by_receipt() {
+    let stream = MemoryStream::new("orders", 1);
+    let sink = MemoryStreams::new([stream.clone()]);
+    let store = MemoryLeaseStore::new();
+    let receipts = MemoryReceipts::new();
+    stream.put("k1", "poison");
+    stream.put("k1", "after");
+    let seen: Seen = Arc::default();
+    let running = consumer(
+        &stream,
+        &sink,
+        &store,
+        failing_first(&seen, "poison", u32::MAX),
+    )
+    .retries(RetryMode::InPlace)
+    .max_attempts(NonZeroU32::new(2).unwrap())
+    .receipts(Arc::new(receipts.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    settled_through(&stream, &store, 1).await;
+    running.shutdown(Duration::from_secs(2)).await;
+    let calls = calls_made(&seen);
+    assert_eq!(
+        calls,
+        [
+            ("poison".to_string(), 1),
+            ("poison".to_string(), 2),
+            ("after".to_string(), 1)
+        ]
+    );
+    let quarantined: Vec<String> = receipts
+        .receipts()
+        .into_iter()
+        .filter_map(|r| match r.disposition {
+            Disposition::Quarantined(reason) => Some(reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(quarantined.len(), 1, "{quarantined:?}");
+    assert!(quarantined[0].contains("attempts spent"), "{quarantined:?}");
 }
