@@ -775,3 +775,72 @@ async fn in_place_with_receipts_a_spent_record_is_quarantined_by_receipt() {
     assert_eq!(quarantined.len(), 1, "{quarantined:?}");
     assert!(quarantined[0].contains("attempts spent"), "{quarantined:?}");
 }
+
+/// A graceful stop while a record waits to run again in place drains up to its deadline, then
+/// stops with the checkpoint behind the waiting record; the next owner runs it again (its
+/// attempts start at 1: they are not stored) before the later records of its key.
+#[tokio::test(start_paused = true)]
+async fn in_place_a_graceful_stop_leaves_a_waiting_record_to_the_next_owner() {
+    let stream = MemoryStream::new("orders", 1);
+    let sink = MemoryStreams::new([stream.clone()]);
+    let store = MemoryLeaseStore::new();
+    for (key, payload) in [
+        ("k0", "z0"),
+        ("k1", "poison"),
+        ("k1", "after"),
+        ("k2", "b1"),
+    ] {
+        stream.put(key, payload);
+    }
+    let seen: Seen = Arc::default();
+    let running = consumer(
+        &stream,
+        &sink,
+        &store,
+        failing_first(&seen, "poison", u32::MAX),
+    )
+    .retries(RetryMode::InPlace)
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("b1 and a few attempts", Duration::from_secs(10), || {
+        let calls = calls_made(&seen);
+        calls.iter().any(|(p, _)| p == "b1")
+            && calls.iter().filter(|(p, _)| p == "poison").count() >= 3
+    })
+    .await;
+    running.shutdown(Duration::from_secs(1)).await;
+    let z0 = stream.records()[0].record.sequence;
+    assert_eq!(
+        store.snapshot()[0].checkpoint,
+        Checkpoint::At(Position::new(z0, 0)),
+        "the checkpoint stays behind the waiting record"
+    );
+    assert!(
+        store.snapshot()[0].owner.is_none(),
+        "the lease is released for the next owner"
+    );
+    assert!(
+        !calls_made(&seen).iter().any(|(p, _)| p == "after"),
+        "k1 waited"
+    );
+
+    let again: Seen = Arc::default();
+    let running = consumer(&stream, &sink, &store, failing_first(&again, "", 0))
+        .worker_id("w2")
+        .retries(RetryMode::InPlace)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    settled_through(&stream, &store, 3).await;
+    running.shutdown(Duration::from_secs(2)).await;
+    let calls = calls_made(&again);
+    let at = |payload: &str| calls.iter().position(|(p, _)| p == payload);
+    assert_eq!(at("z0"), None, "{calls:?}");
+    assert!(calls.contains(&("poison".to_string(), 1)), "{calls:?}");
+    assert!(at("poison") < at("after"), "{calls:?}");
+}

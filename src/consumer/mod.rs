@@ -251,9 +251,11 @@ impl<H: Handler> ConsumerBuilder<H> {
     ///
     /// In place, a failing record runs again after a back-off that doubles from 100 ms to at most
     /// 5 s, with jitter (`RetryAfter(d)`: after `d`), until it succeeds, or until `max_attempts` or
-    /// `max_record_age` is reached; then it goes to the dead-letter stream, or is dropped where
-    /// [`on_spent`](Self::on_spent) says so (a bound with neither is refused at build). Without a
-    /// bound it runs again until it succeeds, and [`Running::health`] names it.
+    /// `max_record_age` is reached; then it goes to the dead-letter stream or the
+    /// [`on_failure`](Self::on_failure) destination, with [`receipts`](Self::receipts) gets a
+    /// `quarantined` receipt, or is dropped where [`on_spent`](Self::on_spent) says so (a bound
+    /// with none of these is refused at build). Without a bound it runs again until it succeeds,
+    /// and [`Running::health`] names it.
     pub fn retries(mut self, mode: RetryMode) -> Self {
         self.settings.retries = mode;
         self
