@@ -13,7 +13,8 @@
 //! (64 keys over 8 lanes by hash gave 5.3 times one lane's throughput; by load, see
 //! `benches/consumer.rs`).
 //!
-//! Where a failing delivery runs again in place (a paged source), its lane parks its key when the
+//! Where a failing delivery runs again in place (a paged source, or a Kinesis consumer with
+//! `RetryMode::InPlace`), its lane parks its key when the
 //! handler answers with a retry, or with effects whose commit may be refused: the key's later
 //! deliveries are put aside, in order, while other keys go on, until the delivery comes back
 //! ([`Work::Again`]) and succeeds, or the pipeline unparks the key once its outcome is durable
