@@ -23,7 +23,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::model::{COUNTS, Call, KEYS, Model};
-use crate::wrap::{Gate, Receipts, Store, Stream};
+use crate::wrap::{Gate, Queue, Receipts, Store, Stream};
 
 /// Wall time at the start of every run (2026-01-01T00:00:00Z).
 pub fn base() -> SystemTime {
@@ -90,6 +90,10 @@ struct Scenario {
     /// stream, a spent record is dropped (`OnSpent::Drop`). Not with batches: a batch's records
     /// of the failing one's key ran in it (bisection is not built).
     in_place: bool,
+    /// With retries in place and no dead-letter stream: spent records go to a queue (an
+    /// on-failure destination) whose writes fail or lose their answers now and then, instead of
+    /// being dropped.
+    queue: bool,
     /// (time, action), in time order.
     actions: Vec<(Duration, Action)>,
 }
@@ -187,6 +191,7 @@ impl Scenario {
             // Apart from the other decisions too.
             in_place: !matches!(seed % 10, 2 | 6 | 7)
                 && StdRng::seed_from_u64(seed ^ 0x1a9c_e000).random_bool(0.4),
+            queue: StdRng::seed_from_u64(seed ^ 0x0c0e_0e00).random_bool(0.5),
             actions,
         }
         .timeouts_dead_letter()
@@ -285,6 +290,8 @@ pub struct World {
     ledger: Option<MemoryReceipts>,
     /// The operator's choices and the ledger's fault seeds, apart from the other decisions.
     operator: StdRng,
+    /// The queue's fault draws and rates (error, lost answer), shared by every worker.
+    queue_faults: Arc<Mutex<(StdRng, f64, f64)>>,
     slots: Vec<Slot>,
     next_id: u64,
 }
@@ -319,8 +326,18 @@ impl World {
             store,
             ledger,
             operator: StdRng::seed_from_u64(seed ^ 0x0be7_a709),
+            queue_faults: Arc::new(Mutex::new((
+                StdRng::seed_from_u64(seed ^ 0x0c0e_0e01),
+                0.1,
+                0.05,
+            ))),
             next_id: 0,
         }
+    }
+
+    /// Whether spent records go to the queue (retries in place, no dead-letter stream).
+    fn queued(&self) -> bool {
+        self.scenario.in_place && self.scenario.queue && !self.scenario.dead_letter
     }
 
     fn event(&self, what: String) {
@@ -347,7 +364,8 @@ impl World {
         let model = self.model.clone();
         let seed = self.scenario.seed;
         let cap = self.scenario.max_attempts;
-        let dead_letter = self.scenario.dead_letter;
+        // A queue takes spent records only with retries in place and no dead-letter stream.
+        let dead_letter = self.scenario.dead_letter || self.queued();
         let receipts = self.scenario.receipts;
         move |d: Delivery| {
             let call = Call {
@@ -491,7 +509,14 @@ impl World {
         }
         if s.in_place {
             builder = builder.retries(RetryMode::InPlace);
-            if !s.dead_letter {
+            if self.queued() {
+                builder = builder.on_failure(Arc::new(Queue {
+                    gate: gate.clone(),
+                    worker: worker.to_string(),
+                    model: self.model.clone(),
+                    faults: self.queue_faults.clone(),
+                }));
+            } else if !s.dead_letter {
                 builder = builder.on_spent(OnSpent::Drop);
             }
         }

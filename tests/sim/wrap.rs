@@ -375,3 +375,71 @@ impl ReceiptStore for Receipts {
         ReceiptStore::retention(&self.inner)
     }
 }
+
+/// An on-failure destination (a queue, as SQS is) as one worker reaches it: behind the worker's
+/// gate, failing at the world's `error` rate without effect, and at its `lost` rate writing the
+/// message and losing the answer (the record is sent again: at least once). Each message written
+/// is a copy of the record's last attempt for the model.
+pub struct Queue {
+    pub gate: Gate,
+    pub worker: String,
+    pub model: Arc<Mutex<Model>>,
+    /// The world's draws for the queue's faults, and the rates (error, lost answer).
+    pub faults: Arc<Mutex<(rand::rngs::StdRng, f64, f64)>>,
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("worker", &self.worker)
+            .finish_non_exhaustive()
+    }
+}
+
+impl shardwise::destination::Destination for Queue {
+    fn name(&self) -> &str {
+        "sqs:sim"
+    }
+
+    fn send<'a>(
+        &'a self,
+        delivery: &'a shardwise::Delivery,
+        headers: &'a envelope::Headers,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            use rand::Rng;
+            self.gate.pass().await;
+            let (fails, loses) = {
+                let mut faults = self.faults.lock().unwrap();
+                let (error, lost) = (faults.1, faults.2);
+                (faults.0.random_bool(error), faults.0.random_bool(lost))
+            };
+            let failure = |what: &str| Error::Destination {
+                destination: self.name().to_string(),
+                operation: "SendMessage",
+                permanent: false,
+                source: what.to_string().into(),
+            };
+            if fails {
+                return Err(failure("simulated 500"));
+            }
+            // A dead letter of attempt n carries the retry count n.
+            let id = crate::model::id_of(delivery.payload());
+            self.model.lock().unwrap().copied(
+                now_ms(),
+                &self.worker,
+                id,
+                headers.retry_count(),
+                self.name(),
+            );
+            if loses {
+                return Err(failure("simulated lost answer"));
+            }
+            Ok(())
+        })
+    }
+
+    fn check(&self) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async { Ok(()) })
+    }
+}
