@@ -16,7 +16,7 @@ use shardwise::producer::MAX_RECORD_BYTES;
 use shardwise::receipts::{Disposition, MemoryReceipts};
 use shardwise::retry::{ATTEMPTS_HEADER, DEAD_LETTER_REASON_HEADER, ORIGIN_SEQUENCE_HEADER};
 use shardwise::testing::{MemoryStream, MemoryStreams};
-use shardwise::{Consumer, ConsumerBuilder, Delivery, Error, Outcome, Position};
+use shardwise::{Consumer, ConsumerBuilder, Delivery, Error, Outcome, Position, Running};
 
 type Seen = Arc<Mutex<Vec<(String, u32, Instant)>>>;
 
@@ -665,10 +665,10 @@ async fn in_place_a_spent_record_is_dropped_only_where_on_spent_says_so() {
     );
 }
 
-/// A worker killed while a record waits to run again in place loses nothing: the next owner
-/// reads it again from the checkpoint (attempts start again at 1: they are not stored).
-#[tokio::test(start_paused = true)]
-async fn in_place_a_worker_killed_while_a_record_waits_loses_nothing() {
+/// One shard holding z0 (key k0), poison and after (k1), b1 (k2), consumed by `w1` with retries
+/// in place and a handler that fails every attempt of poison: the stream, its sink, the lease
+/// store, `w1`'s calls and `w1`.
+async fn poison_waits_in_place() -> (MemoryStream, MemoryStreams, MemoryLeaseStore, Seen, Running) {
     let stream = MemoryStream::new("orders", 1);
     let sink = MemoryStreams::new([stream.clone()]);
     let store = MemoryLeaseStore::new();
@@ -693,6 +693,35 @@ async fn in_place_a_worker_killed_while_a_record_waits_loses_nothing() {
     .run()
     .await
     .unwrap();
+    (stream, sink, store, seen, running)
+}
+
+/// The next owner of that shard, `w2`, which acks everything, run until its last record
+/// settled: its calls.
+async fn next_owner(
+    stream: &MemoryStream,
+    sink: &MemoryStreams,
+    store: &MemoryLeaseStore,
+) -> Vec<(String, u32)> {
+    let again: Seen = Arc::default();
+    let running = consumer(stream, sink, store, failing_first(&again, "", 0))
+        .worker_id("w2")
+        .retries(RetryMode::InPlace)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    settled_through(stream, store, 3).await;
+    running.shutdown(Duration::from_secs(2)).await;
+    calls_made(&again)
+}
+
+/// A worker killed while a record waits to run again in place loses nothing: the next owner
+/// reads it again from the checkpoint (attempts start again at 1: they are not stored).
+#[tokio::test(start_paused = true)]
+async fn in_place_a_worker_killed_while_a_record_waits_loses_nothing() {
+    let (stream, sink, store, seen, running) = poison_waits_in_place().await;
     wait_for("a few attempts", Duration::from_secs(10), || {
         seen.lock()
             .unwrap()
@@ -711,18 +740,7 @@ async fn in_place_a_worker_killed_while_a_record_waits_loses_nothing() {
     assert!(!seen.lock().unwrap().iter().any(|(p, _, _)| p == "after"));
 
     tokio::time::sleep(Duration::from_secs(2)).await; // the lease expires
-    let again: Seen = Arc::default();
-    let running = consumer(&stream, &sink, &store, failing_first(&again, "", 0))
-        .worker_id("w2")
-        .retries(RetryMode::InPlace)
-        .build()
-        .unwrap()
-        .run()
-        .await
-        .unwrap();
-    settled_through(&stream, &store, 3).await;
-    running.shutdown(Duration::from_secs(2)).await;
-    let calls = calls_made(&again);
+    let calls = next_owner(&stream, &sink, &store).await;
     assert!(calls.contains(&("poison".to_string(), 1)), "{calls:?}");
     assert!(calls.contains(&("after".to_string(), 1)), "{calls:?}");
     assert!(!calls.iter().any(|(p, _)| p == "z0"), "{calls:?}");
@@ -781,30 +799,7 @@ async fn in_place_with_receipts_a_spent_record_is_quarantined_by_receipt() {
 /// attempts start at 1: they are not stored) before the later records of its key.
 #[tokio::test(start_paused = true)]
 async fn in_place_a_graceful_stop_leaves_a_waiting_record_to_the_next_owner() {
-    let stream = MemoryStream::new("orders", 1);
-    let sink = MemoryStreams::new([stream.clone()]);
-    let store = MemoryLeaseStore::new();
-    for (key, payload) in [
-        ("k0", "z0"),
-        ("k1", "poison"),
-        ("k1", "after"),
-        ("k2", "b1"),
-    ] {
-        stream.put(key, payload);
-    }
-    let seen: Seen = Arc::default();
-    let running = consumer(
-        &stream,
-        &sink,
-        &store,
-        failing_first(&seen, "poison", u32::MAX),
-    )
-    .retries(RetryMode::InPlace)
-    .build()
-    .unwrap()
-    .run()
-    .await
-    .unwrap();
+    let (stream, sink, store, seen, running) = poison_waits_in_place().await;
     wait_for("b1 and a few attempts", Duration::from_secs(10), || {
         let calls = calls_made(&seen);
         calls.iter().any(|(p, _)| p == "b1")
@@ -827,18 +822,7 @@ async fn in_place_a_graceful_stop_leaves_a_waiting_record_to_the_next_owner() {
         "k1 waited"
     );
 
-    let again: Seen = Arc::default();
-    let running = consumer(&stream, &sink, &store, failing_first(&again, "", 0))
-        .worker_id("w2")
-        .retries(RetryMode::InPlace)
-        .build()
-        .unwrap()
-        .run()
-        .await
-        .unwrap();
-    settled_through(&stream, &store, 3).await;
-    running.shutdown(Duration::from_secs(2)).await;
-    let calls = calls_made(&again);
+    let calls = next_owner(&stream, &sink, &store).await;
     let at = |payload: &str| calls.iter().position(|(p, _)| p == payload);
     assert_eq!(at("z0"), None, "{calls:?}");
     assert!(calls.contains(&("poison".to_string(), 1)), "{calls:?}");
