@@ -828,3 +828,116 @@ async fn in_place_a_graceful_stop_leaves_a_waiting_record_to_the_next_owner() {
     assert!(calls.contains(&("poison".to_string(), 1)), "{calls:?}");
     assert!(at("poison") < at("after"), "{calls:?}");
 }
+
+/// A shard handed to a joining worker while a record of it waits to run again in place: its
+/// owner drains up to the handoff timeout, then passes the lease (no steal) with the checkpoint
+/// behind the waiting record; the next owner runs it again (attempts from 1) before the later
+/// records of its key, and nothing of the shard is skipped.
+#[tokio::test(start_paused = true)]
+async fn in_place_a_shard_handed_off_while_a_record_waits_passes_behind_it() {
+    let stream = MemoryStream::new("orders", 2);
+    let sink = MemoryStreams::new([stream.clone()]);
+    let store = MemoryLeaseStore::new();
+    // A poison record and a later record of its key on each shard, whichever shard is passed.
+    let mut poisoned = std::collections::BTreeMap::new();
+    for i in 0.. {
+        if poisoned.len() == 2 {
+            break;
+        }
+        let key = format!("k{i}");
+        let (shard, _) = stream.put(&key, format!("fine-{i}"));
+        if !poisoned.contains_key(&shard) {
+            stream.put(&key, format!("poison-{i}"));
+            stream.put(&key, format!("after-{i}"));
+            poisoned.insert(shard, i);
+        }
+    }
+    let handoff_timeout = Duration::from_secs(1);
+    let start = |id: &'static str, seen: &Seen, poison: bool| {
+        let seen = seen.clone();
+        consumer(&stream, &sink, &store, move |d: Delivery| {
+            let text = String::from_utf8_lossy(d.payload()).to_string();
+            let failing = poison && text.starts_with("poison");
+            seen.lock()
+                .unwrap()
+                .push((text, d.attempt(), Instant::now()));
+            std::future::ready(if failing {
+                Outcome::Retry
+            } else {
+                Outcome::Ack
+            })
+        })
+        .worker_id(id)
+        .lease_settings(
+            LeaseSettings::default()
+                .lease_duration(Duration::from_millis(1500))
+                .scan_interval(Duration::from_millis(100))
+                .handoff_timeout(handoff_timeout),
+        )
+        .retries(RetryMode::InPlace)
+        .build()
+        .unwrap()
+        .run()
+    };
+    let first: Seen = Arc::default();
+    let w1 = start("w1", &first, true).await.unwrap();
+    wait_for(
+        "both poisons attempted twice",
+        Duration::from_secs(10),
+        || {
+            let calls = calls_made(&first);
+            poisoned.values().all(|i| {
+                calls
+                    .iter()
+                    .filter(|(p, _)| *p == format!("poison-{i}"))
+                    .count()
+                    >= 2
+            })
+        },
+    )
+    .await;
+
+    let second: Seen = Arc::default();
+    let asked = tokio::time::Instant::now();
+    let w2 = start("w2", &second, false).await.unwrap();
+    wait_for("w2 to hold a shard", Duration::from_secs(30), || {
+        w2.shards().len() == 1
+    })
+    .await;
+    let passed_after = asked.elapsed();
+    eprintln!("the shard passed {passed_after:?} after w2 started");
+    let shard = w2.shards()[0].shard_id.clone();
+    let i = poisoned[&shard];
+    let (poison, after) = (format!("poison-{i}"), format!("after-{i}"));
+    wait_for(
+        "w2 to run the passed shard's records",
+        Duration::from_secs(10),
+        || calls_made(&second).iter().any(|(p, _)| *p == after),
+    )
+    .await;
+    w2.shutdown(Duration::from_secs(2)).await;
+    w1.shutdown(Duration::from_secs(2)).await;
+
+    let calls = calls_made(&second);
+    let at = |payload: &str| calls.iter().position(|(p, _)| p == payload);
+    assert_eq!(at(&format!("fine-{i}")), None, "settled before: {calls:?}");
+    assert_eq!(
+        calls[at(&poison).expect("the waiting record runs again")],
+        (poison.clone(), 1),
+        "attempts start again at 1: {calls:?}"
+    );
+    assert!(at(&poison) < at(&after), "{calls:?}");
+    assert!(
+        !calls_made(&first).iter().any(|(p, _)| *p == after),
+        "w1 never ran past the waiting record of the key"
+    );
+    assert!(
+        store.snapshot().iter().all(|l| l.wanted_by.is_none()),
+        "the request was answered by a pass"
+    );
+    // The pass waited for the record up to the handoff timeout, not for a lease to expire.
+    assert!(
+        passed_after >= handoff_timeout && passed_after < Duration::from_secs(5),
+        "passed after {passed_after:?}"
+    );
+}
