@@ -149,6 +149,25 @@ pub enum Error {
         source: BoxError,
     },
 
+    /// The enhanced fan-out consumer name is taken on the stream by another application (its
+    /// `shardwise:application` tag names it), or by a consumer shardwise did not register (no
+    /// tag). It is not used: two applications on one consumer take each other's subscriptions.
+    #[error(
+        "enhanced fan-out consumer `{consumer}` of stream `{stream}` is {}: choose another consumer name (--consumer-name), or, if it is this application's, tag it {}={application}",
+        match .holder { Some(h) => format!("registered for application `{h}`"), None => "not registered by shardwise (it has no shardwise:application tag)".to_string() },
+        crate::shard::fanout::APPLICATION_TAG
+    )]
+    ConsumerInUse {
+        /// The stream.
+        stream: String,
+        /// The consumer name.
+        consumer: String,
+        /// This application.
+        application: String,
+        /// The application its tag names, if any.
+        holder: Option<String>,
+    },
+
     /// A value read from the store or the stream breaks shardwise's expectations.
     #[error("corrupt {what}: {detail}")]
     Corrupt {
@@ -171,6 +190,7 @@ impl Error {
                 | Error::RecordTooLarge { .. }
                 | Error::LeaseTableSchema { .. }
                 | Error::Table { .. }
+                | Error::ConsumerInUse { .. }
                 | Error::Destination {
                     permanent: true,
                     ..

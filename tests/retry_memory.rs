@@ -846,10 +846,10 @@ async fn in_place_a_shard_handed_off_while_a_record_waits_passes_behind_it() {
         }
         let key = format!("k{i}");
         let (shard, _) = stream.put(&key, format!("fine-{i}"));
-        if !poisoned.contains_key(&shard) {
+        if let std::collections::btree_map::Entry::Vacant(entry) = poisoned.entry(shard) {
             stream.put(&key, format!("poison-{i}"));
             stream.put(&key, format!("after-{i}"));
-            poisoned.insert(shard, i);
+            entry.insert(i);
         }
     }
     let handoff_timeout = Duration::from_secs(1);

@@ -20,6 +20,7 @@ use shardwise::lease::{Billing, InitialPosition, LeaseSettings, TableOptions};
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
 use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, SourceRetention, key};
 use shardwise::shard::discovery::{KinesisShards, ShardLister};
+use shardwise::shard::fanout::FanOut;
 use shardwise::{
     Batching, ConfigError, Consumer, ConsumerBuilder, Delivery, DeliveryOrder, Handler, Outcome,
     ShutdownReport,
@@ -114,6 +115,18 @@ pub(crate) struct Args {
     /// --receipts to record it once its attempts are spent.
     #[arg(long, value_name = "N")]
     max_attempts: Option<NonZeroU32>,
+
+    /// Read with enhanced fan-out: records are pushed to this application's own registered
+    /// stream consumer (SubscribeToShard: 2 MB/s per shard of its own, not shared with other
+    /// readers) instead of polled with GetRecords. The consumer is registered at start if it does
+    /// not exist, tagged shardwise:application=APP; one of another application is refused.
+    /// `shardwise stream deregister-consumer` removes it.
+    #[arg(long, conflicts_with = "log_group")]
+    efo: bool,
+
+    /// With --efo: the stream consumer's name (default: --app).
+    #[arg(long, value_name = "NAME", requires = "efo")]
+    consumer_name: Option<String>,
 
     /// Where a failing Kinesis record runs again: `copy` writes a counted copy at the tip of the
     /// stream (ruststream's x-ruststream-retry-count); `in-place` runs it again on its lane after
@@ -772,6 +785,13 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
         builder = builder.on_failure(destination);
     }
     builder = builder.retries(args.retries);
+    if args.efo {
+        let mut fan_out = FanOut::new();
+        if let Some(name) = &args.consumer_name {
+            fan_out = fan_out.consumer_name(name.clone());
+        }
+        builder = builder.enhanced_fan_out(fan_out);
+    }
     if let Some(what) = args.on_spent {
         builder = builder.on_spent(what);
     }

@@ -59,6 +59,18 @@ pub(crate) enum Command {
         #[command(flatten)]
         wait: Wait,
     },
+    /// Deregister an enhanced fan-out consumer (`consume --efo` registers one and never removes
+    /// it) and wait until it is gone. Its subscriptions end; a consumer still running with
+    /// --efo under that name fails its reads until it is stopped.
+    DeregisterConsumer {
+        /// The stream.
+        stream: String,
+        /// The consumer's name (`consume --efo` uses --consumer-name, or --app).
+        #[arg(long, value_name = "NAME")]
+        consumer_name: String,
+        #[command(flatten)]
+        wait: Wait,
+    },
     /// Show a stream's shards: id, open or closed, parents, hash key range.
     Describe {
         /// The stream.
@@ -126,7 +138,62 @@ pub(crate) async fn run(command: Command, ctx: &Ctx) -> Result<()> {
             wait,
         } => delete(&client, &stream, enforce_consumer_deletion, wait.deadline()).await,
         Command::Describe { stream, json } => describe(&client, &stream, json).await,
+        Command::DeregisterConsumer {
+            stream,
+            consumer_name,
+            wait,
+        } => deregister_consumer(&client, &stream, &consumer_name, wait.deadline()).await,
     }
+}
+
+async fn deregister_consumer(
+    client: &Client,
+    stream: &str,
+    name: &str,
+    deadline: Deadline,
+) -> Result<()> {
+    let stream_arn = client
+        .describe_stream_summary()
+        .stream_name(stream)
+        .send()
+        .await
+        .map_err(|e| kinesis_error("DescribeStreamSummary", stream, None, e))?
+        .stream_description_summary
+        .map(|s| s.stream_arn)
+        .context("DescribeStreamSummary answered without a description")?;
+    client
+        .deregister_stream_consumer()
+        .stream_arn(&stream_arn)
+        .consumer_name(name)
+        .send()
+        .await
+        .map_err(|e| {
+            if is_not_found(&e) {
+                anyhow::anyhow!("stream `{stream}` has no consumer named `{name}`")
+            } else {
+                kinesis_error("DeregisterStreamConsumer", stream, None, e).into()
+            }
+        })?;
+    let mut delays = poll_backoff();
+    loop {
+        match client
+            .describe_stream_consumer()
+            .stream_arn(&stream_arn)
+            .consumer_name(name)
+            .send()
+            .await
+        {
+            Err(e) if is_not_found(&e) => break,
+            Err(e) => return Err(kinesis_error("DescribeStreamConsumer", stream, None, e).into()),
+            Ok(_) if deadline.passed() => bail!(
+                "consumer `{name}` of stream `{stream}` is still there after {} s",
+                deadline.seconds
+            ),
+            Ok(_) => pause(&mut delays).await,
+        }
+    }
+    print_lines([format!("deregistered consumer {name} of stream {stream}")])?;
+    Ok(())
 }
 
 async fn create(client: &Client, stream: &str, shards: i32, deadline: Deadline) -> Result<()> {

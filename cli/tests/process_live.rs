@@ -318,6 +318,26 @@ async fn kill_9_mid_run_loses_nothing() {
     .await;
 }
 
+/// The same with enhanced fan-out: each worker subscribes to its shards (SubscribeToShard on
+/// kinesis-mock), and the killed worker's subscriptions end with its connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_run_with_fan_out_loses_nothing() {
+    kill_9_scenario(
+        "pl-kill9-efo",
+        &[
+            "--lease-duration-ms",
+            "3000",
+            "--scan-interval-ms",
+            "500",
+            "--efo",
+        ],
+        Duration::from_millis(3000),
+        Duration::from_millis(500),
+        Duration::from_secs(8),
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_failover_with_default_settings() {
     kill_9_scenario(
@@ -565,15 +585,32 @@ async fn graceful_shutdown_hands_off_within_one_scan() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn split_and_merge_during_consumption_keep_per_key_order() {
+    split_and_merge_scenario("pl-reshard", &[]).await;
+}
+
+/// The same with enhanced fan-out: kinesis-mock's subscriptions never send the event that ends a
+/// closed shard, so each parent's end is found by the reader's end check (GetRecords at the
+/// subscription's position, at most every 10 s once caught up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_and_merge_with_fan_out_keep_per_key_order() {
+    split_and_merge_scenario("pl-reshard-efo", &["--efo"]).await;
+}
+
+async fn split_and_merge_scenario(name: &str, extra: &[&str]) {
     let _turn = EMULATORS.read().await;
     let live = live_or_skip!();
-    let stream = support::unique_name("pl-reshard");
-    let app = support::unique_name("pl-reshard-app");
+    let stream = support::unique_name(name);
+    let app = support::unique_name(&format!("{name}-app"));
     live.create_stream(&stream, 2).await;
     let keys = 16u64;
     let log = Log::default();
     let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(200));
-    let args: Vec<&str> = FAST.iter().copied().chain(["--lanes", "4"]).collect();
+    let args: Vec<&str> = FAST
+        .iter()
+        .copied()
+        .chain(["--lanes", "4"])
+        .chain(extra.iter().copied())
+        .collect();
     let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
     wait_rows(
         &live,
@@ -654,7 +691,7 @@ async fn split_and_merge_during_consumption_keep_per_key_order() {
     assert_nothing_skipped(&lines, n);
     let dups = duplicates(&lines);
     eprintln!(
-        "split and merge: {} lines for {n} ids, {} duplicate deliveries; shards read: {:?}",
+        "{name}: {} lines for {n} ids, {} duplicate deliveries; shards read: {:?}",
         lines.len(),
         extra_deliveries(&lines),
         lines
@@ -1441,10 +1478,21 @@ async fn two_workers_and_a_sigterm_handle_every_record_exactly_once() {
 /// it over at its final checkpoint, and the joiner starts exactly there. Nothing is handled twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_joining_busy_ones_takes_leases_over_without_duplicates() {
+    joining_scenario("pl-join", &[]).await;
+}
+
+/// The same with enhanced fan-out: a lease handed over gracefully ends its owner's subscription
+/// before the pass, and the next owner subscribes from the checkpoint: 0 duplicates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_joining_busy_ones_with_fan_out_takes_leases_over_without_duplicates() {
+    joining_scenario("pl-join-efo", &["--efo"]).await;
+}
+
+async fn joining_scenario(name: &str, extra: &[&str]) {
     let _turn = EMULATORS.read().await;
     let live = live_or_skip!();
-    let stream = support::unique_name("pl-join");
-    let app = support::unique_name("pl-join-app");
+    let stream = support::unique_name(name);
+    let app = support::unique_name(&format!("{name}-app"));
     live.create_stream(&stream, 4).await;
     let (n, keys) = (4000u64, 16u64);
     let log = Log::default();
@@ -1453,6 +1501,7 @@ async fn a_worker_joining_busy_ones_takes_leases_over_without_duplicates() {
         .iter()
         .copied()
         .chain(["--lanes", "2", "--handler-delay-ms", "2"])
+        .chain(extra.iter().copied())
         .collect();
     let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
     wait_rows(
@@ -1514,7 +1563,7 @@ async fn a_worker_joining_busy_ones_takes_leases_over_without_duplicates() {
     let dups = duplicates(&lines);
     let by_c = lines.iter().filter(|h| h.worker == "C").count();
     eprintln!(
-        "join: {} lines, {} by C, {} handled twice",
+        "{name}: {} lines, {} by C, {} handled twice",
         lines.len(),
         by_c,
         dups.len()

@@ -87,6 +87,8 @@ pub struct Settings {
     /// What becomes of a record retried in place whose attempts are spent when no dead-letter
     /// stream takes it; `None`: a bound on attempts needs a dead-letter stream (refused at build).
     pub on_spent: Option<OnSpent>,
+    /// Read with enhanced fan-out (SubscribeToShard) instead of GetRecords.
+    pub fan_out: Option<crate::shard::fanout::FanOut>,
     /// With a clock-skew allowance, an idle shard whose last read was empty at the tip advances its
     /// frontier coordinate to (now - allowance); without one, an idle shard holds it.
     pub caught_up_skew: Option<Duration>,
@@ -159,6 +161,7 @@ impl Settings {
             dead_letter: None,
             retries: RetryMode::Copy,
             on_spent: None,
+            fan_out: None,
             caught_up_skew: None,
             frontier_interval: Duration::from_secs(5),
             latest_margin: DEFAULT_LATEST_MARGIN,

@@ -134,9 +134,10 @@ impl ShardReader {
     pub(crate) async fn run(mut self, out: mpsc::Sender<ReaderMessage>, cancel: CancellationToken) {
         let msg = tokio::select! {
             biased;
-            _ = cancel.cancelled() => return,
+            _ = cancel.cancelled() => None,
             msg = self.read(&out) => msg,
         };
+        self.source.release(&self.stream, &self.shard);
         if let Some(msg) = msg {
             let _ = out.send(msg).await;
         }
@@ -201,7 +202,9 @@ impl ShardReader {
             };
             let caught_up = empty && (millis_behind_latest == Some(0) || unchanged);
             next_call = called
-                + if caught_up {
+                + if self.source.pushes() {
+                    Duration::ZERO
+                } else if caught_up {
                     self.settings
                         .poll_interval
                         .max(self.settings.min_call_interval)

@@ -98,6 +98,16 @@ pub trait RecordSource: Send + Sync + fmt::Debug + 'static {
     fn service_time(&self) -> Option<SystemTime> {
         None
     }
+
+    /// Whether the source pushes records (enhanced fan-out): `get_records` waits for the next
+    /// event itself, so the reader calls again at once instead of polling at an interval.
+    fn pushes(&self) -> bool {
+        false
+    }
+
+    /// The reader of `shard` stopped (its end, a handoff, a lost lease, a shutdown): whatever the
+    /// source holds open for it can go.
+    fn release(&self, _stream: &str, _shard: &str) {}
 }
 
 /// [`RecordSource`] on the Kinesis API. It learns the service's clock from the `Date` header of
@@ -112,6 +122,13 @@ impl KinesisRecords {
     /// Reads with this client (a copy of it that also reads each answer's date).
     pub fn new(client: aws_sdk_kinesis::Client) -> Self {
         let (client, clock) = dated(&client);
+        Self { client, clock }
+    }
+}
+
+impl KinesisRecords {
+    /// Reads with a client already made by [`dated`], whose answers' dates go to `clock`.
+    pub(crate) fn from_dated(client: aws_sdk_kinesis::Client, clock: Arc<ServiceClock>) -> Self {
         Self { client, clock }
     }
 }
@@ -158,7 +175,22 @@ impl Intercept for ReadDate {
     }
 }
 
-fn classify<E, R>(err: aws_sdk_kinesis::error::SdkError<E, R>) -> ReadError
+/// A record as the SDK answers it (GetRecords, a SubscribeToShard event).
+pub(crate) fn raw_record(r: aws_sdk_kinesis::types::Record) -> Result<RawRecord, ReadError> {
+    let sequence =
+        SequenceNumber::parse(&r.sequence_number).map_err(|e| ReadError::Other(Box::new(e)))?;
+    Ok(RawRecord {
+        sequence,
+        // Every Kinesis record has one; the SDK models it as optional.
+        partition_key: r.partition_key.unwrap_or_default(),
+        data: Bytes::from(r.data.into_inner()),
+        arrived_at: r
+            .approximate_arrival_timestamp
+            .and_then(|t| SystemTime::try_from(t).ok()),
+    })
+}
+
+pub(crate) fn classify<E, R>(err: aws_sdk_kinesis::error::SdkError<E, R>) -> ReadError
 where
     E: aws_sdk_kinesis::error::ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
     R: fmt::Debug + Send + Sync + 'static,
@@ -226,19 +258,7 @@ impl RecordSource for KinesisRecords {
             let records = out
                 .records
                 .into_iter()
-                .map(|r| {
-                    let sequence = SequenceNumber::parse(&r.sequence_number)
-                        .map_err(|e| ReadError::Other(Box::new(e)))?;
-                    Ok(RawRecord {
-                        sequence,
-                        // Every Kinesis record has one; the SDK models it as optional.
-                        partition_key: r.partition_key.unwrap_or_default(),
-                        data: Bytes::from(r.data.into_inner()),
-                        arrived_at: r
-                            .approximate_arrival_timestamp
-                            .and_then(|t| SystemTime::try_from(t).ok()),
-                    })
-                })
+                .map(raw_record)
                 .collect::<Result<Vec<_>, ReadError>>()?;
             Ok(Page {
                 records,
