@@ -456,14 +456,17 @@ impl FanOutRecords {
                     .into(),
                 )
             })?;
-        let out = self
+        // A subscription whose answer does not come is as stalled as one whose events stop.
+        let call = self
             .client
             .subscribe_to_shard()
             .consumer_arn(arn)
             .shard_id(&at.shard)
             .starting_position(at.starting_position())
-            .send()
+            .send();
+        let out = tokio::time::timeout(self.settings.stall_timeout, call)
             .await
+            .map_err(|_| self.stalled(at))?
             .map_err(|e| {
                 let code = e
                     .as_service_error()
@@ -521,6 +524,19 @@ impl FanOutRecords {
         }
     }
 
+    /// No answer or event within the stall timeout: the subscription is dropped and made again.
+    fn stalled(&self, at: &Iter) -> ReadError {
+        metrics::counter!("shardwise_fanout_stalls_total", "stream" => at.stream.clone())
+            .increment(1);
+        ReadError::Other(
+            format!(
+                "nothing from the subscription to {} within {:?}: subscribing again",
+                at.shard, self.settings.stall_timeout
+            )
+            .into(),
+        )
+    }
+
     fn take(&self, key: &(String, String), iterator: &str) -> Option<Subscription> {
         let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
         // One serving another position is of no use: the reader went back after an error.
@@ -541,20 +557,18 @@ impl FanOutRecords {
                 None => self.subscribe(&at, iterator.to_string()).await?,
             };
             loop {
-                let event = tokio::time::timeout(self.settings.stall_timeout, sub.events.event_stream.recv())
-                    .await
-                    .map_err(|_| {
-                        metrics::counter!("shardwise_fanout_stalls_total", "stream" => at.stream.clone())
-                            .increment(1);
-                        ReadError::Other(
-                            format!(
-                                "no event on the subscription to {} within {:?}: subscribing again",
-                                at.shard, self.settings.stall_timeout
-                            )
-                            .into(),
-                        )
-                    })?
-                    .map_err(classify)?;
+                let event = tokio::time::timeout(
+                    self.settings.stall_timeout,
+                    sub.events.event_stream.recv(),
+                )
+                .await
+                .map_err(|_| self.stalled(&at))?
+                .map_err(|e| match e.as_service_error() {
+                    // The last subscription to the shard still holds it: try again after a
+                    // back-off. (An event-stream error carries no error code, only its kind.)
+                    Some(s) if s.is_resource_in_use_exception() => ReadError::Throttled,
+                    _ => classify(e),
+                })?;
                 let event = match event {
                     // The subscription's 5 minutes are over: subscribe again from here.
                     None => break,
