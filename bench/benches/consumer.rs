@@ -11,11 +11,13 @@
 //!    barrier, progress writes to the memory lease store), same server, same run, in 5 alternating
 //!    rounds (median);
 //! 7. start: from start to the first record of a one-shard stream, a raw GetRecords loop against
-//!    a consumer (a new application, and the same one started again), alternating rounds.
+//!    a consumer (a new application, and the same one started again), alternating rounds;
+//! 8. fanout: enhanced fan-out against polling in one run: put-to-handler delay at 200 records/s
+//!    over 4 shards for 60 s (p50, p99), and records/s reading a full stream.
 //!
-//! Parts 3 to 5 and 7 need the emulators (`envs=$(scripts/emulators start) && eval "$envs"`) and are
+//! Parts 3 to 5, 7 and 8 need the emulators (`envs=$(scripts/emulators start) && eval "$envs"`) and are
 //! skipped without `AWS_ENDPOINT_URL_KINESIS`. Name parts to run only those:
-//! `cargo bench -p shardwise-bench --bench consumer -- paged` (pipeline, lanes, receipts, paged, live, start). Under `cargo test` (no `--bench` argument) every
+//! `cargo bench -p shardwise-bench --bench consumer -- paged` (pipeline, lanes, receipts, paged, live, start, fanout). Under `cargo test` (no `--bench` argument) every
 //! part runs once at a tiny size, so the bench cannot rot. `RUST_LOG=shardwise=debug` prints the
 //! library's log to stderr. `--features mimalloc` runs everything on mimalloc instead of the
 //! system's allocator.
@@ -706,6 +708,169 @@ async fn paged_consumer(source: &HttpEvents, n: u64) -> (f64, f64, f64) {
     (from_first, with_start, consumer_cpu)
 }
 
+/// Milliseconds since the epoch on this host.
+fn now_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+        * 1000.0
+}
+
+/// The `q` quantile of `v` (sorted here).
+fn quantile(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// A consumer of `stream` for a fresh application, polling or with enhanced fan-out, whose
+/// handler counts records and, for payloads `sent=<ms>`, records put-to-handler delays.
+async fn timed_consumer(
+    config: &aws_config::SdkConfig,
+    stream: &str,
+    fan_out: bool,
+    delays: Arc<std::sync::Mutex<Vec<f64>>>,
+    handled: Arc<AtomicU64>,
+) -> shardwise::Running {
+    let app = format!(
+        "bench-{}-{}-{}",
+        if fan_out { "efo" } else { "poll" },
+        std::process::id(),
+        Instant::now().elapsed().as_nanos()
+    );
+    let mut builder = Consumer::builder(stream.to_string(), app, move |d: Delivery| {
+        if let Some(sent) = std::str::from_utf8(d.payload())
+            .ok()
+            .and_then(|p| p.strip_prefix("sent="))
+            .and_then(|t| t.parse::<f64>().ok())
+        {
+            delays.lock().unwrap().push(now_ms() - sent);
+        }
+        handled.fetch_add(1, Ordering::Relaxed);
+        std::future::ready(Outcome::Ack)
+    })
+    .worker_id("bench")
+    .lanes(4)
+    .aws_config(config.clone());
+    if fan_out {
+        builder = builder.enhanced_fan_out(shardwise::shard::fanout::FanOut::new());
+    }
+    builder.build().unwrap().run().await.unwrap()
+}
+
+/// Live: enhanced fan-out against polling (default poll interval, 1 s) in one run on the
+/// emulator. Latency: a producer puts `rate` records a second over 4 shards for `seconds`, while
+/// a polling consumer and a fan-out consumer (each its own application) read the same stream;
+/// each record's delay from put to handler, p50 and p99. Throughput: a stream of `full` records
+/// over 4 shards read from the start by each, one after the other.
+async fn fanout(seconds: u64, rate: u64, full: u64) {
+    if std::env::var("AWS_ENDPOINT_URL_KINESIS").is_err() {
+        println!("fanout skipped: AWS_ENDPOINT_URL_KINESIS is not set (start scripts/emulators)");
+        return;
+    }
+    let config = aws_config::defaults(BehaviorVersion::latest()).load().await;
+    let kinesis = aws_sdk_kinesis::Client::new(&config);
+    let tag = std::process::id();
+    let stream = format!("bench-efo-{tag}-{}", Instant::now().elapsed().as_nanos());
+    filled_stream(&kinesis, &stream, 4, 0, |_| String::new()).await;
+
+    let (poll_delays, efo_delays) = (Arc::default(), Arc::default());
+    let (poll_n, efo_n) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let polling = timed_consumer(
+        &config,
+        &stream,
+        false,
+        Arc::clone(&poll_delays),
+        poll_n.clone(),
+    )
+    .await;
+    let pushed = timed_consumer(
+        &config,
+        &stream,
+        true,
+        Arc::clone(&efo_delays),
+        efo_n.clone(),
+    )
+    .await;
+    while polling.shards().len() < 4 || pushed.shards().len() < 4 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Both read every shard: give the subscriptions and first polls a moment.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let per_tick = (rate / 10).max(1);
+    let mut sent = 0u64;
+    let began = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    while began.elapsed() < Duration::from_secs(seconds) {
+        tick.tick().await;
+        let entries = (0..per_tick)
+            .map(|i| {
+                PutRecordsRequestEntry::builder()
+                    .partition_key(format!("key-{}", (sent + i) % 64))
+                    .data(Blob::new(format!("sent={:.3}", now_ms())))
+                    .build()
+                    .unwrap()
+            })
+            .collect::<Vec<_>>();
+        kinesis
+            .put_records()
+            .stream_name(&stream)
+            .set_records(Some(entries))
+            .send()
+            .await
+            .expect("put");
+        sent += per_tick;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while (poll_n.load(Ordering::Relaxed) < sent || efo_n.load(Ordering::Relaxed) < sent)
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    polling.shutdown(Duration::from_secs(5)).await;
+    pushed.shutdown(Duration::from_secs(5)).await;
+    let mut poll: Vec<f64> = poll_delays.lock().unwrap().clone();
+    let mut efo: Vec<f64> = efo_delays.lock().unwrap().clone();
+    println!(
+        "fan-out vs polling, {sent} records put at {rate}/s over 4 shards for {seconds} s, put to handler: polling (poll interval 1 s) p50 {:.0} ms p99 {:.0} ms ({} records); fan-out p50 {:.0} ms p99 {:.0} ms ({} records)",
+        quantile(&mut poll, 0.5),
+        quantile(&mut poll, 0.99),
+        poll.len(),
+        quantile(&mut efo, 0.5),
+        quantile(&mut efo, 0.99),
+        efo.len()
+    );
+    let _ = kinesis.delete_stream().stream_name(&stream).send().await;
+
+    let stream = format!(
+        "bench-efo-full-{tag}-{}",
+        Instant::now().elapsed().as_nanos()
+    );
+    filled_stream(&kinesis, &stream, 4, full, |i| format!("{{\"id\":{i}}}")).await;
+    let mut rates = Vec::new();
+    for fan_out in [false, true] {
+        let handled = Arc::new(AtomicU64::new(0));
+        let started = Instant::now();
+        let running =
+            timed_consumer(&config, &stream, fan_out, Arc::default(), handled.clone()).await;
+        while handled.load(Ordering::Relaxed) == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let first = started.elapsed().as_secs_f64();
+        while handled.load(Ordering::Relaxed) < full {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let secs = started.elapsed().as_secs_f64();
+        running.shutdown(Duration::from_secs(5)).await;
+        rates.push((full as f64 / (secs - first), secs - first, first));
+    }
+    println!(
+        "fan-out vs polling, a full stream of {full} records over 4 shards read from the start: polling {:.0} records/s from the first record to the last ({:.2} s; run() to the first record {:.2} s), fan-out {:.0} records/s ({:.2} s; run() to the first record {:.2} s, the consumer's registration included)",
+        rates[0].0, rates[0].1, rates[0].2, rates[1].0, rates[1].1, rates[1].2
+    );
+    let _ = kinesis.delete_stream().stream_name(&stream).send().await;
+}
+
 fn main() {
     let benching = std::env::args().any(|a| a == "--bench");
     let scale = if benching {
@@ -760,6 +925,9 @@ fn main() {
         }
         if benching && part("start") {
             start(scale.start_rounds).await;
+        }
+        if benching && part("fanout") {
+            fanout(60, 200, scale.live_records).await;
         }
     });
 }

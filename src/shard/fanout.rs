@@ -404,6 +404,7 @@ impl FanOutRecords {
 
     async fn wait_active(&self, stream: &str, stream_arn: &str, name: &str) -> Result<(), Error> {
         let deadline = tokio::time::Instant::now() + self.settings.register_timeout;
+        let mut wait = Duration::from_millis(50);
         loop {
             match self.describe(stream, stream_arn, name).await?.1 {
                 ConsumerStatus::Active => return Ok(()),
@@ -434,7 +435,8 @@ impl FanOutRecords {
                         ?status,
                         "waiting for the consumer to become ACTIVE"
                     );
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(1));
                 }
             }
         }
