@@ -24,6 +24,13 @@
 //! pipeline, and meanwhile the unread events wait in the connection (HTTP/2 flow control, or TCP
 //! over HTTP/1.1), which stops the service from sending more.
 //!
+//! Kinesis marks the end of a closed shard with an event that names its children; a caught-up
+//! subscription also checks, at most every [`FanOut::end_check_interval`], with one
+//! GetShardIterator and GetRecords at its position, whether the shard was read to its end (where
+//! that event does not come: kinesis-mock sends none). The subscriptions themselves come from a
+//! [`Subscribe`]: `SubscribeToShard`, or a model of it (`testing::Subscriptions`) that the
+//! simulation reads through this same code.
+//!
 //! The consumer is registered (or found) when the consumer starts, under the application's name
 //! unless another is chosen, and tagged `shardwise:application` with the application: a consumer
 //! of that name that carries another application's tag, or none, is reported and never used (two
@@ -44,11 +51,10 @@ use futures::future::BoxFuture;
 use tracing::{debug, info};
 
 use super::source::{
-    KinesisRecords, Page, ReadError, RecordSource, StartAt, classify, dated, raw_record,
+    KinesisRecords, Page, RawRecord, ReadError, RecordSource, StartAt, classify, dated, raw_record,
 };
 use crate::error::Error;
 use crate::position::SequenceNumber;
-use crate::time::ServiceClock;
 
 /// The tag a shardwise-registered consumer carries: the application that registered it.
 pub const APPLICATION_TAG: &str = "shardwise:application";
@@ -190,55 +196,158 @@ impl Iter {
     }
 }
 
+/// What one event of a subscription says.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Event {
+    /// The records, in shard order.
+    pub records: Vec<RawRecord>,
+    /// Where the next subscription goes on (after it); `None` before any record was read when
+    /// the event does not say.
+    pub continuation: Option<SequenceNumber>,
+    /// How far behind the tip of the shard the event is.
+    pub millis_behind_latest: i64,
+    /// The shard is closed and every record was sent: the event names its children.
+    pub ended: bool,
+}
+
+/// The events of one subscription, oldest first.
+pub trait Events: Send + 'static {
+    /// The next event; `None` once the subscription is over (it lasts 5 minutes).
+    fn next(&mut self) -> BoxFuture<'_, Result<Option<Event>, ReadError>>;
+}
+
+/// Opens subscriptions to shards: `SubscribeToShard` ([`FanOutRecords::new`]), or a model of it
+/// for tests and simulations ([`FanOutRecords::with`]).
+pub trait Subscribe: Send + Sync + fmt::Debug + 'static {
+    /// A subscription to `shard` of `stream` from `from`.
+    fn subscribe<'a>(
+        &'a self,
+        stream: &'a str,
+        shard: &'a str,
+        from: &'a StartAt,
+    ) -> BoxFuture<'a, Result<Box<dyn Events>, ReadError>>;
+}
+
 /// An open subscription and the iterator (position) its next event continues from.
 struct Subscription {
     serves: String,
-    /// Its events are `event_stream`.
-    events: SubscribeToShardOutput,
+    events: Box<dyn Events>,
 }
 
-/// [`RecordSource`] on enhanced fan-out (see the module docs). Register the stream's consumer
-/// with [`register`](Self::register) before reading.
-#[derive(Clone)]
-pub struct FanOutRecords {
+/// `SubscribeToShard` for the stream consumer registered by [`FanOutRecords::register`].
+#[derive(Debug)]
+struct KinesisSubscriber {
     client: aws_sdk_kinesis::Client,
-    clock: Arc<ServiceClock>,
     settings: FanOut,
     /// Consumer ARN by stream.
-    consumers: Arc<Mutex<HashMap<String, String>>>,
-    /// Open subscriptions by (stream, shard).
-    open: Arc<Mutex<HashMap<(String, String), Subscription>>>,
-    /// When each shard's end was last checked.
-    checked: Arc<Mutex<HashMap<(String, String), tokio::time::Instant>>>,
+    consumers: Mutex<HashMap<String, String>>,
 }
 
-impl fmt::Debug for FanOutRecords {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FanOutRecords")
-            .field("settings", &self.settings)
-            .field("consumers", &self.consumers)
-            .finish_non_exhaustive()
+/// A `SubscribeToShard` event stream.
+struct KinesisEvents(SubscribeToShardOutput);
+
+impl Events for KinesisEvents {
+    fn next(&mut self) -> BoxFuture<'_, Result<Option<Event>, ReadError>> {
+        Box::pin(async move {
+            loop {
+                let event = self.0.event_stream.recv().await.map_err(|e| {
+                    match e.as_service_error() {
+                        // The last subscription to the shard still holds it: try again after a
+                        // back-off. (An event-stream error carries no error code, only its kind.)
+                        Some(s) if s.is_resource_in_use_exception() => ReadError::Throttled,
+                        _ => classify(e),
+                    }
+                })?;
+                let event = match event {
+                    None => return Ok(None),
+                    Some(SubscribeToShardEventStream::SubscribeToShardEvent(event)) => event,
+                    Some(other) => {
+                        debug!(?other, "an event of an unknown kind: skipped");
+                        continue;
+                    }
+                };
+                let records = event
+                    .records
+                    .into_iter()
+                    .map(raw_record)
+                    .collect::<Result<Vec<_>, ReadError>>()?;
+                let ended = event.continuation_sequence_number.is_empty()
+                    && event.child_shards.as_ref().is_some_and(|c| !c.is_empty());
+                let continuation = if event.continuation_sequence_number.is_empty() {
+                    None
+                } else {
+                    Some(
+                        SequenceNumber::parse(&event.continuation_sequence_number)
+                            .map_err(|e| ReadError::Other(Box::new(e)))?,
+                    )
+                };
+                return Ok(Some(Event {
+                    records,
+                    continuation,
+                    millis_behind_latest: event.millis_behind_latest,
+                    ended,
+                }));
+            }
+        })
     }
 }
 
-impl FanOutRecords {
-    /// Reads with this client (a copy of it that also reads each answer's date).
-    pub fn new(client: aws_sdk_kinesis::Client, settings: FanOut) -> Self {
-        let (client, clock) = dated(&client);
-        Self {
-            client,
-            clock,
-            settings,
-            consumers: Arc::default(),
-            open: Arc::default(),
-            checked: Arc::default(),
-        }
+impl Subscribe for KinesisSubscriber {
+    fn subscribe<'a>(
+        &'a self,
+        stream: &'a str,
+        shard: &'a str,
+        from: &'a StartAt,
+    ) -> BoxFuture<'a, Result<Box<dyn Events>, ReadError>> {
+        Box::pin(async move {
+            let arn = self
+                .consumers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(stream)
+                .cloned()
+                .ok_or_else(|| {
+                    ReadError::Other(
+                        format!("no enhanced fan-out consumer is registered for stream `{stream}`")
+                            .into(),
+                    )
+                })?;
+            let at = Iter {
+                stream: stream.to_string(),
+                shard: shard.to_string(),
+                start: from.clone(),
+            };
+            let out = self
+                .client
+                .subscribe_to_shard()
+                .consumer_arn(arn)
+                .shard_id(shard)
+                .starting_position(at.starting_position())
+                .send()
+                .await
+                .map_err(|e| {
+                    let code = e
+                        .as_service_error()
+                        .and_then(|e| aws_sdk_kinesis::error::ProvideErrorMetadata::code(e))
+                        .map(str::to_string);
+                    metrics::counter!("shardwise_fanout_subscribe_failures_total", "stream" => stream.to_string(), "code" => code.clone().unwrap_or_else(|| "other".into()))
+                        .increment(1);
+                    match code.as_deref() {
+                        // Another subscription of this consumer holds the shard (the last
+                        // owner's, for up to 5 seconds after it was made): try again after a
+                        // back-off.
+                        Some("ResourceInUseException") => ReadError::Throttled,
+                        _ => classify(e),
+                    }
+                })?;
+            Ok(Box::new(KinesisEvents(out)) as Box<dyn Events>)
+        })
     }
+}
 
-    /// Finds or registers the consumer of `stream` for `application` and waits until it is
-    /// `ACTIVE`; returns its ARN. A consumer of that name registered for another application, or
-    /// not by shardwise, fails with [`Error::ConsumerInUse`].
-    pub async fn register(&self, stream: &str, application: &str) -> Result<String, Error> {
+impl KinesisSubscriber {
+    async fn register(&self, stream: &str, application: &str) -> Result<String, Error> {
         let name = self.settings.name_for(application);
         let stream_arn = self
             .client
@@ -441,56 +550,92 @@ impl FanOutRecords {
             }
         }
     }
+}
 
+/// [`RecordSource`] on enhanced fan-out (see the module docs). Register the stream's consumer
+/// with [`register`](Self::register) before reading.
+#[derive(Clone)]
+pub struct FanOutRecords {
+    subscriber: Arc<dyn Subscribe>,
+    /// GetShardIterator and GetRecords, for the end check.
+    poller: Arc<dyn RecordSource>,
+    /// The Kinesis subscriber, which registers consumers (`None` with a model).
+    kinesis: Option<Arc<KinesisSubscriber>>,
+    settings: FanOut,
+    /// Open subscriptions by (stream, shard).
+    open: Arc<Mutex<HashMap<(String, String), Subscription>>>,
+    /// When each shard's end was last checked.
+    checked: Arc<Mutex<HashMap<(String, String), tokio::time::Instant>>>,
+}
+
+impl fmt::Debug for FanOutRecords {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FanOutRecords")
+            .field("subscriber", &self.subscriber)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FanOutRecords {
+    /// Reads with this client (a copy of it that also reads each answer's date).
+    pub fn new(client: aws_sdk_kinesis::Client, settings: FanOut) -> Self {
+        let (client, clock) = dated(&client);
+        let kinesis = Arc::new(KinesisSubscriber {
+            client: client.clone(),
+            settings: settings.clone(),
+            consumers: Mutex::default(),
+        });
+        Self {
+            subscriber: kinesis.clone(),
+            poller: Arc::new(KinesisRecords::from_dated(client, clock)),
+            kinesis: Some(kinesis),
+            settings,
+            open: Arc::default(),
+            checked: Arc::default(),
+        }
+    }
+
+    /// Reads through `subscriber` (a model of SubscribeToShard, for tests and simulations), with
+    /// `poller` for the end check; nothing to register.
+    pub fn with(
+        subscriber: Arc<dyn Subscribe>,
+        poller: Arc<dyn RecordSource>,
+        settings: FanOut,
+    ) -> Self {
+        Self {
+            subscriber,
+            poller,
+            kinesis: None,
+            settings,
+            open: Arc::default(),
+            checked: Arc::default(),
+        }
+    }
+
+    /// Finds or registers the consumer of `stream` for `application` and waits until it is
+    /// `ACTIVE`; returns its ARN. A consumer of that name registered for another application, or
+    /// not by shardwise, fails with [`Error::ConsumerInUse`]. A model needs none: `""`.
+    pub async fn register(&self, stream: &str, application: &str) -> Result<String, Error> {
+        match &self.kinesis {
+            Some(kinesis) => kinesis.register(stream, application).await,
+            None => Ok(String::new()),
+        }
+    }
+
+    /// A subscription from `at`, serving the iterator `serves`; one whose answer does not come
+    /// within the stall timeout is as stalled as one whose events stop.
     async fn subscribe(&self, at: &Iter, serves: String) -> Result<Subscription, ReadError> {
-        let arn = self
-            .consumers
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&at.stream)
-            .cloned()
-            .ok_or_else(|| {
-                ReadError::Other(
-                    format!(
-                        "no enhanced fan-out consumer is registered for stream `{}`",
-                        at.stream
-                    )
-                    .into(),
-                )
-            })?;
-        // A subscription whose answer does not come is as stalled as one whose events stop.
-        let call = self
-            .client
-            .subscribe_to_shard()
-            .consumer_arn(arn)
-            .shard_id(&at.shard)
-            .starting_position(at.starting_position())
-            .send();
-        let out = tokio::time::timeout(self.settings.stall_timeout, call)
-            .await
-            .map_err(|_| self.stalled(at))?
-            .map_err(|e| {
-                let code = e
-                    .as_service_error()
-                    .and_then(|e| aws_sdk_kinesis::error::ProvideErrorMetadata::code(e))
-                    .unwrap_or("other")
-                    .to_string();
-                metrics::counter!("shardwise_fanout_subscribe_failures_total", "stream" => at.stream.clone(), "code" => code)
-                    .increment(1);
-                match e.as_service_error().and_then(|e| aws_sdk_kinesis::error::ProvideErrorMetadata::code(e)) {
-                    // Another subscription of this consumer holds the shard (the last owner's,
-                    // for up to 5 seconds after it was made): try again after a back-off.
-                    Some("ResourceInUseException") => ReadError::Throttled,
-                    _ => classify(e),
-                }
-            })?;
+        let events = tokio::time::timeout(
+            self.settings.stall_timeout,
+            self.subscriber.subscribe(&at.stream, &at.shard, &at.start),
+        )
+        .await
+        .map_err(|_| self.stalled(at))??;
         metrics::counter!("shardwise_fanout_subscriptions_total", "stream" => at.stream.clone())
             .increment(1);
         debug!(stream = %at.stream, shard = %at.shard, from = %serves, "subscribed");
-        Ok(Subscription {
-            serves,
-            events: out,
-        })
+        Ok(Subscription { serves, events })
     }
 
     /// Whether the caught-up shard `key` is due for a check of its end: at most once per
@@ -511,16 +656,14 @@ impl FanOutRecords {
     /// no next iterator (a closed shard with nothing after the position). Any doubt (an error, a
     /// record) answers no: the subscription goes on.
     async fn read_to_end(&self, at: &Iter) -> bool {
-        let Ok(iterator) = KinesisRecords::from_dated(self.client.clone(), self.clock.clone())
+        let Ok(iterator) = self
+            .poller
             .shard_iterator(&at.stream, &at.shard, &at.start)
             .await
         else {
             return false;
         };
-        match KinesisRecords::from_dated(self.client.clone(), self.clock.clone())
-            .get_records(&iterator, 1)
-            .await
-        {
+        match self.poller.get_records(&iterator, 1).await {
             Ok(page) => page.records.is_empty() && page.next_iterator.is_none(),
             Err(_) => false,
         }
@@ -558,69 +701,47 @@ impl FanOutRecords {
                 Some(sub) => sub,
                 None => self.subscribe(&at, iterator.to_string()).await?,
             };
-            loop {
-                let event = tokio::time::timeout(
-                    self.settings.stall_timeout,
-                    sub.events.event_stream.recv(),
-                )
+            let event = tokio::time::timeout(self.settings.stall_timeout, sub.events.next())
                 .await
-                .map_err(|_| self.stalled(&at))?
-                .map_err(|e| match e.as_service_error() {
-                    // The last subscription to the shard still holds it: try again after a
-                    // back-off. (An event-stream error carries no error code, only its kind.)
-                    Some(s) if s.is_resource_in_use_exception() => ReadError::Throttled,
-                    _ => classify(e),
-                })?;
-                let event = match event {
-                    // The subscription's 5 minutes are over: subscribe again from here.
-                    None => break,
-                    Some(SubscribeToShardEventStream::SubscribeToShardEvent(event)) => event,
-                    Some(other) => {
-                        debug!(shard = %at.shard, ?other, "an event of an unknown kind: skipped");
-                        continue;
-                    }
-                };
-                let records = event
-                    .records
-                    .into_iter()
-                    .map(raw_record)
-                    .collect::<Result<Vec<_>, ReadError>>()?;
-                let mut ended = event.continuation_sequence_number.is_empty()
-                    && event.child_shards.as_ref().is_some_and(|c| !c.is_empty());
-                let next_iterator = if ended {
-                    None
-                } else {
-                    let continuation = SequenceNumber::parse(&event.continuation_sequence_number)
-                        .map_err(|e| ReadError::Other(Box::new(e)))?;
-                    let next = Iter {
-                        start: StartAt::AfterSequence(continuation),
-                        ..at.clone()
-                    };
-                    if records.is_empty()
-                        && event.millis_behind_latest == 0
-                        && self.end_check_due(&key)
-                    {
-                        ended = self.read_to_end(&next).await;
-                    }
-                    (!ended).then(|| {
-                        let next = next.to_string();
-                        sub.serves = next.clone();
-                        self.open
-                            .lock()
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .insert(key, sub);
-                        next
-                    })
-                };
-                if ended {
-                    debug!(stream = %at.stream, shard = %at.shard, "the shard ended");
-                }
-                return Ok(Page {
-                    records,
-                    next_iterator,
-                    millis_behind_latest: Some(event.millis_behind_latest),
-                });
+                .map_err(|_| self.stalled(&at))??;
+            // The subscription's 5 minutes are over: subscribe again from here.
+            let Some(event) = event else { continue };
+            let Event {
+                records,
+                continuation,
+                millis_behind_latest,
+                mut ended,
+            } = event;
+            // Where the next event goes on: after the continuation, or where this one began
+            // when it names none.
+            let next = match continuation {
+                Some(continuation) => Iter {
+                    start: StartAt::AfterSequence(continuation),
+                    ..at.clone()
+                },
+                None => at.clone(),
+            };
+            if !ended && records.is_empty() && millis_behind_latest == 0 && self.end_check_due(&key)
+            {
+                ended = self.read_to_end(&next).await;
             }
+            let next_iterator = (!ended).then(|| {
+                let next = next.to_string();
+                sub.serves = next.clone();
+                self.open
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(key.clone(), sub);
+                next
+            });
+            if ended {
+                debug!(stream = %at.stream, shard = %at.shard, "the shard ended");
+            }
+            return Ok(Page {
+                records,
+                next_iterator,
+                millis_behind_latest: Some(millis_behind_latest),
+            });
         }
         Ok(Page {
             records: Vec::new(),
@@ -632,7 +753,7 @@ impl FanOutRecords {
 
 impl RecordSource for FanOutRecords {
     fn service_time(&self) -> Option<SystemTime> {
-        self.clock.reached()
+        self.poller.service_time()
     }
 
     fn pushes(&self) -> bool {

@@ -18,6 +18,7 @@ mod events;
 pub(crate) mod faults;
 mod layer;
 mod stream;
+mod subscriptions;
 
 pub use crate::time::{HostClock, on_host};
 pub use crash::{Crash, CrashPoint, When};
@@ -26,6 +27,7 @@ pub use events::{EventApi, Script, ScriptedEvent, Ties};
 pub use faults::{Fault, Faults};
 pub use layer::{Call, Layer, Layered};
 pub use stream::{MemoryStream, MemoryStreams, StoredRecord};
+pub use subscriptions::Subscriptions;
 
 /// Makes shardwise deterministic on this thread, for tests on paused Tokio time
 /// (`#[tokio::test(start_paused = true)]`, a current-thread runtime) and for simulations: wall time

@@ -15,7 +15,8 @@ use shardwise::consumer::{OnSpent, RetryMode};
 use shardwise::lease::{Change, InitialPosition, LeaseSettings, LeaseStore, MemoryLeaseStore};
 use shardwise::receipts::{Disposition, Effect, Effects, MemoryReceipts, ReceiptStore, key};
 use shardwise::seek::SeekTarget;
-use shardwise::testing::{Faults, Layered, MemoryStream, MemoryStreams};
+use shardwise::shard::fanout::{FanOut, FanOutRecords};
+use shardwise::testing::{Faults, Layered, MemoryStream, MemoryStreams, Subscriptions};
 use shardwise::{
     Batched, Batching, Consumer, Delivery, Handler, Outcome, Position, Running, ShutdownReport,
 };
@@ -94,6 +95,10 @@ struct Scenario {
     /// on-failure destination) whose writes fail or lose their answers now and then, instead of
     /// being dropped.
     queue: bool,
+    /// Shards are read with enhanced fan-out: subscriptions (the model of SubscribeToShard over
+    /// the simulated stream, an event a second, ended every 5 minutes, failing with the stream's
+    /// faults) instead of GetRecords polls.
+    fan_out: bool,
     /// (time, action), in time order.
     actions: Vec<(Duration, Action)>,
 }
@@ -192,6 +197,7 @@ impl Scenario {
             in_place: !matches!(seed % 10, 2 | 6 | 7)
                 && StdRng::seed_from_u64(seed ^ 0x1a9c_e000).random_bool(0.4),
             queue: StdRng::seed_from_u64(seed ^ 0x0c0e_0e00).random_bool(0.5),
+            fan_out: StdRng::seed_from_u64(seed ^ 0x0fa0_0e70).random_bool(0.3),
             actions,
         }
         .timeouts_dead_letter()
@@ -497,7 +503,15 @@ impl World {
             .initial_position(s.start)
             .max_attempts(NonZeroU32::new(s.max_attempts).unwrap())
             .lease_store(store)
-            .record_source(stream.clone())
+            .record_source(if s.fan_out {
+                Arc::new(FanOutRecords::with(
+                    Arc::new(Subscriptions::over(stream.clone())),
+                    stream.clone(),
+                    FanOut::new(),
+                ))
+            } else {
+                stream.clone()
+            })
             .shard_lister(stream.clone())
             .record_sink(stream)
             .hooks(Arc::new(GiveUps {
