@@ -705,6 +705,38 @@ async fn split_and_merge_scenario(name: &str, extra: &[&str]) {
         dups.iter().take(20).collect::<Vec<_>>()
     );
     assert_order(&lines, keys, "one worker through a split and a merge");
+    if extra.contains(&"--efo") {
+        // The consumer `consume --efo` registered stays until it is deregistered.
+        let out = shardwise(&[
+            "stream",
+            "deregister-consumer",
+            &stream,
+            "--consumer-name",
+            &app,
+        ])
+        .await;
+        assert!(out.contains("deregistered consumer"), "{out}");
+        let arn = live
+            .kinesis
+            .describe_stream_summary()
+            .stream_name(&stream)
+            .send()
+            .await
+            .expect("DescribeStreamSummary")
+            .stream_description_summary
+            .expect("a summary")
+            .stream_arn;
+        let consumers = live
+            .kinesis
+            .list_stream_consumers()
+            .stream_arn(arn)
+            .send()
+            .await
+            .expect("ListStreamConsumers")
+            .consumers
+            .unwrap_or_default();
+        assert!(consumers.is_empty(), "{consumers:?}");
+    }
     // Parents before children: a child's first line comes after its parents' last (one worker, so
     // log order is handling order).
     let first = |shard: &str| lines.iter().position(|h| h.shard == shard);
@@ -1054,14 +1086,26 @@ async fn kill_9_during_a_retry_after_delay_replays_the_original() {
 /// never wrote a checkpoint. The next owner must handle all 20.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_latest_start_killed_before_its_first_checkpoint_skips_nothing() {
+    latest_start_scenario("pl-latest", &[]).await;
+}
+
+/// The same with enhanced fan-out: the pinned start is the first subscription's `AT_TIMESTAMP`,
+/// and the next owner subscribes there again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latest_start_with_fan_out_killed_before_its_first_checkpoint_skips_nothing() {
+    latest_start_scenario("pl-latest-efo", &["--efo"]).await;
+}
+
+async fn latest_start_scenario(name: &str, extra: &[&str]) {
     let _turn = EMULATORS.read().await;
     let live = live_or_skip!();
-    let stream = support::unique_name("pl-latest");
-    let app = support::unique_name("pl-latest-app");
+    let stream = support::unique_name(name);
+    let app = support::unique_name(&format!("{name}-app"));
     live.create_stream(&stream, 1).await;
     let log = Log::default();
     let mut args: Vec<&str> = FAST.to_vec();
     args.extend(["--start", "latest", "--handler-delay-ms", "4000"]);
+    args.extend(extra);
     let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
     wait_rows(
         &live,
@@ -1096,6 +1140,7 @@ async fn a_latest_start_killed_before_its_first_checkpoint_skips_nothing() {
         &["--start", "latest"]
             .iter()
             .chain(FAST)
+            .chain(extra)
             .copied()
             .collect::<Vec<_>>(),
         &log,
