@@ -396,6 +396,7 @@ fn source_of(setting: &str) -> Option<Source> {
         "dead_letter" => "--dead-letter",
         "on_failure" => "--on-failure",
         "on_spent" => "--on-spent",
+        "consumer_name" => "--consumer-name",
         "max_attempts" => "--max-attempts",
         "receipt_retention" => "--receipt-retention",
         "hold_poll_interval" => "--hold-poll-interval-ms",

@@ -479,12 +479,15 @@ impl<H: Handler> ConsumerBuilder<H> {
         let set = &self.settings;
         set.validate()?;
         self.check_destination()?;
-        if set.fan_out.is_some() && self.source.is_some() {
-            return Err(ConfigError::new(
-                "enhanced_fan_out",
-                &set.fan_out,
-                "enhanced fan-out reads Kinesis: it cannot be combined with record_source",
-            ));
+        if let Some(fan_out) = &set.fan_out {
+            if self.source.is_some() {
+                return Err(ConfigError::new(
+                    "enhanced_fan_out",
+                    fan_out,
+                    "enhanced fan-out reads Kinesis: it cannot be combined with record_source",
+                ));
+            }
+            fan_out.validate(&set.application)?;
         }
         if set.retries == RetryMode::InPlace
             && set.dead_letter.is_none()

@@ -116,6 +116,37 @@ impl FanOut {
         self
     }
 
+    /// Checks the consumer name Kinesis will take (1 to 128 of `[a-zA-Z0-9_.-]`) and the
+    /// timeouts (not zero).
+    pub(crate) fn validate(&self, application: &str) -> Result<(), crate::error::ConfigError> {
+        let name = self.name_for(application);
+        let valid = (1..=128).contains(&name.len())
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'));
+        if !valid {
+            return Err(crate::error::ConfigError::new(
+                "consumer_name",
+                name,
+                "a stream consumer's name is 1 to 128 of a-z, A-Z, 0-9, `_`, `.` and `-` (without consumer_name it is the application's)",
+            ));
+        }
+        for (field, d) in [
+            ("stall_timeout", self.stall_timeout),
+            ("register_timeout", self.register_timeout),
+            ("end_check_interval", self.end_check_interval),
+        ] {
+            if d.is_zero() {
+                return Err(crate::error::ConfigError::new(
+                    field,
+                    d,
+                    "must be more than zero",
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The consumer name for `application`.
     pub(crate) fn name_for(&self, application: &str) -> String {
         self.consumer_name
@@ -793,6 +824,25 @@ impl RecordSource for FanOutRecords {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_consumer_name_kinesis_refuses_is_refused_at_build() {
+        assert!(FanOut::new().validate("billing-app_2.v1").is_ok());
+        let long = "a".repeat(129);
+        for (fan_out, app) in [
+            (FanOut::new(), "billing app"),
+            (FanOut::new().consumer_name(""), "billing"),
+            (FanOut::new().consumer_name(long.as_str()), "billing"),
+            (FanOut::new().consumer_name("a/b"), "billing"),
+        ] {
+            assert_eq!(fan_out.validate(app).unwrap_err().field(), "consumer_name");
+        }
+        let err = FanOut::new()
+            .stall_timeout(Duration::ZERO)
+            .validate("billing")
+            .unwrap_err();
+        assert_eq!(err.field(), "stall_timeout");
+    }
 
     #[test]
     fn an_iterator_names_its_position_and_reads_back() {
