@@ -497,3 +497,30 @@ async fn subscriptions_cut_or_stalled_mid_stream_lose_and_repeat_nothing() {
     }
     live.delete_stream(&stream).await;
 }
+
+/// Two workers of one application starting together on a stream with no consumer yet: one
+/// registers it (and, on kinesis-mock, which drops a registration's tags, tags it right after),
+/// the other finds it untagged for that moment; both start and share it. (Found by CI: the
+/// second worker took the consumer for another's and refused to start.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_starting_together_share_the_consumer_one_of_them_registers() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("efo-together");
+    let app = support::unique_name("efo-together-app");
+    live.create_stream(&stream, 2).await;
+    for round in 0..3 {
+        let start = |id: &'static str| {
+            builder(&stream, &app, |_d: Delivery| async { Outcome::Ack })
+                .worker_id(id)
+                .enhanced_fan_out(FanOut::new().consumer_name(format!("together-{round}")))
+                .build()
+                .unwrap()
+                .run()
+        };
+        let (a, b) = tokio::join!(start("w1"), start("w2"));
+        let (a, b) = (a.expect("w1 starts"), b.expect("w2 starts"));
+        a.shutdown(Duration::from_secs(3)).await;
+        b.shutdown(Duration::from_secs(3)).await;
+    }
+    live.delete_stream(&stream).await;
+}

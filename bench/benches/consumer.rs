@@ -13,7 +13,8 @@
 //! 7. start: from start to the first record of a one-shard stream, a raw GetRecords loop against
 //!    a consumer (a new application, and the same one started again), alternating rounds;
 //! 8. fanout: enhanced fan-out against polling in one run: put-to-handler delay at 200 records/s
-//!    over 4 shards for 60 s (p50, p99), and records/s reading a full stream.
+//!    over 4 shards (p50, p99), in memory with a push every 20 ms for 30 s, and on kinesis-mock
+//!    for 60 s; and records/s reading a full stream on kinesis-mock.
 //!
 //! Parts 3 to 5, 7 and 8 need the emulators (`envs=$(scripts/emulators start) && eval "$envs"`) and are
 //! skipped without `AWS_ENDPOINT_URL_KINESIS`. Name parts to run only those:
@@ -871,6 +872,105 @@ async fn fanout(seconds: u64, rate: u64, full: u64) {
     let _ = kinesis.delete_stream().stream_name(&stream).send().await;
 }
 
+/// In memory: the same comparison where the push is prompt. kinesis-mock pushes an event a
+/// second; Kinesis pushes records as they arrive (~70 ms documented from put to read). Here a
+/// polling consumer (default settings) and a fan-out consumer (`FanOutRecords` over
+/// `testing::Subscriptions`, an event every 20 ms) read one in-memory stream of 4 shards while
+/// `rate` records a second are put for `seconds`: what the reader and pipeline add to a push.
+async fn fanout_memory(seconds: u64, rate: u64) {
+    let stream = MemoryStream::new("fanout", 4);
+    let (poll_delays, efo_delays) = (
+        Arc::new(std::sync::Mutex::new(Vec::new())),
+        Arc::new(std::sync::Mutex::new(Vec::new())),
+    );
+    let (poll_n, efo_n) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let timed = |delays: Arc<std::sync::Mutex<Vec<f64>>>, handled: Arc<AtomicU64>| {
+        move |d: Delivery| {
+            if let Some(sent) = std::str::from_utf8(d.payload())
+                .ok()
+                .and_then(|p| p.strip_prefix("sent="))
+                .and_then(|t| t.parse::<f64>().ok())
+            {
+                delays.lock().unwrap().push(now_ms() - sent);
+            }
+            handled.fetch_add(1, Ordering::Relaxed);
+            std::future::ready(Outcome::Ack)
+        }
+    };
+    let polling = Consumer::builder(
+        stream.name(),
+        "poll",
+        timed(poll_delays.clone(), poll_n.clone()),
+    )
+    .worker_id("bench")
+    .lanes(4)
+    .in_memory(&stream, &MemoryLeaseStore::new())
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    let source = shardwise::shard::fanout::FanOutRecords::with(
+        Arc::new(
+            shardwise::testing::Subscriptions::over(Arc::new(stream.clone()))
+                .every(Duration::from_millis(20)),
+        ),
+        Arc::new(stream.clone()),
+        shardwise::shard::fanout::FanOut::new(),
+    );
+    let pushed = Consumer::builder(
+        stream.name(),
+        "efo",
+        timed(efo_delays.clone(), efo_n.clone()),
+    )
+    .worker_id("bench")
+    .lanes(4)
+    .in_memory(&stream, &MemoryLeaseStore::new())
+    .record_source(Arc::new(source))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    while polling.shards().len() < 4 || pushed.shards().len() < 4 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let per_tick = (rate / 100).max(1);
+    let mut sent = 0u64;
+    let began = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    while began.elapsed() < Duration::from_secs(seconds) {
+        tick.tick().await;
+        for i in 0..per_tick {
+            stream.put(
+                &format!("key-{}", (sent + i) % 64),
+                format!("sent={:.3}", now_ms()),
+            );
+        }
+        sent += per_tick;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while (poll_n.load(Ordering::Relaxed) < sent || efo_n.load(Ordering::Relaxed) < sent)
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    polling.shutdown(Duration::from_secs(5)).await;
+    pushed.shutdown(Duration::from_secs(5)).await;
+    let mut poll: Vec<f64> = poll_delays.lock().unwrap().clone();
+    let mut efo: Vec<f64> = efo_delays.lock().unwrap().clone();
+    println!(
+        "fan-out vs polling in memory (a push every 20 ms), {sent} records put at {rate}/s over 4 shards for {seconds} s, put to handler: polling p50 {:.1} ms p99 {:.1} ms ({} records); fan-out p50 {:.1} ms p99 {:.1} ms ({} records)",
+        quantile(&mut poll, 0.5),
+        quantile(&mut poll, 0.99),
+        poll.len(),
+        quantile(&mut efo, 0.5),
+        quantile(&mut efo, 0.99),
+        efo.len()
+    );
+}
+
 fn main() {
     let benching = std::env::args().any(|a| a == "--bench");
     let scale = if benching {
@@ -925,6 +1025,9 @@ fn main() {
         }
         if benching && part("start") {
             start(scale.start_rounds).await;
+        }
+        if part("fanout") {
+            fanout_memory(if benching { 30 } else { 1 }, 200).await;
         }
         if benching && part("fanout") {
             fanout(60, 200, scale.live_records).await;

@@ -59,6 +59,10 @@ use crate::position::SequenceNumber;
 /// The tag a shardwise-registered consumer carries: the application that registered it.
 pub const APPLICATION_TAG: &str = "shardwise:application";
 
+/// How long a consumer found without [`APPLICATION_TAG`] is watched for the tag before it is taken
+/// for another's: a worker that registered it may be tagging it.
+const UNTAGGED_PATIENCE: Duration = Duration::from_secs(10);
+
 /// Enhanced fan-out settings ([`ConsumerBuilder::enhanced_fan_out`](crate::ConsumerBuilder::enhanced_fan_out)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FanOut {
@@ -531,14 +535,25 @@ impl KinesisSubscriber {
         arn: &str,
         application: &str,
     ) -> Result<(), Error> {
-        match self.owner(stream, arn).await? {
-            Some(owner) if owner == application => Ok(()),
-            holder => Err(Error::ConsumerInUse {
+        // A consumer with no tag may be one another worker of this application registered a
+        // moment ago and is tagging now (where the registration's tags were not kept): it is
+        // taken for someone else's only once it stays untagged for `UNTAGGED_PATIENCE`.
+        let deadline = tokio::time::Instant::now() + UNTAGGED_PATIENCE;
+        loop {
+            let holder = match self.owner(stream, arn).await? {
+                Some(owner) if owner == application => return Ok(()),
+                None if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    continue;
+                }
+                holder => holder,
+            };
+            return Err(Error::ConsumerInUse {
                 stream: stream.to_string(),
                 consumer: name.to_string(),
                 application: application.to_string(),
                 holder,
-            }),
+            });
         }
     }
 

@@ -2,7 +2,7 @@
 //! simulations ([`FanOutRecords::with`](crate::shard::fanout::FanOutRecords::with)).
 //!
 //! A subscription opens an iterator at its starting position and sends an event at once and then
-//! one a second, each with what one GetRecords there returns (as kinesis-mock does; Kinesis
+//! one a second ([`Subscriptions::every`] for another period), each with what one GetRecords there returns (as kinesis-mock does; Kinesis
 //! pushes as records arrive): the records, the last one's sequence number as the continuation,
 //! how far behind the tip it is, and at the end of a closed shard an event that says so. It ends
 //! after 5 minutes, as Kinesis ends every subscription. Whatever the source fails with (an
@@ -25,17 +25,30 @@ const EVENT_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Subscriptions over a record source.
 #[derive(Debug, Clone)]
-pub struct Subscriptions(Arc<dyn RecordSource>);
+pub struct Subscriptions {
+    source: Arc<dyn RecordSource>,
+    every: Duration,
+}
 
 impl Subscriptions {
-    /// Subscriptions that read `source`.
+    /// Subscriptions that read `source`, an event a second.
     pub fn over(source: Arc<dyn RecordSource>) -> Self {
-        Self(source)
+        Self {
+            source,
+            every: EVENT_INTERVAL,
+        }
+    }
+
+    /// An event every `d` instead (a short one models Kinesis pushing records as they arrive).
+    pub fn every(mut self, d: Duration) -> Self {
+        self.every = d;
+        self
     }
 }
 
 struct Subscription {
     source: Arc<dyn RecordSource>,
+    every: Duration,
     iterator: String,
     opened: tokio::time::Instant,
     sent: bool,
@@ -50,9 +63,10 @@ impl Subscribe for Subscriptions {
         from: &'a StartAt,
     ) -> BoxFuture<'a, Result<Box<dyn Events>, ReadError>> {
         Box::pin(async move {
-            let iterator = self.0.shard_iterator(stream, shard, from).await?;
+            let iterator = self.source.shard_iterator(stream, shard, from).await?;
             Ok(Box::new(Subscription {
-                source: self.0.clone(),
+                source: self.source.clone(),
+                every: self.every,
                 iterator,
                 opened: tokio::time::Instant::now(),
                 sent: false,
@@ -66,7 +80,7 @@ impl Events for Subscription {
     fn next(&mut self) -> BoxFuture<'_, Result<Option<Event>, ReadError>> {
         Box::pin(async move {
             if self.sent {
-                tokio::time::sleep(EVENT_INTERVAL).await;
+                tokio::time::sleep(self.every).await;
             }
             if self.opened.elapsed() >= LIFETIME {
                 return Ok(None);
