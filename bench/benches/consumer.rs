@@ -724,8 +724,26 @@ fn quantile(v: &mut [f64], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-/// A consumer of `stream` for a fresh application, polling or with enhanced fan-out, whose
-/// handler counts records and, for payloads `sent=<ms>`, records put-to-handler delays.
+/// A handler that counts records and, for payloads `sent=<ms>`, records put-to-handler delays.
+fn timed(
+    delays: Arc<std::sync::Mutex<Vec<f64>>>,
+    handled: Arc<AtomicU64>,
+) -> impl Fn(Delivery) -> std::future::Ready<Outcome> + Send + Sync + 'static {
+    move |d: Delivery| {
+        if let Some(sent) = std::str::from_utf8(d.payload())
+            .ok()
+            .and_then(|p| p.strip_prefix("sent="))
+            .and_then(|t| t.parse::<f64>().ok())
+        {
+            delays.lock().unwrap().push(now_ms() - sent);
+        }
+        handled.fetch_add(1, Ordering::Relaxed);
+        std::future::ready(Outcome::Ack)
+    }
+}
+
+/// A consumer of `stream` for a fresh application, polling or with enhanced fan-out, with a
+/// [`timed`] handler.
 async fn timed_consumer(
     config: &aws_config::SdkConfig,
     stream: &str,
@@ -739,20 +757,10 @@ async fn timed_consumer(
         std::process::id(),
         Instant::now().elapsed().as_nanos()
     );
-    let mut builder = Consumer::builder(stream.to_string(), app, move |d: Delivery| {
-        if let Some(sent) = std::str::from_utf8(d.payload())
-            .ok()
-            .and_then(|p| p.strip_prefix("sent="))
-            .and_then(|t| t.parse::<f64>().ok())
-        {
-            delays.lock().unwrap().push(now_ms() - sent);
-        }
-        handled.fetch_add(1, Ordering::Relaxed);
-        std::future::ready(Outcome::Ack)
-    })
-    .worker_id("bench")
-    .lanes(4)
-    .aws_config(config.clone());
+    let mut builder = Consumer::builder(stream.to_string(), app, timed(delays, handled))
+        .worker_id("bench")
+        .lanes(4)
+        .aws_config(config.clone());
     if fan_out {
         builder = builder.enhanced_fan_out(shardwise::shard::fanout::FanOut::new());
     }
@@ -884,19 +892,6 @@ async fn fanout_memory(seconds: u64, rate: u64) {
         Arc::new(std::sync::Mutex::new(Vec::new())),
     );
     let (poll_n, efo_n) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let timed = |delays: Arc<std::sync::Mutex<Vec<f64>>>, handled: Arc<AtomicU64>| {
-        move |d: Delivery| {
-            if let Some(sent) = std::str::from_utf8(d.payload())
-                .ok()
-                .and_then(|p| p.strip_prefix("sent="))
-                .and_then(|t| t.parse::<f64>().ok())
-            {
-                delays.lock().unwrap().push(now_ms() - sent);
-            }
-            handled.fetch_add(1, Ordering::Relaxed);
-            std::future::ready(Outcome::Ack)
-        }
-    };
     let polling = Consumer::builder(
         stream.name(),
         "poll",
