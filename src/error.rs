@@ -168,6 +168,20 @@ pub enum Error {
         holder: Option<String>,
     },
 
+    /// The enhanced fan-out consumer this application reads with was deregistered while it ran
+    /// (`shardwise stream deregister-consumer`, or another tool): every shard would fail the same
+    /// way, so the consumer stops. Starting it again registers the consumer anew, from the
+    /// checkpoints (nothing is skipped).
+    #[error(
+        "enhanced fan-out consumer `{consumer}` of stream `{stream}` is gone (deregistered while this application ran): start the application again to register it, or run without enhanced fan-out"
+    )]
+    ConsumerGone {
+        /// The stream.
+        stream: String,
+        /// The consumer name.
+        consumer: String,
+    },
+
     /// A value read from the store or the stream breaks shardwise's expectations.
     #[error("corrupt {what}: {detail}")]
     Corrupt {
@@ -191,6 +205,7 @@ impl Error {
                 | Error::LeaseTableSchema { .. }
                 | Error::Table { .. }
                 | Error::ConsumerInUse { .. }
+                | Error::ConsumerGone { .. }
                 | Error::Destination {
                     permanent: true,
                     ..

@@ -138,16 +138,7 @@ async fn fan_out_resumes_mid_aggregate_and_follows_a_split_parent_first() {
     );
 
     // The consumer is registered under the application's name, tagged with it.
-    let stream_arn = live
-        .kinesis
-        .describe_stream_summary()
-        .stream_name(&stream)
-        .send()
-        .await
-        .unwrap()
-        .stream_description_summary
-        .unwrap()
-        .stream_arn;
+    let stream_arn = live.stream_arn(&stream).await;
     let consumer = live
         .kinesis
         .describe_stream_consumer()
@@ -246,16 +237,7 @@ async fn a_consumer_name_of_another_application_is_reported_not_used() {
     let stream = support::unique_name("efo-taken");
     let app = support::unique_name("efo-app");
     live.create_stream(&stream, 1).await;
-    let stream_arn = live
-        .kinesis
-        .describe_stream_summary()
-        .stream_name(&stream)
-        .send()
-        .await
-        .unwrap()
-        .stream_description_summary
-        .unwrap()
-        .stream_arn;
+    let stream_arn = live.stream_arn(&stream).await;
     let theirs = live
         .kinesis
         .register_stream_consumer()
@@ -522,5 +504,114 @@ async fn workers_starting_together_share_the_consumer_one_of_them_registers() {
         a.shutdown(Duration::from_secs(3)).await;
         b.shutdown(Duration::from_secs(3)).await;
     }
+    live.delete_stream(&stream).await;
+}
+
+/// The consumer deregistered while the application reads with it (an operator's
+/// `shardwise stream deregister-consumer`): the consumer stops on its own with
+/// `Error::ConsumerGone` naming it (not a shard "not found" by GetRecords), its leases given
+/// back; started again, it registers the consumer anew and goes on from its checkpoints: every
+/// record handled, none twice. (kinesis-mock keeps a subscription open after its consumer is
+/// deregistered, for up to its 5 minutes; the test cuts the connections, as a service would end
+/// them, and the next subscription is refused.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_deregistered_under_a_running_application_stops_it_naming_the_consumer() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("efo-gone");
+    let app = support::unique_name("efo-app");
+    live.create_stream(&stream, 2).await;
+    for i in 0..20 {
+        put(&live, &stream, &format!("k{}", i % 4), format!("first-{i}")).await;
+    }
+    let proxy = Proxy::start(&std::env::var("AWS_ENDPOINT_URL_KINESIS").unwrap()).await;
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .load()
+        .await;
+    let through_proxy = aws_sdk_kinesis::Client::from_conf(
+        aws_sdk_kinesis::config::Builder::from(&config)
+            .endpoint_url(&proxy.url)
+            .build(),
+    );
+    let start = |client: aws_sdk_kinesis::Client, seen: Seen| {
+        let (stream, app) = (stream.clone(), app.clone());
+        async move {
+            let records = shardwise::shard::fanout::FanOutRecords::new(client, FanOut::new());
+            records.register(&stream, &app).await.expect("registered");
+            Consumer::builder(&stream, &app, recorder(&seen, None))
+                .worker_id("efo-w1")
+                .checkpoint_interval(Duration::from_millis(100))
+                .record_source(Arc::new(records))
+                .build()
+                .unwrap()
+                .run()
+                .await
+                .unwrap()
+        }
+    };
+    let seen: Seen = Arc::default();
+    let running = start(through_proxy, seen.clone()).await;
+    wait_for("20 deliveries", Duration::from_secs(30), || {
+        seen.lock().unwrap().len() >= 20
+    })
+    .await;
+    // Let the checkpoints land before the consumer goes.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stream_arn = live.stream_arn(&stream).await;
+    live.kinesis
+        .deregister_stream_consumer()
+        .stream_arn(&stream_arn)
+        .consumer_name(&app)
+        .send()
+        .await
+        .expect("DeregisterStreamConsumer");
+    for i in 0..20 {
+        put(
+            &live,
+            &stream,
+            &format!("k{}", i % 4),
+            format!("second-{i}"),
+        )
+        .await;
+    }
+    proxy.cut();
+    let mut fatal = running.fatal();
+    tokio::time::timeout(Duration::from_secs(60), fatal.wait_for(Option::is_some))
+        .await
+        .expect("the consumer stops on its own within a minute")
+        .unwrap();
+    let error = fatal.borrow().clone().unwrap();
+    match &*error {
+        Error::ConsumerGone {
+            stream: s,
+            consumer,
+        } => {
+            assert_eq!(s, &stream);
+            assert_eq!(consumer, &app);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(error.is_permanent());
+    eprintln!("{error}");
+    wait_for("every shard stopped", Duration::from_secs(10), || {
+        running.shards().is_empty()
+    })
+    .await;
+    running.shutdown(Duration::from_secs(3)).await;
+
+    // Started again: registered anew, on from the checkpoints.
+    let running = start(live.kinesis.clone(), seen.clone()).await;
+    wait_for("40 deliveries", Duration::from_secs(60), || {
+        seen.lock().unwrap().len() >= 40
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    running.shutdown(Duration::from_secs(3)).await;
+    let mut texts = payloads(&seen);
+    texts.sort();
+    let mut expected: Vec<String> = (0..20)
+        .flat_map(|i| [format!("first-{i}"), format!("second-{i}")])
+        .collect();
+    expected.sort();
+    assert_eq!(texts, expected, "every record once");
     live.delete_stream(&stream).await;
 }

@@ -1383,10 +1383,11 @@ async fn on_exit(
             info!(shard = %o.shard_id, "shard given up: lease lost");
             manager.work_ended(&o);
         }
-        Ok(Exit::Failed(o, e @ Error::StreamNotFound { .. })) => {
-            // The stream was deleted: every shard would fail the same way, be released, taken
-            // and fail again. The consumer stops instead, saying why.
-            error!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "the stream is gone (deleted): the consumer stops");
+        Ok(Exit::Failed(o, e @ (Error::StreamNotFound { .. } | Error::ConsumerGone { .. }))) => {
+            // The stream was deleted, or the fan-out consumer deregistered: every shard would
+            // fail the same way, be released, taken and fail again. The consumer stops instead,
+            // saying why.
+            error!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "the stream or its fan-out consumer is gone: the consumer stops");
             let _ = manager.release_failed(&o).await;
             fatal.send_if_modified(|fatal| {
                 let first = fatal.is_none();

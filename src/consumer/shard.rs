@@ -92,6 +92,8 @@ impl Drop for Lag {
 pub(crate) struct Shard {
     lease: Leased,
     lister: Arc<dyn ShardLister>,
+    /// Asked why a shard the stream lists is not found (enhanced fan-out: a consumer gone).
+    source: Arc<dyn RecordSource>,
     checkpointer: Checkpointer,
     lag: Lag,
     /// Where reading started, and the last record read: what an aged-out shard was read through.
@@ -145,6 +147,7 @@ impl Progress for Shard {
                 },
                 lease,
                 lister: source.lister.clone(),
+                source: source.source.clone(),
                 checkpointer,
                 start,
                 last_read: None,
@@ -241,8 +244,16 @@ impl Shard {
             Err(e) => return Read::Failed(e),
         };
         if listed {
+            let (stream, shard) = (&self.lease.ownership.stream, &self.lease.ownership.shard_id);
+            if let Some(e) = self.source.explain_not_found(stream, shard).await {
+                return Read::Failed(e);
+            }
             return Read::Failed(Error::Kinesis {
-                operation: "GetRecords",
+                operation: if self.source.pushes() {
+                    "SubscribeToShard"
+                } else {
+                    "GetRecords"
+                },
                 stream: self.lease.ownership.stream.clone(),
                 shard: Some(self.lease.ownership.shard_id.clone()),
                 source: Box::new(ReadError::NotFound),

@@ -264,6 +264,10 @@ pub trait Subscribe: Send + Sync + fmt::Debug + 'static {
     ) -> BoxFuture<'a, Result<Box<dyn Events>, ReadError>>;
 }
 
+/// The least time between subscriptions to one shard that end at once: Kinesis takes one
+/// SubscribeToShard a second per consumer and shard.
+const RESUBSCRIBE_PAUSE: Duration = Duration::from_secs(1);
+
 /// An open subscription and the iterator (position) its next event continues from.
 struct Subscription {
     serves: String,
@@ -275,8 +279,8 @@ struct Subscription {
 struct KinesisSubscriber {
     client: aws_sdk_kinesis::Client,
     settings: FanOut,
-    /// Consumer ARN by stream.
-    consumers: Mutex<HashMap<String, String>>,
+    /// Consumer ARN and name by stream.
+    consumers: Mutex<HashMap<String, (String, String)>>,
 }
 
 /// A `SubscribeToShard` event stream.
@@ -291,6 +295,8 @@ impl Events for KinesisEvents {
                         // The last subscription to the shard still holds it: try again after a
                         // back-off. (An event-stream error carries no error code, only its kind.)
                         Some(s) if s.is_resource_in_use_exception() => ReadError::Throttled,
+                        // The consumer or the shard is gone: the reader finds out which.
+                        Some(s) if s.is_resource_not_found_exception() => ReadError::NotFound,
                         _ => classify(e),
                     }
                 })?;
@@ -341,7 +347,7 @@ impl Subscribe for KinesisSubscriber {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .get(stream)
-                .cloned()
+                .map(|(arn, _)| arn.clone())
                 .ok_or_else(|| {
                     ReadError::Other(
                         format!("no enhanced fan-out consumer is registered for stream `{stream}`")
@@ -442,8 +448,41 @@ impl KinesisSubscriber {
         self.consumers
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(stream.to_string(), arn.clone());
+            .insert(stream.to_string(), (arn.clone(), name));
         Ok(arn)
+    }
+
+    /// The consumer registered for `stream` is known to be gone: DescribeStreamConsumer by its
+    /// ARN answers ResourceNotFoundException, or describes it `DELETING`. Any other answer (an
+    /// error, a consumer in another state) is not taken for gone.
+    async fn gone(&self, stream: &str) -> Option<Error> {
+        let (arn, name) = self
+            .consumers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(stream)
+            .cloned()?;
+        let answer = self
+            .client
+            .describe_stream_consumer()
+            .consumer_arn(arn)
+            .send()
+            .await;
+        let gone = match answer {
+            Err(e) => {
+                e.as_service_error()
+                    .and_then(|e| aws_sdk_kinesis::error::ProvideErrorMetadata::code(e))
+                    == Some("ResourceNotFoundException")
+            }
+            // Being deleted: as gone, it takes no subscription again.
+            Ok(out) => out
+                .consumer_description
+                .is_some_and(|c| c.consumer_status == ConsumerStatus::Deleting),
+        };
+        gone.then(|| Error::ConsumerGone {
+            stream: stream.to_string(),
+            consumer: name,
+        })
     }
 
     /// The ARN of the consumer named `name`, if the stream has one (ListStreamConsumers).
@@ -789,6 +828,10 @@ impl FanOutRecords {
                 millis_behind_latest: Some(millis_behind_latest),
             });
         }
+        // Two subscriptions in a row ended at once. The reader of a pushing source asks again
+        // without a pause, so the pause is here: a subscription a second per shard, the
+        // service's own limit for a consumer.
+        tokio::time::sleep(RESUBSCRIBE_PAUSE).await;
         Ok(Page {
             records: Vec::new(),
             next_iterator: Some(iterator.to_string()),
@@ -828,6 +871,19 @@ impl RecordSource for FanOutRecords {
         Box::pin(self.next_page(iterator))
     }
 
+    fn explain_not_found<'a>(
+        &'a self,
+        stream: &'a str,
+        _shard: &'a str,
+    ) -> BoxFuture<'a, Option<Error>> {
+        Box::pin(async move {
+            match &self.kinesis {
+                Some(kinesis) => kinesis.gone(stream).await,
+                None => None,
+            }
+        })
+    }
+
     fn release(&self, stream: &str, shard: &str) {
         self.open
             .lock()
@@ -857,6 +913,50 @@ mod tests {
             .validate("billing")
             .unwrap_err();
         assert_eq!(err.field(), "stall_timeout");
+    }
+
+    /// Subscriptions that end before their first event, counted.
+    #[derive(Debug, Default)]
+    struct EndAtOnce(std::sync::atomic::AtomicUsize);
+
+    struct Over;
+
+    impl Events for Over {
+        fn next(&mut self) -> BoxFuture<'_, Result<Option<Event>, ReadError>> {
+            Box::pin(async { Ok(None) })
+        }
+    }
+
+    impl Subscribe for EndAtOnce {
+        fn subscribe<'a>(
+            &'a self,
+            _stream: &'a str,
+            _shard: &'a str,
+            _from: &'a StartAt,
+        ) -> BoxFuture<'a, Result<Box<dyn Events>, ReadError>> {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Box::pin(async { Ok(Box::new(Over) as Box<dyn Events>) })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn subscriptions_that_end_at_once_are_made_at_most_twice_a_second() {
+        let subscriber = Arc::new(EndAtOnce::default());
+        let stream = crate::testing::MemoryStream::new("orders", 1);
+        let source = FanOutRecords::with(subscriber.clone(), Arc::new(stream), FanOut::new());
+        let iterator = source
+            .shard_iterator("orders", "shardId-000000000000", &StartAt::TrimHorizon)
+            .await
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        for _ in 0..5 {
+            let page = source.get_records(&iterator, 100).await.unwrap();
+            assert!(page.records.is_empty());
+            assert_eq!(page.next_iterator.as_deref(), Some(iterator.as_str()));
+        }
+        // The reader of a pushing source asks again at once: 5 asks, 10 subscriptions, 5 s.
+        assert_eq!(subscriber.0.load(std::sync::atomic::Ordering::Relaxed), 10);
+        assert!(started.elapsed() >= Duration::from_secs(5));
     }
 
     #[test]

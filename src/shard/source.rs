@@ -108,6 +108,18 @@ pub trait RecordSource: Send + Sync + fmt::Debug + 'static {
     /// The reader of `shard` stopped (its end, a handoff, a lost lease, a shutdown): whatever the
     /// source holds open for it can go.
     fn release(&self, _stream: &str, _shard: &str) {}
+
+    /// Why reading `shard` of `stream` answered [`ReadError::NotFound`] although the stream still
+    /// lists the shard, when the source can tell: enhanced fan-out's consumer was deregistered
+    /// ([`Error::ConsumerGone`](crate::Error::ConsumerGone)). `None` (the default): nothing
+    /// beyond the stream's own answer.
+    fn explain_not_found<'a>(
+        &'a self,
+        _stream: &'a str,
+        _shard: &'a str,
+    ) -> BoxFuture<'a, Option<crate::Error>> {
+        Box::pin(async { None })
+    }
 }
 
 /// [`RecordSource`] on the Kinesis API. It learns the service's clock from the `Date` header of

@@ -147,6 +147,19 @@ impl Live {
         }
     }
 
+    /// The stream's ARN (what stream consumers are registered under).
+    pub async fn stream_arn(&self, name: &str) -> String {
+        self.kinesis
+            .describe_stream_summary()
+            .stream_name(name)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("DescribeStreamSummary {name}: {e:?}"))
+            .stream_description_summary
+            .expect("a stream description")
+            .stream_arn
+    }
+
     /// Deletes a stream; a stream already gone is fine.
     pub async fn delete_stream(&self, name: &str) {
         let _ = self
