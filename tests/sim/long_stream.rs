@@ -14,6 +14,10 @@
 //! stamp, a third at LATEST (the day begins once every shard's start is pinned, with a burst; what
 //! was put before the workers started is not owed).
 //!
+//! About three seeds in ten read with enhanced fan-out (`testing::Subscriptions` over the stream:
+//! an event a second, subscriptions ended every 5 minutes and cut when the stream's iterator
+//! expires, so a day holds hundreds of resubscriptions per shard).
+//!
 //! Every worker runs on a host of its own whose wall clock is up to 9 s ahead or behind the
 //! stream's and drifts up to 10 ppm (0.9 s a day), the twin of worker 0 on another; the stream
 //! keeps the true time (`testing::HostClock`).
@@ -38,7 +42,11 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shardwise::lease::LeaseStore;
 use shardwise::lease::{Change, Checkpoint, InitialPosition, LeaseSettings, MemoryLeaseStore};
-use shardwise::testing::{Call, Faults, HostClock, Layer, Layered, MemoryStream, on_host};
+use shardwise::shard::fanout::{FanOut, FanOutRecords};
+use shardwise::shard::source::RecordSource;
+use shardwise::testing::{
+    Call, Faults, HostClock, Layer, Layered, MemoryStream, Subscriptions, on_host,
+};
 use shardwise::{Consumer, Delivery, Outcome, Running, SequenceNumber};
 use tokio::time::Instant;
 
@@ -191,6 +199,10 @@ struct World {
     next_process: u64,
     lanes: usize,
     poll: Duration,
+    /// Every worker reads with enhanced fan-out (`testing::Subscriptions` over the stream: an
+    /// event a second, each subscription ended after 5 minutes, cut when the stream's iterator
+    /// expires, throttled with the stream's reads).
+    fan_out: bool,
     initial: InitialPosition,
     records: u64,
     /// Each worker's host clock: ms ahead of the stream's (behind when negative), drift in ppm.
@@ -284,6 +296,8 @@ impl World {
             seed,
             lanes: rng.random_range(1..=4),
             poll: Duration::from_millis(rng.random_range(500..=5_000)),
+            // Its own generator: the other draws of a seed stay as they were.
+            fan_out: StdRng::seed_from_u64(seed ^ 0x0fa0_0e70).random_bool(0.3),
             rng,
             stream,
             store: Arc::new(Layered::new(Arc::new(memory.clone()), watchdog)),
@@ -411,6 +425,15 @@ impl World {
             }
         };
         let stream = Arc::new(self.stream.clone());
+        let source: Arc<dyn RecordSource> = if self.fan_out {
+            Arc::new(FanOutRecords::with(
+                Arc::new(Subscriptions::over(stream.clone())),
+                stream.clone(),
+                FanOut::new(),
+            ))
+        } else {
+            stream.clone()
+        };
         // Worker 0's twin (worker 0 up) runs on the last host.
         let host = if self.workers[n].is_some() {
             self.clocks.len() - 1
@@ -433,7 +456,7 @@ impl World {
                 self.store.clone(),
                 self.links[host].clone(),
             )))
-            .record_source(stream.clone())
+            .record_source(source)
             .shard_lister(stream.clone())
             .record_sink(stream)
             .hooks(Arc::new(Holds {
@@ -544,6 +567,9 @@ impl World {
     async fn run(mut self) -> SeedResult {
         let clocks = format!("host clocks (ms ahead, ppm) {:?}", self.clocks);
         self.event(clocks);
+        if self.fan_out {
+            self.event("reading with enhanced fan-out".to_string());
+        }
         let mut burst_first = false;
         if self.initial == InitialPosition::Latest {
             if !self.begin_at_latest().await {
