@@ -14,7 +14,8 @@
 //!    a consumer (a new application, and the same one started again), alternating rounds;
 //! 8. fanout: enhanced fan-out against polling in one run: put-to-handler delay at 200 records/s
 //!    over 4 shards (p50, p99), in memory with a push every 20 ms for 30 s, and on kinesis-mock
-//!    for 60 s; and records/s reading a full stream on kinesis-mock.
+//!    for 60 s; and records/s reading a full stream, in memory (200,000 records, the push as
+//!    prompt as the reader) and on kinesis-mock.
 //!
 //! Parts 3 to 5, 7 and 8 need the emulators (`envs=$(scripts/emulators start) && eval "$envs"`) and are
 //! skipped without `AWS_ENDPOINT_URL_KINESIS`. Name parts to run only those:
@@ -966,6 +967,70 @@ async fn fanout_memory(seconds: u64, rate: u64) {
     );
 }
 
+/// In memory: a full stream of `n` records over 4 shards read from the start by a polling
+/// consumer (default settings: pages of up to 10,000 records, the next asked for at once while
+/// pages bring records) and by a fan-out consumer (`testing::Subscriptions` pushing the next
+/// event, up to 10,000 records, as soon as the reader took the last). Records/s from the first
+/// record to the last, median of `rounds`: what each read path and the pipeline behind it carry
+/// when the service is not the limit (on Kinesis both are held to 2 MB/s per shard for one
+/// application; polling's is shared with every other reader of the stream, fan-out's is each
+/// application's own).
+async fn fanout_memory_full(n: u64, rounds: usize) {
+    let stream = MemoryStream::new("fanout-full", 4);
+    for i in 0..n {
+        stream.put(&format!("key-{}", i % 64), format!("{{\"id\":{i}}}"));
+    }
+    let (mut poll, mut efo) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        for fan_out in [false, true] {
+            let handled = Arc::new(AtomicU64::new(0));
+            let mut builder = Consumer::builder(
+                stream.name(),
+                if fan_out { "efo" } else { "poll" },
+                timed(Arc::default(), handled.clone()),
+            )
+            .worker_id("bench")
+            .lanes(4)
+            .in_memory(&stream, &MemoryLeaseStore::new());
+            if fan_out {
+                builder =
+                    builder.record_source(Arc::new(shardwise::shard::fanout::FanOutRecords::with(
+                        Arc::new(
+                            shardwise::testing::Subscriptions::over(Arc::new(stream.clone()))
+                                .every(Duration::ZERO),
+                        ),
+                        Arc::new(stream.clone()),
+                        shardwise::shard::fanout::FanOut::new(),
+                    )));
+            }
+            let running = builder.build().unwrap().run().await.unwrap();
+            while handled.load(Ordering::Relaxed) == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let first = Instant::now();
+            while handled.load(Ordering::Relaxed) < n {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let rate = n as f64 / first.elapsed().as_secs_f64();
+            running.shutdown(Duration::from_secs(5)).await;
+            if fan_out { &mut efo } else { &mut poll }.push(rate);
+        }
+    }
+    let rounds_of = |v: &[f64]| {
+        v.iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "fan-out vs polling in memory, a full stream of {n} records over 4 shards read from the start, records/s from the first record to the last (median of {rounds}): polling {:.0} ({}), fan-out {:.0} ({})",
+        quantile(&mut poll.clone(), 0.5),
+        rounds_of(&poll),
+        quantile(&mut efo.clone(), 0.5),
+        rounds_of(&efo),
+    );
+}
+
 fn main() {
     let benching = std::env::args().any(|a| a == "--bench");
     let scale = if benching {
@@ -1023,6 +1088,11 @@ fn main() {
         }
         if part("fanout") {
             fanout_memory(if benching { 30 } else { 1 }, 200).await;
+            if benching {
+                fanout_memory_full(200_000, 3).await;
+            } else {
+                fanout_memory_full(400, 1).await;
+            }
         }
         if benching && part("fanout") {
             fanout(60, 200, scale.live_records).await;
