@@ -337,6 +337,18 @@ impl Proxy {
         }
     }
 
+    /// A Kinesis client whose requests go through this proxy.
+    async fn client(&self) -> aws_sdk_kinesis::Client {
+        let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+            .load()
+            .await;
+        aws_sdk_kinesis::Client::from_conf(
+            aws_sdk_kinesis::config::Builder::from(&config)
+                .endpoint_url(&self.url)
+                .build(),
+        )
+    }
+
     /// Closes every connection open now.
     fn cut(&self) {
         for (task, _) in self.connections.lock().unwrap().drain(..) {
@@ -388,14 +400,7 @@ async fn subscriptions_cut_or_stalled_mid_stream_lose_and_repeat_nothing() {
     let app = support::unique_name("efo-cut-app");
     live.create_stream(&stream, 2).await;
     let proxy = Proxy::start(&std::env::var("AWS_ENDPOINT_URL_KINESIS").unwrap()).await;
-    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
-        .load()
-        .await;
-    let through_proxy = aws_sdk_kinesis::Client::from_conf(
-        aws_sdk_kinesis::config::Builder::from(&config)
-            .endpoint_url(&proxy.url)
-            .build(),
-    );
+    let through_proxy = proxy.client().await;
     let fan_out = FanOut::new()
         .stall_timeout(Duration::from_secs(2))
         .end_check_interval(Duration::from_secs(3600));
@@ -524,14 +529,7 @@ async fn a_consumer_deregistered_under_a_running_application_stops_it_naming_the
         put(&live, &stream, &format!("k{}", i % 4), format!("first-{i}")).await;
     }
     let proxy = Proxy::start(&std::env::var("AWS_ENDPOINT_URL_KINESIS").unwrap()).await;
-    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
-        .load()
-        .await;
-    let through_proxy = aws_sdk_kinesis::Client::from_conf(
-        aws_sdk_kinesis::config::Builder::from(&config)
-            .endpoint_url(&proxy.url)
-            .build(),
-    );
+    let through_proxy = proxy.client().await;
     let start = |client: aws_sdk_kinesis::Client, seen: Seen| {
         let (stream, app) = (stream.clone(), app.clone());
         async move {
