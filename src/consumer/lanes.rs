@@ -18,9 +18,12 @@
 //! handler answers with a retry, or with effects whose commit may be refused: the key's later
 //! deliveries are put aside, in order, while other keys go on, until the delivery comes back
 //! ([`Work::Again`]) and succeeds, or the pipeline unparks the key once its outcome is durable
-//! ([`Work::Unpark`]).
+//! ([`Work::Unpark`]). Several deliveries of one key may park it together (a batch answered with
+//! a retry for more than one of them): the key stays parked until each has come back and
+//! succeeded or been given up, and their next attempts run one at a time in shard order, each
+//! back-off notwithstanding (a later one that comes back first waits for the earlier).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::hash::BuildHasher;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -106,9 +109,9 @@ pub(crate) enum Work {
     /// The next attempt of the delivery that parked its key: it runs though the key is parked,
     /// and its success unparks the key.
     Again(Delivery),
-    /// The delivery that parked this key will not run again (spent, held, or given up): the
-    /// key's deliveries put aside run now, in order.
-    Unpark(String),
+    /// A delivery that parked this key will not run again (spent, held, or given up): once no
+    /// other delivery of the key waits to run again, the key's deliveries put aside run, in order.
+    Unpark(String, Option<crate::track::DeliveryId>),
 }
 
 /// What a lane finished since it last waited, in the order it finished them.
@@ -272,7 +275,10 @@ impl Lanes {
         self.finished(delivery);
         self.flush();
         if let Some(sender) = self.senders.get(delivery.lane()) {
-            let _ = sender.send(Work::Unpark(delivery.partition_key().to_string()));
+            let _ = sender.send(Work::Unpark(
+                delivery.partition_key().to_string(),
+                delivery.id(),
+            ));
         }
     }
 
@@ -308,10 +314,24 @@ struct LaneQueue {
     done: FinishedRun,
     /// Whether a retry parks its key.
     park_retries: bool,
-    /// Parked keys, each with its deliveries put aside, in the order they came.
-    parked: HashMap<String, VecDeque<Delivery>>,
+    /// Parked keys: the deliveries that parked each, and what waits behind them.
+    parked: HashMap<String, Parked>,
+    /// Next attempts of parked deliveries whose turn it is: they run before anything queued.
+    ready_again: VecDeque<Delivery>,
     /// Deliveries sent back to run again while their key is parked, running now.
     again: Vec<crate::track::DeliveryId>,
+}
+
+/// One parked key.
+#[derive(Debug, Default)]
+struct Parked {
+    /// The key's deliveries that parked it and have neither come back and succeeded nor been
+    /// given up: its next attempts run in this order.
+    waiting: BTreeSet<crate::track::DeliveryId>,
+    /// Next attempts that came back while an earlier delivery of the key still waits.
+    held: BTreeMap<crate::track::DeliveryId, Delivery>,
+    /// The key's other deliveries, put aside in the order they came.
+    aside: VecDeque<Delivery>,
 }
 
 /// The shard's pipeline is gone: the lane ends.
@@ -323,6 +343,9 @@ impl LaneQueue {
     /// `None`: nothing more will come.
     async fn next(&mut self) -> Option<Delivery> {
         loop {
+            if let Some(delivery) = self.ready_again.pop_front() {
+                return Some(delivery);
+            }
             let delivery = match self.queued.pop_front() {
                 Some(delivery) => delivery,
                 None => match self.receive().await? {
@@ -332,19 +355,27 @@ impl LaneQueue {
                         continue;
                     }
                     Work::Again(delivery) => {
+                        // Behind an earlier delivery of its key that waits to run again.
+                        if let (Some(id), Some(parked)) =
+                            (delivery.id(), self.parked.get_mut(delivery.partition_key()))
+                            && parked.waiting.first().is_some_and(|first| *first < id)
+                        {
+                            parked.held.insert(id, delivery);
+                            continue;
+                        }
                         self.again.extend(delivery.id());
                         return Some(delivery);
                     }
-                    Work::Unpark(key) => {
-                        self.unpark(&key);
+                    Work::Unpark(key, id) => {
+                        self.given_up(&key, id);
                         continue;
                     }
                 },
             };
             if !self.parked.is_empty()
-                && let Some(aside) = self.parked.get_mut(delivery.partition_key())
+                && let Some(parked) = self.parked.get_mut(delivery.partition_key())
             {
-                aside.push_back(delivery);
+                parked.aside.push_back(delivery);
                 continue;
             }
             return Some(delivery);
@@ -384,19 +415,42 @@ impl LaneQueue {
         if parks(self.park_retries, &delivery, &done) {
             self.parked
                 .entry(delivery.partition_key().to_string())
-                .or_default();
+                .or_default()
+                .waiting
+                .extend(delivery.id());
         } else if again {
-            self.unpark(delivery.partition_key());
+            self.given_up(delivery.partition_key(), delivery.id());
         }
         self.done.push(Finished { delivery, done });
     }
 
-    /// The deliveries of `key` put aside run next, in the order they came.
-    fn unpark(&mut self, key: &str) {
-        if let Some(aside) = self.parked.remove(key) {
-            for delivery in aside.into_iter().rev() {
-                self.queued.push_front(delivery);
+    /// The delivery `id` of `key` waits to run again no more (it succeeded, or will not run
+    /// again: `None`, any of them): the next one's attempt runs if it came back, and once none
+    /// waits, the key's deliveries put aside run, in the order they came.
+    fn given_up(&mut self, key: &str, id: Option<crate::track::DeliveryId>) {
+        let Some(parked) = self.parked.get_mut(key) else {
+            return;
+        };
+        match id {
+            Some(id) => {
+                parked.waiting.remove(&id);
             }
+            None => parked.waiting.clear(),
+        }
+        if let Some(&first) = parked.waiting.first() {
+            if let Some(delivery) = parked.held.remove(&first) {
+                self.again.push(first);
+                self.ready_again.push_back(delivery);
+            }
+            return;
+        }
+        let parked = self.parked.remove(key).expect("looked up above");
+        for (id, delivery) in parked.held {
+            self.again.push(id);
+            self.ready_again.push_back(delivery);
+        }
+        for delivery in parked.aside.into_iter().rev() {
+            self.queued.push_front(delivery);
         }
     }
 
@@ -437,6 +491,7 @@ async fn run_lane<H: Handler>(
         done: Vec::new(),
         park_retries: settings.park_retries,
         parked: HashMap::new(),
+        ready_again: VecDeque::new(),
         again: Vec::new(),
     };
     loop {
