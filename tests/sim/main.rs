@@ -135,6 +135,32 @@ fn args() -> Args {
     args
 }
 
+/// Where two runs of a seed part, within the trace lines they kept (`SHARDWISE_SIM_TRACE`
+/// lines: set it high enough to keep whole runs).
+fn first_difference(a: &world::SeedResult, b: &world::SeedResult) {
+    let same = a
+        .trace
+        .iter()
+        .zip(&b.trace)
+        .take_while(|(x, y)| x == y)
+        .count();
+    eprintln!(
+        "  the kept traces ({} and {} lines) part after {same} equal lines:",
+        a.trace.len(),
+        b.trace.len()
+    );
+    for (i, (x, y)) in a
+        .trace
+        .iter()
+        .zip(&b.trace)
+        .enumerate()
+        .skip(same.saturating_sub(5))
+        .take(12)
+    {
+        eprintln!("  {i:6} {x}\n         {y}");
+    }
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -206,6 +232,7 @@ fn main() {
                 hex(&a.hash),
                 hex(&b.hash)
             );
+            first_difference(&a, &b);
         }
     }
     for seed in args.from..args.from + args.paged.min(DETERMINISM_CHECKS / 4) {
@@ -217,6 +244,7 @@ fn main() {
                 hex(&a.hash),
                 hex(&b.hash)
             );
+            first_difference(&a, &b);
         }
     }
     failed |= run_world(&args, "", args.seeds, world::run_seed);
