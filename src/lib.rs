@@ -21,6 +21,10 @@
 //! - [`seek`]: moving checkpoints, to a time or a place.
 //! - [`frontier`]: how far the whole stream is complete.
 //! - [`consumer`]: the [`Consumer`] that runs all of the above, its settings and its health.
+//! - `observe` (feature `observability`): metrics to Prometheus and CloudWatch (EMF), and
+//!   `/metrics`, `/healthz`, `/readyz` over HTTP. Without a [`metrics`] recorder installed (that
+//!   feature's `observe::Metrics`, or any other) the library's metrics are dropped:
+//!   `shardwise::observe::Metrics::builder().prometheus().install()?` is the one line.
 //! - `testing` (feature `testing`): in-memory streams and stores with faults, the scripted event
 //!   API, and the pieces the consumer runs inside (the tracker, `track`; the lease manager) for
 //!   tests that drive them alone.
@@ -49,6 +53,8 @@ pub mod frontier;
 mod handler;
 pub mod kpl;
 pub mod lease;
+#[cfg(feature = "observability")]
+pub mod observe;
 pub mod paged;
 pub mod position;
 pub mod producer;

@@ -18,6 +18,7 @@ use shardwise::lease::LeaseSettings;
 use shardwise::shard::fanout::{APPLICATION_TAG, FanOut};
 use shardwise::{Consumer, ConsumerBuilder, Delivery, Error, Outcome, kpl};
 use support::Live;
+use support::proxy::Proxy;
 
 /// (payload, partition key, shard, sequence, sub-sequence)
 type Seen = Arc<Mutex<Vec<(String, String, String, String, u64)>>>;
@@ -286,108 +287,6 @@ async fn a_consumer_name_of_another_application_is_reported_not_used() {
         eprintln!("{err}");
     }
     live.delete_stream(&stream).await;
-}
-
-/// The proxy's open connections: each one's task, and whether it is frozen.
-type Connections = Arc<Mutex<Vec<(tokio::task::AbortHandle, Arc<std::sync::atomic::AtomicBool>)>>>;
-
-/// A TCP proxy in front of kinesis-mock whose connections the test can cut (closed at once) or
-/// freeze (kept open, nothing forwarded either way until the client closes its end).
-struct Proxy {
-    url: String,
-    connections: Connections,
-    accepted: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl Proxy {
-    async fn start(upstream: &str) -> Proxy {
-        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-        let upstream = upstream
-            .trim_start_matches("http://")
-            .trim_end_matches('/')
-            .to_string();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let connections: Connections = Arc::default();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let (conns, count) = (connections.clone(), accepted.clone());
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                count.fetch_add(1, Ordering::SeqCst);
-                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
-                    continue;
-                };
-                let frozen = Arc::new(AtomicBool::new(false));
-                let f = frozen.clone();
-                let task = tokio::spawn(async move {
-                    let (cr, cw) = client.into_split();
-                    let (sr, sw) = server.into_split();
-                    tokio::select! {
-                        _ = pipe(cr, sw, f.clone()) => {}
-                        _ = pipe(sr, cw, f) => {}
-                    }
-                });
-                conns.lock().unwrap().push((task.abort_handle(), frozen));
-            }
-        });
-        Proxy {
-            url,
-            connections,
-            accepted,
-        }
-    }
-
-    /// A Kinesis client whose requests go through this proxy.
-    async fn client(&self) -> aws_sdk_kinesis::Client {
-        let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
-            .load()
-            .await;
-        aws_sdk_kinesis::Client::from_conf(
-            aws_sdk_kinesis::config::Builder::from(&config)
-                .endpoint_url(&self.url)
-                .build(),
-        )
-    }
-
-    /// Closes every connection open now.
-    fn cut(&self) {
-        for (task, _) in self.connections.lock().unwrap().drain(..) {
-            task.abort();
-        }
-    }
-
-    /// Stops forwarding on every connection open now.
-    fn freeze(&self) {
-        for (_, frozen) in self.connections.lock().unwrap().iter() {
-            frozen.store(true, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-
-    fn accepted(&self) -> usize {
-        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
-    }
-}
-
-/// Copies `from` to `to` until either closes; frozen, it reads and drops.
-async fn pipe(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    frozen: Arc<std::sync::atomic::AtomicBool>,
-) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        if frozen.load(std::sync::atomic::Ordering::SeqCst) {
-            continue;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
 }
 
 /// Subscriptions cut mid-stream (their connections closed) and one that stalls (open, but no

@@ -18,6 +18,10 @@ pub struct Health {
     /// Since the oldest held lease was last renewed (`None` when nothing is held). Above the
     /// lease duration, other workers may already see the lease expired.
     pub since_renewal: Option<Duration>,
+    /// Since this worker's last beat that landed (beats go out every renew interval whether
+    /// leases are held or not). Above the lease duration the lease table has not answered this
+    /// worker for that long: it holds only leases it can still renew, and takes none.
+    pub since_beat: Duration,
     /// The lease duration the renewals are measured against.
     pub lease_duration: Duration,
     /// Each shard being read here.
@@ -107,6 +111,13 @@ impl Health {
             problems.push(format!(
                 "lease renewals stalled: the oldest held lease was renewed {:.1} s ago (lease duration {:.1} s)",
                 since.as_secs_f64(),
+                self.lease_duration.as_secs_f64()
+            ));
+        }
+        if self.since_beat > self.lease_duration && !self.stopping {
+            problems.push(format!(
+                "lease table not answering: this worker's last beat landed {:.1} s ago (lease duration {:.1} s); it takes no lease until one lands",
+                self.since_beat.as_secs_f64(),
                 self.lease_duration.as_secs_f64()
             ));
         }
@@ -270,6 +281,7 @@ mod tests {
         let health = |board: &Board| Health {
             leases_held: 1,
             since_renewal: Some(Duration::from_secs(2)),
+            since_beat: Duration::from_secs(2),
             lease_duration: Duration::from_secs(10),
             shards: board.shards(),
             stuck_writes: 0,
@@ -325,6 +337,7 @@ mod tests {
         let health = Health {
             leases_held: 3,
             since_renewal: Some(Duration::from_secs(11)),
+            since_beat: Duration::from_secs(1),
             lease_duration: Duration::from_secs(10),
             shards: vec![],
             stuck_writes: 2,
@@ -337,5 +350,33 @@ mod tests {
             problems[0].starts_with("lease renewals stalled"),
             "{problems:?}"
         );
+    }
+
+    #[test]
+    fn a_lease_table_silent_for_longer_than_the_lease_duration_is_a_problem_until_stopping() {
+        let mut health = Health {
+            leases_held: 0,
+            since_renewal: None,
+            since_beat: Duration::from_secs(11),
+            lease_duration: Duration::from_secs(10),
+            shards: vec![],
+            stuck_writes: 0,
+            stopping: false,
+            worker_id_in_use: false,
+        };
+        let problems = health.problems(HealthLimits::default());
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].starts_with(
+                "lease table not answering: this worker's last beat landed 11.0 s ago"
+            ),
+            "{problems:?}"
+        );
+        health.since_beat = Duration::from_secs(10);
+        assert!(health.problems(HealthLimits::default()).is_empty());
+        // A stopped worker beats no more: that is not a fault.
+        health.since_beat = Duration::from_secs(60);
+        health.stopping = true;
+        assert!(health.problems(HealthLimits::default()).is_empty());
     }
 }

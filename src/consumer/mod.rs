@@ -1054,6 +1054,40 @@ pub struct Running {
     fatal: tokio::sync::watch::Receiver<Option<Arc<Error>>>,
 }
 
+/// Reads a consumer's [`Health`] ([`Running::health_probe`]). Cloning shares it.
+#[derive(Clone)]
+pub struct HealthProbe {
+    leases: crate::lease::LeaseProbe,
+    board: health::Board,
+    lease_duration: Duration,
+    stuck: StuckWrites,
+    stop: CancellationToken,
+}
+
+impl HealthProbe {
+    /// The consumer's health now (see [`Running::health`]).
+    pub fn health(&self) -> Health {
+        Health {
+            leases_held: self.leases.held(),
+            since_renewal: self.leases.oldest_renewal(),
+            since_beat: self.leases.since_beat(),
+            lease_duration: self.lease_duration,
+            shards: self.board.shards(),
+            stuck_writes: self.stuck.list().len(),
+            stopping: self.stop.is_cancelled(),
+            worker_id_in_use: self.leases.gave_way(),
+        }
+    }
+}
+
+impl std::fmt::Debug for HealthProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HealthProbe")
+            .field("lease_duration", &self.lease_duration)
+            .finish_non_exhaustive()
+    }
+}
+
 /// What a shutdown did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -1103,14 +1137,20 @@ impl Running {
     /// # }
     /// ```
     pub fn health(&self) -> Health {
-        Health {
-            leases_held: self.leases.held(),
-            since_renewal: self.leases.oldest_renewal(),
+        self.health_probe().health()
+    }
+
+    /// A handle that reads this consumer's [`Health`] for as long as it is kept, also after
+    /// [`shutdown`](Self::shutdown) took the consumer (it then says `stopping`): for a health
+    /// endpoint that outlives the consumer or is served before it starts (the `observability`
+    /// feature's endpoints keep one).
+    pub fn health_probe(&self) -> HealthProbe {
+        HealthProbe {
+            leases: self.leases.clone(),
+            board: self.health.clone(),
             lease_duration: self.lease_duration,
-            shards: self.health.shards(),
-            stuck_writes: self.stuck.list().len(),
-            stopping: self.stop.is_cancelled(),
-            worker_id_in_use: self.leases.gave_way(),
+            stuck: self.stuck.clone(),
+            stop: self.stop.clone(),
         }
     }
 
@@ -1296,7 +1336,10 @@ async fn supervise<H: Handler>(
     }
     manager.stop_taking();
     loop {
+        // Biased, as every select here: with a shard's exit and an exit task's end both ready,
+        // an unbiased select picks one at random, and a seed's simulation would not repeat.
         tokio::select! {
+            biased;
             Some(exit) = shards.join_next_with_id() => {
                 exits.spawn(exit_task(exit, &mut tasks, true));
             }

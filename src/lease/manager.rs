@@ -767,6 +767,12 @@ impl LeaseProbe {
         matches!(self.0.liveness.twin(), Twin::Running { newer: false, .. })
     }
 
+    /// Since this worker's last beat that landed was sent: how long the lease table has not
+    /// answered this worker (beats go out every renew interval, held leases or not).
+    pub fn since_beat(&self) -> Duration {
+        self.0.liveness.last_beat().elapsed()
+    }
+
     /// Since the held lease renewed longest ago was last renewed (`None`: none held).
     pub fn oldest_renewal(&self) -> Option<Duration> {
         self.0

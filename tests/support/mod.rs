@@ -7,6 +7,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod calls;
+pub mod proxy;
 pub mod wait;
 
 use std::net::ToSocketAddrs;
