@@ -8,7 +8,8 @@ shardwise writes one JSON object per delivery on this program's stdin, one per l
 
     {"id": 17, "stream": "orders", "shard": "shardId-000000000000",
      "sequence": "4959...", "subsequence": 0, "partition_key": "key-3",
-     "attempt": 1, "arrived_ms": 1764452220123, "data": "{\"id\":7}"}
+     "attempt": 1, "idempotency_key": "kinesis/orders/shardId-000000000000/4959....0",
+     "origin": {...}, "arrived_ms": 1764452220123, "data": "{\"id\":7}"}
 
 (`data_b64` instead of `data` when the payload is not UTF-8), and reads one answer per line on
 stdout, naming the delivery by its `id`:
@@ -19,9 +20,11 @@ An outcome is "ack", "drop", "retry", {"retry_after_ms": N}, or with --receipts
 {"hold": "reason"} or {"quarantine": "reason"}. With `--batch N` a line carries a batch,
 {"id": B, "batch": [delivery, ...]}, answered with
 {"id": B, "outcomes": [{"id": ..., "outcome": ...}, ...]} (a delivery left out is retried).
+When the worker starts shutting down, a line {"shutdown": {"deadline_ms": N}} comes first; this
+program skips it, and any other line without an "id".
 
 Anything else goes to stderr, which shardwise passes to its log. If this program exits, hangs
-past --handler-timeout-ms or prints something that is not an answer, shardwise starts it again
+past --handler-timeout or prints something that is not an answer, shardwise starts it again
 and sends it the deliveries it left unanswered: nothing is lost, and nothing needs saving here.
 
 This example acks records whose payload is JSON with an "id", drops any other payload (a poison
@@ -58,6 +61,8 @@ def main():
     print(f"exec_handler.py started (child {os.environ.get('SHARDWISE_CHILD')})", file=sys.stderr)
     for line in sys.stdin:
         request = json.loads(line)
+        if "id" not in request:
+            continue
         if "batch" in request:
             outcomes = [{"id": d["id"], "outcome": handle(d)} for d in request["batch"]]
             answer = {"id": request["id"], "outcomes": outcomes}

@@ -11,7 +11,7 @@
 //!
 //! ```sh
 //! envs=$(scripts/emulators start) && eval "$envs"
-//! cargo run -- stream create graceful --shards 2 && cargo run -- put --stream graceful --count 50
+//! cargo run -p shardwise-cli -- stream create graceful --shards 2 && cargo run -p shardwise-cli -- put --stream graceful --count 50
 //! cargo run --example graceful_shutdown -- graceful 10    # then ctrl-c, or kill -TERM <pid>
 //! ```
 use std::time::Duration;

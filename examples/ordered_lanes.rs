@@ -18,7 +18,7 @@
 //!
 //! ```sh
 //! envs=$(scripts/emulators start) && eval "$envs"
-//! cargo run -- stream create ordered --shards 2 && cargo run -- put --stream ordered --count 2000
+//! cargo run -p shardwise-cli -- stream create ordered --shards 2 && cargo run -p shardwise-cli -- put --stream ordered --count 2000
 //! cargo run --example ordered_lanes -- ordered
 //! ```
 use std::collections::HashMap;

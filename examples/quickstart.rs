@@ -5,7 +5,7 @@
 //!
 //! ```sh
 //! envs=$(scripts/emulators start) && eval "$envs"
-//! cargo run -- stream create orders --shards 2 && cargo run -- put --stream orders --count 100
+//! cargo run -p shardwise-cli -- stream create orders --shards 2 && cargo run -p shardwise-cli -- put --stream orders --count 100
 //! cargo run --example quickstart -- orders
 //! ```
 use std::time::Duration;

@@ -8,13 +8,13 @@
 //!
 //! ```sh
 //! envs=$(scripts/emulators start) && eval "$envs"
-//! cargo run -- stream create shared --shards 4 && cargo run -- put --stream shared --count 1000
+//! cargo run -p shardwise-cli -- stream create shared --shards 4 && cargo run -p shardwise-cli -- put --stream shared --count 1000
 //! cargo run --example several_workers -- shared
 //! ```
 //!
-//! Separate processes behave the same: run `cargo run -- consume --stream shared --app APP
+//! Separate processes behave the same: run `cargo run -p shardwise-cli -- consume --stream shared --app APP
 //! --worker-id w1` in one terminal and `... --worker-id w2` in another, and watch
-//! `cargo run -- leases --app APP`. With `kill -9` instead of a graceful stop, the other worker
+//! `cargo run -p shardwise-cli -- leases --app APP`. With `kill -9` instead of a graceful stop, the other worker
 //! takes the shards only once their leases expire (10 s by default); `scripts/demo` shows that.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -67,13 +67,25 @@ impl Ctx {
 pub(crate) const DEFAULT_LOG_FILTER: &str = "warn";
 
 /// Logs to stderr, filtered by `RUST_LOG` (default [`DEFAULT_LOG_FILTER`]).
-pub(crate) fn init_logging() {
+pub(crate) fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(io::stderr)
-        .init();
+        .with_writer(io::stderr);
+    match format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().with_current_span(true).init(),
+    }
+}
+
+/// `--log-format`: how log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum LogFormat {
+    /// For people (the default).
+    Text,
+    /// One JSON object per line: timestamp, level, target, fields, spans.
+    Json,
 }
 
 /// Prints `error: <message>` and every cause to stderr; the exit status for a failure.

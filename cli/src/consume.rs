@@ -5,6 +5,7 @@
 use std::io::Write;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
@@ -12,11 +13,11 @@ use std::time::{Duration, SystemTime};
 use anyhow::{Context, bail};
 use aws_config::SdkConfig;
 use base64::Engine;
-use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
 use shardwise::consumer::{OnSpent, RetryMode, Settled};
 use shardwise::destination::{Destination, S3Destination, SqsDestination};
 use shardwise::lease::{Billing, InitialPosition, LeaseSettings, TableOptions};
+use shardwise::observe::Metrics;
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
 use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, SourceRetention, key};
 use shardwise::shard::discovery::{KinesisShards, ShardLister};
@@ -28,81 +29,92 @@ use shardwise::{
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::common::{Ctx, Result};
-use crate::exec::{Exec, ExecSettings, ExecStats, STOP_GRACE};
+use crate::exec::runner::{LAMBDA_MAX_TIMEOUT, Runner, Runtime, parse_runtime};
+use crate::exec::{EventSource, Exec, ExecSettings, Format, STOP_GRACE};
 use crate::flag_error::{Source, invalid_setting};
-use crate::observe::Observed;
 use crate::target::{START_VALUES, parse_start, time_help};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
     /// The stream to consume.
-    #[arg(long, value_name = "STREAM", required_unless_present = "log_group")]
+    #[arg(
+        long,
+        env = "SHARDWISE_STREAM",
+        value_name = "STREAM",
+        required_unless_present = "log_group"
+    )]
     stream: Option<String>,
 
     /// Instead of a stream: a CloudWatch Logs log group, each log stream a partition read with
     /// `GetLogEvents` (lines then carry `partition`, `position`, `id` and `timestamp`).
-    #[arg(long, value_name = "GROUP", conflicts_with = "stream")]
+    #[arg(
+        long,
+        env = "SHARDWISE_LOG_GROUP",
+        value_name = "GROUP",
+        conflicts_with = "stream"
+    )]
     log_group: Option<String>,
 
     /// With --log-group: read the whole group by timestamp through `FilterLogEvents` instead,
     /// checkpointed by closing timestamp groups (`closed_through` in `leases --json`); `id` is the
     /// event's `eventId`, `partition` the log group.
-    #[arg(long, requires = "log_group")]
+    #[arg(long, env = "SHARDWISE_BY_TIMESTAMP", requires = "log_group")]
     by_timestamp: bool,
 
     /// With --by-timestamp: how far behind the present a poll stops, e.g. `5m`, `30s` (default
     /// 5m). Events are read, and their timestamp groups closed, once they are this old: it
     /// covers the delay before CloudWatch can search an event, and clock skew.
-    #[arg(long, value_name = "DURATION", requires = "by_timestamp", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "SHARDWISE_CLOSE_HORIZON", value_name = "DURATION", requires = "by_timestamp", value_parser = humantime::parse_duration)]
     close_horizon: Option<Duration>,
 
     /// With --by-timestamp: how late (behind the close horizon) an event may arrive and still be
     /// handled, e.g. `10m`, `2h`, `14d` (default 1h; CloudWatch takes events up to 14 days old).
     /// An audit reads this window again every 5 minutes; its events' identities are kept in
     /// memory (16 bytes each).
-    #[arg(long, value_name = "DURATION", requires = "by_timestamp", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "SHARDWISE_LATENESS", value_name = "DURATION", requires = "by_timestamp", value_parser = humantime::parse_duration)]
     lateness: Option<Duration>,
 
     /// The application, shared by every worker of the application; names the lease table unless
     /// --lease-table does.
-    #[arg(long, value_name = "APP")]
+    #[arg(long, env = "SHARDWISE_APP", value_name = "APP")]
     app: String,
 
     /// The DynamoDB lease table (default: the application's name).
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, env = "SHARDWISE_LEASE_TABLE", value_name = "NAME")]
     lease_table: Option<String>,
 
     /// How the lease table is billed when this worker creates it: on demand, or provisioned read
     /// and write capacity units.
-    #[arg(long, value_name = "on-demand|provisioned:READ,WRITE", default_value = "on-demand", value_parser = parse_billing)]
+    #[arg(long, env = "SHARDWISE_BILLING_MODE", value_name = "on-demand|provisioned:READ,WRITE", default_value = "on-demand", value_parser = parse_billing)]
     billing_mode: Billing,
 
     /// A tag of the lease table when this worker creates it (repeat for more).
-    #[arg(long = "tag", value_name = "KEY=VALUE", value_parser = parse_tag)]
+    #[arg(long = "tag", env = "SHARDWISE_TAG", value_name = "KEY=VALUE", value_parser = parse_tag)]
     tags: Vec<(String, String)>,
 
     /// Turn on point-in-time recovery (continuous backups) of the lease table, new or existing.
-    #[arg(long)]
+    #[arg(long, env = "SHARDWISE_POINT_IN_TIME_RECOVERY")]
     point_in_time_recovery: bool,
 
     /// This worker's id in the lease table (default: host name, process id and a random part).
-    #[arg(long, value_name = "ID")]
+    #[arg(long, env = "SHARDWISE_WORKER_ID", value_name = "ID")]
     worker_id: Option<String>,
 
     /// Lanes per shard.
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    #[arg(long, env = "SHARDWISE_LANES", value_name = "N", default_value_t = 1)]
     lanes: usize,
 
     /// Order between lanes: per partition key, or none.
-    #[arg(long, value_name = "per-key|none", default_value = "per-key", value_parser = parse_ordering)]
+    #[arg(long, env = "SHARDWISE_ORDERING", value_name = "per-key|none", default_value = "per-key", value_parser = parse_ordering)]
     ordering: DeliveryOrder,
 
-    /// Time each delivery takes in the handler.
-    #[arg(long, value_name = "MS", default_value_t = 0)]
-    handler_delay_ms: u64,
+    /// Time each delivery takes in the built-in handler, e.g. `5ms`.
+    #[arg(long, env = "SHARDWISE_HANDLER_DELAY", value_name = "DURATION", default_value = "0s", value_parser = humantime::parse_duration, help_heading = DEMO)]
+    handler_delay: Duration,
 
     #[arg(
         long,
+        env = "SHARDWISE_START",
         value_name = START_VALUES,
         default_value = "trim-horizon",
         value_parser = parse_start,
@@ -113,7 +125,7 @@ pub(crate) struct Args {
     /// Attempts a record gets, counting the first delivery. With --log-group a failing event runs
     /// again in place until it succeeds unless this is given, and then needs --dead-letter or
     /// --receipts to record it once its attempts are spent.
-    #[arg(long, value_name = "N")]
+    #[arg(long, env = "SHARDWISE_MAX_ATTEMPTS", value_name = "N")]
     max_attempts: Option<NonZeroU32>,
 
     /// Read with enhanced fan-out: records are pushed to this application's own registered
@@ -121,11 +133,16 @@ pub(crate) struct Args {
     /// readers) instead of polled with GetRecords. The consumer is registered at start if it does
     /// not exist, tagged shardwise:application=APP; one of another application is refused.
     /// `shardwise stream deregister-consumer` removes it.
-    #[arg(long, conflicts_with = "log_group")]
+    #[arg(long, env = "SHARDWISE_EFO", conflicts_with = "log_group")]
     efo: bool,
 
     /// With --efo: the stream consumer's name (default: --app).
-    #[arg(long, value_name = "NAME", requires = "efo")]
+    #[arg(
+        long,
+        env = "SHARDWISE_CONSUMER_NAME",
+        value_name = "NAME",
+        requires = "efo"
+    )]
     consumer_name: Option<String>,
 
     /// Where a failing Kinesis record runs again: `copy` writes a counted copy at the tip of the
@@ -133,85 +150,82 @@ pub(crate) struct Args {
     /// a back-off (100 ms doubling to 5 s, with jitter), the later records of its key waiting
     /// behind it, as Lambda's trigger and KCL do. In place, --max-attempts and --max-record-age
     /// need --dead-letter or --on-spent drop. (With --log-group retries always run in place.)
-    #[arg(long, value_name = "copy|in-place", default_value = "copy", value_parser = parse_retries)]
+    #[arg(long, env = "SHARDWISE_RETRIES", value_name = "copy|in-place", default_value = "copy", value_parser = parse_retries)]
     retries: RetryMode,
 
     /// With --retries in-place: `drop` drops a record whose attempts are spent when there is no
     /// --dead-letter (a warning and shardwise_records_total{outcome="spent"}).
-    #[arg(long, value_name = "drop", value_parser = parse_on_spent)]
+    #[arg(long, env = "SHARDWISE_ON_SPENT", value_name = "drop", value_parser = parse_on_spent)]
     on_spent: Option<OnSpent>,
 
     /// Where spent records go instead of a --dead-letter stream: `sqs:QUEUE_URL` (one message a
     /// record) or `s3:BUCKET/PREFIX` (one object a record, at PREFIX STREAM/SHARD/SEQUENCE-SUB.json),
     /// each a JSON document with the record's data (base64), stream, shard, sequence number,
     /// partition key, arrival time, attempts and reason. Checked at start.
-    #[arg(long, value_name = "sqs:URL|s3:BUCKET/PREFIX", value_parser = parse_on_failure, conflicts_with = "dead_letter")]
+    #[arg(long, env = "SHARDWISE_ON_FAILURE", value_name = "sqs:URL|s3:BUCKET/PREFIX", value_parser = parse_on_failure, conflicts_with = "dead_letter")]
     on_failure: Option<OnFailure>,
 
     /// The Kinesis stream spent records (with --log-group: spent events, with their partition,
     /// position, identity, timestamp, attempts and reason) go to, written before they settle.
-    #[arg(long, value_name = "STREAM")]
+    #[arg(long, env = "SHARDWISE_DEAD_LETTER", value_name = "STREAM")]
     dead_letter: Option<String>,
 
-    /// Records with one of these partition keys get `--fail-outcome` instead of ack.
-    #[arg(long, value_name = "K1,K2", value_delimiter = ',')]
+    /// Records with one of these partition keys get `--fail-outcome` instead of ack (the built-in
+    /// handler).
+    #[arg(long, env = "SHARDWISE_FAIL_KEYS", value_name = "K1,K2", value_delimiter = ',', help_heading = DEMO)]
     fail_keys: Vec<String>,
 
     /// What the listed keys get; `hold:REASON` and `quarantine:REASON` need --receipts.
-    #[arg(long, value_name = "retry|retry-after:MS|drop|hold:REASON|quarantine:REASON", default_value = "retry", value_parser = parse_outcome)]
+    #[arg(long, env = "SHARDWISE_FAIL_OUTCOME", value_name = "retry|retry-after:MS|drop|hold:REASON|quarantine:REASON", default_value = "retry", value_parser = parse_outcome, help_heading = DEMO)]
     fail_outcome: Outcome,
 
-    /// Lease duration (renewed every third of it).
-    #[arg(long, value_name = "MS", default_value_t = 10_000)]
-    lease_duration_ms: u64,
+    /// Lease duration (renewed every third of it), e.g. `10s`.
+    #[arg(long, env = "SHARDWISE_LEASE_DURATION", value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    lease_duration: Duration,
 
     /// How often the lease table is scanned to take and steal leases.
-    #[arg(long, value_name = "MS", default_value_t = 2_000)]
-    scan_interval_ms: u64,
+    #[arg(long, env = "SHARDWISE_SCAN_INTERVAL", value_name = "DURATION", default_value = "2s", value_parser = humantime::parse_duration)]
+    scan_interval: Duration,
 
     /// Cooperative handoff: how long a worker asked for one of its leases lets in-flight
     /// deliveries settle before it aborts them, checkpoints and hands the lease over.
-    #[arg(long, value_name = "MS", default_value_t = 5_000)]
-    handoff_timeout_ms: u64,
+    #[arg(long, env = "SHARDWISE_HANDOFF_TIMEOUT", value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
+    handoff_timeout: Duration,
 
     /// Least time between two checkpoint writes of a shard.
-    #[arg(long, value_name = "MS", default_value_t = 1_000)]
-    checkpoint_interval_ms: u64,
+    #[arg(long, env = "SHARDWISE_CHECKPOINT_INTERVAL", value_name = "DURATION", default_value = "1s", value_parser = humantime::parse_duration)]
+    checkpoint_interval: Duration,
 
     /// Wait between polls once caught up.
-    #[arg(long, value_name = "MS", default_value_t = 1_000)]
-    poll_interval_ms: u64,
+    #[arg(long, env = "SHARDWISE_POLL_INTERVAL", value_name = "DURATION", default_value = "1s", value_parser = humantime::parse_duration)]
+    poll_interval: Duration,
 
-    /// How long a graceful shutdown lets running handlers finish.
-    #[arg(long, value_name = "MS", default_value_t = 10_000)]
-    shutdown_deadline_ms: u64,
+    /// How long a graceful shutdown lets running handlers finish (a container's termination
+    /// grace period must be longer).
+    #[arg(long, env = "SHARDWISE_SHUTDOWN_DEADLINE", value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    shutdown_deadline: Duration,
 
     /// Let an idle shard whose last read was empty at the tip advance its frontier coordinate to
     /// (now - this allowance); without it an idle shard holds the frontier.
-    #[arg(long, value_name = "MS")]
-    caught_up_skew_ms: Option<u64>,
+    #[arg(long, env = "SHARDWISE_CAUGHT_UP_SKEW", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    caught_up_skew: Option<Duration>,
 
     /// Keep a receipt ledger in this DynamoDB table (`APP-receipts` when no TABLE is given;
     /// created on first use): effects are committed exactly once, with their event's receipt.
     /// Lines are then printed as deliveries settle, with `replay`.
-    #[arg(long, value_name = "TABLE", num_args = 0..=1, default_missing_value = "")]
+    #[arg(long, env = "SHARDWISE_RECEIPTS", value_name = "TABLE", num_args = 0..=1, default_missing_value = "")]
     receipts: Option<String>,
 
     /// With --receipts: for each delivery whose payload is JSON with an `id`, add 1 to the
     /// number `count` of the item whose string key `id` is that id in this table (created on
-    /// first use), in one transaction with the event's receipt.
-    #[arg(long, value_name = "TABLE", requires = "receipts")]
+    /// first use), in one transaction with the event's receipt (the built-in handler).
+    #[arg(long, env = "SHARDWISE_COUNT_INTO", value_name = "TABLE", requires = "receipts", help_heading = DEMO)]
     count_into: Option<String>,
 
     /// With --receipts: how often a held record's receipt is read to see whether an operator
     /// quarantined (settled) or released (handle again) it.
-    #[arg(
-        long,
-        value_name = "MS",
-        default_value_t = 5_000,
-        requires = "receipts"
-    )]
-    hold_poll_interval_ms: u64,
+    #[arg(long, env = "SHARDWISE_HOLD_POLL_INTERVAL", value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration, requires = "receipts")]
+    hold_poll_interval: Duration,
 
     /// With --receipts: how long applied receipts are kept (DynamoDB TTL), e.g. `7d`, `36h`
     /// (default: as long as the source keeps events, the stream's retention or the log group's
@@ -219,58 +233,303 @@ pub(crate) struct Args {
     /// the lateness if that is longer; for good when the log group never expires events: a
     /// receipt must outlive every replay, and a shorter one is refused). Held and quarantined
     /// receipts stay.
-    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "SHARDWISE_RECEIPT_RETENTION", value_name = "DURATION", value_parser = humantime::parse_duration)]
     receipt_retention: Option<Duration>,
 
     /// Print nothing per delivery (for throughput measurements); a count goes to stderr at exit.
-    #[arg(long)]
+    #[arg(long, env = "SHARDWISE_QUIET")]
     quiet: bool,
 
     /// Run this program as the handler (through `sh -c`): one JSON object per delivery on its
     /// stdin, one outcome per line on its stdout (the README's "Any program as the handler" has
-    /// the protocol). A program that exits, hangs past --handler-timeout-ms or writes garbage is
-    /// restarted with back-off and gets its unanswered deliveries again. At the end it gets
-    /// SIGTERM, and SIGKILL if still running 5 s later.
-    #[arg(long, value_name = "'CMD ARGS'", conflicts_with_all = ["handler_delay_ms", "fail_keys", "count_into"])]
+    /// the protocol). A program that exits, hangs past --handler-timeout or writes garbage is
+    /// restarted with back-off and gets its unanswered deliveries again. When shutdown starts it
+    /// reads `{"shutdown": {"deadline_ms": N}}`; at the end it gets SIGTERM, and SIGKILL if still
+    /// running 5 s later.
+    #[arg(long, env = "SHARDWISE_EXEC", value_name = "'CMD ARGS'", group = "handler_program", conflicts_with_all = ["handler_delay", "handler_delay_ms", "fail_keys", "count_into"])]
     exec: Option<String>,
 
-    /// With --exec: how many copies of the program run (default: --lanes). The deliveries of one
-    /// lane of one shard always go to the same one, one (batch) at a time.
-    #[arg(long, value_name = "N", requires = "exec")]
+    /// With --exec: the lines' format. `shardwise`: the protocol's own. `lambda`: Lambda's Kinesis
+    /// event, `{"id": B, "event": {"Records": [...]}, "records": [...]}`, a batch of up to --batch
+    /// records (default 100, Lambda's) of one lane of one shard, answered `{"id": B, "response":
+    /// R}` with what the function returned (`{"batchItemFailures": [{"itemIdentifier": SEQ}]}`
+    /// retries those records and every later one of the batch) or `{"id": B, "error": E}` (the
+    /// whole batch is retried). Not with --log-group.
+    #[arg(long, env = "SHARDWISE_EXEC_FORMAT", value_name = "shardwise|lambda", requires = "exec", value_parser = parse_exec_format)]
+    exec_format: Option<ExecFormat>,
+
+    /// Run an unmodified AWS Lambda handler, `MODULE.FUNCTION` as Lambda's Handler setting names
+    /// it (`lambda_function.lambda_handler`, `index.handler`): a runner shipped with shardwise
+    /// imports it from --lambda-dir and calls it with each batch's Kinesis event and a Lambda
+    /// context, as --exec children speaking --exec-format lambda. A function that raises fails its
+    /// batch; one returning batchItemFailures fails those records and every later one. Checked
+    /// at start: a handler that cannot load stops consume with the reason.
+    #[arg(long, env = "SHARDWISE_LAMBDA_HANDLER", value_name = "MODULE.FUNCTION", group = "handler_program", conflicts_with_all = ["handler_delay", "handler_delay_ms", "fail_keys", "count_into", "log_group"])]
+    lambda_handler: Option<String>,
+
+    /// With --lambda-handler: `python` (python3 on the PATH) or `node` (Lambda's identifiers such
+    /// as python3.12 or nodejs20.x name the language too). Default: from the module's file in
+    /// --lambda-dir (MODULE.py, or MODULE.js, .mjs or .cjs).
+    #[arg(long, env = "SHARDWISE_LAMBDA_RUNTIME", value_name = "python|node", requires = "lambda_handler", value_parser = parse_runtime)]
+    lambda_runtime: Option<Runtime>,
+
+    /// With --lambda-handler: the function's directory, its working directory and where its
+    /// module is imported from (Lambda's task root). Default: the current directory.
+    #[arg(
+        long,
+        env = "SHARDWISE_LAMBDA_DIR",
+        value_name = "DIR",
+        requires = "lambda_handler"
+    )]
+    lambda_dir: Option<PathBuf>,
+
+    /// With --lambda-handler or --exec-format lambda: the function's name in the context
+    /// (`function_name`, `functionName`, the ARNs, the log group). Default: --app.
+    #[arg(long, env = "SHARDWISE_LAMBDA_FUNCTION_NAME", value_name = "NAME")]
+    lambda_function_name: Option<String>,
+
+    /// With --exec or --lambda-handler: how many copies of the program run (default: --lanes).
+    /// The deliveries of one lane of one shard always go to the same one, one (batch) at a time.
+    #[arg(
+        long,
+        env = "SHARDWISE_EXEC_CHILDREN",
+        value_name = "N",
+        requires = "handler_program"
+    )]
     exec_children: Option<usize>,
 
     /// With --exec: hand deliveries over in batches of up to N, one line per batch, answered
-    /// with one outcome per delivery.
-    #[arg(long, value_name = "N", requires = "exec")]
+    /// with one outcome per delivery. With Lambda's format: the most records of an event
+    /// (default 100).
+    #[arg(
+        long,
+        env = "SHARDWISE_BATCH",
+        value_name = "N",
+        requires = "handler_program"
+    )]
     batch: Option<usize>,
 
-    /// With --batch: how long a lane waits after a batch's first delivery for more.
-    #[arg(long, value_name = "MS", default_value_t = 50, requires = "batch")]
-    batch_wait_ms: u64,
+    /// With --batch (or Lambda's format): how long a lane waits after a batch's first delivery
+    /// for more.
+    #[arg(long, env = "SHARDWISE_BATCH_WAIT", value_name = "DURATION", default_value = "50ms", value_parser = humantime::parse_duration, requires = "handler_program")]
+    batch_wait: Duration,
 
     /// How long one delivery (or batch) may take. The built-in handler's delivery then takes the
     /// retry path; with --exec the program is restarted and gets the delivery again (and after
-    /// three restarts with it in flight, it takes the retry path).
-    #[arg(long, value_name = "MS")]
-    handler_timeout_ms: Option<u64>,
+    /// three restarts with it in flight, it takes the retry path). A Lambda handler's context
+    /// counts its remaining time down from it (default there: 15m, Lambda's longest).
+    #[arg(long, env = "SHARDWISE_HANDLER_TIMEOUT", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    handler_timeout: Option<Duration>,
 
     /// Records that arrived longer ago than this are not handled: they go to --dead-letter, or are
     /// dropped without one (counted in shardwise_records_expired_total), e.g. `1h`, `30m`.
-    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "SHARDWISE_MAX_RECORD_AGE", value_name = "DURATION", value_parser = humantime::parse_duration)]
     max_record_age: Option<Duration>,
 
     /// Serve Prometheus metrics on `/metrics`, and `/healthz` and `/readyz`, at this address
-    /// (e.g. `127.0.0.1:9100`).
-    #[arg(long, value_name = "ADDR")]
+    /// (`0.0.0.0:9100` for a kubelet's probes; `127.0.0.1:9100` for this host only).
+    #[arg(long, env = "SHARDWISE_METRICS_ADDR", value_name = "ADDR")]
     metrics_addr: Option<SocketAddr>,
 
-    /// With --metrics-addr: a gauge not updated for this long leaves `/metrics` (a shard's
-    /// gauges are updated every checkpoint interval while this worker holds it), e.g. `30s`.
-    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration, requires = "metrics_addr")]
+    /// Write the metrics as CloudWatch Embedded Metric Format, one JSON document per line on
+    /// stderr every --metrics-emf-interval: the CloudWatch agent, Fluent Bit or Lambda-style log
+    /// shipping turn them into CloudWatch metrics without an API call. KCL's names where one
+    /// exists (MillisBehindLatest, RecordsProcessed, CurrentLeases, TakenLeases, LostLeases);
+    /// dimensions: application (--app), then stream, shard, ...
+    #[arg(long, env = "SHARDWISE_METRICS_EMF")]
+    metrics_emf: bool,
+
+    /// With --metrics-emf: the CloudWatch namespace.
+    #[arg(
+        long,
+        env = "SHARDWISE_METRICS_EMF_NAMESPACE",
+        value_name = "NAMESPACE",
+        default_value = "shardwise",
+        requires = "metrics_emf"
+    )]
+    metrics_emf_namespace: String,
+
+    /// With --metrics-emf: how often documents are written, e.g. `60s` (CloudWatch's standard
+    /// resolution is a minute).
+    #[arg(long, env = "SHARDWISE_METRICS_EMF_INTERVAL", value_name = "DURATION", default_value = "60s", value_parser = humantime::parse_duration, requires = "metrics_emf")]
+    metrics_emf_interval: Duration,
+
+    /// A gauge not updated for this long is no longer reported (a shard's gauges are updated
+    /// every checkpoint interval while this worker holds it), e.g. `30s`.
+    #[arg(long, env = "SHARDWISE_METRICS_IDLE_TIMEOUT", value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
     metrics_idle_timeout: Duration,
+
+    /// The spellings in milliseconds of the duration flags, accepted for one release with a
+    /// warning (`--lease-duration-ms 10000` is `--lease-duration 10s`).
+    #[command(flatten)]
+    deprecated: DeprecatedMillis,
+}
+
+/// `--exec-format`: the lines a handler program reads and writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ExecFormat {
+    Shardwise,
+    Lambda,
+}
+
+fn parse_exec_format(s: &str) -> std::result::Result<ExecFormat, String> {
+    match s {
+        "shardwise" => Ok(ExecFormat::Shardwise),
+        "lambda" => Ok(ExecFormat::Lambda),
+        other => Err(format!("`{other}`: expected shardwise or lambda")),
+    }
+}
+
+/// Lambda's default batch size for a Kinesis event source.
+const LAMBDA_BATCH: usize = 100;
+
+/// `--help`'s heading for the built-in handler's flags, which only the demo and tests use.
+const DEMO: &str = "Demo and test handler (without --exec)";
+
+/// The duration flags' old spellings in milliseconds, hidden from `--help`: accepted for one
+/// release, each with a warning naming its new spelling ([`Args::take_deprecated`]).
+#[derive(Debug, Default, clap::Args)]
+struct DeprecatedMillis {
+    #[arg(long, value_name = "MS", hide = true, conflicts_with = "handler_delay")]
+    handler_delay_ms: Option<u64>,
+    #[arg(
+        long,
+        value_name = "MS",
+        hide = true,
+        conflicts_with = "lease_duration"
+    )]
+    lease_duration_ms: Option<u64>,
+    #[arg(long, value_name = "MS", hide = true, conflicts_with = "scan_interval")]
+    scan_interval_ms: Option<u64>,
+    #[arg(
+        long,
+        value_name = "MS",
+        hide = true,
+        conflicts_with = "handoff_timeout"
+    )]
+    handoff_timeout_ms: Option<u64>,
+    #[arg(
+        long,
+        value_name = "MS",
+        hide = true,
+        conflicts_with = "checkpoint_interval"
+    )]
+    checkpoint_interval_ms: Option<u64>,
+    #[arg(long, value_name = "MS", hide = true, conflicts_with = "poll_interval")]
+    poll_interval_ms: Option<u64>,
+    #[arg(
+        long,
+        value_name = "MS",
+        hide = true,
+        conflicts_with = "shutdown_deadline"
+    )]
+    shutdown_deadline_ms: Option<u64>,
+    #[arg(
+        long,
+        value_name = "MS",
+        hide = true,
+        conflicts_with = "caught_up_skew"
+    )]
+    caught_up_skew_ms: Option<u64>,
+    #[arg(
+        long,
+        value_name = "MS",
+        hide = true,
+        conflicts_with = "hold_poll_interval"
+    )]
+    hold_poll_interval_ms: Option<u64>,
+    #[arg(long, value_name = "MS", hide = true, conflicts_with = "batch_wait")]
+    batch_wait_ms: Option<u64>,
+    #[arg(
+        long,
+        value_name = "MS",
+        hide = true,
+        conflicts_with = "handler_timeout"
+    )]
+    handler_timeout_ms: Option<u64>,
+}
+
+/// A duration as the flags take it (`1s 500ms`).
+fn duration(d: Duration) -> String {
+    humantime::format_duration(d).to_string()
 }
 
 impl Args {
+    /// Applies the old spellings in milliseconds given (`--lease-duration-ms`), and the warning
+    /// for each: they are accepted for one release.
+    fn take_deprecated(&mut self) -> Vec<String> {
+        let old = std::mem::take(&mut self.deprecated);
+        let mut warnings = Vec::new();
+        let mut apply = |ms: Option<u64>, flag: &str, to: &mut Duration| {
+            if let Some(ms) = ms {
+                *to = Duration::from_millis(ms);
+                warnings.push(format!(
+                    "--{flag}-ms is deprecated and goes in the next release: use --{flag} {}",
+                    duration(*to)
+                ));
+            }
+        };
+        apply(
+            old.handler_delay_ms,
+            "handler-delay",
+            &mut self.handler_delay,
+        );
+        apply(
+            old.lease_duration_ms,
+            "lease-duration",
+            &mut self.lease_duration,
+        );
+        apply(
+            old.scan_interval_ms,
+            "scan-interval",
+            &mut self.scan_interval,
+        );
+        apply(
+            old.handoff_timeout_ms,
+            "handoff-timeout",
+            &mut self.handoff_timeout,
+        );
+        apply(
+            old.checkpoint_interval_ms,
+            "checkpoint-interval",
+            &mut self.checkpoint_interval,
+        );
+        apply(
+            old.poll_interval_ms,
+            "poll-interval",
+            &mut self.poll_interval,
+        );
+        apply(
+            old.shutdown_deadline_ms,
+            "shutdown-deadline",
+            &mut self.shutdown_deadline,
+        );
+        apply(
+            old.hold_poll_interval_ms,
+            "hold-poll-interval",
+            &mut self.hold_poll_interval,
+        );
+        apply(old.batch_wait_ms, "batch-wait", &mut self.batch_wait);
+        let mut optional = |ms: Option<u64>, flag: &str, to: &mut Option<Duration>| {
+            let mut d = to.unwrap_or_default();
+            apply(ms, flag, &mut d);
+            if ms.is_some() {
+                *to = Some(d);
+            }
+        };
+        optional(
+            old.caught_up_skew_ms,
+            "caught-up-skew",
+            &mut self.caught_up_skew,
+        );
+        optional(
+            old.handler_timeout_ms,
+            "handler-timeout",
+            &mut self.handler_timeout,
+        );
+        warnings
+    }
+
     /// The receipt table, when `--receipts` was given.
     fn receipt_table(&self) -> Option<String> {
         self.receipts.as_ref().map(|table| {
@@ -334,11 +593,11 @@ impl Args {
             "tags" => self.rejected_tag(err.value()),
             "worker_id" => self.worker_id.clone(),
             "lanes" => Some(self.lanes.to_string()),
-            "poll_interval" => Some(self.poll_interval_ms.to_string()),
-            "checkpoint_interval" => Some(self.checkpoint_interval_ms.to_string()),
-            "lease_duration" | "renew_interval" => Some(self.lease_duration_ms.to_string()),
-            "scan_interval" => Some(self.scan_interval_ms.to_string()),
-            "handoff_timeout" => Some(self.handoff_timeout_ms.to_string()),
+            "poll_interval" => Some(duration(self.poll_interval)),
+            "checkpoint_interval" => Some(duration(self.checkpoint_interval)),
+            "lease_duration" | "renew_interval" => Some(duration(self.lease_duration)),
+            "scan_interval" => Some(duration(self.scan_interval)),
+            "handoff_timeout" => Some(duration(self.handoff_timeout)),
             "dead_letter" => self.dead_letter.clone(),
             "on_failure" => self.on_failure.as_ref().map(|o| match o {
                 OnFailure::Sqs(url) => format!("sqs:{url}"),
@@ -349,8 +608,8 @@ impl Args {
             "receipt_retention" => self
                 .receipt_retention
                 .map(|d| humantime::format_duration(d).to_string()),
-            "hold_poll_interval" => Some(self.hold_poll_interval_ms.to_string()),
-            "handler_timeout" => self.handler_timeout_ms.map(|ms| ms.to_string()),
+            "hold_poll_interval" => Some(duration(self.hold_poll_interval)),
+            "handler_timeout" => self.handler_timeout.map(duration),
             "max_record_age" => self
                 .max_record_age
                 .map(|d| humantime::format_duration(d).to_string()),
@@ -387,20 +646,20 @@ fn source_of(setting: &str) -> Option<Source> {
         "tags" => "--tag",
         "worker_id" => "--worker-id",
         "lanes" => "--lanes",
-        "poll_interval" => "--poll-interval-ms",
-        "checkpoint_interval" => "--checkpoint-interval-ms",
+        "poll_interval" => "--poll-interval",
+        "checkpoint_interval" => "--checkpoint-interval",
         // The lease is renewed every third of its duration.
-        "lease_duration" | "renew_interval" => "--lease-duration-ms",
-        "scan_interval" => "--scan-interval-ms",
-        "handoff_timeout" => "--handoff-timeout-ms",
+        "lease_duration" | "renew_interval" => "--lease-duration",
+        "scan_interval" => "--scan-interval",
+        "handoff_timeout" => "--handoff-timeout",
         "dead_letter" => "--dead-letter",
         "on_failure" => "--on-failure",
         "on_spent" => "--on-spent",
         "consumer_name" => "--consumer-name",
         "max_attempts" => "--max-attempts",
         "receipt_retention" => "--receipt-retention",
-        "hold_poll_interval" => "--hold-poll-interval-ms",
-        "handler_timeout" => "--handler-timeout-ms",
+        "hold_poll_interval" => "--hold-poll-interval",
+        "handler_timeout" => "--handler-timeout",
         "max_record_age" => "--max-record-age",
         "initial_position" => "--start",
         "region" => return Some(Source::Environment),
@@ -732,9 +991,9 @@ async fn source_retention(args: &Args, ctx: &Ctx) -> Result<SourceRetention> {
 /// The consumer `args` describe, not yet built.
 fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBuilder<H> {
     let lease = LeaseSettings::default()
-        .lease_duration(Duration::from_millis(args.lease_duration_ms))
-        .scan_interval(Duration::from_millis(args.scan_interval_ms))
-        .handoff_timeout(Duration::from_millis(args.handoff_timeout_ms));
+        .lease_duration(args.lease_duration)
+        .scan_interval(args.scan_interval)
+        .handoff_timeout(args.handoff_timeout);
     let builder = match (&args.log_group, &args.stream) {
         (Some(group), _) => {
             let logs = aws_sdk_cloudwatchlogs::Client::new(&config);
@@ -766,9 +1025,9 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
         .lease_settings(lease)
         .lease_table_options(args.table_options())
         .initial_position(args.start)
-        .checkpoint_interval(Duration::from_millis(args.checkpoint_interval_ms))
-        .poll_interval(Duration::from_millis(args.poll_interval_ms))
-        .hold_poll_interval(Duration::from_millis(args.hold_poll_interval_ms))
+        .checkpoint_interval(args.checkpoint_interval)
+        .poll_interval(args.poll_interval)
+        .hold_poll_interval(args.hold_poll_interval)
         .aws_config(config);
     if let Some(table) = &args.lease_table {
         builder = builder.lease_table(table.clone());
@@ -776,8 +1035,8 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
     if let Some(n) = args.max_attempts {
         builder = builder.max_attempts(n);
     }
-    if let Some(ms) = args.caught_up_skew_ms {
-        builder = builder.caught_up_frontier(Duration::from_millis(ms));
+    if let Some(skew) = args.caught_up_skew {
+        builder = builder.caught_up_frontier(skew);
     }
     if let Some(dl) = &args.dead_letter {
         builder = builder.dead_letter(dl.clone());
@@ -798,13 +1057,16 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
     }
     // With --exec the timeout restarts the program instead (see `exec.rs`).
     if args.exec.is_none() {
-        builder.set_handler_timeout(args.handler_timeout_ms.map(Duration::from_millis));
+        builder.set_handler_timeout(args.handler_timeout);
     }
     builder.set_max_record_age(args.max_record_age);
     builder
 }
 
-pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
+pub(crate) async fn run(mut args: Args, ctx: &Ctx) -> Result<()> {
+    for warning in args.take_deprecated() {
+        tracing::warn!("{warning}");
+    }
     if matches!(args.fail_outcome, Outcome::Hold(_) | Outcome::Quarantine(_))
         && args.receipts.is_none()
     {
@@ -819,14 +1081,21 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
     if args.exec_children == Some(0) {
         bail!("invalid --exec-children 0: must be at least 1");
     }
-    if args.handler_timeout_ms == Some(0) {
-        bail!("invalid --handler-timeout-ms 0: must be above zero");
+    if args.handler_timeout == Some(Duration::ZERO) {
+        bail!("invalid --handler-timeout 0s: must be above zero");
     }
     // Installed first, so that every metric from the start is recorded.
-    let prometheus = match args.metrics_addr {
-        Some(_) => Some(crate::observe::install(args.metrics_idle_timeout)?),
-        None => None,
-    };
+    let metrics = crate::observe::install(crate::observe::Outputs {
+        prometheus: args.metrics_addr.is_some(),
+        emf: args.metrics_emf.then(|| {
+            (
+                args.metrics_emf_namespace.clone(),
+                args.metrics_emf_interval,
+                args.app.clone(),
+            )
+        }),
+        gauge_idle: args.metrics_idle_timeout,
+    })?;
     let worker = args.worker();
     let receipts = args.receipt_table();
     let printer = Printer {
@@ -836,25 +1105,23 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
         print: !args.quiet && receipts.is_none(),
         handled: Arc::default(),
     };
-    match &args.exec {
-        Some(command) => {
-            let exec = Exec::start(ExecSettings {
-                command: command.clone(),
-                children: args.exec_children.unwrap_or(args.lanes),
-                timeout: args.handler_timeout_ms.map(Duration::from_millis),
-                batching: args
-                    .batch
-                    .map(|n| Batching::new(n, Duration::from_millis(args.batch_wait_ms))),
-                worker: worker.clone(),
-                grace: STOP_GRACE,
-            });
-            let stats = exec.stats.clone();
+    match exec_settings(&args, ctx, &worker).await? {
+        Some(settings) => {
+            let exec = Exec::start(settings);
             let children = exec.clone();
             let handler = Printing {
                 inner: exec,
                 printer: printer.clone(),
             };
-            let consumed = consume(&args, ctx, handler, printer, Some(stats), prometheus).await;
+            let consumed = consume(
+                &args,
+                ctx,
+                handler,
+                printer,
+                Some(&children),
+                metrics.as_ref(),
+            )
+            .await;
             // Once the consumer has stopped (or could not start): SIGTERM, then the grace.
             children.stop().await;
             consumed
@@ -864,15 +1131,105 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
                 inner: demo_handler(&args),
                 printer: printer.clone(),
             };
-            consume(&args, ctx, handler, printer, None, prometheus).await
+            consume(&args, ctx, handler, printer, None, metrics.as_ref()).await
         }
     }
 }
 
-/// The built-in demonstration handler: waits `--handler-delay-ms`, answers `--fail-outcome`
+/// The handler program `args` name, if any: `--exec`, or a Lambda handler's runner (checked
+/// here: one that cannot load fails the start).
+async fn exec_settings(args: &Args, ctx: &Ctx, worker: &str) -> Result<Option<ExecSettings>> {
+    let lambda = args.lambda_handler.is_some() || args.exec_format == Some(ExecFormat::Lambda);
+    if lambda && args.log_group.is_some() {
+        bail!(
+            "--exec-format lambda writes Lambda's Kinesis event: it reads a --stream, not a --log-group"
+        );
+    }
+    let function = args
+        .lambda_function_name
+        .clone()
+        .unwrap_or_else(|| args.app.clone());
+    let source = if lambda {
+        Some(Arc::new(event_source(args, ctx, &function).await))
+    } else {
+        None
+    };
+    let (command, env, dir) = match (&args.exec, &args.lambda_handler, &source) {
+        (Some(command), _, _) => (command.clone(), Vec::new(), None),
+        (None, Some(handler), Some(source)) => {
+            let given = args
+                .lambda_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("."));
+            let dir = std::fs::canonicalize(&given)
+                .with_context(|| format!("invalid --lambda-dir {}", given.display()))?;
+            let runtime = match args.lambda_runtime {
+                Some(runtime) => runtime,
+                None => Runtime::infer(handler, &dir).map_err(anyhow::Error::msg)?,
+            };
+            let runner = Runner {
+                runtime,
+                handler: handler.clone(),
+                function_name: function,
+                function_arn: source.function_arn().to_string(),
+                timeout: args.handler_timeout.unwrap_or(LAMBDA_MAX_TIMEOUT),
+            };
+            runner.check(&dir).await.map_err(|why| {
+                anyhow::anyhow!(
+                    "cannot load --lambda-handler {handler} from {}: {why}",
+                    dir.display()
+                )
+            })?;
+            (runner.command(), runner.env(), Some(dir))
+        }
+        _ => return Ok(None),
+    };
+    let batch = args.batch.or(lambda.then_some(LAMBDA_BATCH));
+    Ok(Some(ExecSettings {
+        command,
+        children: args.exec_children.unwrap_or(args.lanes),
+        timeout: args.handler_timeout,
+        batching: batch.map(|n| Batching::new(n, args.batch_wait)),
+        worker: worker.to_string(),
+        grace: STOP_GRACE,
+        format: source.map_or(Format::Shardwise, Format::Lambda),
+        env,
+        dir,
+    }))
+}
+
+/// Where Lambda's event says its records come from: the stream's ARN as Kinesis gives it (or,
+/// when it cannot be asked, one made of the configured region and the stream's name: the
+/// consumer's start then says what is wrong with the stream).
+async fn event_source(args: &Args, ctx: &Ctx, function: &str) -> EventSource {
+    let stream = args.stream.clone().unwrap_or_default();
+    let described = ctx
+        .kinesis()
+        .describe_stream_summary()
+        .stream_name(&stream)
+        .send()
+        .await;
+    let arn = match described {
+        Ok(out) => out.stream_description_summary.map(|s| s.stream_arn),
+        Err(e) => {
+            tracing::debug!(stream = %stream, error = %e, "DescribeStreamSummary for the Lambda event's eventSourceARN");
+            None
+        }
+    };
+    let arn = arn.unwrap_or_else(|| {
+        let region = ctx.config().region().map(ToString::to_string);
+        format!(
+            "arn:aws:kinesis:{}:000000000000:stream/{stream}",
+            region.unwrap_or_default()
+        )
+    });
+    EventSource::new(&arn, function)
+}
+
+/// The built-in demonstration handler: waits `--handler-delay`, answers `--fail-outcome`
 /// for `--fail-keys`, counts into `--count-into`, acks the rest.
 fn demo_handler(args: &Args) -> impl Handler + use<> {
-    let delay = Duration::from_millis(args.handler_delay_ms);
+    let delay = args.handler_delay;
     let fail_keys: Arc<Vec<String>> = Arc::new(args.fail_keys.clone());
     let fail_outcome = args.fail_outcome.clone();
     let count_into: Option<Arc<str>> = args.count_into.as_deref().map(Arc::from);
@@ -945,8 +1302,8 @@ async fn consume<H: Handler>(
     ctx: &Ctx,
     handler: H,
     printer: Printer,
-    exec: Option<Arc<ExecStats>>,
-    prometheus: Option<PrometheusHandle>,
+    exec: Option<&Exec>,
+    metrics: Option<&Metrics>,
 ) -> Result<()> {
     let worker = printer.worker.clone();
     let quiet = args.quiet;
@@ -993,9 +1350,13 @@ async fn consume<H: Handler>(
     }
     let consumer = build(consumer_builder, args)?;
 
-    let observed = prometheus.map(|handle| Observed::new(handle, exec));
-    if let (Some(addr), Some(observed)) = (args.metrics_addr, &observed) {
-        crate::observe::serve(addr, observed.clone()).await?;
+    let stats = exec.map(|exec| exec.stats.clone());
+    let endpoints = metrics.map(|metrics| crate::observe::endpoints(metrics, stats));
+    if let (Some(addr), Some(endpoints)) = (args.metrics_addr, &endpoints) {
+        endpoints
+            .serve(addr)
+            .await
+            .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
     }
     let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
@@ -1003,22 +1364,25 @@ async fn consume<H: Handler>(
         shardwise::Error::Config(err) => invalid_setting(&err, args.given(&err), source_of),
         err => anyhow::Error::new(err).context(format!("cannot consume {}", args.what())),
     })?;
-    // Where the running consumer is kept: the health endpoints' slot, when they are served.
-    let slot = observed
-        .as_ref()
-        .map_or_else(Arc::default, |o| o.running.clone());
+    if let Some(endpoints) = &endpoints {
+        endpoints.watch(&running);
+    }
     let mut fatal = running.fatal();
-    *slot.lock().await = Some(running);
     tracing::info!(worker = %worker, "consuming; SIGTERM or SIGINT stops gracefully");
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
         _ = fatal.wait_for(Option::is_some) => {}
     }
-    let running = slot.lock().await.take().expect("running until now");
-    let report = running
-        .shutdown(Duration::from_millis(args.shutdown_deadline_ms))
-        .await;
+    if let Some(exec) = exec {
+        // Before anything else: a handler program may use the time left to finish cleanly.
+        exec.notice_shutdown(args.shutdown_deadline);
+    }
+    let report = running.shutdown(args.shutdown_deadline).await;
+    if let Some(metrics) = metrics {
+        // The last interval's EMF documents.
+        metrics.flush_emf().context("writing the EMF metrics")?;
+    }
     let handled = printer.handled.load(Ordering::Relaxed);
     eprintln!(
         "{}",
@@ -1064,6 +1428,90 @@ mod tests {
         }
     }
 
+    /// Every flag can come from the environment, as `SHARDWISE_` and its name (the old
+    /// millisecond spellings, hidden, cannot).
+    #[test]
+    fn every_flag_can_come_from_the_environment_under_its_own_name() {
+        let command = <Command as clap::CommandFactory>::command();
+        let mut checked = 0;
+        for arg in command.get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if arg.is_hide_set() || long == "help" {
+                assert!(arg.get_env().is_none(), "--{long}");
+                continue;
+            }
+            let want = format!("SHARDWISE_{}", long.to_uppercase().replace('-', "_"));
+            assert_eq!(
+                arg.get_env().and_then(|e| e.to_str()),
+                Some(want.as_str()),
+                "--{long}"
+            );
+            checked += 1;
+        }
+        assert!(checked >= 45, "{checked} flags");
+    }
+
+    #[test]
+    fn a_lambda_handler_or_the_lambda_format_is_one_handler_program() {
+        let parse = |extra: &[&str]| {
+            let argv = ["consume", "--stream", "orders", "--app", "billing"];
+            Command::try_parse_from(argv.iter().chain(extra)).map(|c| c.args)
+        };
+        let args = parse(&[
+            "--lambda-handler",
+            "app.handler",
+            "--lambda-runtime",
+            "nodejs20.x",
+            "--batch",
+            "10",
+            "--exec-children",
+            "2",
+            "--batch-wait",
+            "20ms",
+        ])
+        .unwrap();
+        assert_eq!(args.lambda_runtime, Some(Runtime::Node));
+        assert_eq!((args.batch, args.exec_children), (Some(10), Some(2)));
+        let args = parse(&["--exec", "python3 h.py", "--exec-format", "lambda"]).unwrap();
+        assert_eq!(args.exec_format, Some(ExecFormat::Lambda));
+        for rejected in [
+            // One handler program at a time.
+            &["--exec", "python3 h.py", "--lambda-handler", "app.handler"][..],
+            // The format is --exec's (a Lambda handler's runner speaks Lambda's).
+            &["--exec-format", "lambda"],
+            &["--lambda-runtime", "python"],
+            &["--lambda-dir", "fn"],
+            &["--batch", "10"],
+            &["--batch-wait", "10ms"],
+            &[
+                "--lambda-handler",
+                "app.handler",
+                "--lambda-runtime",
+                "java21",
+            ],
+            &["--exec", "x", "--exec-format", "kcl"],
+            &["--lambda-handler", "app.handler", "--fail-keys", "k"],
+        ] {
+            assert!(parse(rejected).is_err(), "{rejected:?} accepted");
+        }
+    }
+
+    #[test]
+    fn the_old_millisecond_spellings_set_the_durations_with_a_warning_each() {
+        let mut args = args(&["--lease-duration-ms", "1500", "--handler-timeout-ms", "250"]);
+        let warnings = args.take_deprecated();
+        assert_eq!(args.lease_duration, Duration::from_millis(1500));
+        assert_eq!(args.handler_timeout, Some(Duration::from_millis(250)));
+        assert_eq!(args.scan_interval, Duration::from_secs(2), "untouched");
+        assert_eq!(
+            warnings,
+            [
+                "--lease-duration-ms is deprecated and goes in the next release: use --lease-duration 1s 500ms",
+                "--handler-timeout-ms is deprecated and goes in the next release: use --handler-timeout 250ms",
+            ]
+        );
+    }
+
     #[test]
     fn a_rejected_setting_names_the_flag_and_the_value_given() {
         let cases: &[(&[&str], &str)] = &[
@@ -1103,40 +1551,35 @@ mod tests {
                 "invalid --lanes 1025: must be 1 to 1024",
             ),
             (
-                &["--poll-interval-ms", "10"],
-                "invalid --poll-interval-ms 10: must be at least 200ms (Kinesis allows 5 \
+                &["--poll-interval", "10ms"],
+                "invalid --poll-interval 10ms: must be at least 200ms (Kinesis allows 5 \
                  GetRecords calls per second per shard)",
             ),
             (
-                &["--checkpoint-interval-ms", "0"],
-                "invalid --checkpoint-interval-ms 0: must be above zero",
+                &["--checkpoint-interval", "0ms"],
+                "invalid --checkpoint-interval 0s: must be above zero",
             ),
             // The other setting in the reason is named as its flag too.
             (
-                &["--checkpoint-interval-ms", "10000"],
-                "invalid --checkpoint-interval-ms 10000: must be shorter than \
-                 --lease-duration-ms (10s)",
+                &["--checkpoint-interval", "10000ms"],
+                "invalid --checkpoint-interval 10s: must be shorter than \
+                 --lease-duration (10s)",
             ),
             (
-                &[
-                    "--lease-duration-ms",
-                    "50",
-                    "--checkpoint-interval-ms",
-                    "10",
-                ],
-                "invalid --lease-duration-ms 50: must be at least 100ms",
+                &["--lease-duration", "50ms", "--checkpoint-interval", "10ms"],
+                "invalid --lease-duration 50ms: must be at least 100ms",
             ),
             (
-                &["--scan-interval-ms", "0"],
-                "invalid --scan-interval-ms 0: must be above zero",
+                &["--scan-interval", "0ms"],
+                "invalid --scan-interval 0s: must be above zero",
             ),
             (
                 &["--dead-letter", "orders"],
                 "invalid --dead-letter orders: must not be the stream being consumed",
             ),
             (
-                &["--handler-timeout-ms", "0"],
-                "invalid --handler-timeout-ms 0: must be above zero",
+                &["--handler-timeout", "0ms"],
+                "invalid --handler-timeout 0s: must be above zero",
             ),
             (
                 &["--max-record-age", "10ms"],
@@ -1190,12 +1633,12 @@ mod tests {
 
     #[test]
     fn settings_no_flag_reaches_are_named_by_what_sets_them() {
-        let args = args(&["--lease-duration-ms", "900", "--max-attempts", "3"]);
+        let args = args(&["--lease-duration", "900ms", "--max-attempts", "3"]);
         let cases = [
-            // Renewals follow --lease-duration-ms.
+            // Renewals follow --lease-duration.
             (
                 ConfigError::new("renew_interval", Duration::ZERO, "must be above zero"),
-                "invalid --lease-duration-ms 900: must be above zero",
+                "invalid --lease-duration 900ms: must be above zero",
             ),
             (
                 ConfigError::new("max_attempts", 3, "must be at most 2"),

@@ -39,12 +39,24 @@
 //! kills its handler cannot stop the shard. A request whose handler call was given up before it
 //! was handed to the writer is dropped unwritten.
 //!
-//! A stop ([`Exec::stop`], or every handle to the pool dropped) ends each child as above; what it
-//! left unanswered stays unsettled. stderr of every child goes to the log line by line at `warn`,
-//! the CLI's default level, so a traceback is seen without flags.
+//! When the consumer starts shutting down ([`Exec::notice_shutdown`]) each child is told, before
+//! any request not yet handed to its writer: a line `{"shutdown": {"deadline_ms": N}}`, N the
+//! milliseconds left of the shutdown deadline. Its requests in flight are still answered as
+//! usual; a child that then ends with none in flight is not replaced (unless a request comes
+//! after all). A stop ([`Exec::stop`], or every handle to the pool dropped) ends each child as
+//! above; what it left unanswered stays unsettled. stderr of every child goes to the log line by
+//! line at `warn`, the CLI's default level, so a traceback is seen without flags.
+//!
+//! Lines come in two formats ([`Format`]): the protocol's own (a delivery, or a batch, answered
+//! with outcomes), and Lambda's Kinesis event answered with what the function returned
+//! ([`lambda`]). Answers may carry fields shardwise does not know: they are ignored.
+
+mod lambda;
+pub(crate) mod runner;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -55,14 +67,16 @@ use nix::errno::Errno;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 use shardwise::{Batching, Delivery, Handler, Outcome};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
+
+pub(crate) use lambda::EventSource;
 
 /// Losses of a child while a request was the oldest in flight, after which it is answered `retry`.
 const MAX_LOSSES: u32 = 3;
@@ -84,6 +98,18 @@ const STOP_POLL: Duration = Duration::from_millis(50);
 /// How long a kill waits for the killed group's last processes to end.
 const KILL_WAIT: Duration = Duration::from_secs(2);
 
+/// The writer's report id of the shutdown notice (requests are numbered from 1).
+const NOTICE: u64 = 0;
+
+/// What the lines to and from the children say.
+#[derive(Debug, Clone)]
+pub(crate) enum Format {
+    /// The protocol's own: a delivery (or a batch) per line, answered with outcomes.
+    Shardwise,
+    /// Lambda's Kinesis event, one batch per line, answered with what the function returned.
+    Lambda(Arc<EventSource>),
+}
+
 /// How the children run.
 #[derive(Debug, Clone)]
 pub(crate) struct ExecSettings {
@@ -100,6 +126,24 @@ pub(crate) struct ExecSettings {
     pub(crate) worker: String,
     /// At a stop, how long a child has after SIGTERM before SIGKILL ([`STOP_GRACE`] in the CLI).
     pub(crate) grace: Duration,
+    /// What the lines say.
+    pub(crate) format: Format,
+    /// More environment for the children (the Lambda runner's settings).
+    pub(crate) env: Vec<(String, String)>,
+    /// The children's working directory (default: this process's).
+    pub(crate) dir: Option<PathBuf>,
+}
+
+/// Where the pool is in its life, as every child's task sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PoolState {
+    Running,
+    /// The consumer is shutting down, by `deadline`: each child is told once.
+    Draining {
+        deadline: Instant,
+    },
+    /// The children stop.
+    Stopped,
 }
 
 /// What the pool reports, for `/healthz` and metrics.
@@ -119,17 +163,18 @@ pub(crate) struct Exec {
     children: Arc<Vec<mpsc::UnboundedSender<Request>>>,
     next_id: Arc<AtomicU64>,
     batching: Option<Batching>,
+    format: Format,
     pub(crate) stats: Arc<ExecStats>,
-    /// Set once: the children stop.
-    stop: Arc<watch::Sender<bool>>,
+    /// Running, then draining, then stopped.
+    state: Arc<watch::Sender<PoolState>>,
     /// The children's tasks, until [`Exec::stop`] waits for them.
     tasks: Arc<Mutex<Vec<JoinHandle<()>>>>,
 }
 
 /// One line to send, and where each of its deliveries' outcomes goes.
 struct Request {
-    /// The ids the line carries (one, or a batch's), in order.
-    ids: Vec<u64>,
+    /// What the answer is read against.
+    expect: Expect,
     /// The request's own id (the delivery's, or the batch's).
     id: u64,
     /// Shared with the writer, which may be writing it while the task keeps it for a resend.
@@ -148,6 +193,24 @@ struct InFlight {
     losses: u32,
 }
 
+/// What an answer is read against: the line's deliveries, in order.
+enum Expect {
+    /// The protocol's own answer: an outcome per delivery id (one, or a batch's).
+    Outcomes(Vec<u64>),
+    /// A Lambda function's answer: item failures named by sequence number.
+    Lambda(Vec<String>),
+}
+
+impl Expect {
+    /// How many deliveries the line carries.
+    fn len(&self) -> usize {
+        match self {
+            Expect::Outcomes(ids) => ids.len(),
+            Expect::Lambda(sequences) => sequences.len(),
+        }
+    }
+}
+
 impl InFlight {
     fn new(request: Request) -> Self {
         Self {
@@ -163,7 +226,7 @@ impl Exec {
     /// Starts the children (each in its own task).
     pub(crate) fn start(settings: ExecSettings) -> Self {
         let stats = Arc::new(ExecStats::default());
-        let (stop, stopping) = watch::channel(false);
+        let (state, stopping) = watch::channel(PoolState::Running);
         let mut children = Vec::new();
         let mut tasks = Vec::new();
         for index in 0..settings.children.max(1) {
@@ -181,8 +244,9 @@ impl Exec {
             children: Arc::new(children),
             next_id: Arc::new(AtomicU64::new(1)),
             batching: settings.batching,
+            format: settings.format,
             stats,
-            stop: Arc::new(stop),
+            state: Arc::new(state),
             tasks: Arc::new(Mutex::new(tasks)),
         }
     }
@@ -194,11 +258,25 @@ impl Exec {
     ///
     /// Cancellation safe: the children go on stopping in their own tasks.
     pub(crate) async fn stop(&self) {
-        self.stop.send_replace(true);
+        self.state.send_replace(PoolState::Stopped);
         let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(PoisonError::into_inner));
         for task in tasks {
             let _ = task.await;
         }
+    }
+
+    /// Tells every child (and any started later) that the consumer is shutting down and has
+    /// `deadline` left: the line `{"shutdown": {"deadline_ms": N}}`, before the requests not yet
+    /// handed to it. Only the first call counts, and none after [`Exec::stop`].
+    pub(crate) fn notice_shutdown(&self, deadline: Duration) {
+        let deadline = Instant::now() + deadline;
+        self.state.send_if_modified(|state| {
+            let running = *state == PoolState::Running;
+            if running {
+                *state = PoolState::Draining { deadline };
+            }
+            running
+        });
     }
 
     /// The child of a delivery's lane of its shard.
@@ -210,10 +288,10 @@ impl Exec {
 
     /// Sends a request to the child of `first`'s lane and waits for its outcomes. Never returns
     /// while the pool is shutting down: the deliveries stay unsettled and are read again.
-    async fn send(&self, first: &Delivery, id: u64, ids: Vec<u64>, line: String) -> Vec<Outcome> {
+    async fn send(&self, first: &Delivery, id: u64, expect: Expect, line: String) -> Vec<Outcome> {
         let (reply, answer) = oneshot::channel();
         let request = Request {
-            ids,
+            expect,
             id,
             line: line.into(),
             reply,
@@ -230,9 +308,14 @@ impl Exec {
 
 impl Handler for Exec {
     async fn handle(&self, delivery: Delivery) -> Outcome {
+        if let Format::Lambda(_) = self.format {
+            // Lambda's event is a batch, of one here.
+            let outcomes = self.handle_batch(vec![delivery]).await;
+            return outcomes.into_iter().next().unwrap_or(Outcome::Retry);
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let line = delivery_json(&delivery, id).to_string();
-        self.send(&delivery, id, vec![id], line)
+        self.send(&delivery, id, Expect::Outcomes(vec![id]), line)
             .await
             .into_iter()
             .next()
@@ -245,6 +328,12 @@ impl Handler for Exec {
 
     async fn handle_batch(&self, batch: Vec<Delivery>) -> Vec<Outcome> {
         let batch_id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        if let Format::Lambda(source) = &self.format {
+            let (line, sequences) = lambda::request_line(batch_id, &batch, source);
+            return self
+                .send(&batch[0], batch_id, Expect::Lambda(sequences), line)
+                .await;
+        }
         let ids: Vec<u64> = batch
             .iter()
             .map(|_| self.next_id.fetch_add(1, Ordering::Relaxed))
@@ -255,7 +344,8 @@ impl Handler for Exec {
             .map(|(d, id)| delivery_json(d, *id))
             .collect();
         let line = json!({ "id": batch_id, "batch": deliveries }).to_string();
-        self.send(&batch[0], batch_id, ids, line).await
+        self.send(&batch[0], batch_id, Expect::Outcomes(ids), line)
+            .await
     }
 }
 
@@ -282,6 +372,7 @@ fn delivery_json(d: &Delivery, id: u64) -> Value {
         }),
     };
     let object = v.as_object_mut().expect("an object");
+    object.extend(identity(d));
     if let Some(ms) = d
         .arrived_at()
         .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
@@ -298,26 +389,57 @@ fn delivery_json(d: &Delivery, id: u64) -> Value {
     v
 }
 
-/// An answer line.
+/// What identifies a delivery's record for good, the same for its retries and their copies:
+/// `idempotency_key` (its [`EventId`](shardwise::receipts::EventId): for a retry copy, the
+/// record's that was first read) and, for a Kinesis record, `origin`: that record's `stream`,
+/// `shard`, `sequence` and `subsequence`.
+fn identity(d: &Delivery) -> Map<String, Value> {
+    let key = d.event_id();
+    let mut fields = Map::new();
+    // `kinesis/STREAM/SHARD/SEQUENCE.SUB`: neither a stream's nor a shard's name holds a `/`.
+    let origin = key.as_str().strip_prefix("kinesis/").and_then(|rest| {
+        let (rest, position) = rest.rsplit_once('/')?;
+        let (stream, shard) = rest.rsplit_once('/')?;
+        let (sequence, sub) = position.rsplit_once('.')?;
+        let sub: u64 = sub.parse().ok()?;
+        Some(json!({ "stream": stream, "shard": shard, "sequence": sequence, "subsequence": sub }))
+    });
+    fields.insert("idempotency_key".into(), json!(key.as_str()));
+    if let Some(origin) = origin {
+        fields.insert("origin".into(), origin);
+    }
+    fields
+}
+
+/// An answer line: the protocol's own (`outcome`, `outcomes`) or a Lambda function's
+/// (`response`, `error`). Fields it does not know are ignored, so that a program may say more
+/// (and a later shardwise may read more) without being taken for garbage.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct Answer {
     id: u64,
     #[serde(default)]
     outcome: Option<Value>,
     #[serde(default)]
     outcomes: Option<Vec<ItemAnswer>>,
+    /// What the function returned (`null` or absent: nothing).
+    #[serde(default)]
+    response: Option<Value>,
+    /// The function raised (`null` or absent: it did not).
+    #[serde(default)]
+    error: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct ItemAnswer {
     id: u64,
     outcome: Value,
 }
 
+/// The outcomes spelt as objects, by their one key.
+const OUTCOME_KEYS: [&str; 3] = ["retry_after_ms", "hold", "quarantine"];
+
 /// An outcome as the protocol spells it: `"ack"`, `"drop"`, `"retry"`, `{"retry_after_ms": N}`,
-/// `{"hold": "reason"}`, `{"quarantine": "reason"}`.
+/// `{"hold": "reason"}`, `{"quarantine": "reason"}` (an object's other keys are ignored).
 pub(crate) fn parse_outcome(v: &Value) -> Result<Outcome, String> {
     match v {
         Value::String(s) => match s.as_str() {
@@ -326,8 +448,11 @@ pub(crate) fn parse_outcome(v: &Value) -> Result<Outcome, String> {
             "retry" => Ok(Outcome::Retry),
             other => Err(format!("unknown outcome `{other}`")),
         },
-        Value::Object(o) if o.len() == 1 => {
-            let (name, arg) = o.iter().next().expect("one entry");
+        Value::Object(o) => {
+            let mut known = o.iter().filter(|(k, _)| OUTCOME_KEYS.contains(&k.as_str()));
+            let (Some((name, arg)), None) = (known.next(), known.next()) else {
+                return Err(format!("unknown outcome {v}"));
+            };
             match (name.as_str(), arg) {
                 ("retry_after_ms", Value::Number(n)) => n
                     .as_u64()
@@ -343,8 +468,37 @@ pub(crate) fn parse_outcome(v: &Value) -> Result<Outcome, String> {
 }
 
 /// What an answer line means for the request it names: one outcome per delivery, in the
-/// request's order (a batch's deliveries left out are retried).
-fn outcomes_of(answer: &Answer, ids: &[u64]) -> Result<Vec<Outcome>, String> {
+/// request's order (a batch's deliveries left out are retried; a Lambda function's answer as
+/// [`lambda::read_answer`] reads it).
+fn outcomes_of(answer: &Answer, expect: &Expect) -> Result<Vec<Outcome>, String> {
+    let ids = match expect {
+        Expect::Outcomes(ids) => ids,
+        Expect::Lambda(sequences) => {
+            let read =
+                lambda::read_answer(answer.error.as_ref(), answer.response.as_ref(), sequences);
+            match &read.batch_failed {
+                Some(why) => {
+                    warn!(
+                        request = answer.id,
+                        records = sequences.len(),
+                        "{why}: the whole batch is retried"
+                    );
+                }
+                None => {
+                    let failed = read.outcomes.iter().filter(|o| **o != Outcome::Ack).count();
+                    if failed > 0 {
+                        debug!(
+                            request = answer.id,
+                            failed,
+                            records = sequences.len(),
+                            "batch item failures: retried from the first one named"
+                        );
+                    }
+                }
+            }
+            return Ok(read.outcomes);
+        }
+    };
     match (&answer.outcome, &answer.outcomes) {
         (Some(outcome), None) if ids.len() == 1 => Ok(vec![parse_outcome(outcome)?]),
         (None, Some(items)) => {
@@ -412,7 +566,7 @@ async fn run_child(
     index: usize,
     settings: ExecSettings,
     mut requests: mpsc::UnboundedReceiver<Request>,
-    mut stop: watch::Receiver<bool>,
+    mut stop: watch::Receiver<PoolState>,
     stats: Arc<ExecStats>,
 ) {
     let mut backoff = FIRST_BACKOFF;
@@ -434,11 +588,30 @@ async fn run_child(
         let started = Instant::now();
         stats.up.fetch_add(1, Ordering::Relaxed);
         info!(child = index, pid, command = %settings.command, resent = flight.len(), "handler program started");
-        let down = serve(&mut child, &settings, &mut requests, &mut stop, &mut flight).await;
+        let served = serve(&mut child, &settings, &mut requests, &mut stop, &mut flight).await;
         stats.up.fetch_sub(1, Ordering::Relaxed);
-        let Some(down) = down else {
-            stop_group(&mut child, index, pid, settings.grace).await;
-            return;
+        let down = match served {
+            Served::Stopped => {
+                stop_group(&mut child, index, pid, settings.grace).await;
+                return;
+            }
+            Served::Finished => {
+                kill_group(&mut child, pid).await;
+                info!(
+                    child = index,
+                    pid, "handler program ended after the shutdown notice"
+                );
+                // Not replaced, unless a request comes after all.
+                tokio::select! {
+                    () = stopped(&mut stop) => return,
+                    request = requests.recv() => match request {
+                        Some(request) => flight.push_back(InFlight::new(request)),
+                        None => return,
+                    },
+                }
+                continue;
+            }
+            Served::Down(down) => down,
         };
         kill_group(&mut child, pid).await;
         stats.restarts.fetch_add(1, Ordering::Relaxed);
@@ -465,7 +638,7 @@ async fn run_child(
                 let _ = spent
                     .request
                     .reply
-                    .send(vec![Outcome::Retry; spent.request.ids.len()]);
+                    .send(vec![Outcome::Retry; spent.request.expect.len()]);
             }
         }
         flight.retain(|f| !f.request.reply.is_closed());
@@ -478,7 +651,11 @@ async fn run_child(
 }
 
 /// Waits out a back-off, counted as restarting; `false` when the pool stops meanwhile.
-async fn wait_out(backoff: Duration, stop: &mut watch::Receiver<bool>, stats: &ExecStats) -> bool {
+async fn wait_out(
+    backoff: Duration,
+    stop: &mut watch::Receiver<PoolState>,
+    stats: &ExecStats,
+) -> bool {
     stats.restarting.fetch_add(1, Ordering::Relaxed);
     let waited = tokio::select! {
         () = tokio::time::sleep(backoff) => true,
@@ -490,8 +667,30 @@ async fn wait_out(backoff: Duration, stop: &mut watch::Receiver<bool>, stats: &E
 
 /// Returns once the pool stops: [`Exec::stop`] was called, or every handle to the pool is gone.
 /// Cancellation safe.
-async fn stopped(stop: &mut watch::Receiver<bool>) {
-    let _ = stop.wait_for(|stop| *stop).await;
+async fn stopped(stop: &mut watch::Receiver<PoolState>) {
+    let _ = stop.wait_for(|state| *state == PoolState::Stopped).await;
+}
+
+/// Returns once the consumer is shutting down: the time left until its deadline (none once the
+/// pool stopped or is gone). Cancellation safe.
+async fn draining(state: &mut watch::Receiver<PoolState>) -> Option<Duration> {
+    let state = *state
+        .wait_for(|state| *state != PoolState::Running)
+        .await
+        .ok()?;
+    match state {
+        PoolState::Draining { deadline } => {
+            Some(deadline.saturating_duration_since(Instant::now()))
+        }
+        PoolState::Running | PoolState::Stopped => None,
+    }
+}
+
+/// The shutdown notice as a child reads it.
+fn notice_line(left: Duration) -> Arc<str> {
+    json!({ "shutdown": { "deadline_ms": left.as_millis() as u64 } })
+        .to_string()
+        .into()
 }
 
 /// The process group of a child whose shell has pid `pid` (the group's id is that pid, even once
@@ -570,17 +769,22 @@ async fn stop_group(child: &mut Child, index: usize, pid: u32, grace: Duration) 
 
 fn spawn(index: usize, settings: &ExecSettings) -> std::io::Result<Child> {
     // Its own process group: a replacement kills the shell and everything it started.
-    let mut child = Command::new("sh")
+    let mut command = Command::new("sh");
+    command
         .arg("-c")
         .arg(&settings.command)
         .process_group(0)
+        .envs(settings.env.iter().map(|(name, value)| (name, value)))
         .env("SHARDWISE_CHILD", index.to_string())
         .env("SHARDWISE_WORKER", &settings.worker)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
+        .kill_on_drop(true);
+    if let Some(dir) = &settings.dir {
+        command.current_dir(dir);
+    }
+    let mut child = command.spawn()?;
     if let Some(stderr) = child.stderr.take() {
         tokio::spawn(log_stderr(index, child.id().unwrap_or(0), stderr));
     }
@@ -698,15 +902,36 @@ fn hand_over(flight: &mut VecDeque<InFlight>, writer: &mpsc::Sender<(u64, Arc<st
     }
 }
 
-/// Runs one child until it goes down (`Some(why)`) or the pool stops (`None`). Never waits on the
-/// child's stdin: its writer does.
+/// How a child's service ended.
+enum Served {
+    /// The pool stops.
+    Stopped,
+    /// The child went down: it is replaced.
+    Down(Down),
+    /// The child ended after the shutdown notice with nothing in flight: it is done.
+    Finished,
+}
+
+/// Where the shutdown notice is with the current child.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Notice {
+    /// The consumer is not shutting down yet.
+    NotYet,
+    /// To hand to the writer (before the requests not handed yet).
+    Due(Arc<str>),
+    /// Handed to the writer (or there is none to give).
+    Handed,
+}
+
+/// Runs one child until it goes down, ends after the shutdown notice, or the pool stops. Never
+/// waits on the child's stdin: its writer does.
 async fn serve(
     child: &mut Child,
     settings: &ExecSettings,
     requests: &mut mpsc::UnboundedReceiver<Request>,
-    stop: &mut watch::Receiver<bool>,
+    stop: &mut watch::Receiver<PoolState>,
     flight: &mut VecDeque<InFlight>,
-) -> Option<Down> {
+) -> Served {
     let (writer, lines) = mpsc::channel(WRITER_QUEUE);
     let (report, mut written) = mpsc::unbounded_channel();
     let stdin = child.stdin.take().expect("piped");
@@ -718,17 +943,38 @@ async fn serve(
         f.taken = None;
     }
     let mut clock = HangClock::new(Instant::now());
+    // A child started while the consumer drains is told before anything else.
+    let mut notice = match *stop.borrow() {
+        PoolState::Running => Notice::NotYet,
+        PoolState::Draining { deadline } => Notice::Due(notice_line(
+            deadline.saturating_duration_since(Instant::now()),
+        )),
+        PoolState::Stopped => Notice::Handed,
+    };
+    let mut drain = stop.clone();
     loop {
+        if let Notice::Due(line) = &notice
+            && writer.try_send((NOTICE, line.clone())).is_ok()
+        {
+            notice = Notice::Handed;
+        }
         hand_over(flight, &writer);
         clock.follow(flight.front().map(|f| f.request.id), Instant::now());
         let hang_at = settings
             .timeout
             .and_then(|limit| clock.deadline(flight.front().and_then(|f| f.taken), limit));
         let hang = tokio::time::sleep_until(hang_at.unwrap_or_else(Instant::now));
-        tokio::select! {
+        let ended = tokio::select! {
             () = stopped(stop) => break,
+            left = draining(&mut drain), if notice == Notice::NotYet => {
+                notice = left.map_or(Notice::Handed, |left| Notice::Due(notice_line(left)));
+                continue;
+            }
             request = requests.recv() => match request {
-                Some(request) => flight.push_back(InFlight::new(request)),
+                Some(request) => {
+                    flight.push_back(InFlight::new(request));
+                    continue;
+                }
                 None => break,
             },
             Some(report) = written.recv() => match report {
@@ -737,36 +983,41 @@ async fn serve(
                     if let Some(f) = flight.iter_mut().find(|f| f.request.id == id) {
                         f.taken = Some(Instant::now());
                     }
+                    continue;
                 }
-                Written::Failed(e) => {
-                    return Some(ending(child, &mut answers, flight, Down::Unwritable(e)).await);
-                }
+                Written::Failed(e) => ending(child, &mut answers, flight, Down::Unwritable(e)).await,
             },
             line = answers.next_line() => match line {
-                Ok(Some(line)) => {
-                    if let Err(down) = answered(&line, flight) {
-                        return Some(down);
-                    }
-                }
-                Ok(None) | Err(_) => {
-                    return Some(ending(child, &mut answers, flight, Down::ClosedStdout).await);
-                }
+                Ok(Some(line)) => match answered(&line, flight) {
+                    Ok(()) => continue,
+                    Err(down) => return Served::Down(down),
+                },
+                Ok(None) | Err(_) => ending(child, &mut answers, flight, Down::ClosedStdout).await,
             },
             status = child.wait() => {
                 let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
-                return Some(ending(child, &mut answers, flight, Down::Exited(status)).await);
+                ending(child, &mut answers, flight, Down::Exited(status)).await
             }
             () = hang, if hang_at.is_some() => {
                 let oldest = flight.front().expect("timed");
                 let (request, taken) = (oldest.request.id, oldest.taken.is_some());
-                return Some(Down::Hung { request, taken });
+                return Served::Down(Down::Hung { request, taken });
             }
-        }
+        };
+        // It ended (or closed a pipe). Told of the shutdown and with nothing left to answer, it
+        // is done; else it is replaced.
+        let done =
+            notice == Notice::Handed && flight.is_empty() && !matches!(ended, Down::Garbage(_));
+        return if done {
+            Served::Finished
+        } else {
+            Served::Down(ended)
+        };
     }
     // Stopping. What it still answers is read and let go, so that it does not die writing to a
     // closed pipe while it ends.
     tokio::spawn(async move { while let Ok(Some(_)) = answers.next_line().await {} });
-    None
+    Served::Stopped
 }
 
 /// A child ended, or closed its stdin or stdout: takes the answers it wrote before it ended
@@ -805,7 +1056,7 @@ fn answered(line: &str, flight: &mut VecDeque<InFlight>) -> Result<(), Down> {
             truncated(line)
         )));
     };
-    let outcomes = outcomes_of(&answer, &flight[at].request.ids)
+    let outcomes = outcomes_of(&answer, &flight[at].request.expect)
         .map_err(|why| Down::Garbage(format!("{why}: {}", truncated(line))))?;
     let done = flight.remove(at).expect("found");
     let _ = done.request.reply.send(outcomes);
@@ -853,9 +1104,36 @@ mod tests {
             json!({"retry_after_ms": -1}),
             json!(3),
             json!({"a": 1, "b": 2}),
+            json!({"hold": "a", "quarantine": "b"}),
         ] {
             assert!(parse_outcome(&bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn answers_may_carry_fields_shardwise_does_not_know() {
+        // Each was garbage (the child killed) while answers were read strictly.
+        let single: Answer = serde_json::from_str(
+            r#"{"id": 4, "outcome": "ack", "took_ms": 12, "trace": {"span": "a1"}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            outcomes_of(&single, &Expect::Outcomes(vec![4])).unwrap(),
+            [Outcome::Ack]
+        );
+        let batch: Answer = serde_json::from_str(
+            r#"{"id": 9, "outcomes": [{"id": 10, "outcome": "drop", "why": "not JSON"}], "worker": "py-3"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            outcomes_of(&batch, &Expect::Outcomes(vec![10, 11])).unwrap(),
+            [Outcome::Drop, Outcome::Retry]
+        );
+        // An outcome object's other keys too.
+        assert_eq!(
+            parse_outcome(&json!({"retry_after_ms": 250, "reason": "throttled"})).unwrap(),
+            Outcome::RetryAfter(Duration::from_millis(250))
+        );
     }
 
     #[test]
@@ -864,16 +1142,21 @@ mod tests {
             serde_json::from_str(r#"{"id": 9, "outcomes": [{"id": 11, "outcome": "drop"}, {"id": 10, "outcome": "ack"}]}"#)
                 .unwrap();
         assert_eq!(
-            outcomes_of(&answer, &[10, 11, 12]).unwrap(),
+            outcomes_of(&answer, &Expect::Outcomes(vec![10, 11, 12])).unwrap(),
             [Outcome::Ack, Outcome::Drop, Outcome::Retry]
         );
         let stranger: Answer =
             serde_json::from_str(r#"{"id": 9, "outcomes": [{"id": 99, "outcome": "ack"}]}"#)
                 .unwrap();
-        assert!(outcomes_of(&stranger, &[10]).is_err());
+        assert!(outcomes_of(&stranger, &Expect::Outcomes(vec![10])).is_err());
         let single: Answer = serde_json::from_str(r#"{"id": 4, "outcome": "ack"}"#).unwrap();
-        assert_eq!(outcomes_of(&single, &[4]).unwrap(), [Outcome::Ack]);
-        assert!(serde_json::from_str::<Answer>(r#"{"id": 4, "outcome": "ack", "x": 1}"#).is_err());
+        assert_eq!(
+            outcomes_of(&single, &Expect::Outcomes(vec![4])).unwrap(),
+            [Outcome::Ack]
+        );
+        // A Lambda function's answer where the protocol's is expected says nothing.
+        let lambda: Answer = serde_json::from_str(r#"{"id": 4, "response": null}"#).unwrap();
+        assert!(outcomes_of(&lambda, &Expect::Outcomes(vec![4])).is_err());
     }
 
     #[test]
@@ -921,6 +1204,9 @@ mod tests {
             batching: None,
             worker: "w".into(),
             grace: STOP_GRACE,
+            format: Format::Shardwise,
+            env: Vec::new(),
+            dir: None,
         }
     }
 
@@ -1250,5 +1536,164 @@ while True:
             "a child ignoring SIGTERM was killed {stopped_after:?} after the stop (grace {grace:?})"
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A program that notes in `log` the shutdown notice (`notice MS`) and SIGTERM, acks every
+    /// delivery, and with `end_on_notice` exits once told.
+    fn noting(log: &Path, end_on_notice: bool) -> String {
+        format!(
+            r#"python3 -u -c 'import json,signal,sys
+log = open(sys.argv[1], "a", buffering=1)
+def term(*_):
+    log.write("SIGTERM\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+for line in sys.stdin:
+    d = json.loads(line)
+    if "shutdown" in d:
+        log.write("notice %d\n" % d["shutdown"]["deadline_ms"])
+        if {end}:
+            sys.exit(0)
+        continue
+    print(json.dumps({{"id": d["id"], "outcome": "ack"}}))
+signal.pause()' {log}"#,
+            end = if end_on_notice { "True" } else { "False" },
+            log = log.display()
+        )
+    }
+
+    /// Waits (at most 10 s) until `log` holds `lines` lines, and returns them.
+    async fn noted_lines(log: &Path, lines: usize) -> Vec<String> {
+        let started = Instant::now();
+        loop {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            let noted: Vec<String> = text.lines().map(String::from).collect();
+            if noted.len() >= lines || started.elapsed() > Duration::from_secs(10) {
+                return noted;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn the_shutdown_notice_reaches_each_child_before_sigterm() {
+        let dir = scratch("notice");
+        let log = dir.join("log");
+        let exec = Exec::start(ExecSettings {
+            children: 2,
+            ..settings(&noting(&log, false), None)
+        });
+        assert_eq!(exec.handle(delivery("k", "ack")).await, Outcome::Ack);
+        exec.notice_shutdown(Duration::from_secs(3));
+        // A second notice changes nothing.
+        exec.notice_shutdown(Duration::from_secs(60));
+        let notices = noted_lines(&log, 2).await;
+        assert_eq!(notices.len(), 2, "{notices:?}");
+        for notice in &notices {
+            let ms: u64 = notice
+                .strip_prefix("notice ")
+                .and_then(|ms| ms.parse().ok())
+                .unwrap_or_else(|| panic!("{notice}"));
+            assert!((2000..=3000).contains(&ms), "{notice}");
+        }
+        // Still served while the consumer drains.
+        assert_eq!(exec.handle(delivery("k", "ack")).await, Outcome::Ack);
+        exec.stop().await;
+        let noted = noted_lines(&log, 4).await;
+        assert_eq!(
+            noted.iter().map(|l| &l[..6]).collect::<Vec<_>>(),
+            ["notice", "notice", "SIGTER", "SIGTER"],
+            "{noted:?}"
+        );
+        assert_eq!(exec.stats.restarts.load(Ordering::Relaxed), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_child_that_ends_after_the_notice_is_not_replaced_unless_a_request_comes() {
+        let dir = scratch("notice-end");
+        let log = dir.join("log");
+        let exec = Exec::start(settings(&noting(&log, true), None));
+        assert_eq!(exec.handle(delivery("k", "ack")).await, Outcome::Ack);
+        exec.notice_shutdown(Duration::from_secs(3));
+        let ended = async {
+            while exec.stats.up.load(Ordering::Relaxed) > 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), ended)
+            .await
+            .expect("the child ended after the notice");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            exec.stats.up.load(Ordering::Relaxed),
+            0,
+            "not started again"
+        );
+        assert_eq!(exec.stats.restarts.load(Ordering::Relaxed), 0);
+        // A request after all: a new child, told first, ends again with it unanswered; it is
+        // then replaced (a loss) and, at the third, the request is answered retry.
+        let late = tokio::time::timeout(Duration::from_secs(30), exec.handle(delivery("k", "ack")))
+            .await
+            .expect("answered");
+        assert_eq!(late, Outcome::Retry);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn the_lambda_format_reads_batch_item_failures_and_a_raise_as_lambda_does() {
+        // Fails the record whose data is "fail"; raises (answers an error) for "raise".
+        let program = r#"python3 -u -c 'import base64,json,sys
+for line in sys.stdin:
+    r = json.loads(line)
+    if "event" not in r:
+        continue
+    records = r["event"]["Records"]
+    data = [base64.b64decode(x["kinesis"]["data"]).decode() for x in records]
+    if "raise" in data:
+        print(json.dumps({"id": r["id"], "error": {"errorType": "ValueError", "errorMessage": "no"}}))
+        continue
+    failed = [{"itemIdentifier": x["kinesis"]["sequenceNumber"]} for x, d in zip(records, data) if d == "fail"]
+    print(json.dumps({"id": r["id"], "response": {"batchItemFailures": failed}, "took_ms": 1}))'"#;
+        let source = EventSource::new("arn:aws:kinesis:us-east-1:000000000000:stream/s", "f");
+        let exec = Exec::start(ExecSettings {
+            format: Format::Lambda(Arc::new(source)),
+            batching: Some(Batching::new(10, Duration::from_millis(10))),
+            ..settings(program, None)
+        });
+        let batch = |data: [&str; 4]| {
+            data.iter()
+                .enumerate()
+                .map(|(i, d)| {
+                    let sequence =
+                        shardwise::SequenceNumber::parse(&(100 + i).to_string()).unwrap();
+                    Delivery::builder(
+                        "s",
+                        "shardId-000000000000",
+                        shardwise::Position::new(sequence, 0),
+                    )
+                    .partition_key("k")
+                    .payload(d.to_string())
+                    .build()
+                })
+                .collect::<Vec<_>>()
+        };
+        use Outcome::{Ack as A, Retry as R};
+        let cases = [
+            (["a", "b", "c", "d"], [A, A, A, A]),
+            (["a", "fail", "c", "d"], [A, R, R, R]),
+            (["a", "b", "c", "fail"], [A, A, A, R]),
+            (["a", "raise", "c", "d"], [R, R, R, R]),
+        ];
+        for (data, outcomes) in cases {
+            assert_eq!(exec.handle_batch(batch(data)).await, outcomes, "{data:?}");
+        }
+        // One delivery alone is a batch of one.
+        assert_eq!(
+            exec.handle(batch(["fail", "a", "a", "a"]).remove(0)).await,
+            R
+        );
+        assert_eq!(exec.stats.restarts.load(Ordering::Relaxed), 0);
+        exec.stop().await;
     }
 }

@@ -14,6 +14,7 @@ mod consume;
 mod exec;
 mod flag_error;
 mod frontier;
+mod import_kcl;
 mod leases;
 mod observe;
 mod put;
@@ -37,6 +38,17 @@ use crate::common::{Ctx, ENVIRONMENT_HELP};
     after_help = ENVIRONMENT_HELP
 )]
 struct Cli {
+    /// How log lines on stderr are written: `text` for people, `json` (one JSON object per line,
+    /// with its fields and spans) for CloudWatch Logs, Fluent Bit or Loki.
+    #[arg(
+        long,
+        global = true,
+        env = "SHARDWISE_LOG_FORMAT",
+        value_name = "text|json",
+        default_value = "text"
+    )]
+    log_format: common::LogFormat,
+
     #[command(subcommand)]
     command: Command,
 }
@@ -57,6 +69,9 @@ enum Command {
     Seek(seek::Args),
     /// How far the whole stream is complete: the scalar frontier, its epoch, the per-shard vector.
     Frontier(frontier::Args),
+    /// Import a KCL 2.x/3.x application's lease table: each shard of the stream gets a shardwise
+    /// row at KCL's committed checkpoint, with its lineage (the KCL table is only read).
+    ImportKcl(import_kcl::Args),
     /// Create, reshard, describe or delete a stream.
     #[command(subcommand)]
     Stream(stream::Command),
@@ -70,6 +85,7 @@ async fn dispatch(command: Command, ctx: &Ctx) -> common::Result<()> {
         Command::Frontier(args) => frontier::run(args, ctx).await,
         Command::Leases(args) => leases::run(args, ctx).await,
         Command::Receipts(args) => receipts::run(args, ctx).await,
+        Command::ImportKcl(args) => import_kcl::run(args, ctx).await,
         Command::Stream(command) => stream::run(command, ctx).await,
     }
 }
@@ -84,7 +100,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    common::init_logging();
+    common::init_logging(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -432,7 +432,7 @@ fn shard_id(arg: &str) -> String {
 }
 
 /// Every shard of the stream (ListShards, following pagination).
-async fn list_shards(client: &Client, stream: &str) -> Result<Vec<Shard>> {
+pub(crate) async fn list_shards(client: &Client, stream: &str) -> Result<Vec<Shard>> {
     let mut shards = Vec::new();
     let mut token: Option<String> = None;
     loop {

@@ -8,6 +8,7 @@ mod support;
 
 use std::collections::{BTreeSet, HashMap};
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use aws_sdk_dynamodb::types::{BillingMode, PointInTimeRecoveryStatus, TableStatus};
@@ -598,6 +599,217 @@ async fn a_missing_region_is_named_as_aws_region() {
     let _ = std::fs::remove_file(&empty);
 }
 
+/// Every `consume` setting can come from the environment (`SHARDWISE_` and the flag's name):
+/// each row is given once as flags and once as variables, and `consume` does the same with both
+/// (settings are checked before any call, so a rejected one shows the value it took).
+#[tokio::test]
+async fn consume_settings_from_the_environment_are_the_flags_given_there() {
+    // Each row: the flags, the same settings as variables, and what `consume` answers.
+    type Row<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let cases: &[Row] = &[
+        (
+            &["--stream", "orders", "--app", "billing", "--lanes", "0"],
+            &[
+                ("SHARDWISE_STREAM", "orders"),
+                ("SHARDWISE_APP", "billing"),
+                ("SHARDWISE_LANES", "0"),
+            ],
+            "error: invalid --lanes 0: must be 1 to 1024\n",
+        ),
+        (
+            &[
+                "--stream",
+                "orders",
+                "--app",
+                "billing",
+                "--poll-interval",
+                "10ms",
+            ],
+            &[
+                ("SHARDWISE_STREAM", "orders"),
+                ("SHARDWISE_APP", "billing"),
+                ("SHARDWISE_POLL_INTERVAL", "10ms"),
+            ],
+            "error: invalid --poll-interval 10ms: must be at least 200ms (Kinesis allows 5 \
+             GetRecords calls per second per shard)\n",
+        ),
+        (
+            &[
+                "--stream",
+                "orders",
+                "--app",
+                "billing",
+                "--checkpoint-interval",
+                "20s",
+            ],
+            &[
+                ("SHARDWISE_STREAM", "orders"),
+                ("SHARDWISE_APP", "billing"),
+                ("SHARDWISE_CHECKPOINT_INTERVAL", "20s"),
+            ],
+            "error: invalid --checkpoint-interval 20s: must be shorter than --lease-duration (10s)\n",
+        ),
+        (
+            &[
+                "--stream",
+                "orders",
+                "--app",
+                "billing",
+                "--lease-duration",
+                "30s",
+                "--checkpoint-interval",
+                "40s",
+            ],
+            &[
+                ("SHARDWISE_STREAM", "orders"),
+                ("SHARDWISE_APP", "billing"),
+                ("SHARDWISE_LEASE_DURATION", "30s"),
+                ("SHARDWISE_CHECKPOINT_INTERVAL", "40s"),
+            ],
+            "error: invalid --checkpoint-interval 40s: must be shorter than --lease-duration (30s)\n",
+        ),
+        (
+            &[
+                "--stream",
+                "orders",
+                "--app",
+                "billing",
+                "--billing-mode",
+                "provisioned:5,0",
+            ],
+            &[
+                ("SHARDWISE_STREAM", "orders"),
+                ("SHARDWISE_APP", "billing"),
+                ("SHARDWISE_BILLING_MODE", "provisioned:5,0"),
+            ],
+            "error: invalid --billing-mode provisioned:5,0: provisioned read and write capacity \
+             must each be at least 1\n",
+        ),
+        (
+            &[
+                "--stream",
+                "orders",
+                "--app",
+                "billing",
+                "--fail-keys",
+                "a,b",
+                "--fail-outcome",
+                "hold:x",
+            ],
+            &[
+                ("SHARDWISE_STREAM", "orders"),
+                ("SHARDWISE_APP", "billing"),
+                ("SHARDWISE_FAIL_KEYS", "a,b"),
+                ("SHARDWISE_FAIL_OUTCOME", "hold:x"),
+            ],
+            "error: --fail-outcome hold: holding or quarantining a record records a receipt; add --receipts\n",
+        ),
+        (
+            &[
+                "--stream",
+                "orders",
+                "--app",
+                "billing",
+                "--max-record-age",
+                "10ms",
+            ],
+            &[
+                ("SHARDWISE_STREAM", "orders"),
+                ("SHARDWISE_APP", "billing"),
+                ("SHARDWISE_MAX_RECORD_AGE", "10ms"),
+            ],
+            "error: invalid --max-record-age 10ms: must be at least 1s (arrival times are whole \
+             milliseconds from another clock)\n",
+        ),
+    ];
+    for (flags, variables, expected) in cases {
+        let args: Vec<&str> = ["consume"].iter().chain(flags.iter()).copied().collect();
+        let mut by_flags = command(&args);
+        by_flags.env("AWS_REGION", "us-east-1");
+        assert_eq!(run(by_flags).await.failed(), *expected, "{flags:?}");
+        let mut by_env = command(&["consume"]);
+        by_env
+            .env("AWS_REGION", "us-east-1")
+            .envs(variables.iter().copied());
+        assert_eq!(run(by_env).await.failed(), *expected, "{variables:?}");
+    }
+    // A flag given beside its variable wins.
+    let mut both = command(&["consume", "--lanes", "0"]);
+    both.env("AWS_REGION", "us-east-1").envs([
+        ("SHARDWISE_STREAM", "orders"),
+        ("SHARDWISE_APP", "billing"),
+        ("SHARDWISE_LANES", "4"),
+    ]);
+    assert_eq!(
+        run(both).await.failed(),
+        "error: invalid --lanes 0: must be 1 to 1024\n"
+    );
+    // `--help` names each variable.
+    let help = shardwise(&["consume", "--help"]).await.ok();
+    for variable in [
+        "SHARDWISE_STREAM",
+        "SHARDWISE_WORKER_ID",
+        "SHARDWISE_SHUTDOWN_DEADLINE",
+        "SHARDWISE_METRICS_EMF",
+    ] {
+        assert!(
+            help.contains(&format!("[env: {variable}")),
+            "{variable} in --help:\n{help}"
+        );
+    }
+}
+
+/// The duration flags' old spellings in milliseconds work for one release, with a warning that
+/// names the new spelling; the new spellings take `1500ms`, `10s`, `7d`.
+#[tokio::test]
+async fn millisecond_flags_still_work_for_one_release_with_a_warning() {
+    let mut command = command(&[
+        "consume",
+        "--stream",
+        "orders",
+        "--app",
+        "billing",
+        "--lease-duration-ms",
+        "2000",
+        "--checkpoint-interval",
+        "3s",
+    ]);
+    command.env("AWS_REGION", "us-east-1");
+    let run = run(command).await;
+    assert!(
+        run.stderr.contains(
+            "--lease-duration-ms is deprecated and goes in the next release: use --lease-duration 2s"
+        ),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stderr.ends_with(
+            "error: invalid --checkpoint-interval 3s: must be shorter than --lease-duration (2s)\n"
+        ),
+        "{}",
+        run.stderr
+    );
+    // Both spellings of one setting: refused.
+    let both = shardwise(&[
+        "consume",
+        "--stream",
+        "orders",
+        "--app",
+        "billing",
+        "--lease-duration-ms",
+        "2000",
+        "--lease-duration",
+        "2s",
+    ])
+    .await;
+    assert!(
+        both.stderr.contains("cannot be used with"),
+        "{}",
+        both.stderr
+    );
+}
+
 #[tokio::test]
 async fn a_rejected_setting_names_the_flag_as_typed() {
     let consume = ["consume", "--stream", "orders", "--app", "billing"];
@@ -607,8 +819,8 @@ async fn a_rejected_setting_names_the_flag_as_typed() {
             "error: invalid --lanes 0: must be 1 to 1024\n",
         ),
         (
-            &["--poll-interval-ms", "10"],
-            "error: invalid --poll-interval-ms 10: must be at least 200ms (Kinesis allows 5 \
+            &["--poll-interval", "10ms"],
+            "error: invalid --poll-interval 10ms: must be at least 200ms (Kinesis allows 5 \
              GetRecords calls per second per shard)\n",
         ),
         (
@@ -704,10 +916,10 @@ async fn consume_creates_the_lease_table_it_is_given_and_the_other_commands_read
         "--tag",
         "team=billing",
         "--point-in-time-recovery",
-        "--lease-duration-ms",
-        "3000",
-        "--scan-interval-ms",
-        "500",
+        "--lease-duration",
+        "3000ms",
+        "--scan-interval",
+        "500ms",
     ]);
     let mut consumer = consume
         .stdout(Stdio::null())
@@ -831,5 +1043,122 @@ async fn consume_creates_the_lease_table_it_is_given_and_the_other_commands_read
     );
 
     live.delete_table(&table).await;
+    live.delete_stream(&stream).await;
+}
+
+/// `consume` configured from the environment alone, with `--metrics-emf` and `--log-format json`:
+/// every line on stderr is one JSON object, the EMF documents count every record handled under
+/// KCL's name and carry the documented units and dimensions (application first).
+#[tokio::test]
+async fn consume_from_the_environment_writes_emf_metrics_and_json_logs() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("cli-emf");
+    let app = support::unique_name("cli-emf-app");
+    live.create_stream(&stream, 2).await;
+    shardwise(&["put", "--stream", &stream, "--count", "60"])
+        .await
+        .ok();
+    let mut consume = command(&["consume"]);
+    consume
+        .envs([
+            ("SHARDWISE_STREAM", stream.as_str()),
+            ("SHARDWISE_APP", app.as_str()),
+            ("SHARDWISE_QUIET", "true"),
+            ("SHARDWISE_METRICS_EMF", "true"),
+            ("SHARDWISE_METRICS_EMF_INTERVAL", "1s"),
+            ("SHARDWISE_LOG_FORMAT", "json"),
+            ("SHARDWISE_LEASE_DURATION", "3s"),
+            ("SHARDWISE_SCAN_INTERVAL", "500ms"),
+            ("RUST_LOG", "info"),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut consumer = consume.spawn().expect("spawn shardwise consume");
+    let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+    let (stderr, kept) = (consumer.stderr.take().unwrap(), lines.clone());
+    tokio::spawn(async move {
+        use tokio::io::AsyncBufReadExt;
+        let mut reader = tokio::io::BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = reader.next_line().await {
+            kept.lock().unwrap().push(line);
+        }
+    });
+    let processed = |lines: &[String]| -> u64 {
+        lines
+            .iter()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|d| d.get("_aws").is_some() && d["outcome"] == "ack")
+            .filter_map(|d| d["RecordsProcessed"].as_u64())
+            .sum()
+    };
+    wait_while_running(
+        "RecordsProcessed to count 60",
+        &mut consumer,
+        Duration::from_secs(60),
+        || {
+            let done = processed(&lines.lock().unwrap()) == 60;
+            async move { done }
+        },
+    )
+    .await;
+    let pid = consumer.id().expect("running").to_string();
+    tokio::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .await
+        .expect("run kill");
+    let status = tokio::time::timeout(Duration::from_secs(30), consumer.wait())
+        .await
+        .expect("stops within 30 s of SIGTERM")
+        .expect("wait");
+    assert!(status.success(), "{:?}", lines.lock().unwrap());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let lines = lines.lock().unwrap().clone();
+    assert_eq!(processed(&lines), 60, "nothing counted twice");
+    let (mut logs, mut units) = (0, HashMap::new());
+    for line in &lines {
+        let value: Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        if value.get("_aws").is_none() {
+            if value.get("level").is_some() {
+                assert!(value["fields"].is_object(), "{line}");
+                logs += 1;
+            }
+            continue;
+        }
+        let directive = &value["_aws"]["CloudWatchMetrics"][0];
+        assert_eq!(directive["Namespace"], "shardwise", "{line}");
+        assert_eq!(directive["Dimensions"][0][0], "application", "{line}");
+        assert_eq!(value["application"], app.as_str(), "{line}");
+        for metric in directive["Metrics"].as_array().unwrap() {
+            let name = metric["Name"].as_str().unwrap().to_string();
+            assert!(
+                value[&name].is_number() || value[&name].is_array(),
+                "{line}"
+            );
+            units.insert(name, metric["Unit"].as_str().unwrap().to_string());
+        }
+        if value.get("MillisBehindLatest").is_some() {
+            assert!(
+                value["shard"].as_str().unwrap().starts_with("shardId-"),
+                "{line}"
+            );
+            assert_eq!(value["stream"], stream.as_str(), "{line}");
+        }
+    }
+    assert!(logs > 0, "the info logs are JSON lines too: {lines:?}");
+    for (name, unit) in [
+        ("RecordsProcessed", "Count"),
+        ("MillisBehindLatest", "Milliseconds"),
+        ("CurrentLeases", "Count"),
+        ("TakenLeases", "Count"),
+        ("shardwise_handler_duration_seconds", "Seconds"),
+    ] {
+        assert_eq!(
+            units.get(name).map(String::as_str),
+            Some(unit),
+            "{name}: {units:?}"
+        );
+    }
     live.delete_stream(&stream).await;
 }

@@ -22,14 +22,14 @@ use serde_json::Value;
 const BIN: &str = env!("CARGO_BIN_EXE_shardwise");
 
 const FAST: &[&str] = &[
-    "--lease-duration-ms",
-    "3000",
-    "--scan-interval-ms",
-    "500",
-    "--checkpoint-interval-ms",
-    "200",
-    "--poll-interval-ms",
-    "200",
+    "--lease-duration",
+    "3000ms",
+    "--scan-interval",
+    "500ms",
+    "--checkpoint-interval",
+    "200ms",
+    "--poll-interval",
+    "200ms",
 ];
 
 /// A `shardwise consume --log-group` child whose stdout lines are collected; killed when dropped.
@@ -61,8 +61,8 @@ impl Worker {
                 id,
                 "--lanes",
                 "4",
-                "--handler-delay-ms",
-                "10",
+                "--handler-delay",
+                "10ms",
             ])
             .args(FAST)
             .args(extra)

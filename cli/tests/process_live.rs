@@ -37,7 +37,7 @@ async fn graceful_restart_handles_everything_once() {
     let args: Vec<&str> = FAST
         .iter()
         .copied()
-        .chain(["--lanes", "2", "--handler-delay-ms", "1"])
+        .chain(["--lanes", "2", "--handler-delay", "1ms"])
         .collect();
 
     let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
@@ -137,12 +137,12 @@ async fn kill_9_scenario(
         .iter()
         .copied()
         .chain([
-            "--checkpoint-interval-ms",
-            "200",
-            "--poll-interval-ms",
-            "200",
-            "--handler-delay-ms",
-            "1",
+            "--checkpoint-interval",
+            "200ms",
+            "--poll-interval",
+            "200ms",
+            "--handler-delay",
+            "1ms",
             "--lanes",
             "4",
         ])
@@ -310,7 +310,7 @@ async fn kill_9_scenario(
 async fn kill_9_mid_run_loses_nothing() {
     kill_9_scenario(
         "pl-kill9",
-        &["--lease-duration-ms", "3000", "--scan-interval-ms", "500"],
+        &["--lease-duration", "3000ms", "--scan-interval", "500ms"],
         Duration::from_millis(3000),
         Duration::from_millis(500),
         Duration::from_secs(6),
@@ -325,10 +325,10 @@ async fn kill_9_mid_run_with_fan_out_loses_nothing() {
     kill_9_scenario(
         "pl-kill9-efo",
         &[
-            "--lease-duration-ms",
-            "3000",
-            "--scan-interval-ms",
-            "500",
+            "--lease-duration",
+            "3000ms",
+            "--scan-interval",
+            "500ms",
             "--efo",
         ],
         Duration::from_millis(3000),
@@ -362,12 +362,12 @@ async fn three_workers_converge_and_never_share_a_shard_while_handlers_are_slow(
     let log = Log::default();
     let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(250));
     let args = [
-        "--handler-delay-ms",
-        "2",
+        "--handler-delay",
+        "2ms",
         "--lanes",
         "1",
-        "--scan-interval-ms",
-        "500",
+        "--scan-interval",
+        "500ms",
     ];
     let started = Instant::now();
     let mut workers: Vec<Worker> = ["W1", "W2", "W3"]
@@ -783,18 +783,18 @@ async fn eight_lanes_never_checkpoint_past_an_unhandled_record() {
     let (n, keys) = (3000u64, 64u64);
     let log = Log::default();
     let args = [
-        "--lease-duration-ms",
-        "3000",
-        "--scan-interval-ms",
-        "500",
-        "--checkpoint-interval-ms",
-        "100",
-        "--poll-interval-ms",
-        "200",
+        "--lease-duration",
+        "3000ms",
+        "--scan-interval",
+        "500ms",
+        "--checkpoint-interval",
+        "100ms",
+        "--poll-interval",
+        "200ms",
         "--lanes",
         "8",
-        "--handler-delay-ms",
-        "1",
+        "--handler-delay",
+        "1ms",
     ];
     let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
     wait_rows(
@@ -1104,7 +1104,7 @@ async fn latest_start_scenario(name: &str, extra: &[&str]) {
     live.create_stream(&stream, 1).await;
     let log = Log::default();
     let mut args: Vec<&str> = FAST.to_vec();
-    args.extend(["--start", "latest", "--handler-delay-ms", "4000"]);
+    args.extend(["--start", "latest", "--handler-delay", "4000ms"]);
     args.extend(extra);
     let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
     wait_rows(
@@ -1191,12 +1191,12 @@ async fn kill_9_with_receipts_applies_every_effect_exactly_once() {
     // The default 10 s lease (every commit waits its turn at the emulator, renewals too), and a
     // checkpoint every second, so the killed worker leaves applied records behind.
     let mut args: Vec<&str> = vec![
-        "--scan-interval-ms",
-        "500",
-        "--checkpoint-interval-ms",
-        "1000",
-        "--poll-interval-ms",
-        "200",
+        "--scan-interval",
+        "500ms",
+        "--checkpoint-interval",
+        "1000ms",
+        "--poll-interval",
+        "200ms",
     ];
     args.extend([
         "--lanes",
@@ -1319,8 +1319,8 @@ async fn a_held_record_waits_for_the_operator_and_settles_when_quarantined() {
         "--lanes",
         "4",
         "--receipts",
-        "--hold-poll-interval-ms",
-        "300",
+        "--hold-poll-interval",
+        "300ms",
         "--fail-keys",
         "key-5",
         "--fail-outcome",
@@ -1470,7 +1470,7 @@ async fn two_workers_and_a_sigterm_handle_every_record_exactly_once() {
     let args: Vec<&str> = FAST
         .iter()
         .copied()
-        .chain(["--lanes", "2", "--handler-delay-ms", "1"])
+        .chain(["--lanes", "2", "--handler-delay", "1ms"])
         .collect();
     let writer = tokio::spawn({
         let stream = stream.clone();
@@ -1545,7 +1545,7 @@ async fn joining_scenario(name: &str, extra: &[&str]) {
     let args: Vec<&str> = FAST
         .iter()
         .copied()
-        .chain(["--lanes", "2", "--handler-delay-ms", "2"])
+        .chain(["--lanes", "2", "--handler-delay", "2ms"])
         .chain(extra.iter().copied())
         .collect();
     let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
@@ -1646,20 +1646,20 @@ async fn an_owner_paused_past_the_handoff_timeout_is_stolen_from_and_fenced() {
     let log = Log::default();
     let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(200));
     let args = [
-        "--lease-duration-ms",
-        "20000",
-        "--scan-interval-ms",
-        "500",
-        "--checkpoint-interval-ms",
-        "200",
-        "--poll-interval-ms",
-        "200",
-        "--handoff-timeout-ms",
-        "1000",
+        "--lease-duration",
+        "20000ms",
+        "--scan-interval",
+        "500ms",
+        "--checkpoint-interval",
+        "200ms",
+        "--poll-interval",
+        "200ms",
+        "--handoff-timeout",
+        "1000ms",
         "--lanes",
         "2",
-        "--handler-delay-ms",
-        "1",
+        "--handler-delay",
+        "1ms",
     ];
     let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
     wait_rows(
@@ -1753,7 +1753,7 @@ async fn a_rolling_restart_of_three_workers_handles_every_record_once() {
     let args: Vec<&str> = FAST
         .iter()
         .copied()
-        .chain(["--lanes", "2", "--handler-delay-ms", "1"])
+        .chain(["--lanes", "2", "--handler-delay", "1ms"])
         .collect();
     let names = ["A", "B", "C"];
     let mut workers: Vec<Worker> = names
@@ -1881,10 +1881,10 @@ async fn a_python_handler_survives_its_own_kill_and_the_workers_losing_nothing()
             "2",
             "--batch",
             "20",
-            "--batch-wait-ms",
-            "20",
-            "--handler-timeout-ms",
-            "5000",
+            "--batch-wait",
+            "20ms",
+            "--handler-timeout",
+            "5000ms",
         ])
         .collect();
     let mut a = Worker::spawn(&stream, &app, "A", &args, &log);
@@ -1984,8 +1984,8 @@ async fn the_metrics_endpoint_agrees_with_the_handled_log_and_drops_shards_that_
         .chain([
             "--lanes",
             "2",
-            "--handler-delay-ms",
-            "1",
+            "--handler-delay",
+            "1ms",
             "--metrics-addr",
             addr.as_str(),
             "--metrics-idle-timeout",

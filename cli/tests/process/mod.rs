@@ -21,14 +21,14 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_shardwise");
 
 /// Short lease settings that keep the tests quick (3 s lease, 1 s renew, 500 ms scan).
 pub const FAST: &[&str] = &[
-    "--lease-duration-ms",
-    "3000",
-    "--scan-interval-ms",
-    "500",
-    "--checkpoint-interval-ms",
-    "200",
-    "--poll-interval-ms",
-    "200",
+    "--lease-duration",
+    "3000ms",
+    "--scan-interval",
+    "500ms",
+    "--checkpoint-interval",
+    "200ms",
+    "--poll-interval",
+    "200ms",
 ];
 
 /// The emulators are shared by the tests of this file, two of which run at a time. A test that
