@@ -193,6 +193,37 @@ impl Delivery {
         builder
     }
 
+    /// The consumer's delivery of a paged event read forward: [`from_paged`](Self::from_paged)
+    /// with its tracking id, lane and replayability, built in one step (the builder's moves of a
+    /// large struct cost more than the rest of a no-op handler's delivery).
+    pub(crate) fn of_paged(
+        source: Arc<str>,
+        partition: Arc<str>,
+        event: PagedEvent,
+        id: DeliveryId,
+        lane: usize,
+        replayable: Replayable,
+    ) -> Delivery {
+        Delivery {
+            inner: Arc::new(Inner {
+                stream: source,
+                shard: partition,
+                position: Position::zero(),
+                partition_key: event.key,
+                explicit_hash_key: None,
+                payload: event.payload,
+                headers: Headers::new(),
+                arrived_at: event.timestamp,
+                id: Some(id),
+                lane,
+                event: None,
+                page_position: Some(event.position),
+                paged_id: Some(event.id),
+                replayable,
+            }),
+        }
+    }
+
     /// A delivery from a record's data blob as read from the stream: the header envelope, if any,
     /// is unpacked; anything else is a plain payload.
     pub fn from_blob(
@@ -265,6 +296,12 @@ impl Delivery {
     /// identity, and orders against nothing.
     pub(crate) fn has_key(&self) -> bool {
         self.inner.partition_key.is_some()
+    }
+
+    /// Whether it is a paged event without a key of its own: ordered against nothing, so its
+    /// lane needs no per-key bookkeeping.
+    pub(crate) fn unordered(&self) -> bool {
+        self.inner.partition_key.is_none() && self.inner.paged_id.is_some()
     }
 
     /// The explicit hash key, when the producer (or a KPL aggregate) set one.

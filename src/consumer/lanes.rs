@@ -188,10 +188,22 @@ impl Lanes {
 
     /// Picks the lane for the next delivery of `partition_key` and counts it in flight there: the
     /// key's lane while it has deliveries in flight, otherwise the least loaded lane.
+    #[cfg(test)]
     pub(crate) fn assign(&mut self, partition_key: &str) -> usize {
-        let lane = match self.ordering {
-            DeliveryOrder::None => 0,
-            DeliveryOrder::PerKey => {
+        self.assign_keyed(Some(partition_key))
+    }
+
+    /// [`assign`](Self::assign) for a delivery with this key, or, for `None` (a paged event
+    /// without a key, ordered against nothing), the least loaded lane, with no per-key
+    /// bookkeeping.
+    pub(crate) fn assign_keyed(&mut self, partition_key: Option<&str>) -> usize {
+        let lane = match (self.ordering, partition_key) {
+            (DeliveryOrder::None, _) => 0,
+            (DeliveryOrder::PerKey, None) => {
+                let load = &self.load;
+                (0..load.len()).min_by_key(|l| load[*l]).unwrap_or(0)
+            }
+            (DeliveryOrder::PerKey, Some(partition_key)) => {
                 let load = &self.load;
                 let (lane, n) = self
                     .active
@@ -215,6 +227,9 @@ impl Lanes {
         if let Some(load) = self.load.get_mut(delivery.lane()) {
             *load = load.saturating_sub(1);
         }
+        if delivery.unordered() {
+            return;
+        }
         let key = self.keys.hash_one(delivery.partition_key());
         if let Some((_, n)) = self.active.get_mut(&key) {
             *n -= 1;
@@ -228,7 +243,7 @@ impl Lanes {
     /// if any, so the key still runs one delivery at a time. Sent at once, behind whatever was
     /// dispatched to that lane before it.
     pub(crate) fn redispatch(&mut self, delivery: Delivery) {
-        let lane = self.assign(delivery.partition_key());
+        let lane = self.assign_keyed(key_of(&delivery));
         self.dispatch(delivery.on_lane(lane));
         self.flush();
     }
@@ -290,8 +305,10 @@ impl Lanes {
                 1 => {
                     let _ = sender.send(Work::One(pending.pop().expect("one")));
                 }
-                _ => {
-                    let _ = sender.send(Work::Many(std::mem::take(pending)));
+                n => {
+                    // The next page's batch is about as large: allocated once, not grown.
+                    let batch = std::mem::replace(pending, Vec::with_capacity(n));
+                    let _ = sender.send(Work::Many(batch));
                 }
             }
         }
@@ -303,6 +320,11 @@ impl Lanes {
         self.pending.clear();
         self.tasks.abort_all();
     }
+}
+
+/// The key a delivery is ordered by on its lane: `None` for a paged event without one.
+pub(crate) fn key_of(delivery: &Delivery) -> Option<&str> {
+    (!delivery.unordered()).then(|| delivery.partition_key())
 }
 
 /// A lane's side of its channels: the work it was sent and has not started, and what it finished
@@ -828,6 +850,54 @@ mod tests {
         assert!(!recorded_since_seek(seek + allowance, Some(seek)));
         assert!(recorded_since_seek(seek + allowance + 1, Some(seek)));
         assert!(!recorded_since_seek(seek - 1, Some(seek)));
+    }
+
+    #[tokio::test]
+    async fn paged_events_without_a_key_go_to_the_least_loaded_lane_with_no_key_kept() {
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let handler = Arc::new(|_d: Delivery| async { Outcome::Ack });
+        let mut lanes = Lanes::start(3, DeliveryOrder::PerKey, handler, tx, lane_settings(false));
+        let keyed = lanes.assign("k");
+        let unordered: Vec<usize> = (0..5).map(|_| lanes.assign_keyed(None)).collect();
+        // Loads after "k": one on its lane; the five fill the others first, then round.
+        let mut load = [0; 3];
+        load[keyed] += 1;
+        for lane in &unordered {
+            load[*lane] += 1;
+        }
+        assert_eq!(
+            load,
+            [2, 2, 2],
+            "spread by load: {unordered:?} beside {keyed}"
+        );
+        assert_eq!(
+            lanes.active.len(),
+            1,
+            "only the keyed delivery is kept by key"
+        );
+        let event = crate::paged::PagedEvent {
+            id: "e1".into(),
+            position: crate::paged::PagePosition::from_u64(1),
+            payload: bytes::Bytes::new(),
+            timestamp: None,
+            key: None,
+        };
+        let d = Delivery::paged("source", "p", &event)
+            .set_lane(unordered[0])
+            .build();
+        assert!(d.unordered());
+        assert_eq!(key_of(&d), None);
+        lanes.finished(&d);
+        assert_eq!(lanes.load.iter().sum::<usize>(), 5);
+        assert_eq!(lanes.active.len(), 1, "finishing it touches no key");
+        // A keyed paged event is ordered by its key.
+        let keyed_event = crate::paged::PagedEvent {
+            key: Some("k".into()),
+            ..event
+        };
+        let d = Delivery::paged("source", "p", &keyed_event).build();
+        assert_eq!(key_of(&d), Some("k"));
+        lanes.abort();
     }
 
     #[tokio::test]

@@ -238,15 +238,15 @@ impl Pages {
                     if let Some(handed_out) = self.handed_out.as_mut() {
                         handed_out.insert(&event.id, Instant::now());
                     }
-                    let key = event.key.as_deref().unwrap_or(&event.id);
-                    let (id, lane) = pipeline.track(event.position.clone(), key);
-                    let delivery =
-                        Delivery::from_paged(source_name.clone(), partition.clone(), event)
-                            .set_id(id)
-                            .set_lane(lane)
-                            .replayable(self.replayable)
-                            .build();
-                    pipeline.dispatch(delivery);
+                    let (id, lane) = pipeline.track(event.position.clone(), event.key.as_deref());
+                    pipeline.dispatch(Delivery::of_paged(
+                        source_name.clone(),
+                        partition.clone(),
+                        event,
+                        id,
+                        lane,
+                        self.replayable,
+                    ));
                 }
                 Verdict::Backfill => {
                     let id = pipeline.track_only(event.position.clone());
@@ -319,8 +319,7 @@ impl Pages {
             }
             metrics::counter!(LATE_EVENTS, &self.lease.labels).increment(1);
             warn!(source = %source_name, partition = %partition, id = %event.id, timestamp, "a late event: put behind what was read already, found by an audit; handed out now");
-            let key = event.key.as_deref().unwrap_or(&event.id);
-            let (id, lane) = pipeline.track(event.position.clone(), key);
+            let (id, lane) = pipeline.track(event.position.clone(), event.key.as_deref());
             let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
                 .set_id(id)
                 .set_lane(lane)

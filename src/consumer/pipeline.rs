@@ -192,9 +192,10 @@ impl<H: Handler, E> Pipeline<H, E> {
     }
 
     /// Tracks the next delivery (`entry` is what the checkpoint is written as) and picks its lane.
-    pub(crate) fn track(&mut self, entry: E, partition_key: &str) -> (DeliveryId, usize) {
+    /// `partition_key` `None`: a paged event without a key, ordered against nothing.
+    pub(crate) fn track(&mut self, entry: E, partition_key: Option<&str>) -> (DeliveryId, usize) {
         let id = self.tracker.track(entry);
-        (id, self.lanes.assign(partition_key))
+        (id, self.lanes.assign_keyed(partition_key))
     }
 
     /// Hands a tracked delivery to its lane: sent with the rest of what was read at the next

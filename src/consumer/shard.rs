@@ -173,8 +173,10 @@ impl Progress for Shard {
                     .read(records.is_empty() && millis_behind_latest == Some(0));
                 for r in records {
                     self.last_read = Some(r.position);
-                    let (id, lane) =
-                        pipeline.track((r.position, r.arrived_at.map(millis)), &r.partition_key);
+                    let (id, lane) = pipeline.track(
+                        (r.position, r.arrived_at.map(millis)),
+                        Some(&r.partition_key),
+                    );
                     let delivery = Delivery::from_blob(
                         self.lease.stream.clone(),
                         self.lease.shard.clone(),

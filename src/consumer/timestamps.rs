@@ -328,8 +328,7 @@ impl Attempt {
             };
             match self.groups.saw(timestamp, &event.id) {
                 Seen::New => {
-                    let key = event.key.as_deref().unwrap_or(&event.id);
-                    let (id, lane) = pipeline.track(event.position.clone(), key);
+                    let (id, lane) = pipeline.track(event.position.clone(), event.key.as_deref());
                     self.pending
                         .insert(id.index(), (timestamp, event.id.clone()));
                     let replayable = if timestamp <= self.earlier_attempts_through {
