@@ -9,8 +9,12 @@
 //! labels) and the metrics with their units; each dimension and metric value is a root member.
 //! Limits from the specification: at most 100 metrics per directive (documents are split past
 //! it), at most 30 dimensions per set (labels past it are dropped, with a warning), at most 100
-//! values per metric (a histogram with more in one interval is written as 100 of its order
-//! statistics, evenly spaced: the distribution's percentiles, not its sample count).
+//! values per metric. A histogram keeps, per interval, its exact count, sum, least and greatest
+//! value and a uniform sample of at most [`RESERVOIR`] values (bounded memory at any rate); with
+//! more than 100 values in an interval it is written as 100 order statistics of the sample,
+//! evenly spaced from the exact least to the exact greatest (the percentiles), and its count and
+//! sum are written beside it as `NAME_count` (Count) and `NAME_sum` (its unit), since a
+//! CloudWatch metric's SampleCount then counts the 100 values, not the samples.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -18,15 +22,23 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
+use std::sync::atomic::AtomicU64;
+
+use metrics::{
+    Counter, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+};
 use metrics_util::MetricKindMask;
-use metrics_util::registry::{GenerationalAtomicStorage, Recency, Registry};
+use metrics_util::registry::{GenerationalStorage, Recency, Registry, Storage};
 use serde_json::{Map, Value, json};
 
 /// The EMF limits (see the module docs).
 const MAX_METRICS: usize = 100;
 const MAX_DIMENSIONS: usize = 30;
 const MAX_VALUES: usize = 100;
+
+/// The most values of one histogram a flush interval keeps (8 KB): the sample its order
+/// statistics are taken from once more than [`MAX_VALUES`] were recorded.
+pub(crate) const RESERVOIR: usize = 1_024;
 
 /// The names KCL publishes, for the metrics that mean the same: alarms and dashboards written
 /// for KCL apply unchanged. Every other metric keeps its shardwise name.
@@ -87,9 +99,85 @@ impl std::fmt::Debug for Emf {
     }
 }
 
+/// One histogram's values since the last flush, in bounded memory: the count, sum, least and
+/// greatest exactly, and a uniform sample of at most [`RESERVOIR`] of the values (Vitter's
+/// algorithm R: the n-th value replaces a random one of the sample with probability
+/// `RESERVOIR / n`).
+#[derive(Debug, Default)]
+pub(crate) struct Reservoir(Mutex<Interval>);
+
+/// What a [`Reservoir`] holds for one interval.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub(crate) struct Interval {
+    pub(crate) count: u64,
+    pub(crate) sum: f64,
+    pub(crate) min: f64,
+    pub(crate) max: f64,
+    pub(crate) sample: Vec<f64>,
+}
+
+impl Interval {
+    fn record(&mut self, value: f64) {
+        if self.count == 0 {
+            (self.min, self.max) = (value, value);
+        } else {
+            self.min = self.min.min(value);
+            self.max = self.max.max(value);
+        }
+        self.count += 1;
+        self.sum += value;
+        if self.sample.len() < RESERVOIR {
+            self.sample.push(value);
+        } else {
+            let at = rand::random_range(0..self.count);
+            if let Some(slot) = self.sample.get_mut(at as usize) {
+                *slot = value;
+            }
+        }
+    }
+}
+
+impl Reservoir {
+    /// What was recorded since the last take; the reservoir starts empty again.
+    pub(crate) fn take(&self) -> Interval {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+impl HistogramFn for Reservoir {
+    fn record(&self, value: f64) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record(value);
+    }
+}
+
+/// The recorder's storage: atomic counters and gauges, histograms as [`Reservoir`]s.
+#[derive(Debug)]
+pub(crate) struct EmfStorage;
+
+impl<K> Storage<K> for EmfStorage {
+    type Counter = Arc<AtomicU64>;
+    type Gauge = Arc<AtomicU64>;
+    type Histogram = Arc<Reservoir>;
+
+    fn counter(&self, _: &K) -> Self::Counter {
+        Arc::default()
+    }
+
+    fn gauge(&self, _: &K) -> Self::Gauge {
+        Arc::default()
+    }
+
+    fn histogram(&self, _: &K) -> Self::Histogram {
+        Arc::default()
+    }
+}
+
 /// The recorder's state, shared by the recorder (in the process-wide fan-out) and the flush task.
 pub(crate) struct EmfState {
-    registry: Registry<Key, GenerationalAtomicStorage>,
+    registry: Registry<Key, GenerationalStorage<EmfStorage>>,
     recency: Recency<Key>,
     namespace: String,
     dimensions: Vec<(String, String)>,
@@ -102,7 +190,7 @@ pub(crate) struct EmfRecorder(pub(crate) Arc<EmfState>);
 impl EmfState {
     pub(crate) fn new(emf: Emf, gauge_idle: Duration) -> Self {
         Self {
-            registry: Registry::new(GenerationalAtomicStorage::atomic()),
+            registry: Registry::new(GenerationalStorage::new(EmfStorage)),
             recency: Recency::new(
                 quanta::Clock::new(),
                 MetricKindMask::GAUGE,
@@ -136,13 +224,7 @@ impl EmfState {
             samples.push((key, json_number(value)));
         }
         for (key, histogram) in self.registry.get_histogram_handles() {
-            let mut values = Vec::new();
-            histogram
-                .get_inner()
-                .clear_with(|recorded| values.extend_from_slice(recorded));
-            if !values.is_empty() {
-                samples.push((key, Value::from(spread(values))));
-            }
+            samples.extend(histogram_samples(key, histogram.get_inner().take()));
         }
         let documents = documents(
             &self.namespace,
@@ -198,8 +280,13 @@ pub(crate) fn published_name(name: &str) -> &str {
 }
 
 /// The CloudWatch unit of a metric, from its name: `_seconds` seconds, `millis` milliseconds,
-/// everything else (totals, counts of leases, events, deliveries) a count.
+/// everything else (totals, counts of leases, events, deliveries) a count. A histogram's
+/// `_count` is a count, its `_sum` in the histogram's unit.
 pub(crate) fn unit(name: &str) -> &'static str {
+    if name.ends_with("_count") {
+        return "Count";
+    }
+    let name = name.strip_suffix("_sum").unwrap_or(name);
     if name.ends_with("_seconds") {
         "Seconds"
     } else if name.contains("millis") {
@@ -272,17 +359,40 @@ pub(crate) fn documents(
     out
 }
 
-/// At most 100 values: all of them, or 100 order statistics evenly spaced from the least to
-/// the greatest.
-pub(crate) fn spread(mut values: Vec<f64>) -> Vec<Value> {
-    if values.len() > MAX_VALUES {
-        values.sort_by(f64::total_cmp);
-        let last = values.len() - 1;
-        values = (0..MAX_VALUES)
-            .map(|i| values[i * last / (MAX_VALUES - 1)])
-            .collect();
+/// What a histogram's interval is written as: nothing when nothing was recorded; every value
+/// when at most 100 were; else 100 order statistics of the sample, evenly spaced from the exact
+/// least to the exact greatest, with `NAME_count` and `NAME_sum` beside them.
+pub(crate) fn histogram_samples(key: Key, interval: Interval) -> Vec<(Key, Value)> {
+    if interval.count == 0 {
+        return Vec::new();
     }
-    values.into_iter().map(json_number).collect()
+    if interval.count as usize <= MAX_VALUES {
+        let values = interval.sample.into_iter().map(json_number).collect();
+        return vec![(key, Value::Array(values))];
+    }
+    let mut sample = interval.sample;
+    sample.sort_by(f64::total_cmp);
+    let last = sample.len() - 1;
+    let mut values: Vec<f64> = (0..MAX_VALUES)
+        .map(|i| sample[i * last / (MAX_VALUES - 1)])
+        .collect();
+    // The sample may have lost the extremes; they were kept exactly.
+    values[0] = interval.min;
+    values[MAX_VALUES - 1] = interval.max;
+    let companion = |suffix: &str| {
+        Key::from_parts(
+            format!("{}{suffix}", key.name()),
+            key.labels().cloned().collect::<Vec<_>>(),
+        )
+    };
+    vec![
+        (companion("_count"), Value::from(interval.count)),
+        (companion("_sum"), json_number(interval.sum)),
+        (
+            key,
+            Value::Array(values.into_iter().map(json_number).collect()),
+        ),
+    ]
 }
 
 /// A JSON number; NaN and infinities (which JSON cannot hold) as 0.
@@ -369,17 +479,74 @@ mod tests {
         );
     }
 
+    /// What `values` recorded into a reservoir are written as, by name.
+    fn written(values: impl IntoIterator<Item = f64>) -> BTreeMap<String, Value> {
+        let reservoir = Reservoir::default();
+        for value in values {
+            reservoir.record(value);
+        }
+        histogram_samples(
+            key("shardwise_handler_duration_seconds", &[("stream", "s")]),
+            reservoir.take(),
+        )
+        .into_iter()
+        .map(|(k, v)| (k.name().to_string(), v))
+        .collect()
+    }
+
     #[test]
-    fn more_than_100_values_become_100_evenly_spaced_order_statistics() {
+    fn up_to_100_values_are_written_as_they_are() {
+        let few = written([3.0, 1.0]);
         assert_eq!(
-            spread(vec![3.0, 1.0]),
-            vec![Value::from(3.0), Value::from(1.0)]
+            few,
+            BTreeMap::from([(
+                "shardwise_handler_duration_seconds".to_string(),
+                json!([3.0, 1.0])
+            )])
         );
-        let spread = spread((0..1001).rev().map(f64::from).collect());
-        assert_eq!(spread.len(), 100);
-        assert_eq!(spread[0], 0.0);
-        assert_eq!(spread[99], 1000.0);
-        assert_eq!(spread[50], 505.0);
+        assert!(written([]).is_empty(), "nothing recorded, nothing written");
+    }
+
+    #[test]
+    fn more_than_100_values_become_order_statistics_with_their_count_and_sum() {
+        // 100,001 values 0..=100,000 in descending order: far past the reservoir.
+        let many = written((0..=100_000).rev().map(f64::from));
+        assert_eq!(many["shardwise_handler_duration_seconds_count"], 100_001);
+        assert_eq!(
+            many["shardwise_handler_duration_seconds_sum"],
+            5_000_050_000.0
+        );
+        let values = many["shardwise_handler_duration_seconds"]
+            .as_array()
+            .unwrap();
+        assert_eq!(values.len(), 100);
+        assert_eq!(values[0], 0.0, "the least, exactly");
+        assert_eq!(values[99], 100_000.0, "the greatest, exactly");
+        let values: Vec<f64> = values.iter().map(|v| v.as_f64().unwrap()).collect();
+        assert!(values.windows(2).all(|w| w[0] <= w[1]), "in order");
+        // A uniform sample of 1,024: the median within 5 % of the range (about 10 standard
+        // deviations of its order statistic).
+        let median = values[50];
+        assert!(
+            (median - 50_000.0).abs() < 5_000.0,
+            "median {median} of a uniform 0..=100,000"
+        );
+        assert_eq!(unit("shardwise_handler_duration_seconds_count"), "Count");
+        assert_eq!(unit("shardwise_handler_duration_seconds_sum"), "Seconds");
+        assert_eq!(unit("shardwise_millis_behind_latest_sum"), "Milliseconds");
+    }
+
+    #[test]
+    fn a_reservoir_keeps_at_most_its_bound_and_starts_again_after_a_take() {
+        let reservoir = Reservoir::default();
+        for i in 0..10_000 {
+            reservoir.record(f64::from(i));
+        }
+        let interval = reservoir.take();
+        assert_eq!(interval.count, 10_000);
+        assert_eq!(interval.sample.len(), RESERVOIR);
+        assert_eq!((interval.min, interval.max), (0.0, 9_999.0));
+        assert_eq!(reservoir.take(), Interval::default());
     }
 
     #[test]
