@@ -790,27 +790,22 @@ async fn check_kcl_table(client: &aws_sdk_dynamodb::Client, table: &str) -> Resu
 
 /// Every KCL lease of the table, read consistently (KCL's other entities left out).
 async fn read_kcl(client: &aws_sdk_dynamodb::Client, table: &str) -> Result<Vec<KclLease>> {
+    let items = client
+        .scan()
+        .table_name(table)
+        .consistent_read(true)
+        .into_paginator()
+        .items()
+        .send()
+        .try_collect()
+        .await
+        .map_err(|e| dynamodb_error("Scan", table, e))?;
     let mut leases = Vec::new();
-    let mut start = None;
-    loop {
-        let out = client
-            .scan()
-            .table_name(table)
-            .consistent_read(true)
-            .set_exclusive_start_key(start.take())
-            .send()
-            .await
-            .map_err(|e| dynamodb_error("Scan", table, e))?;
-        for item in out.items() {
-            match parse_item(item) {
-                Ok(Some(lease)) => leases.push(lease),
-                Ok(None) => {}
-                Err(why) => bail!("table `{table}` is not a KCL lease table: {why}"),
-            }
-        }
-        match out.last_evaluated_key {
-            Some(key) if !key.is_empty() => start = Some(key),
-            _ => break,
+    for item in &items {
+        match parse_item(item) {
+            Ok(Some(lease)) => leases.push(lease),
+            Ok(None) => {}
+            Err(why) => bail!("table `{table}` is not a KCL lease table: {why}"),
         }
     }
     leases.sort_by(|a, b| a.shard_id.cmp(&b.shard_id));

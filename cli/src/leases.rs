@@ -72,33 +72,30 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
 
 /// Every stream that has a row in the table (one consistent Scan of the stream attribute).
 async fn stream_names(client: &aws_sdk_dynamodb::Client, table: &str) -> Result<Vec<String>> {
-    let mut names = BTreeSet::new();
-    let mut start = None;
-    loop {
-        let out = client
-            .scan()
-            .table_name(table)
-            .consistent_read(true)
-            .projection_expression("#stream")
-            .expression_attribute_names("#stream", STREAM_ATTRIBUTE)
-            .set_exclusive_start_key(start.take())
-            .send()
-            .await
-            .map_err(|e| shardwise::Error::DynamoDb {
-                operation: "Scan",
-                table: table.to_owned(),
-                source: Box::new(e),
-            })?;
-        for item in out.items() {
-            if let Some(AttributeValue::S(name)) = item.get(STREAM_ATTRIBUTE) {
-                names.insert(name.clone());
-            }
-        }
-        match out.last_evaluated_key {
-            Some(key) if !key.is_empty() => start = Some(key),
-            _ => return Ok(names.into_iter().collect()),
-        }
-    }
+    let items = client
+        .scan()
+        .table_name(table)
+        .consistent_read(true)
+        .projection_expression("#stream")
+        .expression_attribute_names("#stream", STREAM_ATTRIBUTE)
+        .into_paginator()
+        .items()
+        .send()
+        .try_collect()
+        .await
+        .map_err(|e| shardwise::Error::DynamoDb {
+            operation: "Scan",
+            table: table.to_owned(),
+            source: Box::new(e),
+        })?;
+    let names: BTreeSet<String> = items
+        .iter()
+        .filter_map(|item| match item.get(STREAM_ATTRIBUTE) {
+            Some(AttributeValue::S(name)) => Some(name.clone()),
+            _ => None,
+        })
+        .collect();
+    Ok(names.into_iter().collect())
 }
 
 /// `ended` once the shard is fully handled, `owned` while a worker holds it, else `free`.

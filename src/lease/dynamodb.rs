@@ -258,29 +258,21 @@ impl DynamoDbLeaseStore {
     }
 
     async fn list_rows(&self, stream: &str) -> Result<Vec<Lease>, Error> {
-        let mut rows = Vec::new();
-        let mut start: Option<Item> = None;
-        loop {
-            let out = self
-                .client
-                .scan()
-                .table_name(&self.table)
-                .consistent_read(true)
-                .filter_expression("#stream = :stream")
-                .expression_attribute_names("#stream", STREAM)
-                .expression_attribute_values(":stream", AttributeValue::S(stream.to_owned()))
-                .set_exclusive_start_key(start.take())
-                .send()
-                .await
-                .map_err(|e| self.failed("Scan", e))?;
-            for item in out.items() {
-                rows.push(parse_row(item)?);
-            }
-            match out.last_evaluated_key {
-                Some(key) if !key.is_empty() => start = Some(key),
-                _ => break,
-            }
-        }
+        let items = self
+            .client
+            .scan()
+            .table_name(&self.table)
+            .consistent_read(true)
+            .filter_expression("#stream = :stream")
+            .expression_attribute_names("#stream", STREAM)
+            .expression_attribute_values(":stream", AttributeValue::S(stream.to_owned()))
+            .into_paginator()
+            .items()
+            .send()
+            .try_collect()
+            .await
+            .map_err(|e| self.failed("Scan", e))?;
+        let mut rows = items.iter().map(parse_row).collect::<Result<Vec<_>, _>>()?;
         rows.sort_by(|a, b| a.shard_id.cmp(&b.shard_id));
         Ok(rows)
     }

@@ -319,25 +319,22 @@ impl DynamoDbReceipts {
 
     async fn list_receipts(&self, limit: usize) -> Result<Vec<Receipt>, Error> {
         let mut out = Vec::new();
-        let mut start = None;
-        loop {
-            let page = self
-                .client
-                .scan()
-                .table_name(&self.table)
-                .filter_expression("#app = :app")
-                .expression_attribute_names("#app", APPLICATION)
-                .expression_attribute_values(":app", s(&self.application))
-                .set_exclusive_start_key(start.take())
-                .send()
-                .await
-                .map_err(|e| failed(&self.table, "Scan", e))?;
+        let mut pages = self
+            .client
+            .scan()
+            .table_name(&self.table)
+            .filter_expression("#app = :app")
+            .expression_attribute_names("#app", APPLICATION)
+            .expression_attribute_values(":app", s(&self.application))
+            .into_paginator()
+            .send();
+        // Page by page, no further once `limit` are read.
+        while out.len() < limit
+            && let Some(page) = pages.next().await
+        {
+            let page = page.map_err(|e| failed(&self.table, "Scan", e))?;
             for item in page.items() {
                 out.push(parse(&self.table, item)?);
-            }
-            match page.last_evaluated_key {
-                Some(key) if !key.is_empty() && out.len() < limit => start = Some(key),
-                _ => break,
             }
         }
         out.sort_by(|a, b| a.event.cmp(&b.event));
