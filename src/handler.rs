@@ -194,8 +194,8 @@ impl Delivery {
     }
 
     /// The consumer's delivery of a paged event read forward: [`from_paged`](Self::from_paged)
-    /// with its tracking id, lane and replayability, built in one step (the builder's moves of a
-    /// large struct cost more than the rest of a no-op handler's delivery).
+    /// with its tracking id, lane and replayability, built in one step (no builder moved from
+    /// call to call on the consumer's path).
     pub(crate) fn of_paged(
         source: Arc<str>,
         partition: Arc<str>,
