@@ -220,6 +220,10 @@ struct Link {
     armed: Arc<Mutex<Option<(Duration, Duration)>>>,
     /// Calls wait until then.
     cut_until: Arc<Mutex<Option<Instant>>>,
+    /// When the cut of a renewal whose answer is on its way late will end: set as the renewal
+    /// takes the armed fault, before `cut_until` is (which waits for the late answer), so the
+    /// liveness check sees a cut that has begun as a slow answer.
+    cut_ends: Arc<Mutex<Option<Instant>>>,
 }
 
 impl Layer for Link {
@@ -240,6 +244,7 @@ impl Layer for Link {
                 None
             };
             if let Some((slow, cut)) = armed {
+                *self.cut_ends.lock().unwrap() = Some(Instant::now() + slow + cut);
                 tokio::time::sleep(slow).await;
                 *self.cut_until.lock().unwrap() = Some(Instant::now() + cut);
             }
@@ -489,8 +494,9 @@ impl World {
 
     /// Once the fleet is quiet, every lease is read again within the lease duration plus two
     /// scan intervals of the last change (issue 25): checked that long into a quiet phase, after
-    /// the end of any cut-off of a worker's path to the lease table. Not checked with no worker
-    /// up, nor while a cut-off is still to come.
+    /// the end of any cut-off of a worker's path to the lease table (also one whose slow answer,
+    /// which it begins with, is still on its way). Not checked with no worker up, nor while a
+    /// cut-off is still to come.
     async fn check_leases_read(&mut self) {
         if self.workers.iter().all(Option::is_none)
             || self.links.iter().any(|l| l.armed.lock().unwrap().is_some())
@@ -499,7 +505,9 @@ impl World {
         }
         let mut last_change = Instant::now();
         for link in &self.links {
-            if let Some(until) = *link.cut_until.lock().unwrap() {
+            let until = *link.cut_until.lock().unwrap();
+            let ends = *link.cut_ends.lock().unwrap();
+            if let Some(until) = until.max(ends) {
                 last_change = last_change.max(until);
             }
         }
