@@ -273,24 +273,16 @@ async fn put_block(live: &Live, stream: &str, hash_key: u128, next: &mut u64) ->
 
 /// Every item of a table (consistent Scan).
 async fn scan(live: &Live, table: &str) -> Vec<HashMap<String, AttributeValue>> {
-    let mut items = Vec::new();
-    let mut start = None;
-    loop {
-        let out = live
-            .dynamodb
-            .scan()
-            .table_name(table)
-            .consistent_read(true)
-            .set_exclusive_start_key(start.take())
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("Scan {table}: {e:?}"));
-        items.extend(out.items().iter().cloned());
-        match out.last_evaluated_key {
-            Some(key) if !key.is_empty() => start = Some(key),
-            _ => return items,
-        }
-    }
+    live.dynamodb
+        .scan()
+        .table_name(table)
+        .consistent_read(true)
+        .into_paginator()
+        .items()
+        .send()
+        .try_collect()
+        .await
+        .unwrap_or_else(|e| panic!("Scan {table}: {e:?}"))
 }
 
 /// KCL's lease rows by shard id (KCL 3.x's other entities left out).

@@ -447,46 +447,39 @@ pub fn attr_list(item: &HashMap<String, AttributeValue>, name: &str) -> Vec<Stri
 /// The stream's rows of the application's lease table (consistent Scan); empty while the table
 /// does not exist yet.
 pub async fn try_rows(live: &support::Live, app: &str, stream: &str) -> Result<Vec<Row>, String> {
-    let mut rows = Vec::new();
-    let mut start = None;
-    loop {
-        let out = live
-            .dynamodb
-            .scan()
-            .table_name(app)
-            .consistent_read(true)
-            .set_exclusive_start_key(start.take())
-            .send()
-            .await;
-        let out = match out {
-            Ok(out) => out,
-            Err(e)
-                if e.as_service_error()
-                    .is_some_and(|e| e.is_resource_not_found_exception()) =>
-            {
-                return Ok(Vec::new());
-            }
-            Err(e) => return Err(format!("{e:?}")),
-        };
-        for item in out.items() {
-            if attr_s(item, "streamName").as_deref() != Some(stream) {
-                continue;
-            }
-            rows.push(Row {
-                shard: attr_s(item, "shardId").unwrap_or_default(),
-                owner: attr_s(item, "leaseOwner"),
-                counter: attr_n(item, "leaseCounter"),
-                checkpoint: attr_s(item, "checkpoint").unwrap_or_default(),
-                sub: attr_n(item, "checkpointSub"),
-                parents: attr_list(item, "parentShardIds"),
-                children: attr_list(item, "childShardIds"),
-            });
+    let items = live
+        .dynamodb
+        .scan()
+        .table_name(app)
+        .consistent_read(true)
+        .into_paginator()
+        .items()
+        .send()
+        .try_collect()
+        .await;
+    let items = match items {
+        Ok(items) => items,
+        Err(e)
+            if e.as_service_error()
+                .is_some_and(|e| e.is_resource_not_found_exception()) =>
+        {
+            return Ok(Vec::new());
         }
-        match out.last_evaluated_key {
-            Some(key) if !key.is_empty() => start = Some(key),
-            _ => break,
-        }
-    }
+        Err(e) => return Err(format!("{e:?}")),
+    };
+    let mut rows: Vec<Row> = items
+        .iter()
+        .filter(|item| attr_s(item, "streamName").as_deref() == Some(stream))
+        .map(|item| Row {
+            shard: attr_s(item, "shardId").unwrap_or_default(),
+            owner: attr_s(item, "leaseOwner"),
+            counter: attr_n(item, "leaseCounter"),
+            checkpoint: attr_s(item, "checkpoint").unwrap_or_default(),
+            sub: attr_n(item, "checkpointSub"),
+            parents: attr_list(item, "parentShardIds"),
+            children: attr_list(item, "childShardIds"),
+        })
+        .collect();
     rows.sort_by(|a, b| a.shard.cmp(&b.shard));
     Ok(rows)
 }
