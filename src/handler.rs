@@ -193,37 +193,6 @@ impl Delivery {
         builder
     }
 
-    /// The consumer's delivery of a paged event read forward: [`from_paged`](Self::from_paged)
-    /// with its tracking id, lane and replayability, built in one step (no builder moved from
-    /// call to call on the consumer's path).
-    pub(crate) fn of_paged(
-        source: Arc<str>,
-        partition: Arc<str>,
-        event: PagedEvent,
-        id: DeliveryId,
-        lane: usize,
-        replayable: Replayable,
-    ) -> Delivery {
-        Delivery {
-            inner: Arc::new(Inner {
-                stream: source,
-                shard: partition,
-                position: Position::zero(),
-                partition_key: event.key,
-                explicit_hash_key: None,
-                payload: event.payload,
-                headers: Headers::new(),
-                arrived_at: event.timestamp,
-                id: Some(id),
-                lane,
-                event: None,
-                page_position: Some(event.position),
-                paged_id: Some(event.id),
-                replayable,
-            }),
-        }
-    }
-
     /// A delivery from a record's data blob as read from the stream: the header envelope, if any,
     /// is unpacked; anything else is a plain payload.
     pub fn from_blob(

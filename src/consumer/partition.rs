@@ -239,14 +239,13 @@ impl Pages {
                         handed_out.insert(&event.id, Instant::now());
                     }
                     let (id, lane) = pipeline.track(event.position.clone(), event.key.as_deref());
-                    pipeline.dispatch(Delivery::of_paged(
-                        source_name.clone(),
-                        partition.clone(),
-                        event,
-                        id,
-                        lane,
-                        self.replayable,
-                    ));
+                    let delivery =
+                        Delivery::from_paged(source_name.clone(), partition.clone(), event)
+                            .set_id(id)
+                            .set_lane(lane)
+                            .replayable(self.replayable)
+                            .build();
+                    pipeline.dispatch(delivery);
                 }
                 Verdict::Backfill => {
                     let id = pipeline.track_only(event.position.clone());
