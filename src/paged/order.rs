@@ -76,7 +76,108 @@ pub(crate) struct Order {
     last: Option<PagePosition>,
     /// Identities handed out above the applied prefix, in position order: new events come in
     /// order and are pushed at the back, the applied prefix moves from the front.
-    seen: VecDeque<(PagePosition, Box<str>)>,
+    seen: Window,
+}
+
+/// The identities handed out above the applied prefix, a page at a time: a chunk holds one page's
+/// new events (their positions in order, their identities in one string), so a page costs two
+/// allocations rather than one per event, and a burst grows the window without copying what it
+/// holds. Every position of a chunk is below every position of the next.
+#[derive(Debug, Default)]
+struct Window {
+    chunks: VecDeque<Chunk>,
+}
+
+#[derive(Debug, Default)]
+struct Chunk {
+    /// In position order: a position and where its identity lies in `ids`.
+    entries: Vec<(PagePosition, std::ops::Range<usize>)>,
+    /// The identities, one after another, in the order they came (a backfilled one is appended).
+    ids: String,
+}
+
+impl Chunk {
+    fn with_capacity(events: usize, bytes: usize) -> Self {
+        Self {
+            entries: Vec::with_capacity(events),
+            ids: String::with_capacity(bytes),
+        }
+    }
+
+    fn last(&self) -> Option<&PagePosition> {
+        self.entries.last().map(|(p, _)| p)
+    }
+
+    fn insert(&mut self, at: usize, position: PagePosition, id: &str) {
+        let start = self.ids.len();
+        self.ids.push_str(id);
+        self.entries.insert(at, (position, start..self.ids.len()));
+    }
+}
+
+impl Window {
+    /// The identity handed out at `position`, if any.
+    fn get(&self, position: &PagePosition) -> Option<&str> {
+        let chunk = &self.chunks[self.chunk_of(position)?];
+        let at = chunk
+            .entries
+            .binary_search_by(|(p, _)| p.cmp(position))
+            .ok()?;
+        Some(&chunk.ids[chunk.entries[at].1.clone()])
+    }
+
+    /// The first chunk whose last position is at or above `position`.
+    fn chunk_of(&self, position: &PagePosition) -> Option<usize> {
+        let at = self
+            .chunks
+            .partition_point(|c| c.last().is_some_and(|l| l < position));
+        (at < self.chunks.len()).then_some(at)
+    }
+
+    /// Adds one page's new events (`events`, in the page's order, no position twice): those above
+    /// everything held go to a new chunk at the back, a backfilled one to its place.
+    fn add<'a>(&mut self, events: impl Iterator<Item = &'a PagedEvent> + Clone) {
+        let (count, bytes) = events
+            .clone()
+            .fold((0, 0), |(n, b), e| (n + 1, b + e.id.len()));
+        let mut fresh = Chunk::with_capacity(count, bytes);
+        for event in events {
+            let position = &event.position;
+            let top = fresh.last().or_else(|| self.chunks.back()?.last());
+            if top.is_none_or(|top| position > top) {
+                let at = fresh.entries.len();
+                fresh.insert(at, position.clone(), &event.id);
+                continue;
+            }
+            // Below what is held: backfilled. Its place is in the new chunk if it lies above that
+            // chunk's first, else in the first chunk held that reaches it, else (between the
+            // chunks held and the new one) at the new chunk's front.
+            let held = self.chunk_of(position);
+            let chunk = match (fresh.entries.first(), held) {
+                (Some((first, _)), _) if position > first => &mut fresh,
+                (_, Some(index)) => &mut self.chunks[index],
+                (_, None) => &mut fresh,
+            };
+            let at = chunk.entries.partition_point(|(p, _)| p < position);
+            chunk.insert(at, position.clone(), &event.id);
+        }
+        if !fresh.entries.is_empty() {
+            self.chunks.push_back(fresh);
+        }
+    }
+
+    /// Forgets every identity at or below `through`.
+    fn forget_through(&mut self, through: &PagePosition) {
+        while let Some(front) = self.chunks.front_mut() {
+            if front.last().is_none_or(|l| l <= through) {
+                self.chunks.pop_front();
+                continue;
+            }
+            let done = front.entries.partition_point(|(p, _)| p <= through);
+            front.entries.drain(..done);
+            break;
+        }
+    }
 }
 
 impl Order {
@@ -85,16 +186,8 @@ impl Order {
             contract,
             applied,
             last: None,
-            seen: VecDeque::new(),
+            seen: Window::default(),
         }
-    }
-
-    /// The identity handed out at `position`, if any.
-    fn seen_at(&self, position: &PagePosition) -> Option<&str> {
-        self.seen
-            .binary_search_by(|(p, _)| p.cmp(position))
-            .ok()
-            .map(|i| &*self.seen[i].1)
     }
 
     /// Judges a page, all or nothing.
@@ -119,7 +212,7 @@ impl Order {
                     .map(|&i| &events[i])
                     .find(|e| e.position == *position)
                     .map(|e| e.id.as_str())
-                    .or_else(|| self.seen_at(position));
+                    .or_else(|| self.seen.get(position));
                 if let Some(seen) = seen {
                     if seen != event.id {
                         return Err(OrderError::Conflict {
@@ -156,18 +249,7 @@ impl Order {
             };
             verdicts.push(verdict);
         }
-        for index in added {
-            let event = &events[index];
-            let entry = (event.position.clone(), Box::from(event.id.as_str()));
-            match self.seen.back() {
-                Some((greatest, _)) if *greatest >= event.position => {
-                    // A backfilled event below what was handed out: its place in the order.
-                    let at = self.seen.partition_point(|(p, _)| *p < event.position);
-                    self.seen.insert(at, entry);
-                }
-                _ => self.seen.push_back(entry),
-            }
-        }
+        self.seen.add(added.iter().map(|&index| &events[index]));
         self.last = last;
         Ok(verdicts)
     }
@@ -178,8 +260,7 @@ impl Order {
             return;
         }
         self.applied = Some(through.clone());
-        let done = self.seen.partition_point(|(p, _)| p <= through);
-        self.seen.drain(..done);
+        self.seen.forget_through(through);
     }
 }
 
@@ -312,7 +393,7 @@ mod tests {
     }
 
     /// The order check as first written (identities in a `BTreeMap`, a page's new ones in
-    /// another): the model the `VecDeque` version must answer exactly like.
+    /// another): the model the chunked version must answer exactly like.
     struct Model {
         contract: Contract,
         applied: Option<PagePosition>,
