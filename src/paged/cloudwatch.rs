@@ -66,11 +66,12 @@
 //! moto's tokens are indexes, so an event put behind them also moves the events after it one
 //! place on, and the next page repeats one, which is recognised as read.
 //!
-//! A known hole (docs/paged.md, "Known hole"): retention deletes events one by one, so when an
-//! earlier event of a group with the same timestamp and ingestion time is deleted before a later
-//! one is read, the later one is counted one place down and named as the deleted one; read again
-//! after a restart or a token recovery, with the applied position inside that group, it is taken
-//! for a replay and not handed out. Only a consumer behind by the group's retention meets it.
+//! A known hole (docs/paged.md, "Known hole"): nothing says retention deletes a group of events
+//! with the same timestamp and ingestion time together. When an earlier one is deleted before a
+//! later one is read, the later one is counted one place down and named as the deleted one;
+//! read again after a restart or a token recovery, with the applied position inside that group,
+//! it is taken for a replay and not handed out. Only a consumer behind by the group's retention
+//! meets it.
 
 use std::fmt;
 use std::sync::Arc;
