@@ -162,8 +162,9 @@ impl Progress for Pages {
     }
 
     fn advanced(&mut self, advance: Advance<PagePosition>) {
-        self.barrier
-            .settled(advance.index + 1, Some(&advance.entry));
+        // For a source of groups the applied position claims only the groups before this one.
+        let claim = self.order.claim(&advance.entry);
+        self.barrier.settled(advance.index + 1, Some(&claim));
     }
 
     fn propose(&mut self, _tracker: &Tracker<PagePosition>) -> Option<BarrierWrite> {
@@ -307,10 +308,12 @@ impl Pages {
                 continue;
             }
             let timestamp = event.timestamp.map(crate::time::millis);
+            // (For a source of groups: in the group of that position or before it, which that
+            // position claims only in part.)
             if self
                 .started_at
                 .as_ref()
-                .is_some_and(|a| event.position <= *a)
+                .is_some_and(|a| self.order.claim(&event.position) <= *a)
             {
                 debug!(source = %source_name, partition = %partition, id = %event.id, timestamp, "an audit found an event at or below the applied position this attempt started from: handled unless its receipt shows it done");
                 pipeline.dispatch_late(source_name, partition, event);

@@ -43,7 +43,7 @@ pub(crate) use barrier::{Barrier, BarrierWrite};
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch::{
     AUDIT_ALLOWANCE, CloudWatchLogs, DELETION_DELAY, DESCRIBE_LOG_STREAMS_PER_SECOND,
-    GET_LOG_EVENTS_PER_SECOND, LATE_EVENT_AUDIT_INTERVAL, LATE_EVENT_WINDOW,
+    GET_LOG_EVENTS_PER_SECOND, LATE_EVENT_AUDIT_INTERVAL, LATE_EVENT_WINDOW, log_event_identity,
 };
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch_filter::{
@@ -128,6 +128,12 @@ impl PagePosition {
     /// The bytes.
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
+    }
+
+    /// Its first `len` bytes (all of it when shorter): the group it belongs to, which sorts
+    /// before every member of the group and after every position of an earlier group.
+    pub(crate) fn prefix(&self, len: usize) -> Self {
+        Self(SmallVec::from_slice(&self.0[..len.min(self.0.len())]))
     }
 }
 
@@ -218,6 +224,15 @@ pub struct Contract {
     /// and a timestamp's group closes only as these contracts allow. `None`: a source of
     /// continuation cursors, read by the page barrier.
     pub timestamps: Option<Timestamps>,
+    /// Events whose positions share their first this many bytes form a group (for CloudWatch
+    /// Logs, the events of a stream with one timestamp and one ingestion time): the source
+    /// returns a group's events in an order of its own, and the provider may delete some of them
+    /// while others stay. Progress then counts whole groups: the applied position never claims
+    /// part of one (it is written as the group's prefix, the bytes every member starts with,
+    /// once every earlier group settled), an event is a replay only when its group lies wholly
+    /// below it, and an event of the group last read that this attempt did not hand out is
+    /// handed out wherever it comes. `None`: every position stands alone.
+    pub groups: Option<usize>,
 }
 
 /// What a source read by timestamp promises: whether a poll enumerates every event of a
@@ -267,6 +282,7 @@ impl Default for Contract {
             backfill: false,
             dense: false,
             timestamps: None,
+            groups: None,
         }
     }
 }
@@ -287,6 +303,13 @@ impl Contract {
     /// Sets whether positions are consecutive numbers.
     pub fn dense(mut self, dense: bool) -> Self {
         self.dense = dense;
+        self
+    }
+
+    /// Declares that events whose positions share their first `prefix` bytes form a group (see
+    /// [`Contract::groups`](Self#structfield.groups)).
+    pub fn groups(mut self, prefix: usize) -> Self {
+        self.groups = Some(prefix);
         self
     }
 

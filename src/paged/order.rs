@@ -10,6 +10,11 @@
 //! | above the last one handed out | `New`; with dense positions anything but the next number is a `Gap` error |
 //!
 //! A page is judged whole before anything of it is handed out: an error leaves the state as it was.
+//!
+//! A source whose events form groups ([`Contract::groups`]) is judged by group: the applied prefix
+//! counts only groups wholly below the applied position's (the order keeps it cut to the group's
+//! prefix), and an event below the last one handed out but in the same group, not handed out
+//! there, is `New` (a group's events come in the source's own order, and some may be gone).
 
 use std::collections::VecDeque;
 
@@ -183,11 +188,18 @@ impl Window {
 impl Order {
     pub(crate) fn new(contract: Contract, applied: Option<PagePosition>) -> Self {
         Self {
+            applied: applied.map(|a| group_of(&contract, &a)),
             contract,
-            applied,
             last: None,
             seen: Window::default(),
         }
+    }
+
+    /// What a settled prefix ending at `position` lets the applied position claim: the position
+    /// itself, or for a source of groups only the groups before its group (their prefix, which
+    /// sorts below every member of it).
+    pub(crate) fn claim(&self, position: &PagePosition) -> PagePosition {
+        group_of(&self.contract, position)
     }
 
     /// Judges a page, all or nothing.
@@ -222,6 +234,15 @@ impl Order {
                         });
                     }
                     Verdict::Overlap
+                } else if self
+                    .contract
+                    .groups
+                    .is_some_and(|len| position.prefix(len) == l.prefix(len))
+                {
+                    // In the group last read, not handed out: the group's own order, or a member
+                    // read after one that is gone.
+                    added.push(index);
+                    Verdict::New
                 } else if !self.contract.backfill {
                     return Err(OrderError::Regression {
                         position: position.clone(),
@@ -256,11 +277,20 @@ impl Order {
 
     /// The prefix is durable through `through`: what is at or below it needs no identity kept.
     pub(crate) fn applied(&mut self, through: &PagePosition) {
-        if self.applied.as_ref().is_some_and(|a| a >= through) {
+        let through = group_of(&self.contract, through);
+        if self.applied.as_ref().is_some_and(|a| *a >= through) {
             return;
         }
-        self.applied = Some(through.clone());
-        self.seen.forget_through(through);
+        self.seen.forget_through(&through);
+        self.applied = Some(through);
+    }
+}
+
+/// `position`, or for a source of groups its group's prefix.
+fn group_of(contract: &Contract, position: &PagePosition) -> PagePosition {
+    match contract.groups {
+        Some(len) => position.prefix(len),
+        None => position.clone(),
     }
 }
 
@@ -304,6 +334,59 @@ mod tests {
         order.applied(&p(106));
         let later = order.classify(&page(&[(106, "e106"), (107, "e107"), (108, "e108")]));
         assert_eq!(later.unwrap(), [Replay, Overlap, New]);
+    }
+
+    /// CloudWatch Logs' case: the events of one timestamp and ingestion time come in the
+    /// service's order, named by their messages, and retention may delete some of them first.
+    #[test]
+    fn a_source_of_groups_claims_and_replays_whole_groups_only() {
+        let at = |group: u64, name: u64| PagePosition::from_parts(&[group, name]);
+        let event = |group, name, id: &str| PagedEvent {
+            id: id.into(),
+            position: at(group, name),
+            payload: bytes::Bytes::new(),
+            timestamp: None,
+            key: None,
+        };
+        let contract = Contract::default().groups(8);
+        // The applied position lies inside group 5 (written before groups, or by hand): only
+        // groups 1 to 4 count as done.
+        let mut order = Order::new(contract, Some(at(5, 9)));
+        let page = [
+            event(4, 1, "4a"),
+            event(5, 9, "5i"),
+            event(5, 3, "5c"),
+            event(5, 7, "5g"),
+            event(6, 2, "6b"),
+        ];
+        assert_eq!(order.classify(&page).unwrap(), [Replay, New, New, New, New]);
+        // Read again (a recovered token): what this attempt handed out is an overlap.
+        assert_eq!(
+            order.classify(&page).unwrap(),
+            [Replay, Overlap, Overlap, Overlap, Overlap]
+        );
+        // A member of group 6 not handed out yet comes after one that was: the group's order.
+        assert_eq!(order.classify(&[event(6, 1, "6a")]).unwrap(), [New]);
+        // One of group 5 now, after group 6 was read: a regression as before.
+        assert_eq!(
+            order.classify(&[event(5, 1, "5a")]).unwrap_err(),
+            OrderError::Regression {
+                position: at(5, 1),
+                last: at(6, 2),
+            }
+        );
+        // A settled prefix ending inside group 6 claims groups before it, not the group.
+        let claim = order.claim(&at(6, 2));
+        assert!(claim > at(5, u64::MAX) && claim < at(6, 0));
+        order.applied(&claim);
+        // Group 5 is a replay now; group 6's identities are still known.
+        let again = [event(5, 3, "5c"), event(6, 1, "6a"), event(6, 2, "6b")];
+        assert_eq!(order.classify(&again).unwrap(), [Replay, Overlap, Overlap]);
+        // An event that changed name at a place handed out is still a conflict.
+        assert!(matches!(
+            order.classify(&[event(6, 2, "other")]),
+            Err(OrderError::Conflict { .. })
+        ));
     }
 
     #[test]
