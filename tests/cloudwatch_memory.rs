@@ -19,6 +19,7 @@ use calls::Calls;
 use logs::LogsService;
 use shardwise::lease::{LeaseSettings, MemoryLeaseStore};
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagePosition, PagedSource};
+use shardwise::receipts::MemoryReceipts;
 use shardwise::{Consumer, Delivery, Outcome, Running};
 use wait::wait_for;
 
@@ -129,10 +130,11 @@ async fn a_stream_read_on_after_a_quiet_day_and_after_a_day_with_the_fleet_down(
         service.counts().expired_tokens > recovered,
         "the stored token had expired too"
     );
+    // The applied position claims every group (one timestamp and ingestion time) before the
+    // last event's: its group's prefix, below each of its members.
     let last = service.events("s0").pop().unwrap();
-    let position =
-        PagePosition::from_parts(&[last.timestamp as u64, last.ingestion as u64, last.k]);
-    assert_eq!(applied(&store), Some(position));
+    let group = PagePosition::from_parts(&[last.timestamp as u64, last.ingestion as u64]);
+    assert_eq!(applied(&store), Some(group));
 }
 
 /// A log stream deleted while it is read ends its partition: its row is deleted, and a stream
@@ -692,4 +694,228 @@ async fn a_late_event_between_the_resume_cursor_and_the_applied_position_is_hand
     for id in first.iter().chain(&second).chain([&late]) {
         assert!(ids.contains(id), "{id} handled: {ids:?}");
     }
+}
+
+/// Handler calls by message: (worker, message, attempt).
+type Messages = Arc<std::sync::Mutex<Vec<(String, String, u32)>>>;
+
+/// A consumer on `s0` of `service` with the receipt ledger `receipts`, whose handler records
+/// each call by message, and answers `Retry` to the message `stall` (every attempt) and an ack to
+/// everything else.
+async fn by_message(
+    service: &LogsService,
+    store: &MemoryLeaseStore,
+    receipts: &MemoryReceipts,
+    worker: &'static str,
+    page_limit: u32,
+    stall: Option<&'static str>,
+    seen: &Messages,
+) -> Running {
+    let seen = seen.clone();
+    let source = CloudWatchLogs::new(service.client(), GROUP).page_limit(page_limit);
+    Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
+        let message = String::from_utf8_lossy(d.payload()).into_owned();
+        let outcome = if Some(message.as_str()) == stall {
+            Outcome::Retry
+        } else {
+            Outcome::Ack
+        };
+        seen.lock()
+            .unwrap()
+            .push((worker.to_string(), message, d.attempt()));
+        async move { outcome }
+    })
+    .worker_id(worker)
+    .poll_interval(Duration::from_secs(5))
+    .checkpoint_interval(Duration::from_secs(1))
+    .lease_settings(
+        LeaseSettings::default()
+            .lease_duration(Duration::from_secs(10))
+            .scan_interval(Duration::from_secs(2)),
+    )
+    .lease_store(Arc::new(store.clone()))
+    .receipts(Arc::new(receipts.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap()
+}
+
+fn handled(seen: &Messages, worker: &str, message: &str) -> usize {
+    seen.lock()
+        .unwrap()
+        .iter()
+        .filter(|(w, m, _)| w == worker && m == message)
+        .count()
+}
+
+/// One batch of PutLogEvents stamps `a`, `b` and `c` with one millisecond: a group of equal
+/// timestamp and ingestion time. A worker handles `a` and `b`, and `c` keeps failing when it
+/// stops, so its applied position lies in the group and its cursor before it. Then the group's
+/// retention deletes `a` (CloudWatch Logs deletes events "up to 72 hours" after their retention,
+/// and says nothing of a group going together). Before, the next worker counted `b` and `c` as
+/// the group's first and second (`-0`, `-1`), both at or below the applied position: `c` was
+/// taken for a replay and never handled.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_event_is_handled_after_a_restart_when_retention_deleted_an_earlier_one_of_its_group() {
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 31);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let receipts = MemoryReceipts::new();
+    let seen = Messages::default();
+    let at = service.now() - 1_000;
+    let batch: Vec<(i64, String)> = ["a", "b", "c"]
+        .iter()
+        .map(|m| (at, m.to_string()))
+        .collect();
+    service.put("s0", &batch, Duration::ZERO).expect("accepted");
+
+    let w1 = by_message(&service, &store, &receipts, "w1", 100, Some("c"), &seen).await;
+    wait_for(
+        "a and b handled, c failing",
+        Duration::from_secs(120),
+        || {
+            handled(&seen, "w1", "a") == 1
+                && handled(&seen, "w1", "b") == 1
+                && handled(&seen, "w1", "c") >= 2
+        },
+    )
+    .await;
+    // Time for the applied position's write.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(applied(&store).is_some(), "the settled prefix was written");
+    w1.abort();
+    service.delete_event("s0", "a").expect("a was stored");
+    tokio::time::sleep(Duration::from_secs(30)).await;
+
+    let w2 = by_message(&service, &store, &receipts, "w2", 100, None, &seen).await;
+    wait_for(
+        "c handled by the next worker",
+        Duration::from_secs(300),
+        || handled(&seen, "w2", "c") == 1,
+    )
+    .await;
+    w2.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(handled(&seen, "w2", "a"), 0, "a is gone");
+}
+
+/// The same group, read in pages of two: the first page (`a`, `b`) passes its barrier, so the
+/// stored cursor's token comes after `b`; `c` keeps failing. The worker stops, retention deletes
+/// `a`, and a day later the token has expired: the next worker reads again from `b`'s time.
+/// Before, counting the group again from its first event named `b` and `c` as `-0` and `-1`, at
+/// or below the applied position (`b`'s `-1`): `c` was taken for a replay. Now what lies up to
+/// `b` is passed over by name, and `c` and `d` are handed out.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_event_is_handled_after_a_token_recovery_when_retention_deleted_an_earlier_one_of_its_group()
+ {
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 37);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let receipts = MemoryReceipts::new();
+    let seen = Messages::default();
+    let at = service.now() - 1_000;
+    let batch: Vec<(i64, String)> = ["a", "b", "c", "d"]
+        .iter()
+        .map(|m| (at, m.to_string()))
+        .collect();
+    service.put("s0", &batch, Duration::ZERO).expect("accepted");
+
+    let w1 = by_message(&service, &store, &receipts, "w1", 2, Some("c"), &seen).await;
+    wait_for(
+        "a, b, d handled, c failing",
+        Duration::from_secs(120),
+        || {
+            ["a", "b", "d"].iter().all(|m| handled(&seen, "w1", m) == 1)
+                && handled(&seen, "w1", "c") >= 2
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    w1.abort();
+    service.delete_event("s0", "a").expect("a was stored");
+    tokio::time::sleep(DAY + Duration::from_secs(3600)).await;
+
+    let expired = service.counts().expired_tokens;
+    let w2 = by_message(&service, &store, &receipts, "w2", 2, None, &seen).await;
+    wait_for(
+        "c handled by the next worker",
+        Duration::from_secs(300),
+        || handled(&seen, "w2", "c") == 1,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    w2.shutdown(Duration::from_secs(5)).await;
+    assert!(
+        service.counts().expired_tokens > expired,
+        "the stored token had expired"
+    );
+    assert_eq!(handled(&seen, "w2", "a"), 0, "a is gone");
+    assert_eq!(handled(&seen, "w2", "b"), 0, "b lies behind the cursor");
+}
+
+/// An event's name comes from its message, not from its place in its group: `q`, whose group's
+/// first event `p` was deleted before anyone read it, keeps its own name (before, it was named
+/// `-0`, `p`'s name, and a receipt or effect keyed on it was keyed on `p`'s). Exact repeats
+/// (same timestamp, ingestion time and message) are told apart by their occurrence, also when
+/// a page boundary splits their group: every event once, under the name the service's model
+/// gives it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn events_are_named_by_their_messages_and_exact_repeats_by_their_occurrence() {
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 41);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let at = service.now() - 10_000;
+    let mut expected = Vec::new();
+    // A group whose first event retention took before the first read.
+    let first: Vec<(i64, String)> = ["p", "q"].iter().map(|m| (at, m.to_string())).collect();
+    let stored = service.put("s0", &first, Duration::ZERO).unwrap();
+    service.delete_event("s0", "p").unwrap();
+    let (p, q) = (stored[0].clone(), stored[1].clone());
+    assert_eq!(
+        q.id,
+        shardwise::paged::log_event_identity(at, q.ingestion, "q", 0).0
+    );
+    assert_ne!(p.id, q.id);
+    expected.push(q.id);
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    // Exact repeats, in pages of two: [x y] [x x] [z w]; the second and third pages go on
+    // with the group, whose earlier messages are counted again.
+    let repeats: Vec<(i64, String)> = ["x", "y", "x", "x", "z", "x"]
+        .iter()
+        .map(|m| (at + 1, m.to_string()))
+        .collect();
+    let stored = service.put("s0", &repeats, Duration::ZERO).unwrap();
+    expected.extend(stored.iter().map(|e| e.id.clone()));
+    let occurrences: Vec<u64> = stored.iter().map(|e| e.occurrence).collect();
+    assert_eq!(occurrences, [0, 0, 1, 2, 0, 3]);
+
+    let source = CloudWatchLogs::new(service.client(), GROUP).page_limit(2);
+    let recorder = calls.clone();
+    let running = Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
+        recorder.push("w1", &d);
+        async { Outcome::Ack }
+    })
+    .worker_id("w1")
+    .poll_interval(Duration::from_secs(5))
+    .lease_store(Arc::new(store.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("every event", Duration::from_secs(120), || {
+        calls.len() >= expected.len()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(calls.ids(), expected, "each once, under its own name");
 }

@@ -1,15 +1,29 @@
 //! CloudWatch Logs as a paged source: one partition per log stream of a log group, read forward with
 //! `GetLogEvents` and its `nextForwardToken`.
 //!
-//! `GetLogEvents` gives no event identity. An event is named by what the service stores with it:
-//! its timestamp, its ingestion time, and its occurrence `k` among the events of the stream with the
-//! same two (a batch of `PutLogEvents` may hold several). Its position orders by the same three
-//! numbers. Counting `k` across a page boundary needs the last event before the boundary, so this
-//! source's cursor carries it beside the service's token, in bytes of its own:
+//! `GetLogEvents` gives no event identity: only a timestamp, an ingestion time and a message. One
+//! `PutLogEvents` batch may stamp several events with one millisecond, so events of a stream form
+//! *groups* of one timestamp and ingestion time, which the service returns in an order of its
+//! own, and retention may delete some events of a group before others. An event is named by what
+//! no deletion changes (see [`log_event_identity`]): its timestamp, its ingestion time, the digest
+//! of its message, and its occurrence among the group's events with that same message (0 unless
+//! the line repeats exactly). Its position is the same four numbers, and the source declares
+//! [`Contract::groups`]: progress counts whole groups (the applied position claims only the groups
+//! before the one the settled prefix reached), so a group is a replay only once all of it settled.
+//! Counting occurrences across a page boundary needs the group's earlier messages: this source's
+//! cursor carries the last event (its place in its group and its name) beside the service's token,
+//! in bytes of its own, and a page that goes on with a group of several events read before it
+//! reads that millisecond again to count them:
 //!
 //! ```text
-//! v1|<start time ms, or empty>|<timestamp>|<ingestion time>|<k>|<forward token>
+//! v3|<start ms>|<floor ms>|<timestamp>:<ingestion>:<place>:<digest>:<n>|<mark>|<audit>|<forward token>
 //! ```
+//!
+//! Exact repeats (the same timestamp, ingestion time and message) are told apart only by their
+//! order: when retention deletes one of them before a later one is read, the later one is handed
+//! out under the deleted one's name, or, read again by the attempt that handed that one out, taken
+//! for it (docs/paged.md, "Groups of one timestamp and ingestion time").
+//! [`CloudWatchLogsFilter`](super::CloudWatchLogsFilter) names events by `eventId` instead.
 //!
 //! shardwise never looks inside (cursors are opaque to the consumer); this module alone makes and
 //! reads them. At the end of a stream the service returns the request's token again: the cursor
@@ -19,16 +33,16 @@
 //! the end of a stream keeps its age, so a stream quiet for a day (or a fleet down for one) holds
 //! an expired token. A token the service refuses (`InvalidParameterException`) is recovered from
 //! the cursor's last event: the stream is read again from that event's timestamp, from the head,
-//! with no token. What comes back at or before that event was handed out already and is
-//! recognised as such (a replay below the applied prefix, or an overlap of this attempt); the rest
-//! is new. Each recovery is logged and counted (`shardwise_paged_cursor_recoveries_total`).
+//! with no token, and what comes up to that event (found by its name) is passed over as behind the
+//! cursor (were it gone, its whole group is handed out again). Each recovery is logged and counted
+//! (`shardwise_paged_cursor_recoveries_total`).
 //!
 //! The contract: empty pages with a new token are zero-item pages; positions are not dense; and a
 //! forward traversal never goes back (no backfill): `GetLogEvents` returns a stream's events in
 //! order from the token's place, so an event at or below the applied prefix is one already read (a
 //! replayed page), settled without the handler. Should the service ever return an event below one
-//! already read (above the applied prefix, where nothing was handed out), the partition stops
-//! with an order violation rather than guess. Late events come through the audit below.
+//! already read (above the applied prefix, in an earlier group, where nothing was handed out), the
+//! partition stops with an order violation rather than guess. Late events come through the audit below.
 //!
 //! Late events. CloudWatch Logs accepts events up to 14 days old (and 2 hours ahead), and a
 //! forward token marks a place in the stream's order by timestamp: an event put later with a
@@ -65,14 +79,8 @@
 //!
 //! moto's tokens are indexes, so an event put behind them also moves the events after it one
 //! place on, and the next page repeats one, which is recognised as read.
-//!
-//! A known hole (docs/paged.md, "Known hole"): nothing says retention deletes a group of events
-//! with the same timestamp and ingestion time together. When an earlier one is deleted before a
-//! later one is read, the later one is counted one place down and named as the deleted one;
-//! read again after a restart or a token recovery, with the applied position inside that group,
-//! it is taken for a replay and not handed out. Only a consumer behind by the group's retention
-//! meets it.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -81,8 +89,10 @@ use aws_sdk_cloudwatchlogs::Client;
 use aws_sdk_cloudwatchlogs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_cloudwatchlogs::operation::describe_log_streams::DescribeLogStreamsError;
 use aws_sdk_cloudwatchlogs::operation::get_log_events::{GetLogEventsError, GetLogEventsOutput};
+use aws_sdk_cloudwatchlogs::types::OutputLogEvent;
 use bytes::Bytes;
 use futures::future::BoxFuture;
+use md5::{Digest, Md5};
 use tracing::{debug, warn};
 
 use super::budget::Budget;
@@ -286,8 +296,8 @@ struct LogCursor {
     floor: Option<i64>,
     /// The service's forward token.
     token: Option<String>,
-    /// The last event before this cursor: (timestamp, ingestion time, k).
-    last: Option<(i64, i64, u64)>,
+    /// The last event before this cursor.
+    last: Option<Last>,
     /// Audited through this ingestion time (ms): every event behind the cursor that was
     /// ingested at or before it, and at most the late-event window late, was handed out.
     audited: Option<i64>,
@@ -301,25 +311,38 @@ struct LogCursor {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct AuditRange {
     after: Option<i64>,
-    through: (i64, i64, u64),
+    through: Last,
+}
+
+/// An event as a cursor remembers it: where it stands in the service's order, and which one it
+/// is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Last {
+    timestamp: i64,
+    ingestion: i64,
+    /// Its place among the events of its group (same timestamp and ingestion time) as read: so
+    /// many were read before it.
+    k: u64,
+    /// Its message's digest and its occurrence among the group's events with that message (its
+    /// name); `None` in a cursor written before names were taken from the message.
+    name: Option<(u64, u64)>,
+}
+
+impl Last {
+    fn group(&self) -> (i64, i64) {
+        (self.timestamp, self.ingestion)
+    }
 }
 
 impl LogCursor {
     fn encode(&self) -> Cursor {
-        let event = |e: Option<(i64, i64, u64)>| {
-            e.map_or(
-                (String::new(), String::new(), String::new()),
-                |(t, i, k)| (t.to_string(), i.to_string(), k.to_string()),
-            )
-        };
         let text = |n: Option<i64>| n.map(|n| n.to_string()).unwrap_or_default();
-        let (ts, ingest, k) = event(self.last);
+        let last = self.last.as_ref().map_or(String::new(), Last::encode);
         let audit = self.audit.map_or(String::new(), |a| {
-            let (t, i, k) = event(Some(a.through));
-            format!("{}:{t}:{i}:{k}", text(a.after))
+            format!("{}:{}", text(a.after), a.through.encode())
         });
         Cursor::new(format!(
-            "v2|{}|{}|{ts}|{ingest}|{k}|{}|{audit}|{}",
+            "v3|{}|{}|{last}|{}|{audit}|{}",
             text(self.start),
             text(self.floor),
             text(self.audited),
@@ -338,58 +361,121 @@ impl LogCursor {
                 .map(Some)
                 .map_err(|_| format!("`{s}` in cursor `{text}` is not a number"))
         };
-        let event =
-            |ts: &str, ingest: &str, k: &str| match (number(ts)?, number(ingest)?, number(k)?) {
-                (Some(t), Some(i), Some(k)) => Ok(Some((t, i, k as u64))),
-                (None, None, None) => Ok(None),
-                _ => Err(format!("cursor `{text}` names half an event")),
+        let hex = |s: &str| {
+            u64::from_str_radix(s, 16)
+                .map_err(|_| format!("`{s}` in cursor `{text}` is not a digest"))
+        };
+        // An event: `ts:ingest:k[:digest:occurrence]` (versions 1 and 2 kept the first three in
+        // fields of their own, and named an event by `k`).
+        let event = |parts: &[&str]| -> Result<Option<Last>, String> {
+            let (ts, ingest, k) = match parts {
+                [ts, ingest, k] | [ts, ingest, k, _, _] => {
+                    (number(ts)?, number(ingest)?, number(k)?)
+                }
+                _ => return Err(format!("cursor `{text}` names half an event")),
             };
+            let name = match parts {
+                [_, _, _, "", ""] => None,
+                [_, _, _, digest, occurrence] => Some((
+                    hex(digest)?,
+                    number(occurrence)?
+                        .and_then(|n| u64::try_from(n).ok())
+                        .ok_or_else(|| format!("cursor `{text}` names half an event"))?,
+                )),
+                _ => None,
+            };
+            match (ts, ingest, k) {
+                (Some(timestamp), Some(ingestion), Some(k)) => Ok(Some(Last {
+                    timestamp,
+                    ingestion,
+                    k: u64::try_from(k)
+                        .map_err(|_| format!("cursor `{text}` counts below zero"))?,
+                    name,
+                })),
+                (None, None, None) if name.is_none() => Ok(None),
+                _ => Err(format!("cursor `{text}` names half an event")),
+            }
+        };
+        let audit_of = |audit: &str, with_name: bool| -> Result<Option<AuditRange>, String> {
+            if audit.is_empty() {
+                return Ok(None);
+            }
+            let parts: Vec<&str> = audit.split(':').collect();
+            let expected = if with_name { 6 } else { 4 };
+            if parts.len() != expected {
+                return Err(format!("cursor `{text}` names half an audit"));
+            }
+            let through = event(&parts[1..])?
+                .ok_or_else(|| format!("cursor `{text}` names an audit through nothing"))?;
+            Ok(Some(AuditRange {
+                after: number(parts[0])?,
+                through,
+            }))
+        };
         // The token comes last: whatever it holds, it cannot shift the fields before it. A
         // cursor of version 1 (before audits) has no mark and no audit.
-        let (fields, floor, audited, audit) = if text.starts_with("v1|") {
+        let (start, floor, last, audited, audit, token) = if text.starts_with("v1|") {
             let fields: Vec<&str> = text.splitn(6, '|').collect();
             let [_, start, ts, ingest, k, token] = fields[..] else {
                 return Err(format!("`{text}` is not a cursor of CloudWatch Logs"));
             };
-            ([start, ts, ingest, k, token], None, None, None)
-        } else {
+            (start, None, event(&[ts, ingest, k])?, None, None, token)
+        } else if text.starts_with("v2|") {
             let fields: Vec<&str> = text.splitn(9, '|').collect();
-            let [version, start, floor, ts, ingest, k, audited, audit, token] = fields[..] else {
+            let [_, start, floor, ts, ingest, k, audited, audit, token] = fields[..] else {
                 return Err(format!("`{text}` is not a cursor of CloudWatch Logs"));
             };
-            if version != "v2" {
+            (
+                start,
+                number(floor)?,
+                event(&[ts, ingest, k])?,
+                number(audited)?,
+                audit_of(audit, false)?,
+                token,
+            )
+        } else {
+            let fields: Vec<&str> = text.splitn(7, '|').collect();
+            let [version, start, floor, last, audited, audit, token] = fields[..] else {
+                return Err(format!("`{text}` is not a cursor of CloudWatch Logs"));
+            };
+            if version != "v3" {
                 return Err(format!("cursor version `{version}` is unknown"));
             }
-            let audit = if audit.is_empty() {
+            let last = if last.is_empty() {
                 None
             } else {
-                let parts: Vec<&str> = audit.split(':').collect();
-                let [after, t, i, k] = parts[..] else {
-                    return Err(format!("cursor `{text}` names half an audit"));
-                };
-                let through = event(t, i, k)?
-                    .ok_or_else(|| format!("cursor `{text}` names an audit through nothing"))?;
-                Some(AuditRange {
-                    after: number(after)?,
-                    through,
-                })
+                let parts: Vec<&str> = last.split(':').collect();
+                if parts.len() != 5 {
+                    return Err(format!("cursor `{text}` names half an event"));
+                }
+                event(&parts)?
             };
             (
-                [start, ts, ingest, k, token],
+                start,
                 number(floor)?,
+                last,
                 number(audited)?,
-                audit,
+                audit_of(audit, true)?,
+                token,
             )
         };
-        let [start, ts, ingest, k, token] = fields;
         Ok(Self {
             start: number(start)?,
             floor,
             token: (!token.is_empty()).then(|| token.to_string()),
-            last: event(ts, ingest, k)?,
+            last,
             audited,
             audit,
         })
+    }
+}
+
+impl Last {
+    fn encode(&self) -> String {
+        let name = self.name.map_or(":".to_string(), |(digest, occurrence)| {
+            format!("{digest:016x}:{occurrence}")
+        });
+        format!("{}:{}:{}:{name}", self.timestamp, self.ingestion, self.k)
     }
 }
 
@@ -431,6 +517,113 @@ fn fetch_error(e: SdkError<GetLogEventsError>) -> FetchError {
     }
 }
 
+/// An event's group: its timestamp and ingestion time.
+fn group(event: &OutputLogEvent) -> (i64, i64) {
+    (
+        event.timestamp.unwrap_or_default(),
+        event.ingestion_time.unwrap_or_default(),
+    )
+}
+
+fn number(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or_default()
+}
+
+/// The digest of a message that names its event: the first 8 bytes of its MD5, big-endian.
+fn digest(message: &str) -> u64 {
+    let digest = Md5::digest(message.as_bytes());
+    let mut first = [0; 8];
+    first.copy_from_slice(&digest[..8]);
+    u64::from_be_bytes(first)
+}
+
+fn identity(
+    timestamp: i64,
+    ingestion: i64,
+    digest: u64,
+    occurrence: u64,
+) -> (String, PagePosition) {
+    (
+        format!("{timestamp}-{ingestion}-{digest:016x}-{occurrence}"),
+        PagePosition::from_parts(&[number(timestamp), number(ingestion), digest, occurrence]),
+    )
+}
+
+/// The identity and the position [`CloudWatchLogs`] gives an event of a log stream: its
+/// timestamp, ingestion time and message, and `occurrence`, how many events of the stream with
+/// all three the same come before it in the service's order (0 for all but exact repeats). The
+/// identity reads `{timestamp}-{ingestion}-{digest}-{occurrence}`, the digest the first 8 bytes
+/// of the message's MD5 in hex; the position orders by timestamp and ingestion time, and the
+/// events of one group (both the same) by their names, not by the service's order (see the
+/// module docs).
+pub fn log_event_identity(
+    timestamp: i64,
+    ingestion: i64,
+    message: &str,
+    occurrence: u64,
+) -> (String, PagePosition) {
+    identity(timestamp, ingestion, digest(message), occurrence)
+}
+
+impl CloudWatchLogs {
+    /// How many events with each message digest the group of `last` held up to and including
+    /// it, as the service serves the group now: the count a page that goes on with the group
+    /// starts from. One event is known from the cursor; more are read again (the group's
+    /// timestamp only, from the head), which happens only when a page ends inside a group of
+    /// several events.
+    async fn names_before(
+        &self,
+        partition: &str,
+        last: &Last,
+    ) -> Result<HashMap<u64, u64>, SdkError<GetLogEventsError>> {
+        let mut names = HashMap::new();
+        if last.k == 0
+            && let Some((digest, _)) = last.name
+        {
+            names.insert(digest, 1);
+            return Ok(names);
+        }
+        let mut read = 0;
+        let mut token: Option<String> = None;
+        loop {
+            self.reads.acquire().await;
+            let page = self
+                .client
+                .get_log_events()
+                .log_group_name(self.group.as_ref())
+                .log_stream_name(partition)
+                .start_from_head(true)
+                .start_time(last.timestamp)
+                .end_time(last.timestamp.saturating_add(1))
+                .limit(AUDIT_PAGE_LIMIT)
+                .set_next_token(token.clone())
+                .send()
+                .await?;
+            for event in page.events() {
+                if group(event) != last.group() {
+                    continue;
+                }
+                if read > last.k {
+                    return Ok(names);
+                }
+                *names
+                    .entry(digest(event.message.as_deref().unwrap_or_default()))
+                    .or_insert(0) += 1;
+                read += 1;
+            }
+            match page.next_forward_token {
+                Some(next)
+                    if !page.events.as_ref().is_none_or(Vec::is_empty)
+                        && token.as_ref() != Some(&next) =>
+                {
+                    token = Some(next);
+                }
+                _ => return Ok(names),
+            }
+        }
+    }
+}
+
 impl CloudWatchLogs {
     async fn get_log_events(
         &self,
@@ -439,7 +632,7 @@ impl CloudWatchLogs {
     ) -> Result<GetLogEventsOutput, SdkError<GetLogEventsError>> {
         self.reads.acquire().await;
         // An audit reads through its last event's timestamp (`endTime` is exclusive).
-        let end = at.audit.map(|a| a.through.0.saturating_add(1));
+        let end = at.audit.map(|a| a.through.timestamp.saturating_add(1));
         self.client
             .get_log_events()
             .log_group_name(self.group.as_ref())
@@ -463,8 +656,10 @@ impl PagedSource for CloudWatchLogs {
         &self.name
     }
 
+    /// Events of one timestamp and ingestion time form a group (positions share their first
+    /// 16 bytes).
     fn contract(&self) -> Contract {
-        Contract::default()
+        Contract::default().groups(16)
     }
 
     /// The log group's retention ([`DELETION_DELAY`] and 2 hours added); "never expire" keeps
@@ -540,22 +735,28 @@ impl PagedSource for CloudWatchLogs {
                 None => LogCursor::default(),
             };
             if let Some(audit) = at.audit
-                && at.start.is_some_and(|start| start > audit.through.0)
+                && at
+                    .start
+                    .is_some_and(|start| start > audit.through.timestamp)
             {
                 // An audit with nothing to read (its window is empty).
                 return Ok(Page::default());
             }
+            // After a recovery, the event the refused token came after: what the read from its
+            // time returns up to it lies behind the cursor.
+            let mut behind: Option<Last> = None;
             let output = match self.get_log_events(partition, &at).await {
                 Err(e) if at.token.is_some() && refused(&e) => {
                     // An expired (or otherwise refused) token: read again from the last event's
-                    // time, from the head; what was handed out already is recognised as such.
-                    let from = at.last.map(|(timestamp, _, _)| timestamp).or(at.start);
+                    // time, from the head, and go on after that event.
+                    let from = at.last.map(|l| l.timestamp).or(at.start);
                     warn!(source = %self.name, partition, from, audit = at.audit.is_some(), error = %DisplayErrorContext(&e), "the service refused the cursor's token; reading the stream again from the last event's time");
                     metrics::counter!("shardwise_paged_cursor_recoveries_total", "source" => self.name.to_string()).increment(1);
+                    behind = at.last;
                     at = LogCursor {
                         start: from,
                         token: None,
-                        // Counting occurrences starts again with the first event read.
+                        // The read starts at a group's first event: names are counted afresh.
                         last: None,
                         ..at
                     };
@@ -564,36 +765,94 @@ impl PagedSource for CloudWatchLogs {
                 answer => answer,
             }
             .map_err(fetch_error)?;
+            // The page may go on with the group (same timestamp and ingestion time) of the
+            // cursor's last event: its names count the group's messages read before the page.
+            let mut names = match (output.events().first(), at.last) {
+                (Some(first), Some(before)) if group(first) == before.group() => self
+                    .names_before(partition, &before)
+                    .await
+                    .map_err(fetch_error)?,
+                _ => HashMap::new(),
+            };
             let mut last = at.last;
-            let mut beyond = false;
-            let mut events = Vec::with_capacity(output.events().len());
-            for event in output.events() {
-                let ts = event.timestamp.unwrap_or_default();
-                let ingest = event.ingestion_time.unwrap_or_default();
-                let k = match last {
-                    Some((t, i, k)) if (t, i) == (ts, ingest) => k + 1,
-                    _ => 0,
+            let read: Vec<Last> = output
+                .events()
+                .iter()
+                .map(|event| {
+                    let (timestamp, ingestion) = group(event);
+                    let k = match last {
+                        Some(before) if before.group() == (timestamp, ingestion) => before.k + 1,
+                        _ => {
+                            names.clear();
+                            0
+                        }
+                    };
+                    let digest = digest(event.message.as_deref().unwrap_or_default());
+                    let seen = names.entry(digest).or_insert(0);
+                    let this = Last {
+                        timestamp,
+                        ingestion,
+                        k,
+                        name: Some((digest, *seen)),
+                    };
+                    *seen += 1;
+                    last = Some(this);
+                    this
+                })
+                .collect();
+            // Behind a recovered cursor: the groups before its event's, and in that group the
+            // events up to it in the service's order, found by its name. Were it gone, or an
+            // exact repeat (whose name a deleted twin may have shifted), the whole group is
+            // handed out again: never skipped for a line that does not repeat.
+            let pass = behind.map_or(0, |b| {
+                let earlier = read.iter().take_while(|e| e.group() < b.group()).count();
+                let Some((digest, 0)) = b.name else {
+                    return earlier;
                 };
-                last = Some((ts, ingest, k));
+                let mut twins = read.iter().enumerate().filter(|(_, e)| {
+                    e.group() == b.group() && e.name.is_some_and(|n| n.0 == digest)
+                });
+                match (twins.next(), twins.next()) {
+                    (Some((at, _)), None) => at + 1,
+                    _ => earlier,
+                }
+            });
+            let mut beyond = false;
+            let mut events = Vec::with_capacity(output.events().len() - pass);
+            for (event, this) in output.events().iter().zip(&read).skip(pass) {
+                let mut through = false;
                 if let Some(audit) = at.audit {
                     // An audit returns what may be late: at or before the event the forward
                     // cursor had read when it began, ingested after the previous audit's mark.
-                    if (ts, ingest, k) > audit.through {
+                    // In that event's group the service's order decides: the audit ends with
+                    // it (were it gone, the rest of the group comes too, which is harmless).
+                    if this.group() > audit.through.group() {
                         beyond = true;
                         break;
                     }
-                    if audit.after.is_some_and(|after| ingest <= after) {
+                    through =
+                        this.group() == audit.through.group() && this.name == audit.through.name;
+                    if audit.after.is_some_and(|after| this.ingestion <= after) {
+                        if through {
+                            beyond = true;
+                            break;
+                        }
                         continue;
                     }
                 }
-                let number = |n: i64| u64::try_from(n).unwrap_or_default();
+                let (digest, occurrence) = this.name.unwrap_or_default();
+                let (id, position) = identity(this.timestamp, this.ingestion, digest, occurrence);
                 events.push(PagedEvent {
-                    id: format!("{ts}-{ingest}-{k}"),
-                    position: PagePosition::from_parts(&[number(ts), number(ingest), k]),
+                    id,
+                    position,
                     payload: Bytes::from(event.message.clone().unwrap_or_default()),
-                    timestamp: Some(UNIX_EPOCH + Duration::from_millis(number(ts))),
+                    timestamp: Some(UNIX_EPOCH + Duration::from_millis(number(this.timestamp))),
                     key: None,
                 });
+                if through {
+                    beyond = true;
+                    break;
+                }
             }
             let given = at.token.clone();
             let token = output.next_forward_token.clone();
@@ -659,7 +918,7 @@ impl PagedSource for CloudWatchLogs {
                 .max(now.saturating_sub(MAX_EVENT_AGE_MS))
                 .max(at.floor.unwrap_or(i64::MIN)),
             // Nothing to look for: a start past the window's end reads nothing.
-            None => through.0.saturating_add(1),
+            None => through.timestamp.saturating_add(1),
         };
         let pages = LogCursor {
             start: Some(start),
@@ -695,6 +954,15 @@ impl PagedSource for CloudWatchLogs {
 mod tests {
     use super::*;
 
+    fn last(timestamp: i64, ingestion: i64, k: u64, name: Option<(u64, u64)>) -> Last {
+        Last {
+            timestamp,
+            ingestion,
+            k,
+            name,
+        }
+    }
+
     #[test]
     fn cursors_round_trip_and_bad_ones_are_refused() {
         let cursors = [
@@ -709,7 +977,12 @@ mod tests {
                 token: Some(
                     "f/00000000000000000000000000000000000000000000000000000009|odd".into(),
                 ),
-                last: Some((1_764_000_000_123, 1_764_000_000_200, 2)),
+                last: Some(last(
+                    1_764_000_000_123,
+                    1_764_000_000_200,
+                    2,
+                    Some((0xfedc_ba98_7654_3210, 1)),
+                )),
                 audited: Some(1_764_000_000_500),
                 audit: None,
             },
@@ -717,29 +990,58 @@ mod tests {
                 start: Some(1_763_996_400_500),
                 floor: None,
                 token: Some("f/1".into()),
-                last: Some((1_764_000_000_100, 1_764_000_000_100, 0)),
+                last: Some(last(1_764_000_000_100, 1_764_000_000_100, 0, Some((7, 0)))),
                 audited: None,
                 audit: Some(AuditRange {
                     after: Some(1_764_000_000_500),
-                    through: (1_764_000_000_123, 1_764_000_000_200, 2),
+                    through: last(1_764_000_000_123, 1_764_000_000_200, 2, Some((1, 2))),
                 }),
+            },
+            // An event carried over from a cursor of version 2 keeps having no name.
+            LogCursor {
+                last: Some(last(5, 6, 0, None)),
+                audit: Some(AuditRange {
+                    after: None,
+                    through: last(5, 6, 0, None),
+                }),
+                ..LogCursor::default()
             },
         ];
         for cursor in cursors {
             assert_eq!(LogCursor::decode(&cursor.encode()).unwrap(), cursor);
         }
-        // A cursor written before audits reads as one without a mark.
+        // Cursors written before: version 1 (no mark) and 2 (events named by their place).
         assert_eq!(
             LogCursor::decode(&Cursor::new("v1||5|6|0|f/1")).unwrap(),
             LogCursor {
                 token: Some("f/1".into()),
-                last: Some((5, 6, 0)),
+                last: Some(last(5, 6, 0, None)),
                 ..LogCursor::default()
+            }
+        );
+        assert_eq!(
+            LogCursor::decode(&Cursor::new("v2|7|8|5|6|1|9|10:5:6:1|f/1")).unwrap(),
+            LogCursor {
+                start: Some(7),
+                floor: Some(8),
+                token: Some("f/1".into()),
+                last: Some(last(5, 6, 1, None)),
+                audited: Some(9),
+                audit: Some(AuditRange {
+                    after: Some(10),
+                    through: last(5, 6, 1, None),
+                }),
             }
         );
         for bad in [
             "",
-            "v3||||||||",
+            "v4||||||",
+            "v3|x|||||",
+            "v3|||5:6|||",
+            "v3|||5:6:0:zz:0|||f/1",
+            "v3|||5:6:0:1:|||f/1",
+            "v3|||||1:5:6:0:1|",
+            "v3|||||:|",
             "v2|x|||||||",
             "v2|||||||",
             "v2|||5|||||f/1",
@@ -751,5 +1053,27 @@ mod tests {
         ] {
             assert!(LogCursor::decode(&Cursor::new(bad)).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn an_event_is_named_by_its_message_and_placed_in_its_group() {
+        let (id, position) = log_event_identity(1_764_000_000_123, 1_764_000_000_200, "hello", 1);
+        // md5("hello") = 5d41402abc4b2a76b9719d911017c592
+        assert_eq!(id, "1764000000123-1764000000200-5d41402abc4b2a76-1");
+        assert_eq!(
+            position,
+            PagePosition::from_parts(&[
+                1_764_000_000_123,
+                1_764_000_000_200,
+                0x5d41_402a_bc4b_2a76,
+                1
+            ])
+        );
+        // Its group's prefix: below every member, above every earlier group.
+        let group = position.prefix(16);
+        assert!(group < position);
+        assert!(
+            PagePosition::from_parts(&[1_764_000_000_123, 1_764_000_000_199, u64::MAX, 9]) < group
+        );
     }
 }

@@ -74,8 +74,12 @@ pub struct LogEvent {
     pub stream: String,
     pub timestamp: i64,
     pub ingestion: i64,
-    /// Its occurrence among the stream's events with the same timestamp and ingestion time.
+    /// Its occurrence among the stream's events with the same timestamp and ingestion time: the
+    /// service's order.
     pub k: u64,
+    /// Its occurrence among those with the same message too (how the GetLogEvents source tells
+    /// exact repeats apart).
+    pub occurrence: u64,
     /// When FilterLogEvents finds it.
     pub searchable: i64,
     /// The service's `eventId` (what the FilterLogEvents source names it by).
@@ -219,6 +223,21 @@ impl LogsService {
     }
 
     /// Deletes a stream and its events; returns the events it held.
+    /// Deletes the stream's first event with this message now, as the group's retention deletes
+    /// each event at its own time.
+    #[allow(dead_code)]
+    pub fn delete_event(&self, stream: &str, message: &str) -> Option<LogEvent> {
+        let mut state = self.state.lock().unwrap();
+        let events = state.streams.get_mut(stream)?;
+        let at = events.iter().position(|e| e.message == message)?;
+        let event = events.remove(at);
+        let mut deleted = state.deleted.lock().unwrap();
+        deleted.insert(format!("{stream}/{}", event.id));
+        deleted.insert(event.event_id.clone());
+        drop(deleted);
+        Some(event)
+    }
+
     pub fn delete_stream(&self, stream: &str) -> Vec<LogEvent> {
         let mut state = self.state.lock().unwrap();
         state.created.remove(stream);
@@ -250,15 +269,21 @@ impl LogsService {
             let event_id = format!("{:020}", state.events_put);
             let events = state.streams.get_mut(stream)?;
             // The stream is in key order: those with this timestamp and ingestion time are a run.
-            let k = (events.partition_point(|e| (e.timestamp, e.ingestion) <= (*timestamp, now))
-                - events.partition_point(|e| (e.timestamp, e.ingestion) < (*timestamp, now)))
-                as u64;
+            let group = events.partition_point(|e| (e.timestamp, e.ingestion) < (*timestamp, now))
+                ..events.partition_point(|e| (e.timestamp, e.ingestion) <= (*timestamp, now));
+            let k = group.len() as u64;
+            let occurrence = events[group]
+                .iter()
+                .filter(|e| e.message == *message)
+                .count() as u64;
             let event = LogEvent {
-                id: format!("{timestamp}-{now}-{k}"),
+                // The name the GetLogEvents source gives it.
+                id: shardwise::paged::log_event_identity(*timestamp, now, message, occurrence).0,
                 stream: stream.to_string(),
                 timestamp: *timestamp,
                 ingestion: now,
                 k,
+                occurrence,
                 searchable: now + delay.as_millis() as i64,
                 event_id,
                 message: message.clone(),
