@@ -79,7 +79,10 @@ pub struct LogEvent {
     pub k: u64,
     /// Its occurrence among those with the same message too (how the GetLogEvents source tells
     /// exact repeats apart).
+    #[allow(dead_code)]
     pub occurrence: u64,
+    /// The position the GetLogEvents source gives it (kept: it costs a digest of the message).
+    pub position: shardwise::paged::PagePosition,
     /// When FilterLogEvents finds it.
     pub searchable: i64,
     /// The service's `eventId` (what the FilterLogEvents source names it by).
@@ -276,9 +279,12 @@ impl LogsService {
                 .iter()
                 .filter(|e| e.message == *message)
                 .count() as u64;
+            // The name and the place the GetLogEvents source gives it.
+            let (id, position) =
+                shardwise::paged::log_event_identity(*timestamp, now, message, occurrence);
             let event = LogEvent {
-                // The name the GetLogEvents source gives it.
-                id: shardwise::paged::log_event_identity(*timestamp, now, message, occurrence).0,
+                id,
+                position,
                 stream: stream.to_string(),
                 timestamp: *timestamp,
                 ingestion: now,

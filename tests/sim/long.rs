@@ -9,7 +9,10 @@
 //! its calls, or the roster item) for 2 to 20 minutes. The service's tokens expire after 24
 //! hours, pages stop at 10,000 events or 1 MB, and GetLogEvents is throttled past 25 requests/s.
 //! Every worker runs on a host of its own whose wall clock is up to 9 s ahead or behind the
-//! service's and drifts up to 10 ppm (`testing::HostClock`).
+//! service's and drifts up to 10 ppm (`testing::HostClock`). Each line logged is its own (a
+//! random id); a third of a batch's lines after its first share the millisecond before them, so
+//! groups of one timestamp and ingestion time are common, and one batch in ten repeats a line
+//! exactly in one millisecond.
 //!
 //! In half the seeds the handler applies an effect per event (a counter, committed with the
 //! event's receipt in `MemoryReceipts`), the group keeps events 1 or 3 days (each deleted at
@@ -24,7 +27,9 @@
 //! At the end, after a quiet phase of two hours with a worker up, every event of every stream
 //! that still exists has settled, late ones within the audit's window (1 hour) included, bar
 //! those the group's retention deleted first; and no event's effect was applied twice. Late
-//! events later than the window are counted and reported beside the seed's result.
+//! events later than the window are counted and reported beside the seed's result, and so are
+//! exact repeats a deletion of a twin left ambiguous (GetLogEvents cannot tell them apart: the
+//! source's declared limit, docs/paged.md), which are not owed under their own names.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -218,7 +223,7 @@ impl Model {
 
 /// The position the GetLogEvents source gives an event.
 fn position(e: &LogEvent) -> PagePosition {
-    shardwise::paged::log_event_identity(e.timestamp, e.ingestion, &e.message, e.occurrence).1
+    e.position.clone()
 }
 
 struct World {
@@ -366,9 +371,16 @@ impl World {
         let stream = streams[self.rng.random_range(0..streams.len())].clone();
         let now = self.service.now();
         let newest = late.map_or(now, |l| now - l);
+        let mut previous: Option<i64> = None;
         let mut batch: Vec<(i64, String)> = (0..self.rng.random_range(1..=5))
             .map(|_| {
-                let t = newest - self.rng.random_range(0..2_000);
+                // A third of the lines after the first share the millisecond before them (a
+                // burst logged at once): groups of one timestamp and ingestion time.
+                let t = match previous {
+                    Some(t) if self.rng.random_ratio(1, 3) => t,
+                    _ => newest - self.rng.random_range(0..2_000),
+                };
+                previous = Some(t);
                 // One event in twenty is large: pages also end at 1 MB.
                 let size = if self.rng.random_ratio(1, 20) {
                     30_000

@@ -70,6 +70,29 @@ const REGRESSIONS: &[(u64, &str)] = &[
     ),
 ];
 
+/// Long logs seeds (`sim/long.rs`) that found real bugs, replayed whenever long seeds run (the
+/// same rule as [`REGRESSIONS`]).
+const LONG_LOGS_REGRESSIONS: &[(u64, &str)] = &[(
+    20,
+    "GetLogEvents named an event by its place in its group: retention deleting an earlier one renamed it onto the deleted one",
+)];
+
+/// Replays [`LONG_LOGS_REGRESSIONS`]; whether one violated again.
+fn long_regressions() -> bool {
+    let mut failed = false;
+    for (seed, bug) in LONG_LOGS_REGRESSIONS {
+        let r = long::run_seed(*seed);
+        if !r.violations.is_empty() {
+            failed = true;
+            eprintln!(
+                "long logs regression seed {seed} ({bug}) violated again: {:#?}",
+                r.violations
+            );
+        }
+    }
+    failed
+}
+
 /// Seeds run twice at the start, to check that a seed always gives the same trace.
 const DETERMINISM_CHECKS: u64 = 20;
 /// Long seeds run twice at the start.
@@ -207,6 +230,9 @@ fn main() {
         }
         failed |= run_world(&args, "long kinesis ", args.seeds, long_stream::run_seed);
         failed |= run_world(&args, "long logs ", args.paged, long::run_seed);
+        if args.paged > 0 {
+            failed |= long_regressions();
+        }
         if failed {
             std::process::exit(1);
         }
@@ -257,6 +283,7 @@ fn main() {
     if long > 0 {
         failed |= run_world(&args, "long kinesis ", long, long_stream::run_seed);
         failed |= run_world(&args, "long logs ", long, long::run_seed);
+        failed |= long_regressions();
     }
     if failed {
         std::process::exit(1);
