@@ -77,15 +77,16 @@ const LONG_LOGS_REGRESSIONS: &[(u64, &str)] = &[(
     "GetLogEvents named an event by its place in its group: retention deleting an earlier one renamed it onto the deleted one",
 )];
 
-/// Replays [`LONG_LOGS_REGRESSIONS`]; whether one violated again.
-fn long_regressions() -> bool {
+/// Replays `regressions` (seed, the bug it found) of a world (`""` for the short one, else
+/// its name and a space); whether one violated again.
+fn replay(world: &str, regressions: &[(u64, &str)], run: fn(u64) -> world::SeedResult) -> bool {
     let mut failed = false;
-    for (seed, bug) in LONG_LOGS_REGRESSIONS {
-        let r = long::run_seed(*seed);
+    for (seed, bug) in regressions {
+        let r = run(*seed);
         if !r.violations.is_empty() {
             failed = true;
             eprintln!(
-                "long logs regression seed {seed} ({bug}) violated again: {:#?}",
+                "{world}regression seed {seed} ({bug}) violated again: {:#?}",
                 r.violations
             );
         }
@@ -231,24 +232,14 @@ fn main() {
         failed |= run_world(&args, "long kinesis ", args.seeds, long_stream::run_seed);
         failed |= run_world(&args, "long logs ", args.paged, long::run_seed);
         if args.paged > 0 {
-            failed |= long_regressions();
+            failed |= replay("long logs ", LONG_LOGS_REGRESSIONS, long::run_seed);
         }
         if failed {
             std::process::exit(1);
         }
         return;
     }
-    let mut failed = false;
-    for (seed, bug) in REGRESSIONS {
-        let r = world::run_seed(*seed);
-        if !r.violations.is_empty() {
-            failed = true;
-            eprintln!(
-                "regression seed {seed} ({bug}) violated again: {:#?}",
-                r.violations
-            );
-        }
-    }
+    let mut failed = replay("", REGRESSIONS, world::run_seed);
     for seed in args.from..args.from + args.seeds.min(DETERMINISM_CHECKS) {
         let (a, b) = (world::run_seed(seed), world::run_seed(seed));
         if a.hash != b.hash {
@@ -283,7 +274,7 @@ fn main() {
     if long > 0 {
         failed |= run_world(&args, "long kinesis ", long, long_stream::run_seed);
         failed |= run_world(&args, "long logs ", long, long::run_seed);
-        failed |= long_regressions();
+        failed |= replay("long logs ", LONG_LOGS_REGRESSIONS, long::run_seed);
     }
     if failed {
         std::process::exit(1);
