@@ -312,6 +312,12 @@ async fn the_retry_example_closed_through_10_00_a_b_crash_c_d() {
         async move { api.polls("p").len() >= polls_at_close + 2 }
     })
     .await;
+    // A poll is recorded when the API answers it, D's replay when the reader has read its page:
+    // waited for, so a shutdown right after the second poll does not cut its page short.
+    wait_for_async("D's replays counted", Duration::from_secs(10), || async {
+        counter("shardwise_paged_replays_total", &name) >= 2
+    })
+    .await;
     second.shutdown(Duration::from_secs(5)).await;
     stop.store(true, Ordering::SeqCst);
     assert!(watcher.await.expect("the watcher's checks held") >= 1);
