@@ -9,7 +9,8 @@
 //! read that lasts minutes, and of the lease table (all of it, half its calls, or the roster item)
 //! for 2 to 20 minutes; the lease store keeps DynamoDB's 1,000 writes a second per item; and a
 //! worker's path to the lease table that turns slow (its next renewal applied and answered 2 to
-//! 10 s late) and then breaks for 30 s to 3 minutes while it still reads the stream. A third of
+//! 10 s late, or every call of 1 to 20 s applied at once and answered at the end, as a stalled
+//! proxy does) and then breaks for 30 s to 3 minutes while it still reads the stream. A third of
 //! the seeds start at the trim horizon, a third at a time
 //! stamp, a third at LATEST (the day begins once every shard's start is pinned, with a burst; what
 //! was put before the workers started is not owed).
@@ -211,19 +212,35 @@ struct World {
     links: Vec<Link>,
 }
 
-/// A worker's path to the lease table, which can turn slow and then break: its next renewal
-/// is applied, answered late, and then every call waits until the path is back (the stream is
-/// still read and records handled meanwhile).
+/// A worker's path to the lease table, which can turn slow and then break, in one of two ways:
+/// its next renewal is applied and answered late while the rest passes, or the whole path stalls
+/// (every call sent for a while is applied at once and answered when the stall ends: a proxy or
+/// a network holding answers). Then every call waits until the path is back (the stream is still
+/// read and records handled meanwhile).
 #[derive(Debug, Clone, Default)]
 struct Link {
-    /// The next renewal's answer delay and the cut after it.
-    armed: Arc<Mutex<Option<(Duration, Duration)>>>,
+    /// The trouble to come, taken by the next renewal (or by the next call of any kind for a
+    /// stall).
+    armed: Arc<Mutex<Option<PathTrouble>>>,
     /// Calls wait until then.
     cut_until: Arc<Mutex<Option<Instant>>>,
+    /// A stall under way: calls sent before the first instant are answered then; calls sent
+    /// after it wait until the second (the cut).
+    stalled: Arc<Mutex<Option<(Instant, Instant)>>>,
     /// When the cut of a renewal whose answer is on its way late will end: set as the renewal
     /// takes the armed fault, before `cut_until` is (which waits for the late answer), so the
     /// liveness check sees a cut that has begun as a slow answer.
     cut_ends: Arc<Mutex<Option<Instant>>>,
+}
+
+/// How a worker's path to the lease table turns slow before it breaks for `cut`.
+#[derive(Debug, Clone, Copy)]
+struct PathTrouble {
+    slow: Duration,
+    cut: Duration,
+    /// Every call sent in the next `slow` is answered at its end (beats and renewals alike),
+    /// rather than the next renewal alone answered `slow` late.
+    stall: bool,
 }
 
 impl Layer for Link {
@@ -237,13 +254,35 @@ impl Layer for Link {
             if let Some(until) = until {
                 tokio::time::sleep_until(until).await;
             }
+            let stalled = {
+                let mut armed = self.armed.lock().unwrap();
+                let mut stalled = self.stalled.lock().unwrap();
+                if let Some(trouble) = armed.take_if(|t| t.stall) {
+                    let answered = Instant::now() + trouble.slow;
+                    *stalled = Some((answered, answered + trouble.cut));
+                    *self.cut_ends.lock().unwrap() = Some(answered + trouble.cut);
+                }
+                *stalled
+            };
+            let held = match stalled {
+                Some((answered, back)) if Instant::now() >= answered => {
+                    tokio::time::sleep_until(back).await;
+                    None
+                }
+                Some((answered, _)) => Some(answered),
+                None => None,
+            };
             let answer = forward.await;
+            if let Some(answered) = held {
+                tokio::time::sleep_until(answered).await;
+                return answer;
+            }
             let armed = if call.method() == "renew" {
                 self.armed.lock().unwrap().take()
             } else {
                 None
             };
-            if let Some((slow, cut)) = armed {
+            if let Some(PathTrouble { slow, cut, .. }) = armed {
                 *self.cut_ends.lock().unwrap() = Some(Instant::now() + slow + cut);
                 tokio::time::sleep(slow).await;
                 *self.cut_until.lock().unwrap() = Some(Instant::now() + cut);
@@ -683,17 +722,35 @@ impl World {
                     self.event(line);
                 }
                 // A worker's path to the lease table turns slow, then breaks for 30 s to 3
-                // minutes: its next renewal is answered 2 to 10 s (up to an attempt) late.
+                // minutes: its next renewal is answered 2 to 10 s late, or every call of the next
+                // 1 to 20 s (beats too) is answered at its end (both within an attempt: 25 s).
                 _ => {
                     let n = self.rng.random_range(0..self.workers.len());
                     let slow = Duration::from_millis(self.rng.random_range(2_000..10_000));
                     let cut = Duration::from_secs(self.rng.random_range(30..=180));
+                    // Drawn from what was drawn, so the seed's other draws stay as they were.
+                    let mut flavour = StdRng::seed_from_u64(
+                        self.seed ^ (slow.as_millis() as u64) << 8 ^ cut.as_secs() << 40,
+                    );
+                    let stall = flavour.random_bool(0.5);
+                    let (slow, what) = if stall {
+                        let slow = Duration::from_millis(flavour.random_range(1_000..20_000));
+                        let what = format!(
+                            "every call of w{n} for {} ms answered at the end",
+                            slow.as_millis()
+                        );
+                        (slow, what)
+                    } else {
+                        (
+                            slow,
+                            format!("w{n}'s next renewal answered {} ms late", slow.as_millis()),
+                        )
+                    };
                     self.event(format!(
-                        "w{n}'s next renewal answered {} ms late, then no lease table for {} s",
-                        slow.as_millis(),
+                        "{what}, then no lease table for {} s",
                         cut.as_secs()
                     ));
-                    *self.links[n].armed.lock().unwrap() = Some((slow, cut));
+                    *self.links[n].armed.lock().unwrap() = Some(PathTrouble { slow, cut, stall });
                 }
             }
             tokio::time::sleep(Duration::from_secs(self.rng.random_range(1..=60))).await;
