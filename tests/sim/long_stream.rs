@@ -531,6 +531,33 @@ impl World {
         }
     }
 
+    /// A worker that has just started is stopped again in a quarter of its starts, 0.1 to 5 s
+    /// later (an autoscaler that changed its mind, a deploy rolled back): its requests for
+    /// leases may be under way (an owner passes within about half a second of a request), and an
+    /// owner may pass one to it after it left (issue 27, defect 1).
+    async fn scale_in_during_join(&mut self, n: usize) {
+        // Drawn apart from the seed's generator, so its other draws stay as they were.
+        let mut rng = StdRng::seed_from_u64(
+            self.seed
+                ^ 0x5ca1_e000
+                ^ (n as u64) << 32
+                ^ (Instant::now() - self.start).as_millis() as u64,
+        );
+        if !rng.random_bool(0.25) {
+            return;
+        }
+        let after = Duration::from_millis(rng.random_range(100..=5_000));
+        tokio::time::sleep(after).await;
+        if let Some(running) = self.workers[n].take() {
+            self.event(format!(
+                "stop w{n} {} ms after its start (scale-in)",
+                after.as_millis()
+            ));
+            running.shutdown(Duration::from_secs(5)).await;
+            self.down(n);
+        }
+    }
+
     /// Once the fleet is quiet, every lease is read again within the lease duration plus two
     /// scan intervals of the last change (issue 25): checked that long into a quiet phase, after
     /// the end of any cut-off of a worker's path to the lease table (also one whose slow answer,
@@ -674,6 +701,7 @@ impl World {
                     let n = self.rng.random_range(0..self.workers.len());
                     if self.workers[n].is_none() {
                         self.start_worker(n).await;
+                        self.scale_in_during_join(n).await;
                     } else if self.rng.random_bool(0.5) {
                         self.crash(n);
                     } else if let Some(running) = self.workers[n].take() {
