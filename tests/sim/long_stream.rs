@@ -4,7 +4,9 @@
 //! reader, records trimmed after 24 hours), with the memory lease store under paused time.
 //!
 //! The seed lays out the day as phases: bursts of records, quiet hours, outages of the whole fleet
-//! (up to 6 hours, inside the retention period), workers that crash, stop and start, a second
+//! (up to 6 hours, inside the retention period), workers that crash, stop and start (a quarter
+//! of the starts stopped again 0.1 to 5 s later, while their first requests for leases are
+//! under way), a second
 //! process with a worker's id for minutes to hours, splits and merges, and throttling of every
 //! read that lasts minutes, and of the lease table (all of it, half its calls, or the roster item)
 //! for 2 to 20 minutes; the lease store keeps DynamoDB's 1,000 writes a second per item; and a
