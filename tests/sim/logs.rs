@@ -78,7 +78,7 @@ pub struct LogEvent {
     /// service's order.
     pub k: u64,
     /// Its occurrence among those with the same message too (how the GetLogEvents source tells
-    /// exact repeats apart).
+    /// exact repeats apart). Read by `tests/cloudwatch_memory.rs`, not by the simulation.
     #[allow(dead_code)]
     pub occurrence: u64,
     /// The position the GetLogEvents source gives it (kept: it costs a digest of the message).

@@ -164,8 +164,8 @@ impl Model {
         }
         let stream = &after.shard_id;
         for event in self.put.get(stream).into_iter().flatten() {
-            let at = position(event);
-            if at > applied || before.as_ref().is_some_and(|b| at <= *b) {
+            let at = &event.position;
+            if *at > applied || before.as_ref().is_some_and(|b| at <= b) {
                 continue;
             }
             let name = self.name(stream, event);
@@ -219,11 +219,6 @@ impl Model {
         }
         None
     }
-}
-
-/// The position the GetLogEvents source gives an event.
-fn position(e: &LogEvent) -> PagePosition {
-    e.position.clone()
 }
 
 struct World {
