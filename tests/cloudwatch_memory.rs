@@ -508,6 +508,93 @@ async fn a_filter_consumer_holds_memory_and_reads_bounded_by_its_horizons_over_h
     );
 }
 
+/// A log group read by timestamp where one event fails for two hours (a line the handler cannot
+/// take until a fix is deployed; retried in place, as by default): its group holds
+/// `closedThrough` behind it for the two hours, while an event a second comes. The polls go on
+/// after what they proved, not from the held group: the events the service returns stay within
+/// twice what the new events and the audits' windows need. Before, every poll read again every
+/// event since the failing one (an hour in, 3,600 a poll, every 5 s): found by the long logs
+/// simulation's poison events, whose seeds by timestamp ran a hundred times slower.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_filter_poll_goes_on_after_what_it_proved_while_a_failing_event_holds_its_group() {
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 41);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let source = CloudWatchLogsFilter::new(service.client(), GROUP);
+    let recorded = calls.clone();
+    let hold = Duration::from_secs(2 * 3600);
+    let fixed_at = tokio::time::Instant::now() + hold;
+    let poll = Duration::from_secs(5);
+    let running = Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
+        recorded.push("w1", &d);
+        let poison = d.payload().as_ref() == b"poison";
+        async move {
+            if poison && tokio::time::Instant::now() < fixed_at {
+                Outcome::RetryAfter(Duration::from_secs(60))
+            } else {
+                Outcome::Ack
+            }
+        }
+    })
+    .worker_id("w1")
+    .poll_interval(poll)
+    .checkpoint_interval(Duration::from_secs(1))
+    .lease_store(Arc::new(store.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+
+    let mut expected = Vec::new();
+    let first = service.now();
+    let poison = service
+        .put(
+            "s0",
+            &[(first, "poison".to_string())],
+            Duration::from_secs(2),
+        )
+        .unwrap();
+    let run = Duration::from_secs(3 * 3600);
+    let step = Duration::from_secs(10);
+    for i in 0..(run.as_secs() / step.as_secs()) {
+        let now = service.now();
+        let batch: Vec<(i64, String)> = (0..10)
+            .map(|k| (now - 2_000 + k * 100, format!("{i} {k}")))
+            .collect();
+        let stored = service.put("s0", &batch, Duration::from_secs(2)).unwrap();
+        expected.extend(stored.into_iter().map(|e| e.event_id));
+        tokio::time::sleep(step).await;
+    }
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+
+    let handled = calls.ids();
+    let poison_id = poison[0].event_id.clone();
+    assert!(
+        calls.count(&poison_id) >= 100,
+        "the failing event ran again for two hours ({} calls)",
+        calls.count(&poison_id)
+    );
+    let mut others: Vec<String> = handled.into_iter().filter(|id| *id != poison_id).collect();
+    others.sort();
+    expected.sort();
+    assert_eq!(others, expected, "every other event once");
+    // The new events once, and each audit's window (an hour, 3,600 events; one every 5
+    // minutes); twice that at most.
+    let elapsed = run.as_secs() + 600;
+    let needed = expected.len() as u64 + (elapsed / 300) * 3_600;
+    let served = service.counts().events;
+    assert!(
+        served <= 2 * needed,
+        "{served} events returned; the new events and the audits need {needed}"
+    );
+    eprintln!("{served} events returned over 3 h 10 min (needed {needed})");
+}
+
 /// A log group read by timestamp, stopped and started again: the audit's durable mark (written
 /// with a close) shows what the earlier attempt handed out, so the next worker's first audit hands
 /// out only what arrived since; a late event put while no worker ran is handled once. Before, the

@@ -1,6 +1,7 @@
 //! The progress of a partition read by timestamp (seed 000), for the owned loop
 //! ([`owned`](super::owned)): polls strictly after the durable
-//! `closed_through` -> timestamp groups -> lanes -> tracker -> a compare-and-swap of
+//! `closed_through` (or after what this attempt's complete polls proved, when a held group keeps
+//! it behind) -> timestamp groups -> lanes -> tracker -> a compare-and-swap of
 //! `closed_through` and the version once a group is proven complete and every one of its events
 //! has a durable terminal outcome (`docs/paged.md`).
 //!
@@ -211,6 +212,9 @@ impl Progress for Attempt {
                 audited_from,
             } => {
                 self.groups.traversed(started_ms, watermark);
+                // The next poll starts after what this one proved, when that is past
+                // `closed_through` (a group held open by a failing event).
+                self.after.send_replace(self.groups.query_after());
                 if let (Some(from), Some(after)) = (audited_from, self.readable_after_ms) {
                     // Everything the audit read is handed out, or known: once every delivery
                     // tracked so far settles, the mark may be written.
@@ -284,7 +288,7 @@ impl Progress for Attempt {
         }
         self.durable = to;
         self.uncertain.clear();
-        self.after.send_replace(Some(through));
+        self.after.send_replace(self.groups.query_after());
     }
 
     fn failed(&mut self, to: PagedProgress) {
@@ -361,7 +365,7 @@ impl Attempt {
                 Seen::Late => {
                     // Done by an earlier attempt (its receipt says so), or late: the receipt check
                     // counts it as late only when it is handed out.
-                    debug!(source = %source_name, partition = %partition, id = %event.id, timestamp, closed_through = ?self.groups.query_after(), "an event at or before closed_through: handled unless its receipt shows it done");
+                    debug!(source = %source_name, partition = %partition, id = %event.id, timestamp, closed_through = ?self.durable.closed_through, "an event at or before closed_through: handled unless its receipt shows it done");
                     pipeline.dispatch_late(source_name, partition, event);
                 }
             }

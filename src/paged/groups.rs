@@ -115,9 +115,28 @@ impl Groups {
         self.traversal == Traversal::Complete && self.finality != Finality::Unproven
     }
 
-    /// Where every poll starts: strictly after this timestamp (`None`: from the beginning).
+    /// Where the next poll starts: strictly after this timestamp (`None`: from the beginning).
+    /// After `closed_through` (seed 000), unless a proven group is held open (an event of it
+    /// failing, for hours perhaps): then after what this attempt's complete polls proved final.
+    /// The hold keeps `closed_through` behind, and the events after it that a complete poll
+    /// enumerated are in the open groups already; reading them again on every poll would cost
+    /// each poll more the longer the hold lasts. What comes late behind that point is the
+    /// audit's to find (its window starts behind this point). A group not proven (the newest,
+    /// under a later-timestamp contract) is read again either way.
     pub(crate) fn query_after(&self) -> Option<i64> {
-        self.closed_through
+        let Some(complete_before) = self.complete_before else {
+            return self.closed_through;
+        };
+        let held = self
+            .open
+            .range(..complete_before)
+            .any(|(_, group)| group.values().any(|settled| !*settled));
+        let proven = complete_before.saturating_sub(1);
+        match self.closed_through {
+            Some(closed) if held => Some(closed.max(proven)),
+            None if held => Some(proven),
+            closed => closed,
+        }
     }
 
     /// The generation the next compare-and-swap is conditioned on.
@@ -292,6 +311,59 @@ mod tests {
             None,
             "10:02 is open: nothing later was seen"
         );
+    }
+
+    /// An event failing for hours holds its group open and `closed_through` behind it; the next
+    /// poll starts after what the complete polls proved, not at the held group (before, every
+    /// poll read again every event since the failing one: hours of them after hours). Once the
+    /// event settles, everything proven closes. A source proven by later timestamps reads its
+    /// newest group again; one without a complete traversal reads from `closed_through`.
+    #[test]
+    fn a_held_group_does_not_make_every_poll_read_again_what_was_proven() {
+        let minute = 60_000;
+        let mut g = groups(Finality::Lateness(std::time::Duration::from_secs(300)));
+        g.saw(T10_01, "A"); // failing
+        for (i, t) in (2..60).map(|m| T10_00 + m * minute).enumerate() {
+            let id = format!("e{i}");
+            g.saw(t, &id);
+            g.settled(t, &id);
+            g.traversed(t + 5 * minute, None);
+        }
+        let proven = T10_00 + 59 * minute;
+        assert_eq!(g.proposal(), None, "A holds 10:01 and everything after it");
+        assert_eq!(
+            g.query_after(),
+            Some(proven),
+            "the next poll starts after the proof"
+        );
+        assert_eq!(g.saw(T10_02, "e0"), Seen::Again, "what it read is known");
+        g.settled(T10_01, "A");
+        assert_eq!(
+            g.query_after(),
+            Some(T10_00),
+            "nothing held: after closed_through"
+        );
+        assert_eq!(g.proposal(), Some(proven));
+        g.closed(proven, 5);
+        assert_eq!(g.query_after(), Some(proven));
+
+        let mut later = groups(Finality::LaterTimestamp);
+        later.saw(T10_01, "A");
+        later.saw(T10_02, "B");
+        later.settled(T10_02, "B");
+        later.traversed(T10_02 + minute, None);
+        assert_eq!(later.proposal(), None);
+        assert_eq!(later.query_after(), Some(T10_02 - 1), "10:02 is read again");
+
+        let mut unproven = Groups::new(
+            Traversal::Unproven,
+            Finality::Lateness(std::time::Duration::from_secs(300)),
+            Some(T10_00),
+            0,
+        );
+        unproven.saw(T10_02, "B");
+        unproven.traversed(T10_02 + 10 * minute, None);
+        assert_eq!(unproven.query_after(), Some(T10_00));
     }
 
     /// A tie group larger than a page: every page boundary inside it is no evidence.

@@ -450,17 +450,19 @@ pub(crate) enum PollMessage {
 }
 
 /// Polls a source read by timestamp: each poll starts from [`PagedSource::poll_after`] the
-/// partition's current `closed_through` and follows the continuation to its end; then the poll
+/// partition's current `closed_through`, or what the attempt's complete polls proved final when
+/// that is later (`Groups::query_after`), and follows the continuation to its end; then the poll
 /// interval, and the next poll. A continuation that comes back unchanged and empty ends the poll
 /// without evidence (it was not traversed to its end).
 pub(crate) struct PollReader {
     pub(crate) source: Arc<dyn PagedSource>,
     pub(crate) partition: String,
-    /// The partition's `closed_through`, as the loop last wrote it.
+    /// Where the next poll starts: the partition's `closed_through`, or past it what the
+    /// attempt's complete polls proved (`Groups::query_after`), as the loop last set it.
     pub(crate) after: tokio::sync::watch::Receiver<Option<i64>>,
     pub(crate) poll_interval: Duration,
     pub(crate) max_backoff: Duration,
-    /// When a poll is an audit that starts this many ms before `closed_through`, to find late
+    /// When a poll is an audit that starts this many ms before that point, to find late
     /// events behind it. An audit's traversal is evidence like any other (it reads a superset).
     pub(crate) audit: Option<(AuditEvery, i64)>,
 }
