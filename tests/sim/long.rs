@@ -3,7 +3,8 @@
 //! with the real consumer and the memory lease store under paused time.
 //!
 //! The seed lays out the week as phases: bursts of `PutLogEvents` batches into the group's streams,
-//! quiet hours and quiet days, outages of the whole fleet (up to 30 hours), workers that crash,
+//! quiet hours and quiet days, outages of the whole fleet (up to 30 hours, one in four 2 to 4
+//! days: the fleet comes back among events the group's retention is deleting), workers that crash,
 //! stop and start, streams created and deleted, batches of late events (timestamps up to 13 days
 //! old), account-wide throttling that lasts minutes, and lease-table throttling (all of it, half
 //! its calls, or the roster item) for 2 to 20 minutes. The service's tokens expire after 24
@@ -84,6 +85,8 @@ struct Model {
     violations: Vec<String>,
     log: EventLog,
     invocations: u64,
+    /// Poison events: when the handler first met each (`stream/id`, or the `eventId`).
+    poisoned: BTreeMap<String, Instant>,
     /// Events the service deleted for the group's retention (`stream/id`): not owed.
     deleted: Arc<Mutex<BTreeSet<String>>>,
     /// The group is read by timestamp (`CloudWatchLogsFilter`): events are named by their
@@ -462,14 +465,33 @@ impl World {
                 format!("{}/{id}", d.shard())
             }
         };
+        let end = self.start + week();
         let handler = move |d: Delivery| {
             let name = name_of(&d);
             let mut h = Md5::new();
             h.update(seed.to_le_bytes());
             h.update(name.as_bytes());
+            let event = h.clone().finalize();
             h.update(d.attempt().to_le_bytes());
             let roll = h.finalize();
-            let outcome = if roll[0] % 100 < 5 && d.attempt() < 3 {
+            // One event in 2,000 is poison: the handler cannot take it until a fix is deployed
+            // 1 to 4 days after it first failed (over a weekend), by the week's end at the
+            // latest. It asks to run again in 10 minutes meanwhile, holding its stream's applied
+            // position (a failure blocks the barrier), while the group's retention may delete
+            // the events before it.
+            let poison = (u16::from_le_bytes([event[0], event[1]]) % 2_000 == 0).then(|| {
+                let first = *model
+                    .lock()
+                    .unwrap()
+                    .poisoned
+                    .entry(name.clone())
+                    .or_insert_with(Instant::now);
+                let hold = Duration::from_secs(24 * HOUR + u64::from(event[2]) * 72 * HOUR / 256);
+                (first + hold).min(end)
+            });
+            let outcome = if poison.is_some_and(|fixed| Instant::now() < fixed) {
+                Outcome::RetryAfter(Duration::from_secs(600))
+            } else if roll[0] % 100 < 5 && d.attempt() < 3 {
                 Outcome::Retry
             } else if effects {
                 Outcome::Apply(
@@ -616,9 +638,18 @@ impl World {
                     self.event(format!("quiet {hours} h"));
                     tokio::time::sleep(Duration::from_secs(hours * HOUR)).await;
                 }
-                // The whole fleet down for 1 to 30 hours.
+                // The whole fleet down for 1 to 30 hours; one outage in four lasts 2 to 4 days
+                // (a consumer switched off over a long weekend), and the fleet comes back to
+                // streams whose oldest unread events the group's retention is deleting.
                 60..=66 => {
-                    let hours = self.rng.random_range(1..=30);
+                    let mut hours = self.rng.random_range(1..=30);
+                    // Drawn apart, so that the seed's other draws stay.
+                    let mut long = StdRng::seed_from_u64(
+                        self.seed ^ 0x0ff_5173 ^ ((Instant::now() - self.start).as_secs() << 20),
+                    );
+                    if long.random_ratio(1, 4) {
+                        hours = long.random_range(48..=96);
+                    }
                     // It begins while events come: some handled and not yet checkpointed.
                     for _ in 0..self.rng.random_range(0..=20) {
                         self.put(None);
