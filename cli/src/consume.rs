@@ -16,7 +16,7 @@ use base64::Engine;
 use serde::Serialize;
 use shardwise::consumer::{OnSpent, RetryMode, Settled};
 use shardwise::destination::{Destination, S3Destination, SqsDestination};
-use shardwise::lease::{Billing, InitialPosition, LeaseSettings, TableOptions};
+use shardwise::lease::{InitialPosition, LeaseSettings};
 use shardwise::observe::Metrics;
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
 use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, SourceRetention, key};
@@ -32,6 +32,7 @@ use crate::common::{Ctx, Result};
 use crate::exec::runner::{LAMBDA_MAX_TIMEOUT, Runner, Runtime, parse_runtime};
 use crate::exec::{EventSource, Exec, ExecSettings, Format, STOP_GRACE};
 use crate::flag_error::{Source, invalid_setting};
+use crate::table_flags::TableFlags;
 use crate::target::{START_VALUES, parse_start, time_help};
 
 #[derive(Debug, clap::Args)]
@@ -83,18 +84,8 @@ pub(crate) struct Args {
     #[arg(long, env = "SHARDWISE_LEASE_TABLE", value_name = "NAME")]
     lease_table: Option<String>,
 
-    /// How the lease table is billed when this worker creates it: on demand, or provisioned read
-    /// and write capacity units.
-    #[arg(long, env = "SHARDWISE_BILLING_MODE", value_name = "on-demand|provisioned:READ,WRITE", default_value = "on-demand", value_parser = parse_billing)]
-    billing_mode: Billing,
-
-    /// A tag of the lease table when this worker creates it (repeat for more).
-    #[arg(long = "tag", env = "SHARDWISE_TAG", value_name = "KEY=VALUE", value_parser = parse_tag)]
-    tags: Vec<(String, String)>,
-
-    /// Turn on point-in-time recovery (continuous backups) of the lease table, new or existing.
-    #[arg(long, env = "SHARDWISE_POINT_IN_TIME_RECOVERY")]
-    point_in_time_recovery: bool,
+    #[command(flatten)]
+    table: TableFlags,
 
     /// This worker's id in the lease table (default: host name, process id and a random part).
     #[arg(long, env = "SHARDWISE_WORKER_ID", value_name = "ID")]
@@ -589,8 +580,7 @@ impl Args {
             "stream" => self.stream.clone().or_else(|| self.source_name()),
             "application" => Some(self.app.clone()),
             "lease_table" => self.lease_table.clone(),
-            "billing" => Some(billing_name(self.billing_mode)),
-            "tags" => self.rejected_tag(err.value()),
+            "billing" | "tags" => self.table.given(err),
             "worker_id" => self.worker_id.clone(),
             "lanes" => Some(self.lanes.to_string()),
             "poll_interval" => Some(duration(self.poll_interval)),
@@ -616,24 +606,6 @@ impl Args {
             _ => None,
         }
     }
-
-    /// The `--tag` whose key or value the library rejected (it names the rejected text).
-    fn rejected_tag(&self, rejected: &str) -> Option<String> {
-        self.tags
-            .iter()
-            .find(|(key, value)| format!("{key:?}") == rejected || format!("{value:?}") == rejected)
-            .map(|(key, value)| format!("{key}={value}"))
-    }
-
-    /// How a missing lease table is created.
-    fn table_options(&self) -> TableOptions {
-        let options = TableOptions::default()
-            .billing(self.billing_mode)
-            .point_in_time_recovery(self.point_in_time_recovery);
-        self.tags
-            .iter()
-            .fold(options, |options, (key, value)| options.tag(key, value))
-    }
 }
 
 /// Where each library setting a [`ConfigError`] can name comes from on this command line.
@@ -642,8 +614,7 @@ fn source_of(setting: &str) -> Option<Source> {
         "stream" => "--stream",
         "application" => "--app",
         "lease_table" => "--lease-table",
-        "billing" => "--billing-mode",
-        "tags" => "--tag",
+        "billing" | "tags" => return TableFlags::source_of(setting),
         "worker_id" => "--worker-id",
         "lanes" => "--lanes",
         "poll_interval" => "--poll-interval",
@@ -745,41 +716,6 @@ fn parse_ordering(s: &str) -> std::result::Result<DeliveryOrder, String> {
         "none" => Ok(DeliveryOrder::None),
         other => Err(format!("`{other}`: expected per-key or none")),
     }
-}
-
-fn parse_billing(s: &str) -> std::result::Result<Billing, String> {
-    if s == "on-demand" {
-        return Ok(Billing::OnDemand);
-    }
-    let expected = || format!("`{s}`: expected on-demand or provisioned:READ,WRITE");
-    let (read, write) = s
-        .strip_prefix("provisioned:")
-        .and_then(|units| units.split_once(','))
-        .ok_or_else(expected)?;
-    let units = |n: &str| {
-        n.parse::<u64>()
-            .map_err(|_| format!("`{n}` is not a number of capacity units"))
-    };
-    Ok(Billing::Provisioned {
-        read: units(read)?,
-        write: units(write)?,
-    })
-}
-
-/// `--billing-mode` as the user spells it.
-fn billing_name(billing: Billing) -> String {
-    match billing {
-        Billing::OnDemand => "on-demand".into(),
-        Billing::Provisioned { read, write } => format!("provisioned:{read},{write}"),
-        other => format!("{other:?}"),
-    }
-}
-
-fn parse_tag(s: &str) -> std::result::Result<(String, String), String> {
-    let (key, value) = s
-        .split_once('=')
-        .ok_or_else(|| format!("`{s}`: expected KEY=VALUE"))?;
-    Ok((key.to_owned(), value.to_owned()))
 }
 
 fn parse_outcome(s: &str) -> std::result::Result<Outcome, String> {
@@ -1023,7 +959,7 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
         .lanes(args.lanes)
         .ordering(args.ordering)
         .lease_settings(lease)
-        .lease_table_options(args.table_options())
+        .lease_table_options(args.table.options())
         .initial_position(args.start)
         .checkpoint_interval(args.checkpoint_interval)
         .poll_interval(args.poll_interval)
@@ -1402,6 +1338,7 @@ async fn consume<H: Handler>(
 mod tests {
     use super::*;
     use clap::Parser;
+    use shardwise::lease::{Billing, TableOptions};
     use shardwise::{Position, SequenceNumber};
 
     /// `consume`'s flags, a later one overriding an earlier one.
@@ -1667,9 +1604,7 @@ mod tests {
 
     #[test]
     fn lease_table_flags_become_table_options() {
-        let plain = args(&[]);
-        assert_eq!(plain.table_options(), TableOptions::default());
-        assert_eq!(billing_name(plain.billing_mode), "on-demand");
+        assert_eq!(args(&[]).table.options(), TableOptions::default());
         let args = args(&[
             "--lease-table",
             "billing-leases",
@@ -1677,38 +1612,16 @@ mod tests {
             "provisioned:7,3",
             "--tag",
             "team=billing",
-            "--tag",
-            "cost-centre=a=b",
             "--point-in-time-recovery",
         ]);
         assert_eq!(args.lease_table.as_deref(), Some("billing-leases"));
         assert_eq!(
-            args.table_options(),
+            args.table.options(),
             TableOptions::default()
                 .billing(Billing::Provisioned { read: 7, write: 3 })
                 .tag("team", "billing")
-                .tag("cost-centre", "a=b")
                 .point_in_time_recovery(true)
         );
-        assert_eq!(billing_name(args.billing_mode), "provisioned:7,3");
-    }
-
-    #[test]
-    fn billing_modes_and_tags_are_spelled_one_way() {
-        for bad in [
-            "provisioned",
-            "provisioned:5",
-            "provisioned:a,5",
-            "ondemand",
-        ] {
-            assert!(parse_billing(bad).is_err(), "{bad}");
-        }
-        assert_eq!(
-            parse_billing("provisioned:x,1"),
-            Err("`x` is not a number of capacity units".into())
-        );
-        assert_eq!(parse_tag("k="), Ok(("k".into(), String::new())));
-        assert_eq!(parse_tag("k"), Err("`k`: expected KEY=VALUE".into()));
     }
 
     #[test]

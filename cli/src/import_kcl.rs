@@ -33,6 +33,8 @@ use shardwise::lease::{Checkpoint, DynamoDbLeaseStore, Lease, LeaseStore, NewLea
 use shardwise::{Position, SequenceNumber};
 
 use crate::common::{Ctx, Result, list_or_dash, print_lines, table};
+use crate::flag_error::invalid_setting;
+use crate::table_flags::TableFlags;
 use crate::target::parse_time;
 
 #[derive(Debug, clap::Args)]
@@ -52,9 +54,13 @@ pub(crate) struct Args {
     app: String,
 
     /// The shardwise application's lease table (default: the application's name), created if
-    /// missing as `consume` creates it. Must not be the KCL table.
+    /// missing as `consume` creates it (`--billing-mode`, `--tag`, `--point-in-time-recovery`).
+    /// Must not be the KCL table.
     #[arg(long, value_name = "NAME")]
     lease_table: Option<String>,
+
+    #[command(flatten)]
+    table: TableFlags,
 
     /// Print what would be written, and any refusal, and write nothing.
     #[arg(long)]
@@ -646,6 +652,11 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
             args.kcl_table
         );
     }
+    // Flags the library would refuse when creating the table: refused before anything is read.
+    let options = args.table.options();
+    options
+        .validate()
+        .map_err(|err| invalid_setting(&err, args.table.given(&err), TableFlags::source_of))?;
     let dynamodb = ctx.dynamodb();
     let context = || {
         format!(
@@ -716,7 +727,7 @@ pub(crate) async fn run(args: Args, ctx: &Ctx) -> Result<()> {
         )])?;
         return Ok(());
     }
-    write(&store, &args.stream, &planned)
+    write(&store.table_options(options), &args.stream, &planned)
         .await
         .with_context(context)?;
     print_lines([format!(
@@ -844,7 +855,8 @@ async fn existing_rows(
     Ok(reader.list(stream).await?)
 }
 
-/// Creates the lease table if missing (as `consume` does) and writes every row, parents first: a
+/// Creates the lease table if missing (as `consume` does, with `--billing-mode`, `--tag` and
+/// `--point-in-time-recovery`, the last turned on for an existing table too) and writes every row, parents first: a
 /// new row with its checkpoint and parents, an existing one moved by a seek (the only write that
 /// sets the checkpoint of a row that exists); children as KCL recorded them.
 async fn write(store: &DynamoDbLeaseStore, stream: &str, planned: &[Planned]) -> Result<()> {

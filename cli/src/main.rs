@@ -21,6 +21,7 @@ mod put;
 mod receipts;
 mod seek;
 mod stream;
+mod table_flags;
 mod target;
 
 use std::process::ExitCode;

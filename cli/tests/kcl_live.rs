@@ -997,3 +997,141 @@ async fn tables_that_are_not_kcls_are_refused_naming_why() {
         live.delete_table(&table).await;
     }
 }
+
+/// The lease table an import creates is billed, tagged and backed up as `consume` would make it
+/// (`--billing-mode`, `--tag`, `--point-in-time-recovery`); a flag the library refuses is refused
+/// before anything is read or written, naming the flag; a dry run creates nothing. The KCL table
+/// is written here as KCL writes a lease that starts at the trim horizon.
+#[tokio::test]
+async fn an_import_creates_the_lease_table_billed_tagged_and_backed_up_as_given() {
+    use aws_sdk_dynamodb::types::{BillingMode, PointInTimeRecoveryStatus};
+    use shardwise::lease::{DynamoDbLeaseStore, LeaseStore};
+
+    let live = live_or_skip!();
+    let stream = unique_name("kcl-table-opts");
+    let kcl_table = unique_name("kcl-app");
+    let app = unique_name("sw-app");
+    live.create_stream(&stream, 1).await;
+    let shard = open_shards(&live, &stream)
+        .await
+        .into_keys()
+        .next()
+        .expect("a shard");
+    live.create_table(&kcl_table, "leaseKey").await;
+    live.dynamodb
+        .put_item()
+        .table_name(&kcl_table)
+        .item("leaseKey", AttributeValue::S(shard.clone()))
+        .item("checkpoint", AttributeValue::S("TRIM_HORIZON".into()))
+        .item("checkpointSubSequenceNumber", AttributeValue::N("0".into()))
+        .item("leaseCounter", AttributeValue::N("3".into()))
+        .item(
+            "ownerSwitchesSinceCheckpoint",
+            AttributeValue::N("0".into()),
+        )
+        .send()
+        .await
+        .expect("PutItem");
+    let import = |extra: &[&str]| {
+        let mut args = vec![
+            "import-kcl",
+            "--kcl-table",
+            &kcl_table,
+            "--stream",
+            &stream,
+            "--app",
+            &app,
+            "--force",
+        ];
+        args.extend_from_slice(extra);
+        args.into_iter().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let run = |args: Vec<String>| async move {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        cli(&args).await
+    };
+    let flags = [
+        "--billing-mode",
+        "provisioned:4,2",
+        "--tag",
+        "team=orders",
+        "--tag",
+        "cost-centre=17",
+        "--point-in-time-recovery",
+    ];
+
+    let out = run(import(&["--tag", "team=orders", "--tag", "aws:owner=me"])).await;
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "a reserved tag key was taken");
+    assert!(
+        stderr.contains("invalid --tag aws:owner=me: a tag key is 1 to 128 characters"),
+        "{stderr}"
+    );
+    let out = run(import(&["--billing-mode", "provisioned:0,2"])).await;
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "zero read capacity was taken");
+    assert!(
+        stderr.contains("invalid --billing-mode provisioned:0,2"),
+        "{stderr}"
+    );
+    let out = run(import(&[&flags[..], &["--dry-run"]].concat())).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        !table_exists(&live, &app).await,
+        "a refused flag or a dry run created the lease table"
+    );
+
+    let out = run(import(&flags)).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let store = DynamoDbLeaseStore::new(live.dynamodb.clone(), &app).create_if_missing(false);
+    let rows = store.list(&stream).await.expect("the imported rows");
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].shard_id, shard);
+
+    let described = live
+        .dynamodb
+        .describe_table()
+        .table_name(&app)
+        .send()
+        .await
+        .expect("DescribeTable")
+        .table
+        .expect("a table description");
+    let billing = described
+        .billing_mode_summary()
+        .and_then(|summary| summary.billing_mode());
+    assert_eq!(billing, Some(&BillingMode::Provisioned));
+    let throughput = described
+        .provisioned_throughput()
+        .expect("provisioned throughput");
+    assert_eq!(throughput.read_capacity_units(), Some(4));
+    assert_eq!(throughput.write_capacity_units(), Some(2));
+    let tags = live
+        .dynamodb
+        .list_tags_of_resource()
+        .resource_arn(described.table_arn().expect("a table ARN"))
+        .send()
+        .await
+        .expect("ListTagsOfResource");
+    let tags: BTreeSet<(&str, &str)> = tags.tags().iter().map(|t| (t.key(), t.value())).collect();
+    assert_eq!(
+        tags,
+        BTreeSet::from([("team", "orders"), ("cost-centre", "17")])
+    );
+    let recovery = live
+        .dynamodb
+        .describe_continuous_backups()
+        .table_name(&app)
+        .send()
+        .await
+        .expect("DescribeContinuousBackups")
+        .continuous_backups_description
+        .and_then(|b| b.point_in_time_recovery_description)
+        .and_then(|p| p.point_in_time_recovery_status);
+    assert_eq!(recovery, Some(PointInTimeRecoveryStatus::Enabled));
+
+    live.delete_stream(&stream).await;
+    for table in [kcl_table, app] {
+        live.delete_table(&table).await;
+    }
+}
