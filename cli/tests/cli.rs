@@ -11,7 +11,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use aws_sdk_dynamodb::types::{BillingMode, PointInTimeRecoveryStatus, TableStatus};
+use aws_sdk_dynamodb::types::BillingMode;
 use aws_sdk_kinesis::types::ShardIteratorType;
 use serde_json::Value;
 use shardwise::lease::{Checkpoint, DynamoDbLeaseStore, LeaseStore, NewLease};
@@ -949,49 +949,17 @@ async fn consume_creates_the_lease_table_it_is_given_and_the_other_commands_read
     assert!(out.status.success(), "consume failed: {stderr}");
     assert!(stderr.contains(r#""event":"shutdown""#), "{stderr}");
 
-    let described = live
-        .dynamodb
-        .describe_table()
-        .table_name(&table)
-        .send()
-        .await
-        .expect("DescribeTable")
-        .table
-        .expect("a table description");
-    assert_eq!(described.table_status(), Some(&TableStatus::Active));
-    let billing = described
-        .billing_mode_summary()
-        .and_then(|summary| summary.billing_mode());
-    assert_eq!(billing, Some(&BillingMode::Provisioned));
-    let throughput = described
-        .provisioned_throughput()
-        .expect("provisioned throughput");
-    assert_eq!(throughput.read_capacity_units(), Some(7));
-    assert_eq!(throughput.write_capacity_units(), Some(3));
-
-    let tags = live
-        .dynamodb
-        .list_tags_of_resource()
-        .resource_arn(described.table_arn().expect("a table ARN"))
-        .send()
-        .await
-        .expect("ListTagsOfResource");
-    let tags: Vec<(&str, &str)> = tags.tags().iter().map(|t| (t.key(), t.value())).collect();
-    assert_eq!(tags, [("team", "billing")]);
-
-    let backups = live
-        .dynamodb
-        .describe_continuous_backups()
-        .table_name(&table)
-        .send()
-        .await
-        .expect("DescribeContinuousBackups")
-        .continuous_backups_description
-        .expect("continuous backups");
-    let recovery = backups
-        .point_in_time_recovery_description()
-        .and_then(|p| p.point_in_time_recovery_status());
-    assert_eq!(recovery, Some(&PointInTimeRecoveryStatus::Enabled));
+    let settings = live.table_settings(&table).await;
+    assert_eq!(
+        settings,
+        support::TableSettings {
+            active: true,
+            billing: Some(BillingMode::Provisioned),
+            capacity: Some((7, 3)),
+            tags: [("team".into(), "billing".into())].into(),
+            point_in_time_recovery: true,
+        }
+    );
 
     // `leases`, `frontier` and `seek` read the table named by --lease-table, not the app's.
     let rows = shardwise(&["leases", "--app", &app, "--lease-table", &table, "--json"])

@@ -1004,7 +1004,7 @@ async fn tables_that_are_not_kcls_are_refused_naming_why() {
 /// is written here as KCL writes a lease that starts at the trim horizon.
 #[tokio::test]
 async fn an_import_creates_the_lease_table_billed_tagged_and_backed_up_as_given() {
-    use aws_sdk_dynamodb::types::{BillingMode, PointInTimeRecoveryStatus};
+    use aws_sdk_dynamodb::types::BillingMode;
     use shardwise::lease::{DynamoDbLeaseStore, LeaseStore};
 
     let live = live_or_skip!();
@@ -1088,47 +1088,21 @@ async fn an_import_creates_the_lease_table_billed_tagged_and_backed_up_as_given(
     assert_eq!(rows.len(), 1, "{rows:?}");
     assert_eq!(rows[0].shard_id, shard);
 
-    let described = live
-        .dynamodb
-        .describe_table()
-        .table_name(&app)
-        .send()
-        .await
-        .expect("DescribeTable")
-        .table
-        .expect("a table description");
-    let billing = described
-        .billing_mode_summary()
-        .and_then(|summary| summary.billing_mode());
-    assert_eq!(billing, Some(&BillingMode::Provisioned));
-    let throughput = described
-        .provisioned_throughput()
-        .expect("provisioned throughput");
-    assert_eq!(throughput.read_capacity_units(), Some(4));
-    assert_eq!(throughput.write_capacity_units(), Some(2));
-    let tags = live
-        .dynamodb
-        .list_tags_of_resource()
-        .resource_arn(described.table_arn().expect("a table ARN"))
-        .send()
-        .await
-        .expect("ListTagsOfResource");
-    let tags: BTreeSet<(&str, &str)> = tags.tags().iter().map(|t| (t.key(), t.value())).collect();
+    let settings = live.table_settings(&app).await;
     assert_eq!(
-        tags,
-        BTreeSet::from([("team", "orders"), ("cost-centre", "17")])
+        settings,
+        support::TableSettings {
+            active: true,
+            billing: Some(BillingMode::Provisioned),
+            capacity: Some((4, 2)),
+            tags: [
+                ("cost-centre".into(), "17".into()),
+                ("team".into(), "orders".into())
+            ]
+            .into(),
+            point_in_time_recovery: true,
+        }
     );
-    let recovery = live
-        .dynamodb
-        .describe_continuous_backups()
-        .table_name(&app)
-        .send()
-        .await
-        .expect("DescribeContinuousBackups")
-        .continuous_backups_description
-        .and_then(|b| b.point_in_time_recovery_description)
-        .and_then(|p| p.point_in_time_recovery_status);
-    assert_eq!(recovery, Some(PointInTimeRecoveryStatus::Enabled));
 
     live.delete_stream(&stream).await;
     for table in [kcl_table, app] {

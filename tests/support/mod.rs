@@ -17,9 +17,22 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use aws_config::BehaviorVersion;
 use aws_config::retry::RetryConfig;
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
+    AttributeDefinition, BillingMode, KeySchemaElement, KeyType, PointInTimeRecoveryStatus,
+    ScalarAttributeType, TableStatus,
 };
 use aws_sdk_kinesis::types::StreamStatus;
+
+/// A table as [`Live::table_settings`] reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableSettings {
+    pub active: bool,
+    pub billing: Option<BillingMode>,
+    /// Provisioned read and write capacity units.
+    pub capacity: Option<(i64, i64)>,
+    /// Key and value, sorted.
+    pub tags: std::collections::BTreeSet<(String, String)>,
+    pub point_in_time_recovery: bool,
+}
 
 /// Clients for the live endpoints.
 #[derive(Clone, Debug)]
@@ -200,6 +213,53 @@ impl Live {
     /// Deletes a table; a table already gone is fine.
     pub async fn delete_table(&self, name: &str) {
         let _ = self.dynamodb.delete_table().table_name(name).send().await;
+    }
+
+    /// How a table was made: its billing, tags and point-in-time recovery, as DynamoDB describes
+    /// them.
+    pub async fn table_settings(&self, name: &str) -> TableSettings {
+        let described = self
+            .dynamodb
+            .describe_table()
+            .table_name(name)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("DescribeTable {name}: {e:?}"))
+            .table
+            .expect("a table description");
+        let throughput = described.provisioned_throughput();
+        let tags = self
+            .dynamodb
+            .list_tags_of_resource()
+            .resource_arn(described.table_arn().expect("a table ARN"))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("ListTagsOfResource {name}: {e:?}"));
+        let recovery = self
+            .dynamodb
+            .describe_continuous_backups()
+            .table_name(name)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("DescribeContinuousBackups {name}: {e:?}"))
+            .continuous_backups_description
+            .and_then(|b| b.point_in_time_recovery_description)
+            .and_then(|p| p.point_in_time_recovery_status);
+        TableSettings {
+            active: described.table_status() == Some(&TableStatus::Active),
+            billing: described
+                .billing_mode_summary()
+                .and_then(|summary| summary.billing_mode())
+                .cloned(),
+            capacity: throughput
+                .and_then(|t| Some((t.read_capacity_units()?, t.write_capacity_units()?))),
+            tags: tags
+                .tags()
+                .iter()
+                .map(|t| (t.key().to_owned(), t.value().to_owned()))
+                .collect(),
+            point_in_time_recovery: recovery == Some(PointInTimeRecoveryStatus::Enabled),
+        }
     }
 
     /// Every record of every shard of the stream, shard by shard, in shard order (reads each
