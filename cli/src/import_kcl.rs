@@ -856,9 +856,9 @@ async fn existing_rows(
 }
 
 /// Creates the lease table if missing (as `consume` does, with `--billing-mode`, `--tag` and
-/// `--point-in-time-recovery`, the last turned on for an existing table too) and writes every row, parents first: a
-/// new row with its checkpoint and parents, an existing one moved by a seek (the only write that
-/// sets the checkpoint of a row that exists); children as KCL recorded them.
+/// `--point-in-time-recovery`, the last turned on for an existing table too) and writes every
+/// row, parents first: a new row with its checkpoint and parents, an existing one moved by a seek
+/// (the only write that sets the checkpoint of a row that exists); children as KCL recorded them.
 async fn write(store: &DynamoDbLeaseStore, stream: &str, planned: &[Planned]) -> Result<()> {
     store.prepare().await?;
     for p in planned {

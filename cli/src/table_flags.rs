@@ -7,20 +7,20 @@ use shardwise::lease::{Billing, TableOptions};
 use crate::flag_error::Source;
 
 /// The lease table's flags.
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, clap::Args)]
 pub(crate) struct TableFlags {
     /// How the lease table is billed when this command creates it: on demand, or provisioned
     /// read and write capacity units.
     #[arg(long, env = "SHARDWISE_BILLING_MODE", value_name = "on-demand|provisioned:READ,WRITE", default_value = "on-demand", value_parser = parse_billing)]
-    pub(crate) billing_mode: Billing,
+    billing_mode: Billing,
 
     /// A tag of the lease table when this command creates it (repeat for more).
     #[arg(long = "tag", env = "SHARDWISE_TAG", value_name = "KEY=VALUE", value_parser = parse_tag)]
-    pub(crate) tags: Vec<(String, String)>,
+    tags: Vec<(String, String)>,
 
     /// Turn on point-in-time recovery (continuous backups) of the lease table, new or existing.
     #[arg(long, env = "SHARDWISE_POINT_IN_TIME_RECOVERY")]
-    pub(crate) point_in_time_recovery: bool,
+    point_in_time_recovery: bool,
 }
 
 impl TableFlags {
@@ -80,7 +80,7 @@ fn parse_billing(s: &str) -> Result<Billing, String> {
 }
 
 /// `--billing-mode` as the user spells it.
-pub(crate) fn billing_name(billing: Billing) -> String {
+fn billing_name(billing: Billing) -> String {
     match billing {
         Billing::OnDemand => "on-demand".into(),
         Billing::Provisioned { read, write } => format!("provisioned:{read},{write}"),
