@@ -124,9 +124,10 @@ impl Model {
         }
         let deleted = self.deleted.lock().unwrap();
         self.put.get(stream).is_some_and(|events| {
+            // The group first: the end of a failed seed asks this of every unsettled event.
             events.iter().any(|e| {
-                e.id != event.id
-                    && (e.timestamp, e.ingestion) == (event.timestamp, event.ingestion)
+                (e.timestamp, e.ingestion) == (event.timestamp, event.ingestion)
+                    && e.id != event.id
                     && e.message == event.message
                     && deleted.contains(&format!("{stream}/{}", e.id))
             })
