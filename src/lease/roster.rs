@@ -93,14 +93,13 @@ pub(crate) const READ_EVERY_BEATS: u64 = 2;
 pub(crate) fn section_of(worker: &str, sections: u32) -> u32 {
     use md5::{Digest, Md5};
     if sections <= 1 {
-        // Every worker's, without a digest: a roster of one section (fewer than 33 workers) is
-        // asked at every beat.
+        // One section holds every worker: no digest (asked for every worker at every beat).
         return 0;
     }
     let digest = Md5::digest(worker.as_bytes());
     let mut high = [0u8; 8];
     high.copy_from_slice(&digest[..8]);
-    (u64::from_be_bytes(high) % u64::from(sections.max(1))) as u32
+    (u64::from_be_bytes(high) % u64::from(sections)) as u32
 }
 
 /// This worker's view of the roster's sections: how many there are (from section 0), each
