@@ -10,7 +10,6 @@
 //! (`[dev-dependencies] shardwise = { version = "...", features = ["testing"] }`) and put the same
 //! code in `#[tokio::test]` functions. No emulators are needed.
 use std::collections::{BTreeSet, HashMap};
-use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -40,7 +39,7 @@ impl Handler for Orders {
             return Outcome::Drop;
         };
         if d.partition_key() == "flaky" && d.attempt() == 1 {
-            return Outcome::Retry; // a counted copy goes back to the stream
+            return Outcome::Retry; // runs again in place, after a back-off
         }
         self.handled.lock().unwrap().push(id);
         Outcome::Ack
@@ -68,10 +67,10 @@ async fn unit_tests() {
     assert_eq!(h.handle(delivery("k", "").build()).await, Outcome::Drop);
     let flaky = delivery("flaky", "{\"id\":8}");
     assert_eq!(h.handle(flaky.build()).await, Outcome::Retry);
-    // The copy a retry writes carries attempt 2 (the `x-ruststream-retry-count` header).
-    let copy = delivery("flaky", "{\"id\":8}").attempt(2).build();
-    assert_eq!(copy.attempt(), 2);
-    assert_eq!(h.handle(copy).await, Outcome::Ack);
+    // Its next attempt (in place, or a counted copy with `RetryMode::Copy`) is attempt 2.
+    let again = delivery("flaky", "{\"id\":8}").attempt(2).build();
+    assert_eq!(again.attempt(), 2);
+    assert_eq!(h.handle(again).await, Outcome::Ack);
     assert_eq!(h.handled(), [7, 8]);
     println!("unit tests: ok");
 }
@@ -95,9 +94,8 @@ async fn consumer_test() {
     let running = Consumer::builder(stream.name(), "orders-app", handler.clone())
         .worker_id("test-worker")
         .lanes(4)
-        .max_attempts(NonZeroU32::new(3).unwrap()) // lets Retry write counted copies
+        // Retries run again in place (the default): nothing is written to the stream.
         .in_memory(&stream, &store)
-        .record_sink(Arc::new(stream.clone())) // retry copies go back to the same stream
         // Fast timings: a test should not wait seconds for a lease scan or a checkpoint.
         .lease_settings(LeaseSettings::default().scan_interval(Duration::from_millis(100)))
         .poll_interval(Duration::from_millis(200))
@@ -127,7 +125,7 @@ async fn consumer_test() {
     assert_eq!(distinct, (0..RECORDS).collect(), "every record handled");
     assert_eq!(handled.len() as u64, RECORDS, "each acknowledged once");
 
-    // Every shard's checkpoint is its last record (retry copies and the dropped one included).
+    // Every shard's checkpoint is its last record (the retried and the dropped ones included).
     let mut last: HashMap<String, SequenceNumber> = HashMap::new();
     for r in stream.records() {
         last.insert(r.shard_id, r.record.sequence);
@@ -137,9 +135,13 @@ async fn consumer_test() {
         assert_eq!(lease.checkpoint, want, "checkpoint of {}", lease.shard_id);
         assert_eq!(lease.owner, None, "released");
     }
-    let copies = stream.records().len() as u64 - RECORDS - 1;
+    assert_eq!(
+        stream.records().len() as u64,
+        RECORDS + 1,
+        "retried in place: no copies written"
+    );
     println!(
-        "consumer test: ok ({RECORDS} records, {copies} retry copies, 1 dropped, 4 shards checkpointed to the end)"
+        "consumer test: ok ({RECORDS} records, the flaky ones retried in place, 1 dropped, 4 shards checkpointed to the end)"
     );
 }
 

@@ -1,10 +1,13 @@
-//! What a retry becomes on Kinesis, which cannot hand one record back and counts no deliveries:
-//! a counted copy on the stream, a dead letter, a drop, or a refusal. Pure.
+//! What a retry becomes. Pure.
+//!
+//! With [`RetryMode::Copy`](crate::consumer::RetryMode::Copy) on Kinesis, which cannot hand one
+//! record back and counts no deliveries: a counted copy on the stream, a dead letter, a drop, or
+//! a refusal.
 //!
 //! | outcome | policy | attempt | becomes |
 //! |---|---|---|---|
-//! | `Retry` | neither `max_attempts` nor a dead-letter stream | any | refused: holds the checkpoint |
-//! | `Retry` / `RetryAfter(d)` | below the cap | n | copy with count n+1 (after d) |
+//! | `Retry` | neither `max_attempts` nor a dead-letter stream | any | refused: holds the checkpoint (copy mode is refused at build so) |
+//! | `Retry` / `RetryAfter(d)` | below the cap | n | copy with count n+1 (after d), to the retry stream when there is one |
 //! | `Retry` / `RetryAfter(d)` | at the cap, dead-letter stream | n | dead letter |
 //! | `Retry` / `RetryAfter(d)` | at the cap, no dead-letter stream | n | settles as drop (warn) |
 //!
@@ -23,9 +26,9 @@
 //! | `Retry` / `RetryAfter(d)` | at the cap, receipt ledger | n | `quarantined` receipt with the reason |
 //! | `Retry` / `RetryAfter(d)` | at the cap, neither | n | refused at build (`ConfigError`) |
 //!
-//! A Kinesis consumer with [`RetryMode::InPlace`](crate::consumer::RetryMode::InPlace) retries as
-//! a paged source does (a "copy" is then the next attempt on the lane, never a record written),
-//! except that a spent record with no dead-letter stream is dropped where the application said so
+//! A Kinesis consumer with [`RetryMode::InPlace`](crate::consumer::RetryMode::InPlace) (the
+//! default) retries as a paged source does (a "copy" is then the next attempt on the lane, never a
+//! record written), except that a spent record with no dead-letter stream is dropped where the application said so
 //! (`on_spent(OnSpent::Drop)`), else quarantined by receipt with a ledger, and a bound with none
 //! of these is refused at build.
 
@@ -77,6 +80,8 @@ pub const PAGE_POSITION_HEADER: &str = "x-shardwise-page-position";
 pub(crate) struct RetryPolicy {
     pub(crate) max_attempts: Option<NonZeroU32>,
     pub(crate) dead_letter: Option<String>,
+    /// Where copies go instead of the stream the delivery was read from.
+    pub(crate) retry_stream: Option<String>,
     /// Where a spent event goes when there is no dead-letter stream.
     pub(crate) spent: Spent,
     /// Whether retries run the delivery again where it is (a paged source, or a Kinesis
@@ -156,7 +161,10 @@ impl RetryPolicy {
             // The copy is attempt + 1: it counts `attempt` retries before it.
             headers.insert(RETRY_COUNT_HEADER, attempt.to_string());
             return Some(RetryPlan::Copy {
-                stream: delivery.stream().to_string(),
+                stream: self
+                    .retry_stream
+                    .clone()
+                    .unwrap_or_else(|| delivery.stream().to_string()),
                 delay,
                 headers,
             });
@@ -264,6 +272,7 @@ mod tests {
         RetryPolicy {
             max_attempts: max.and_then(NonZeroU32::new),
             dead_letter: dl.map(str::to_string),
+            retry_stream: None,
             spent: Spent::Drop,
             in_place: false,
         }
@@ -372,6 +381,7 @@ mod tests {
         let paged = |max: Option<u32>, dl: Option<&str>, spent: Spent| RetryPolicy {
             max_attempts: max.and_then(NonZeroU32::new),
             dead_letter: dl.map(str::to_string),
+            retry_stream: None,
             spent,
             in_place: true,
         };

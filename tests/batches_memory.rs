@@ -177,6 +177,7 @@ async fn a_batch_answer_retries_what_it_says_and_what_it_leaves_out() {
         &store,
         Batched::new(handler, Batching::new(50, Duration::from_millis(50))),
     )
+    .retries(shardwise::consumer::RetryMode::Copy)
     .max_attempts(NonZeroU32::new(3).unwrap())
     .build()
     .unwrap()
@@ -201,9 +202,10 @@ async fn a_batch_answer_retries_what_it_says_and_what_it_leaves_out() {
     checkpointed_through_the_end(&stream, &store).await;
 }
 
-/// Runs `builder` with a 500 ms handler timeout and three attempts.
+/// Runs `builder` with a 500 ms handler timeout and three attempts, retried as copies.
 async fn with_timeout<H: Handler>(builder: ConsumerBuilder<H>) -> Running {
     builder
+        .retries(shardwise::consumer::RetryMode::Copy)
         .handler_timeout(Duration::from_millis(500))
         .max_attempts(NonZeroU32::new(3).unwrap())
         .build()

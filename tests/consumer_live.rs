@@ -38,6 +38,17 @@ where
         )
 }
 
+/// `builder` with retries as counted copies on the stream, three attempts at most.
+fn copying<F, Fut>(builder: ConsumerBuilder<F>) -> ConsumerBuilder<F>
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Outcome> + Send,
+{
+    builder
+        .retries(shardwise::consumer::RetryMode::Copy)
+        .max_attempts(NonZeroU32::new(3).unwrap())
+}
+
 fn record(seen: &Seen, d: &Delivery) {
     seen.lock().unwrap().push((
         d.payload().to_vec(),
@@ -119,7 +130,8 @@ async fn kpl_aggregates_are_deaggregated_and_resume_mid_aggregate() {
     corrupt[last] ^= 0xFF;
     put_blob(&live, &stream, "bad", Bytes::from(corrupt.clone())).await;
 
-    // First run: sub-record 6 is refused, so the checkpoint stops inside the aggregate at 5.
+    // First run: sub-record 6 keeps failing (retried in place, the default), so the checkpoint
+    // stops inside the aggregate at 5, and sub-record 9, of sub-record 6's key, waits behind it.
     let seen: Seen = Arc::default();
     let s = seen.clone();
     let running = builder(&stream, &app, move |d: Delivery| {
@@ -132,24 +144,35 @@ async fn kpl_aggregates_are_deaggregated_and_resume_mid_aggregate() {
     .run()
     .await
     .unwrap();
-    wait_for("11 deliveries", Duration::from_secs(20), || {
-        seen.lock().unwrap().len() >= 11
+    let firsts = || -> Vec<(Vec<u8>, String, String, u64, u32)> {
+        let seen = seen.lock().unwrap();
+        seen.iter().filter(|r| r.4 == 1).cloned().collect()
+    };
+    wait_for("10 first deliveries", Duration::from_secs(20), || {
+        firsts().len() >= 10
     })
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     running.shutdown(Duration::from_secs(3)).await;
     {
-        let seen = seen.lock().unwrap();
-        for (i, (data, key, s, sub, _)) in seen.iter().take(10).enumerate() {
+        let firsts = firsts();
+        let subs: Vec<usize> = (0..9).collect();
+        for (i, (data, key, s, sub, _)) in subs.iter().zip(&firsts) {
             assert_eq!(data, format!("sub-{i}").as_bytes());
             assert_eq!(key, &format!("user-{}", i % 3), "the sub-record's own key");
-            assert_eq!((s.as_str(), *sub), (seq.as_str(), i as u64));
+            assert_eq!((s.as_str(), *sub), (seq.as_str(), *i as u64));
         }
         assert_eq!(
-            seen[10].0, corrupt,
+            firsts[9].0, corrupt,
             "corrupt aggregate delivered byte for byte"
         );
-        assert_eq!(seen[10].3, 0);
+        assert_eq!(firsts[9].3, 0);
+        assert_eq!(firsts.len(), 10, "sub-9 waits behind sub-6: {firsts:?}");
+        let seen = seen.lock().unwrap();
+        assert!(
+            seen.iter().filter(|r| r.0 == b"sub-6").count() >= 2,
+            "sub-6 ran again in place"
+        );
     }
     assert_eq!(
         stored_checkpoint(&live, &app, &stream).await,
@@ -208,6 +231,7 @@ async fn retries_count_attempts_over_copies_then_dead_letter_with_payload_and_he
         let bad = d.partition_key() == "bad-key";
         async move { if bad { Outcome::Retry } else { Outcome::Ack } }
     })
+    .retries(shardwise::consumer::RetryMode::Copy)
     .max_attempts(NonZeroU32::new(3).unwrap())
     .dead_letter(dlq.clone())
     .build()
@@ -297,6 +321,7 @@ async fn a_dead_letter_stream_deleted_while_running_holds_the_checkpoint_until_i
         let bad = d.partition_key() == "bad-key";
         async move { if bad { Outcome::Retry } else { Outcome::Ack } }
     })
+    .retries(shardwise::consumer::RetryMode::Copy)
     .max_attempts(NonZeroU32::new(1).unwrap())
     .dead_letter(dlq.clone())
     .build()
@@ -377,7 +402,7 @@ async fn retry_after_copies_arrive_after_the_delay_and_a_crash_meanwhile_replays
         record(&s, &d);
         async move { Outcome::RetryAfter(delay) }
     };
-    let running = builder(&stream, &app, handler.clone())
+    let running = copying(builder(&stream, &app, handler.clone()))
         .build()
         .unwrap()
         .run()
@@ -401,7 +426,7 @@ async fn retry_after_copies_arrive_after_the_delay_and_a_crash_meanwhile_replays
 
     // The next worker gets the original again, and this time waits out the delay.
     let started = Instant::now();
-    let running = builder(&stream, &app, handler)
+    let running = copying(builder(&stream, &app, handler))
         .build()
         .unwrap()
         .run()

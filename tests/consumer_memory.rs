@@ -194,8 +194,11 @@ async fn eight_lanes_with_random_delays_keep_per_key_order_and_never_checkpoint_
     assert_per_key_order(&all);
 }
 
+/// On default settings a record answered with `Retry` runs again in place: its key's later records
+/// wait behind it, the other keys go on, the checkpoint stops right before it, and after a stop the
+/// next owner rereads from it.
 #[tokio::test(start_paused = true)]
-async fn a_refused_retry_holds_the_checkpoint_and_the_next_owner_rereads_it() {
+async fn a_record_retried_in_place_holds_the_checkpoint_and_the_next_owner_rereads_it() {
     let stream = MemoryStream::new("orders", 1);
     let store = MemoryLeaseStore::new();
     put(&stream, 0..100, 10);
@@ -213,13 +216,30 @@ async fn a_refused_retry_holds_the_checkpoint_and_the_next_owner_rereads_it() {
         }
     })
     .await;
-    wait_for("all 100 seen", Duration::from_secs(10), || log.len() >= 100).await;
+    // key-0's records after 30 (40, 50, ..., 90) wait behind it.
+    let waiting = |id: u64| id > 30 && id % 10 == 0;
+    let seen = || {
+        log.all()
+            .iter()
+            .map(|h| h.id)
+            .collect::<std::collections::BTreeSet<u64>>()
+    };
+    wait_for(
+        "every other record, and 30 three times",
+        Duration::from_secs(10),
+        || seen().len() == 94 && log.all().iter().filter(|h| h.id == 30).count() >= 3,
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !seen().into_iter().any(waiting),
+        "key-0's later records wait behind 30"
+    );
     let held_at = stream.records()[29].record.sequence;
     assert_eq!(
         checkpoints(&store).into_values().next(),
         Some(Checkpoint::At(Position::new(held_at, 0))),
-        "the checkpoint stops right before the refused record"
+        "the checkpoint stops right before the record retried in place"
     );
     running.shutdown(Duration::from_secs(2)).await;
 
@@ -237,7 +257,7 @@ async fn a_refused_retry_holds_the_checkpoint_and_the_next_owner_rereads_it() {
     wait_for("reread", Duration::from_secs(10), || again.len() >= 70).await;
     running.shutdown(Duration::from_secs(2)).await;
     let ids: Vec<u64> = again.all().iter().map(|h| h.id).collect();
-    assert!(ids.contains(&30), "the refused record is delivered again");
+    assert!(ids.contains(&30), "the retried record is delivered again");
     assert!(
         !ids.iter().any(|id| *id < 30),
         "nothing before the checkpoint is reread"
@@ -245,6 +265,8 @@ async fn a_refused_retry_holds_the_checkpoint_and_the_next_owner_rereads_it() {
     assert_eq!(ids.len(), 70);
 }
 
+/// A panic is a retry: on default settings the record runs again in place (its key's later records
+/// behind it) and holds the checkpoint.
 #[tokio::test(start_paused = true)]
 async fn a_panicking_handler_is_treated_as_a_retry_and_holds_the_checkpoint() {
     let stream = MemoryStream::new("orders", 1);
@@ -252,10 +274,13 @@ async fn a_panicking_handler_is_treated_as_a_retry_and_holds_the_checkpoint() {
     put(&stream, 0..20, 4);
     let log = Log::default();
     let l = log.clone();
+    let panics = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let p = panics.clone();
     let running = start(&stream, &store, 1, move |d: Delivery| {
-        let l = l.clone();
+        let (l, p) = (l.clone(), p.clone());
         async move {
             if d.payload().as_ref() == b"5" {
+                p.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 panic!("poison record");
             }
             l.push(&d);
@@ -263,7 +288,17 @@ async fn a_panicking_handler_is_treated_as_a_retry_and_holds_the_checkpoint() {
         }
     })
     .await;
-    wait_for("the others", Duration::from_secs(10), || log.len() >= 19).await;
+    // key-1's records after 5 (9, 13, 17) wait behind it; the 15 of the other keys go on.
+    wait_for(
+        "the other keys, and 5 again",
+        Duration::from_secs(10),
+        || log.len() >= 15 && panics.load(std::sync::atomic::Ordering::Relaxed) >= 3,
+    )
+    .await;
+    assert!(
+        !log.all().iter().any(|h| [9, 13, 17].contains(&h.id)),
+        "key-1's later records wait behind its failing one"
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = stream.records()[4].record.sequence;
     assert_eq!(

@@ -477,10 +477,14 @@ async fn crashes_before_and_after_the_receipt_write_lose_nothing_and_apply_nothi
     .run()
     .await
     .unwrap();
+    // Retried in place (the default), a delivery answered with effects parks its key until
+    // they commit: each of the three keys' first record is handled, and nothing more.
     wait_for("handled, not committed", Duration::from_secs(10), || {
-        calls.len() >= 10
+        calls.len() >= 3
     })
     .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(calls.len(), 3, "the keys wait for their commits");
     w1.abort();
     assert!(receipts.receipts().is_empty(), "nothing was durable");
 
@@ -500,7 +504,9 @@ async fn crashes_before_and_after_the_receipt_write_lose_nothing_and_apply_nothi
     .run()
     .await
     .unwrap();
-    wait_for("some applied", Duration::from_secs(20), || {
+    // Simulated time: in place, each key's commits go one at a time, and half their answers are
+    // lost, each loss backing off before the delivery runs again.
+    wait_for("some applied", Duration::from_secs(120), || {
         receipts.receipts().len() >= n as usize / 2
     })
     .await;

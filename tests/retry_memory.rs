@@ -1,5 +1,6 @@
-//! Retries and dead letters on the in-memory streams: counted copies, delays, dead letters, and a
-//! failing write that holds the checkpoint until it goes through.
+//! Retries and dead letters on the in-memory streams: retries in place (the default), counted
+//! copies, delays, dead letters, and a failing write that holds the checkpoint until it goes
+//! through.
 
 #[path = "support/wait.rs"]
 mod wait;
@@ -43,6 +44,20 @@ where
         .record_sink(Arc::new(sink.clone()))
 }
 
+/// [`consumer`] with retries as counted copies on the stream.
+fn copying<F, Fut>(
+    stream: &MemoryStream,
+    sink: &MemoryStreams,
+    store: &MemoryLeaseStore,
+    handler: F,
+) -> ConsumerBuilder<F>
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Outcome> + Send,
+{
+    consumer(stream, sink, store, handler).retries(RetryMode::Copy)
+}
+
 fn recorder(
     seen: &Seen,
     fail: &'static str,
@@ -74,7 +89,7 @@ async fn attempts_are_counted_over_copies_up_to_the_cap_then_the_record_is_dead_
     stream.put("k1", envelope::encode(&headers, b"poison"));
     stream.put("k2", "fine");
     let seen: Seen = Arc::default();
-    let running = consumer(
+    let running = copying(
         &stream,
         &sink,
         &store,
@@ -151,7 +166,7 @@ async fn retry_after_writes_the_copy_no_earlier_than_the_delay_and_holds_the_che
     stream.put("k2", "next");
     let seen: Seen = Arc::default();
     let delay = Duration::from_millis(1200);
-    let running = consumer(
+    let running = copying(
         &stream,
         &sink,
         &store,
@@ -224,7 +239,7 @@ async fn a_dead_letter_stream_lost_while_running_holds_the_checkpoint_visibly_un
     let sink = MemoryStreams::new([stream.clone(), dlq.clone()]);
     let store = MemoryLeaseStore::new();
     let seen: Seen = Arc::default();
-    let running = consumer(
+    let running = copying(
         &stream,
         &sink,
         &store,
@@ -287,7 +302,7 @@ async fn a_retry_copy_too_large_for_a_record_goes_the_dead_letter_way_and_never_
     let (_, sequence) = stream.put("k", big.clone());
     let seen: Seen = Arc::default();
     let s = seen.clone();
-    let running = consumer(&stream, &sink, &store, move |d: Delivery| {
+    let running = copying(&stream, &sink, &store, move |d: Delivery| {
         s.lock().unwrap().push((
             format!("{} bytes", d.payload().len()),
             d.attempt(),
@@ -333,15 +348,46 @@ async fn a_retry_copy_too_large_for_a_record_goes_the_dead_letter_way_and_never_
     running.shutdown(Duration::from_secs(2)).await;
 }
 
-#[tokio::test(start_paused = true)]
-async fn retry_after_without_a_declared_cap_stops_copying_a_poison_record_at_the_default_cap() {
+/// Copy mode needs a bound: without `max_attempts` and without a dead-letter stream a plain
+/// `retry()` could never be written, and seed 002's rule would refuse it record by record,
+/// holding the checkpoint until a restart. The build refuses that instead, naming both.
+#[tokio::test]
+async fn copy_mode_without_a_cap_or_a_dead_letter_stream_is_refused_at_build_naming_both() {
     let stream = MemoryStream::new("orders", 1);
     let sink = MemoryStreams::new([stream.clone()]);
+    let store = MemoryLeaseStore::new();
+    let seen: Seen = Arc::default();
+    let err = copying(&stream, &sink, &store, recorder(&seen, "", Outcome::Ack))
+        .build()
+        .expect_err("copies without a bound");
+    assert_eq!(err.field(), "retries");
+    let text = err.to_string();
+    assert!(
+        text.contains("max_attempts") && text.contains("dead_letter"),
+        "{text}"
+    );
+    for bounded in [
+        copying(&stream, &sink, &store, recorder(&seen, "", Outcome::Ack))
+            .max_attempts(NonZeroU32::new(3).unwrap()),
+        copying(&stream, &sink, &store, recorder(&seen, "", Outcome::Ack))
+            .dead_letter("orders-dlq"),
+    ] {
+        bounded.build().expect("either bound is enough");
+    }
+}
+
+/// In copy mode a dead-letter stream alone caps attempts at the default, so a poison record
+/// answered with `RetryAfter` is not copied forever.
+#[tokio::test(start_paused = true)]
+async fn copies_with_a_dead_letter_stream_alone_stop_at_the_default_cap() {
+    let stream = MemoryStream::new("orders", 1);
+    let dlq = MemoryStream::new("orders-dlq", 1);
+    let sink = MemoryStreams::new([stream.clone(), dlq.clone()]);
     let store = MemoryLeaseStore::new();
     stream.put("k1", "poison");
     stream.put("k2", "fine");
     let seen: Seen = Arc::default();
-    let running = consumer(
+    let running = copying(
         &stream,
         &sink,
         &store,
@@ -351,6 +397,7 @@ async fn retry_after_without_a_declared_cap_stops_copying_a_poison_record_at_the
             Outcome::RetryAfter(Duration::from_millis(10)),
         ),
     )
+    .dead_letter("orders-dlq")
     .build()
     .unwrap()
     .run()
@@ -365,8 +412,8 @@ async fn retry_after_without_a_declared_cap_stops_copying_a_poison_record_at_the
             .collect::<Vec<_>>()
     };
     let cap = shardwise::retry::DEFAULT_MAX_ATTEMPTS;
-    wait_for("every attempt", Duration::from_secs(10), || {
-        attempts().len() == cap as usize
+    wait_for("the dead letter", Duration::from_secs(10), || {
+        !dlq.records().is_empty()
     })
     .await;
     let last = stream.records().last().unwrap().record.sequence;
@@ -383,7 +430,115 @@ async fn retry_after_without_a_declared_cap_stops_copying_a_poison_record_at_the
         "no copy past the cap"
     );
     assert_eq!(stream.records().len(), 2 + cap as usize - 1);
+    assert_eq!(dlq.records().len(), 1);
     running.shutdown(Duration::from_secs(2)).await;
+}
+
+/// On default settings (no retry mode, cap or dead-letter stream) a handler that answers
+/// `retry()`, `retry_after(d)` or panics gets the record again in place, as Lambda's trigger
+/// runs a failing batch again until it succeeds: nothing is written to the stream, the key's
+/// later records wait, other keys go on, and the checkpoint passes everything once it succeeds.
+/// The waits between attempts follow the stated back-off: after failure n, between half and all
+/// of min(100 ms x 2^(n-1), 5 s); `retry_after(d)` waits d.
+#[tokio::test(start_paused = true)]
+async fn a_retry_on_default_settings_runs_again_in_place_until_it_succeeds() {
+    let stream = MemoryStream::new("orders", 2);
+    let sink = MemoryStreams::new([stream.clone()]);
+    let store = MemoryLeaseStore::new();
+    for (key, payload) in [
+        ("k1", "retry"),
+        ("k1", "retry-next"),
+        ("k2", "after"),
+        ("k3", "panics"),
+        ("k4", "fine"),
+    ] {
+        stream.put(key, payload);
+    }
+    /// (payload, attempt, when)
+    type Calls = Arc<Mutex<Vec<(String, u32, tokio::time::Instant)>>>;
+    let calls: Calls = Arc::default();
+    let seen = calls.clone();
+    let handler = move |d: Delivery| {
+        let text = String::from_utf8_lossy(d.payload()).to_string();
+        seen.lock()
+            .unwrap()
+            .push((text.clone(), d.attempt(), tokio::time::Instant::now()));
+        async move {
+            match (text.as_str(), d.attempt()) {
+                ("retry", 1..=7) => Outcome::Retry,
+                ("after", 1..=2) => Outcome::RetryAfter(Duration::from_secs(3)),
+                ("panics", 1) => panic!("a handler bug"),
+                _ => Outcome::Ack,
+            }
+        }
+    };
+    let running = consumer(&stream, &sink, &store, handler)
+        .lanes(2)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    wait_for("every record settled", Duration::from_secs(60), || {
+        store.snapshot().iter().all(|row| {
+            let last = stream
+                .records()
+                .iter()
+                .filter(|r| r.shard_id == row.shard_id)
+                .map(|r| r.record.sequence)
+                .max();
+            last.is_none_or(|last| row.checkpoint == Checkpoint::At(Position::new(last, 0)))
+        })
+    })
+    .await;
+    running.shutdown(Duration::from_secs(2)).await;
+
+    let calls = calls.lock().unwrap().clone();
+    let of = |payload: &str| -> Vec<(u32, tokio::time::Instant)> {
+        calls
+            .iter()
+            .filter(|(p, _, _)| p == payload)
+            .map(|(_, a, t)| (*a, *t))
+            .collect()
+    };
+    let retried = of("retry");
+    assert_eq!(
+        retried.iter().map(|(a, _)| *a).collect::<Vec<_>>(),
+        (1..=8).collect::<Vec<_>>(),
+        "seven failures, then the eighth attempt succeeds"
+    );
+    for (n, pair) in retried.windows(2).enumerate() {
+        let failure = n as u32 + 1;
+        let full = Duration::from_millis(100 << (failure - 1)).min(Duration::from_secs(5));
+        let waited = pair[1].1 - pair[0].1;
+        assert!(
+            waited >= full / 2 && waited <= full + Duration::from_millis(50),
+            "after failure {failure}: waited {waited:?}, back-off {full:?}"
+        );
+    }
+    let after = of("after");
+    assert_eq!(after.len(), 3);
+    for pair in after.windows(2) {
+        assert!(pair[1].1 - pair[0].1 >= Duration::from_secs(3), "{after:?}");
+    }
+    assert_eq!(of("panics").len(), 2, "a panic is a retry: run again once");
+    assert_eq!(of("fine").len(), 1);
+    let at = |payload: &str, attempt: u32| {
+        calls
+            .iter()
+            .position(|(p, a, _)| p == payload && *a == attempt)
+            .unwrap_or_else(|| panic!("{payload} attempt {attempt} not made: {calls:?}"))
+    };
+    assert_eq!(of("retry-next").len(), 1);
+    assert!(
+        at("retry-next", 1) > at("retry", 8),
+        "k1's next record waits behind the failing one: {calls:?}"
+    );
+    assert_eq!(
+        stream.records().len(),
+        5,
+        "nothing was written to the stream"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -605,8 +760,10 @@ async fn in_place_a_record_that_keeps_failing_is_dead_lettered_after_max_attempt
     assert_eq!(letter.headers.get_str(ATTEMPTS_HEADER), Some("3"));
 }
 
-/// In place, a spent record with no dead-letter stream is dropped only where the application
-/// said so; a bound with neither is refused at build, naming the field.
+/// In place, a record whose attempts are spent with no dead-letter stream is dropped only where
+/// the application said so: `on_spent(Drop)`, or `max_record_age` (records older than it are not
+/// handled, as Lambda discards them); `max_attempts` with neither is refused at build, naming the
+/// field.
 #[tokio::test(start_paused = true)]
 async fn in_place_a_spent_record_is_dropped_only_where_on_spent_says_so() {
     let stream = MemoryStream::new("orders", 1);
@@ -633,7 +790,8 @@ async fn in_place_a_spent_record_is_dropped_only_where_on_spent_says_so() {
             consumer(&stream, &sink, &store, handler.clone())
                 .max_record_age(Duration::from_secs(60))
         ),
-        Some("max_record_age".into())
+        None,
+        "max_record_age says records older than it are not handled"
     );
     assert_eq!(
         refused(consumer(&stream, &sink, &store, handler.clone())),

@@ -24,7 +24,7 @@ use shardwise::shard::discovery::{KinesisShards, ShardLister};
 use shardwise::shard::fanout::FanOut;
 use shardwise::{
     Batching, ConfigError, Consumer, ConsumerBuilder, Delivery, DeliveryOrder, Handler, Outcome,
-    ShutdownReport,
+    Running, ShutdownReport,
 };
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -113,9 +113,11 @@ pub(crate) struct Args {
     )]
     start: InitialPosition,
 
-    /// Attempts a record gets, counting the first delivery. With --log-group a failing event runs
-    /// again in place until it succeeds unless this is given, and then needs --dead-letter or
-    /// --receipts to record it once its attempts are spent.
+    /// Attempts a record gets, counting the first delivery. Without it a failing record runs again
+    /// in place until it succeeds (or is older than --max-record-age), as Lambda retries until a
+    /// record expires. With it, a spent record goes to --dead-letter or --on-failure, with
+    /// --receipts gets a quarantined receipt, or with --on-spent drop is dropped; one of these is
+    /// required (with --retries copy, a spent record without one is dropped).
     #[arg(long, env = "SHARDWISE_MAX_ATTEMPTS", value_name = "N")]
     max_attempts: Option<NonZeroU32>,
 
@@ -136,16 +138,31 @@ pub(crate) struct Args {
     )]
     consumer_name: Option<String>,
 
-    /// Where a failing Kinesis record runs again: `copy` writes a counted copy at the tip of the
-    /// stream (ruststream's x-ruststream-retry-count); `in-place` runs it again on its lane after
-    /// a back-off (100 ms doubling to 5 s, with jitter), the later records of its key waiting
-    /// behind it, as Lambda's trigger and KCL do. In place, --max-attempts and --max-record-age
-    /// need --dead-letter or --on-spent drop. (With --log-group retries always run in place.)
-    #[arg(long, env = "SHARDWISE_RETRIES", value_name = "copy|in-place", default_value = "copy", value_parser = parse_retries)]
+    /// Where a failing Kinesis record runs again: `in-place` (the default) runs it again on its
+    /// lane after a back-off (100 ms doubling to 5 s, with jitter; retry-after:MS waits MS), the
+    /// later records of its key waiting behind it, other keys going on, as Lambda's trigger and
+    /// KCL do. `copy` writes a counted copy (ruststream's x-ruststream-retry-count) at the tip of
+    /// the stream, where every other consumer of it reads it too, or of --retry-stream; it needs
+    /// --max-attempts or --dead-letter (or --on-failure). (With --log-group retries always run
+    /// in place.)
+    #[arg(long, env = "SHARDWISE_RETRIES", value_name = "in-place|copy", default_value = "in-place", value_parser = parse_retries)]
     retries: RetryMode,
 
-    /// With --retries in-place: `drop` drops a record whose attempts are spent when there is no
-    /// --dead-letter (a warning and shardwise_records_total{outcome="spent"}).
+    /// With --retries copy: write retry copies to this Kinesis stream instead of the one read, so
+    /// that other consumers of that stream never see them. This process reads the retry stream
+    /// too, in the same application and lease table and with the same handler, and its copies
+    /// of copies stay in it.
+    #[arg(
+        long,
+        env = "SHARDWISE_RETRY_STREAM",
+        value_name = "STREAM",
+        conflicts_with = "log_group"
+    )]
+    retry_stream: Option<String>,
+
+    /// `drop` drops a record retried in place whose attempts are spent (--max-attempts,
+    /// --max-record-age) when there is no --dead-letter (a warning and
+    /// shardwise_records_total{outcome="spent"}).
     #[arg(long, env = "SHARDWISE_ON_SPENT", value_name = "drop", value_parser = parse_on_spent)]
     on_spent: Option<OnSpent>,
 
@@ -301,9 +318,10 @@ pub(crate) struct Args {
     batch: Option<usize>,
 
     /// With --batch (or Lambda's format): how long a lane waits after a batch's first delivery
-    /// for more.
-    #[arg(long, env = "SHARDWISE_BATCH_WAIT", value_name = "DURATION", default_value = "50ms", value_parser = humantime::parse_duration, requires = "handler_program")]
-    batch_wait: Duration,
+    /// for more (default 50ms; with Lambda's format 0s, the event source mapping's default
+    /// MaximumBatchingWindowInSeconds: a batch is what was read and is waiting).
+    #[arg(long, env = "SHARDWISE_BATCH_WAIT", value_name = "DURATION", value_parser = humantime::parse_duration, requires = "handler_program")]
+    batch_wait: Option<Duration>,
 
     /// How long one delivery (or batch) may take. The built-in handler's delivery then takes the
     /// retry path; with --exec the program is restarted and gets the delivery again (and after
@@ -373,6 +391,12 @@ fn parse_exec_format(s: &str) -> std::result::Result<ExecFormat, String> {
 
 /// Lambda's default batch size for a Kinesis event source.
 const LAMBDA_BATCH: usize = 100;
+
+/// Lambda's default batching window for a Kinesis event source (MaximumBatchingWindowInSeconds).
+const LAMBDA_BATCH_WINDOW: Duration = Duration::ZERO;
+
+/// How long a lane waits for a batch of `--exec` deliveries to fill, unless `--batch-wait` says.
+const BATCH_WAIT: Duration = Duration::from_millis(50);
 
 /// `--help`'s heading for the built-in handler's flags, which only the demo and tests use.
 const DEMO: &str = "Demo and test handler (without --exec)";
@@ -500,7 +524,6 @@ impl Args {
             "hold-poll-interval",
             &mut self.hold_poll_interval,
         );
-        apply(old.batch_wait_ms, "batch-wait", &mut self.batch_wait);
         let mut optional = |ms: Option<u64>, flag: &str, to: &mut Option<Duration>| {
             let mut d = to.unwrap_or_default();
             apply(ms, flag, &mut d);
@@ -513,6 +536,7 @@ impl Args {
             "caught-up-skew",
             &mut self.caught_up_skew,
         );
+        optional(old.batch_wait_ms, "batch-wait", &mut self.batch_wait);
         optional(
             old.handler_timeout_ms,
             "handler-timeout",
@@ -589,6 +613,14 @@ impl Args {
             "scan_interval" => Some(duration(self.scan_interval)),
             "handoff_timeout" => Some(duration(self.handoff_timeout)),
             "dead_letter" => self.dead_letter.clone(),
+            "retries" => Some(
+                match self.retries {
+                    RetryMode::Copy => "copy",
+                    _ => "in-place",
+                }
+                .to_string(),
+            ),
+            "retry_stream" => self.retry_stream.clone(),
             "on_failure" => self.on_failure.as_ref().map(|o| match o {
                 OnFailure::Sqs(url) => format!("sqs:{url}"),
                 OnFailure::S3 { bucket, prefix } => format!("s3:{bucket}/{prefix}"),
@@ -624,6 +656,8 @@ fn source_of(setting: &str) -> Option<Source> {
         "scan_interval" => "--scan-interval",
         "handoff_timeout" => "--handoff-timeout",
         "dead_letter" => "--dead-letter",
+        "retries" => "--retries",
+        "retry_stream" => "--retry-stream",
         "on_failure" => "--on-failure",
         "on_spent" => "--on-spent",
         "consumer_name" => "--consumer-name",
@@ -926,11 +960,22 @@ async fn source_retention(args: &Args, ctx: &Ctx) -> Result<SourceRetention> {
 
 /// The consumer `args` describe, not yet built.
 fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBuilder<H> {
+    let stream = args.stream.clone().unwrap_or_default();
+    builder_reading(args, &stream, handler, config)
+}
+
+/// [`builder`], reading the Kinesis `stream` (unless `args` name a log group).
+fn builder_reading<H: Handler>(
+    args: &Args,
+    stream: &str,
+    handler: H,
+    config: SdkConfig,
+) -> ConsumerBuilder<H> {
     let lease = LeaseSettings::default()
         .lease_duration(args.lease_duration)
         .scan_interval(args.scan_interval)
         .handoff_timeout(args.handoff_timeout);
-    let builder = match (&args.log_group, &args.stream) {
+    let builder = match (&args.log_group, stream) {
         (Some(group), _) => {
             let logs = aws_sdk_cloudwatchlogs::Client::new(&config);
             let source: Arc<dyn PagedSource> = if args.by_timestamp {
@@ -947,11 +992,7 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
             };
             Consumer::paged(source, args.app.clone(), handler)
         }
-        (None, stream) => Consumer::builder(
-            stream.clone().unwrap_or_default(),
-            args.app.clone(),
-            handler,
-        ),
+        (None, _) => Consumer::builder(stream, args.app.clone(), handler),
     };
     let destination = args.on_failure.as_ref().map(|o| o.destination(&config));
     let mut builder = builder
@@ -981,6 +1022,9 @@ fn builder<H: Handler>(args: &Args, handler: H, config: SdkConfig) -> ConsumerBu
         builder = builder.on_failure(destination);
     }
     builder = builder.retries(args.retries);
+    if let Some(stream) = &args.retry_stream {
+        builder = builder.retry_stream(stream.clone());
+    }
     if args.efo {
         let mut fan_out = FanOut::new();
         if let Some(name) = &args.consumer_name {
@@ -1032,7 +1076,10 @@ pub(crate) async fn run(mut args: Args, ctx: &Ctx) -> Result<()> {
         }),
         gauge_idle: args.metrics_idle_timeout,
     })?;
+    // One id for this process: the default is random, and every consumer and printed line of
+    // the process names the same one.
     let worker = args.worker();
+    args.worker_id = Some(worker.clone());
     let receipts = args.receipt_table();
     let printer = Printer {
         worker: worker.clone(),
@@ -1120,12 +1167,18 @@ async fn exec_settings(args: &Args, ctx: &Ctx, worker: &str) -> Result<Option<Ex
         }
         _ => return Ok(None),
     };
+    // Lambda's event source mapping defaults: batches of 100, no batching window.
     let batch = args.batch.or(lambda.then_some(LAMBDA_BATCH));
+    let wait = args.batch_wait.unwrap_or(if lambda {
+        LAMBDA_BATCH_WINDOW
+    } else {
+        BATCH_WAIT
+    });
     Ok(Some(ExecSettings {
         command,
         children: args.exec_children.unwrap_or(args.lanes),
         timeout: args.handler_timeout,
-        batching: batch.map(|n| Batching::new(n, args.batch_wait)),
+        batching: batch.map(|n| Batching::new(n, wait)),
         worker: worker.to_string(),
         grace: STOP_GRACE,
         format: source.map_or(Format::Shardwise, Format::Lambda),
@@ -1164,7 +1217,7 @@ async fn event_source(args: &Args, ctx: &Ctx, function: &str) -> EventSource {
 
 /// The built-in demonstration handler: waits `--handler-delay`, answers `--fail-outcome`
 /// for `--fail-keys`, counts into `--count-into`, acks the rest.
-fn demo_handler(args: &Args) -> impl Handler + use<> {
+fn demo_handler(args: &Args) -> impl Handler + Clone + use<> {
     let delay = args.handler_delay;
     let fail_keys: Arc<Vec<String>> = Arc::new(args.fail_keys.clone());
     let fail_outcome = args.fail_outcome.clone();
@@ -1207,6 +1260,7 @@ impl Printer {
 }
 
 /// A handler whose deliveries are printed as it finishes them.
+#[derive(Clone)]
 struct Printing<H> {
     inner: H,
     printer: Printer,
@@ -1233,7 +1287,9 @@ impl<H: Handler> Handler for Printing<H> {
 }
 
 /// Runs the consumer with `handler` until SIGTERM or SIGINT, then shuts it down gracefully.
-async fn consume<H: Handler>(
+/// With `--retry-stream`, a second consumer reads the retry stream with the same handler, in the
+/// same application and lease table, and both stop together.
+async fn consume<H: Handler + Clone>(
     args: &Args,
     ctx: &Ctx,
     handler: H,
@@ -1242,49 +1298,30 @@ async fn consume<H: Handler>(
     metrics: Option<&Metrics>,
 ) -> Result<()> {
     let worker = printer.worker.clone();
-    let quiet = args.quiet;
-    let receipts = args.receipt_table();
-    let mut consumer_builder = builder(args, handler, ctx.config().clone());
-    if let Some(table) = &receipts {
-        let ledger = DynamoDbReceipts::new(ctx.dynamodb(), table.clone(), args.app.clone());
-        let ledger = match (args.receipt_retention, source_retention(args, ctx).await?) {
-            (Some(kept), _) => ledger.retention(kept),
-            // Receipts outlive every replay the source can make: as long as it keeps events.
-            (None, SourceRetention::For(keeps)) => {
-                ledger.retention(args.receipt_retention().max(keeps))
-            }
-            (None, SourceRetention::Forever) => {
-                eprintln!(
-                    "shardwise: the source keeps its events for good, so receipts are kept for good too (a replay can come after any outage); give the log group a retention policy to let them expire"
-                );
-                ledger.keep_forever()
-            }
-            (None, _) => ledger.retention(args.receipt_retention()),
-        };
-        ledger
-            .prepare()
-            .await
-            .with_context(|| format!("cannot keep receipts in `{table}`"))?;
-        if let Some(counts) = &args.count_into {
-            ledger
-                .ensure_effect_table(counts, "id")
-                .await
-                .with_context(|| format!("cannot count into `{counts}`"))?;
+    let ledger = match args.receipt_table() {
+        Some(table) => Some(receipt_ledger(args, ctx, &table).await?),
+        None => None,
+    };
+    let consumer = build(
+        with_receipts(
+            builder(args, handler.clone(), ctx.config().clone()),
+            &ledger,
+            args,
+        ),
+        args,
+    )?;
+    // Copies written to a retry stream are read here too: a copy nobody reads is never handled.
+    let retry_stream = args
+        .retry_stream
+        .as_ref()
+        .filter(|retry| Some(*retry) != args.stream.as_ref());
+    let retry_consumer = match retry_stream {
+        Some(stream) => {
+            let reading = builder_reading(args, stream, handler, ctx.config().clone());
+            Some(build(with_receipts(reading, &ledger, args), args)?)
         }
-        let w = worker.clone();
-        consumer_builder = consumer_builder.receipts(Arc::new(ledger)).delivery_hooks(
-            move |d: &Delivery, how: &Settled| {
-                if quiet {
-                    return;
-                }
-                let replay = Some(*how == Settled::Replayed);
-                if let Some(text) = json_line(d, &w, settled_name(how).to_string(), replay) {
-                    let _ = writeln!(std::io::stdout().lock(), "{text}");
-                }
-            },
-        );
-    }
-    let consumer = build(consumer_builder, args)?;
+        None => None,
+    };
 
     let stats = exec.map(|exec| exec.stats.clone());
     let endpoints = metrics.map(|metrics| crate::observe::endpoints(metrics, stats));
@@ -1296,25 +1333,49 @@ async fn consume<H: Handler>(
     }
     let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
-    let running = consumer.run().await.map_err(|err| match err {
+    let started = |err| match err {
         shardwise::Error::Config(err) => invalid_setting(&err, args.given(&err), source_of),
         err => anyhow::Error::new(err).context(format!("cannot consume {}", args.what())),
-    })?;
+    };
+    let running = consumer.run().await.map_err(started)?;
+    let retrying = match retry_consumer {
+        Some(consumer) => Some(consumer.run().await.map_err(started)?),
+        None => None,
+    };
     if let Some(endpoints) = &endpoints {
         endpoints.watch(&running);
     }
     let mut fatal = running.fatal();
+    let mut retry_fatal = retrying.as_ref().map(Running::fatal);
     tracing::info!(worker = %worker, "consuming; SIGTERM or SIGINT stops gracefully");
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
         _ = fatal.wait_for(Option::is_some) => {}
+        _ = async {
+            match &mut retry_fatal {
+                Some(fatal) => drop(fatal.wait_for(Option::is_some).await),
+                None => std::future::pending().await,
+            }
+        } => {}
     }
     if let Some(exec) = exec {
         // Before anything else: a handler program may use the time left to finish cleanly.
         exec.notice_shutdown(args.shutdown_deadline);
     }
-    let report = running.shutdown(args.shutdown_deadline).await;
+    let deadline = args.shutdown_deadline;
+    let (mut report, retry_report) = tokio::join!(running.shutdown(deadline), async {
+        match retrying {
+            Some(retrying) => Some(retrying.shutdown(deadline).await),
+            None => None,
+        }
+    });
+    if let Some(retry_report) = retry_report {
+        report.shards_stopped += retry_report.shards_stopped;
+        report.leases_released += retry_report.leases_released;
+        report.deadline_passed |= retry_report.deadline_passed;
+        report.abandoned.extend(retry_report.abandoned);
+    }
     if let Some(metrics) = metrics {
         // The last interval's EMF documents.
         metrics.flush_emf().context("writing the EMF metrics")?;
@@ -1324,14 +1385,73 @@ async fn consume<H: Handler>(
         "{}",
         serde_json::to_string(&shutdown_line(&worker, handled, &report))?
     );
-    // The consumer stopped on its own (the stream was deleted): exit with why.
+    // A consumer stopped on its own (its stream was deleted): exit with why.
     let stopped_by = fatal.borrow().clone();
-    match stopped_by {
-        Some(error) => {
-            Err(anyhow::anyhow!("{error}").context(format!("stopped consuming {}", args.what())))
-        }
-        None => Ok(()),
+    if let Some(error) = stopped_by {
+        return Err(
+            anyhow::anyhow!("{error}").context(format!("stopped consuming {}", args.what()))
+        );
     }
+    let retry_stopped_by = retry_fatal.and_then(|fatal| fatal.borrow().clone());
+    match (retry_stopped_by, retry_stream) {
+        (Some(error), Some(stream)) => Err(anyhow::anyhow!("{error}")
+            .context(format!("stopped consuming the retry stream `{stream}`"))),
+        _ => Ok(()),
+    }
+}
+
+/// The receipt ledger in `table`, kept as long as `args` says (or as the source keeps its
+/// events), its tables made ready.
+async fn receipt_ledger(args: &Args, ctx: &Ctx, table: &str) -> Result<Arc<DynamoDbReceipts>> {
+    let ledger = DynamoDbReceipts::new(ctx.dynamodb(), table.to_string(), args.app.clone());
+    let ledger = match (args.receipt_retention, source_retention(args, ctx).await?) {
+        (Some(kept), _) => ledger.retention(kept),
+        // Receipts outlive every replay the source can make: as long as it keeps events.
+        (None, SourceRetention::For(keeps)) => {
+            ledger.retention(args.receipt_retention().max(keeps))
+        }
+        (None, SourceRetention::Forever) => {
+            eprintln!(
+                "shardwise: the source keeps its events for good, so receipts are kept for good too (a replay can come after any outage); give the log group a retention policy to let them expire"
+            );
+            ledger.keep_forever()
+        }
+        (None, _) => ledger.retention(args.receipt_retention()),
+    };
+    ledger
+        .prepare()
+        .await
+        .with_context(|| format!("cannot keep receipts in `{table}`"))?;
+    if let Some(counts) = &args.count_into {
+        ledger
+            .ensure_effect_table(counts, "id")
+            .await
+            .with_context(|| format!("cannot count into `{counts}`"))?;
+    }
+    Ok(Arc::new(ledger))
+}
+
+/// `builder` with the receipt ledger, if any, and a line printed as each delivery settles.
+fn with_receipts<H: Handler>(
+    builder: ConsumerBuilder<H>,
+    ledger: &Option<Arc<DynamoDbReceipts>>,
+    args: &Args,
+) -> ConsumerBuilder<H> {
+    let Some(ledger) = ledger else {
+        return builder;
+    };
+    let (worker, quiet) = (args.worker(), args.quiet);
+    builder
+        .receipts(ledger.clone())
+        .delivery_hooks(move |d: &Delivery, how: &Settled| {
+            if quiet {
+                return;
+            }
+            let replay = Some(*how == Settled::Replayed);
+            if let Some(text) = json_line(d, &worker, settled_name(how).to_string(), replay) {
+                let _ = writeln!(std::io::stdout().lock(), "{text}");
+            }
+        })
 }
 
 #[cfg(test)]
@@ -1523,14 +1643,41 @@ mod tests {
                 "invalid --max-record-age 10ms: must be at least 1s (arrival times are whole \
                  milliseconds from another clock)",
             ),
+            // Retries run in place by default: a cap alone has nowhere to send a spent record.
             (
-                &["--retries", "in-place", "--max-attempts", "3"],
-                "invalid --max-attempts 3: with retries in place, --max-attempts can end a \
-                 record's attempts, and a spent record needs somewhere to go: set --dead-letter (a \
+                &["--max-attempts", "3"],
+                "invalid --max-attempts 3: with retries in place, --max-attempts ends a record's \
+                 attempts, and a spent record needs somewhere to go: set --dead-letter (a \
                  dead-letter stream), --on-failure (a queue or bucket) or a receipt ledger \
                  (receipts: it is then quarantined), or say with --on-spent that it may be \
-                 dropped; without any, leave them unset and a failing record runs again until it \
-                 succeeds",
+                 dropped; without any, leave it unset and a failing record runs again until it \
+                 succeeds (or is older than --max-record-age, which drops it)",
+            ),
+            // Copies need a bound, so that no retry is refused record by record.
+            (
+                &["--retries", "copy"],
+                "invalid --retries copy: copy mode writes counted copies only under a declared \
+                 bound: set --max-attempts (a cap on attempts) or --dead-letter (a dead-letter \
+                 stream, or --on-failure: a queue or bucket), or retry in place (the default), \
+                 where a failing record runs again until it succeeds",
+            ),
+            (
+                &["--retry-stream", "orders-retries"],
+                "invalid --retry-stream orders-retries: a retry stream takes retry copies, and \
+                 retries run in place (the default): choose copy mode for retries too, or leave \
+                 --retry-stream unset",
+            ),
+            (
+                &[
+                    "--retries",
+                    "copy",
+                    "--dead-letter",
+                    "orders-dlq",
+                    "--retry-stream",
+                    "orders-dlq",
+                ],
+                "invalid --retry-stream orders-dlq: must not be the dead-letter stream: spent \
+                 records would be read again as retries",
             ),
             (
                 &["--dead-letter", "dead letters"],

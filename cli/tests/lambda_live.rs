@@ -38,16 +38,10 @@ fn examples() -> PathBuf {
 }
 
 /// A consumer's flags: the fast lease settings, one lane per shard (as Lambda's
-/// ParallelizationFactor 1), retries in place unless `extra` says otherwise (Lambda's way: a
-/// failed record runs again where it is, its key's later records behind it), and `extra`.
+/// ParallelizationFactor 1), retries on their default (in place, Lambda's way: a failed record
+/// runs again where it is, its key's later records behind it, until it succeeds), and `extra`.
 fn worker_args(extra: &[&str]) -> Vec<String> {
-    let in_place: &[&str] = if extra.contains(&"--retries") {
-        &[]
-    } else {
-        &["--retries", "in-place"]
-    };
     FAST.iter()
-        .chain(in_place)
         .chain(&[
             "--batch-wait",
             "20ms",

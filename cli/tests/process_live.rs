@@ -921,12 +921,13 @@ async fn eight_lanes_never_checkpoint_past_an_unhandled_record() {
     cleanup(&live, &stream, &app).await;
 }
 
-/// Deterministic companion of the eight-lane test: a refused retry (the `retry` outcome with no
-/// `--max-attempts` and no dead-letter stream) leaves its record unsettled, so the checkpoint must
-/// stop right before it however long the run lasts, and the next owner must read everything after
-/// it again.
+/// Deterministic companion of the eight-lane test: on default settings a record whose handler
+/// keeps answering `retry` runs again in place (no `--retries`, `--max-attempts` or dead-letter
+/// stream: Lambda's default, retried until it succeeds). Its key's later records wait behind it,
+/// every other key goes on, and the checkpoint stops right before it however long the run lasts;
+/// after a graceful stop the next owner reads everything after it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_retry_holds_the_checkpoint_below_it() {
+async fn a_record_that_keeps_failing_on_defaults_runs_again_in_place_and_holds_the_checkpoint() {
     let _turn = EMULATORS.read().await;
     let live = live_or_skip!();
     let stream = support::unique_name("pl-hold");
@@ -939,21 +940,33 @@ async fn a_refused_retry_holds_the_checkpoint_below_it() {
     assert_eq!(ids, (0..n).collect::<Vec<_>>(), "one shard: written order");
     // key-5's first record is id 5: the checkpoint can reach id 4 and no further.
     let hold = records[4].0.clone();
+    let of_key_5 = |id: u64| id % keys == 5;
 
     let log = Log::default();
     let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(100));
     let mut args: Vec<&str> = FAST.to_vec();
     args.extend(["--lanes", "8", "--fail-keys", "key-5"]);
     let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
-    wait_for("W handled every id", Duration::from_secs(60), || {
-        log.distinct_ids() as u64 >= n
-    })
+    wait_for(
+        "W handled every other key's ids, and id 5 four times",
+        Duration::from_secs(60),
+        || {
+            let lines = log.snapshot();
+            let others: BTreeSet<u64> = lines
+                .iter()
+                .filter(|h| !of_key_5(h.id))
+                .map(|h| h.id)
+                .collect();
+            others.len() as u64 == n - n.div_ceil(keys)
+                && lines.iter().filter(|h| h.id == 5).count() >= 4
+        },
+    )
     .await;
     wait_rows(
         &live,
         &app,
         &stream,
-        "the checkpoint reaches the record before the refused one",
+        "the checkpoint reaches the record before the failing one",
         Duration::from_secs(20),
         |r| r.len() == 1 && r[0].checkpoint == hold,
     )
@@ -963,8 +976,39 @@ async fn a_refused_retry_holds_the_checkpoint_below_it() {
     w.stop_gracefully(Duration::from_secs(30)).await;
     let after_w = rows(&live, &app, &stream).await;
     assert_eq!(after_w[0].checkpoint, hold, "{after_w:#?}");
-    let by_w = log.len();
-    assert_eq!(by_w as u64, n, "W handled every record once");
+    let by_w_lines = log.snapshot();
+    let by_w = by_w_lines.len();
+    // key-5: id 5 again and again (each time a retry), its later records never, behind it.
+    let key_5: Vec<(u64, &str)> = by_w_lines
+        .iter()
+        .filter(|h| of_key_5(h.id))
+        .map(|h| (h.id, h.outcome.as_str()))
+        .collect();
+    assert!(
+        key_5.len() >= 4
+            && key_5
+                .iter()
+                .all(|(id, outcome)| *id == 5 && *outcome == "retry"),
+        "{key_5:?}"
+    );
+    assert_eq!(
+        duplicates(
+            &by_w_lines
+                .iter()
+                .filter(|h| !of_key_5(h.id))
+                .cloned()
+                .collect::<Vec<_>>()
+        ),
+        BTreeMap::new(),
+        "the other keys' records handled once each"
+    );
+    assert_eq!(
+        read_shard(&live, &stream, "shardId-000000000000")
+            .await
+            .len() as u64,
+        n,
+        "retried in place: no copy written to the stream"
+    );
 
     // The next owner reads everything after the held checkpoint again: ids 5.. (in order).
     let mut b = Worker::spawn(&stream, &app, "B", FAST, &log);
@@ -992,7 +1036,7 @@ async fn a_refused_retry_holds_the_checkpoint_below_it() {
     assert_nothing_skipped(&lines, n);
     let by_b: Vec<u64> = lines[by_w..].iter().map(|h| h.id).collect();
     assert_eq!(by_b, (5..n).collect::<Vec<_>>(), "B reread exactly ids 5..");
-    // While W ran, no checkpoint passed the refused record.
+    // While W ran, no checkpoint passed the failing record.
     let past: Vec<&str> = samples
         .iter()
         .flat_map(|sample| sample.rows.iter())
@@ -1005,6 +1049,139 @@ async fn a_refused_retry_holds_the_checkpoint_below_it() {
         "W checkpointed past the unsettled record {hold}: {past:?}"
     );
     cleanup(&live, &stream, &app).await;
+}
+
+/// `--retries copy --retry-stream R`: copies (and copies of copies) go to R, never to the stream
+/// read, and the same process reads R with the same handler, in the same application and lease
+/// table, so every copy is handled and both streams are checkpointed to their last record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_to_a_retry_stream_are_read_from_it_and_never_reach_the_stream_read() {
+    let _turn = EMULATORS.read().await;
+    let live = live_or_skip!();
+    let stream = support::unique_name("pl-rs");
+    let retries = support::unique_name("pl-rs-retries");
+    let app = support::unique_name("pl-rs-app");
+    live.create_stream(&stream, 1).await;
+    live.create_stream(&retries, 1).await;
+    let (n, keys) = (40u64, 4u64);
+    put(&stream, n, keys, 0).await;
+    let records = read_shard(&live, &stream, "shardId-000000000000").await;
+    // key-1 always fails: three attempts (the record and two copies), then dropped at the cap.
+    let failing: BTreeSet<u64> = (0..n).filter(|id| id % keys == 1).collect();
+
+    let log = Log::default();
+    let mut args: Vec<&str> = FAST.to_vec();
+    args.extend([
+        "--retries",
+        "copy",
+        "--max-attempts",
+        "3",
+        "--retry-stream",
+        &retries,
+        "--fail-keys",
+        "key-1",
+    ]);
+    let mut w = Worker::spawn(&stream, &app, "W", &args, &log);
+    let handled = |id: u64| log.snapshot().iter().filter(|h| h.id == id).count();
+    wait_for(
+        "every id, key-1's three times each",
+        Duration::from_secs(60),
+        || log.distinct_ids() as u64 == n && failing.iter().all(|id| handled(*id) == 3),
+    )
+    .await;
+    let copies = read_copies(&live, &retries).await;
+    let last_copy = copies.last().expect("copies in the retry stream").0.clone();
+    wait_rows(
+        &live,
+        &app,
+        &retries,
+        "the retry stream checkpointed at its last copy",
+        Duration::from_secs(20),
+        |r| r.len() == 1 && r[0].checkpoint == last_copy,
+    )
+    .await;
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "the stream read checkpointed at its last record",
+        Duration::from_secs(20),
+        |r| r.len() == 1 && r[0].checkpoint == records[records.len() - 1].0,
+    )
+    .await;
+    w.stop_gracefully(Duration::from_secs(30)).await;
+
+    log.dump(&app);
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    assert_nothing_skipped(&lines, n);
+    for id in 0..n {
+        let want = if failing.contains(&id) { 3 } else { 1 };
+        assert_eq!(handled(id), want, "id {id}");
+    }
+    assert_eq!(
+        read_shard(&live, &stream, "shardId-000000000000")
+            .await
+            .len() as u64,
+        n,
+        "no copy in the stream read"
+    );
+    // Two copies of each failing record, counted as ruststream counts: 1, then 2.
+    assert_eq!(copies.len(), failing.len() * 2, "{copies:?}");
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for (_, count) in &copies {
+        *counts.entry(count.clone()).or_default() += 1;
+    }
+    assert_eq!(
+        counts,
+        BTreeMap::from([
+            ("1".to_string(), failing.len()),
+            ("2".to_string(), failing.len())
+        ])
+    );
+    live.delete_stream(&retries).await;
+    cleanup(&live, &stream, &app).await;
+}
+
+/// The records of `stream`'s one shard as (sequence number, `x-ruststream-retry-count`).
+async fn read_copies(live: &support::Live, stream: &str) -> Vec<(String, String)> {
+    let mut iterator = live
+        .kinesis
+        .get_shard_iterator()
+        .stream_name(stream)
+        .shard_id("shardId-000000000000")
+        .shard_iterator_type(aws_sdk_kinesis::types::ShardIteratorType::TrimHorizon)
+        .send()
+        .await
+        .expect("GetShardIterator")
+        .shard_iterator
+        .expect("an iterator");
+    let mut out = Vec::new();
+    loop {
+        let page = live
+            .kinesis
+            .get_records()
+            .shard_iterator(&iterator)
+            .send()
+            .await
+            .expect("GetRecords");
+        for r in page.records() {
+            let decoded =
+                shardwise::envelope::decode(bytes::Bytes::copy_from_slice(r.data().as_ref()));
+            let count = decoded
+                .headers
+                .get_str(shardwise::envelope::RETRY_COUNT_HEADER)
+                .unwrap_or("none")
+                .to_string();
+            out.push((r.sequence_number().to_string(), count));
+        }
+        match page.next_shard_iterator() {
+            Some(next) if page.millis_behind_latest() != Some(0) || !page.records().is_empty() => {
+                iterator = next.to_string();
+            }
+            _ => return out,
+        }
+    }
 }
 
 /// `retry_after` keeps the original unsettled until its copy is written: a `kill -9` during the
@@ -1024,6 +1201,8 @@ async fn kill_9_during_a_retry_after_delay_replays_the_original() {
     let watcher = Watcher::start(&live, &app, &stream, Duration::from_millis(100));
     let mut args: Vec<&str> = FAST.to_vec();
     args.extend([
+        "--retries",
+        "copy",
         "--max-attempts",
         "3",
         "--fail-keys",

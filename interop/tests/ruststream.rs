@@ -171,7 +171,9 @@ async fn run_shardwise(
             .scan_interval(Duration::from_millis(200)),
     );
     if let Some((max, dlq)) = retries {
+        // Counted copies on the stream, as ruststream writes them.
         builder = builder
+            .retries(shardwise::consumer::RetryMode::Copy)
             .max_attempts(NonZeroU32::new(max).unwrap())
             .dead_letter(dlq);
     }

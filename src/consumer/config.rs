@@ -24,16 +24,20 @@ pub enum DeliveryOrder {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum RetryMode {
-    /// A counted copy at the tip of the stream (ruststream's `x-ruststream-retry-count`); the
-    /// record settles once the copy is written. Other consumers of the stream see the copy, and
-    /// per-key order is lost for it. The default.
+    /// Again on its lane after a capped exponential back-off with jitter (100 ms doubling to
+    /// 5 s; `RetryAfter(d)`: after `d`), as Lambda's Kinesis trigger and KCL applications retry:
+    /// while it waits, the later records of its partition key wait behind it (with
+    /// [`DeliveryOrder::None`], only the record itself), other keys go on, and the checkpoint
+    /// holds behind it. It runs until it succeeds, its `max_attempts` are spent or it is older
+    /// than `max_record_age`. The default.
     #[default]
-    Copy,
-    /// Again on its lane after a capped exponential back-off with jitter, as Lambda's Kinesis
-    /// trigger and KCL applications retry: while it waits, the later records of its partition
-    /// key wait behind it (with [`DeliveryOrder::None`], only the record itself), other keys go
-    /// on, and the checkpoint holds behind it.
     InPlace,
+    /// A counted copy at the tip of the stream (ruststream's `x-ruststream-retry-count`), or of
+    /// the [`retry_stream`](super::ConsumerBuilder::retry_stream); the record settles once the
+    /// copy is written. Every consumer of that stream reads the copy (another application,
+    /// Firehose), and per-key order is lost for it. Needs `max_attempts` or a dead-letter
+    /// stream (`dead_letter`, `on_failure`): without either it is refused at build.
+    Copy,
 }
 
 /// What becomes of a Kinesis record retried in place whose attempts are spent
@@ -78,12 +82,15 @@ pub struct Settings {
     pub checkpoint_interval: Duration,
     /// Lease timing and balancing, and where new shards start.
     pub lease: LeaseSettings,
-    /// Attempts a record gets, counting the first delivery; `None`: `retry()` is refused.
+    /// Attempts a record gets, counting the first delivery; `None`: in place, a failing record
+    /// runs again until it succeeds (or is older than `max_record_age`).
     pub max_attempts: Option<NonZeroU32>,
     /// Where records go when their attempts are spent.
     pub dead_letter: Option<String>,
     /// Where a Kinesis record that asks for a retry runs again.
     pub retries: RetryMode,
+    /// With [`RetryMode::Copy`]: the stream copies are written to; `None`: the stream read.
+    pub retry_stream: Option<String>,
     /// What becomes of a record retried in place whose attempts are spent when no dead-letter
     /// stream takes it; `None`: a bound on attempts needs a dead-letter stream (refused at build).
     pub on_spent: Option<OnSpent>,
@@ -159,7 +166,8 @@ impl Settings {
             lease: LeaseSettings::default(),
             max_attempts: None,
             dead_letter: None,
-            retries: RetryMode::Copy,
+            retries: RetryMode::InPlace,
+            retry_stream: None,
             on_spent: None,
             fan_out: None,
             caught_up_skew: None,
@@ -291,6 +299,22 @@ impl Settings {
                 ));
             }
         }
+        if let Some(retry) = &self.retry_stream {
+            if !valid_name(retry, 128) {
+                return Err(ConfigError::new(
+                    "retry_stream",
+                    retry,
+                    "must be a stream name: 1 to 128 characters of [a-zA-Z0-9_.-]",
+                ));
+            }
+            if self.dead_letter.as_ref() == Some(retry) {
+                return Err(ConfigError::new(
+                    "retry_stream",
+                    retry,
+                    "must not be the dead-letter stream: spent records would be read again as retries",
+                ));
+            }
+        }
         if self.hold_poll_interval.is_zero() {
             return Err(ConfigError::new(
                 "hold_poll_interval",
@@ -405,6 +429,17 @@ mod tests {
             (
                 "dead_letter",
                 Box::new(|s| s.dead_letter = Some("orders".into())),
+            ),
+            (
+                "retry_stream",
+                Box::new(|s| s.retry_stream = Some("retries please".into())),
+            ),
+            (
+                "retry_stream",
+                Box::new(|s| {
+                    s.dead_letter = Some("orders-dlq".into());
+                    s.retry_stream = Some("orders-dlq".into());
+                }),
             ),
             (
                 "renew_interval",

@@ -101,12 +101,15 @@ impl Reads {
         use crate::retry::Spent;
         match (self, ledger) {
             (Reads::Stream, _) if settings.retries == RetryMode::Copy => Spent::Drop,
-            // In place, a record is dropped only where the application said so; with a ledger
-            // it is quarantined by receipt, as a paged event is (the build refuses a bound with
-            // none of these: holding it is the last guard).
+            // In place, a record is dropped where the application said so: with on_spent, or,
+            // without a cap on attempts, by max_record_age alone (Lambda discards a record older
+            // than MaximumRecordAgeInSeconds when it has no on-failure destination). With a
+            // ledger it is quarantined by receipt, as a paged event is. The build refuses a cap
+            // with none of these: holding it is the last guard.
             (Reads::Stream, ledger) => match (settings.on_spent, ledger) {
                 (Some(OnSpent::Drop), _) => Spent::Drop,
                 (None, true) => Spent::Quarantine,
+                (None, false) if settings.max_attempts.is_none() => Spent::Drop,
                 (None, false) => Spent::Hold,
             },
             (Reads::Pages(_), true) => Spent::Quarantine,
@@ -235,8 +238,12 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
-    /// Attempts a record gets, counting the first delivery. With it, `retry()` writes a counted
-    /// copy to the stream until the attempts are spent.
+    /// Attempts a record gets, counting the first delivery. Retried in place (the default), a
+    /// record whose attempts are spent goes to the dead-letter stream or the
+    /// [`on_failure`](Self::on_failure) destination, with [`receipts`](Self::receipts) gets a
+    /// `quarantined` receipt, or is dropped where [`on_spent`](Self::on_spent) says so; with none
+    /// of these the build is refused (nothing could take the record). With
+    /// [`RetryMode::Copy`], `retry()` writes a counted copy until the attempts are spent.
     ///
     /// A paged source runs a failing event again in place, without a cap unless this is set;
     /// with it, a spent event goes to the dead-letter stream, else gets a `quarantined` receipt,
@@ -246,9 +253,11 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
-    /// Where a Kinesis record whose handler asks for a retry runs again: a counted copy at the tip
-    /// of the stream ([`RetryMode::Copy`], the default) or again on its lane, in order with its
-    /// key ([`RetryMode::InPlace`]). A paged source always retries in place.
+    /// Where a Kinesis record whose handler asks for a retry (or panics, or runs past
+    /// [`handler_timeout`](Self::handler_timeout)) runs again: on its lane, in order with its key
+    /// ([`RetryMode::InPlace`], the default, as Lambda's Kinesis trigger and KCL applications
+    /// retry), or as a counted copy at the tip of the stream ([`RetryMode::Copy`]). A paged
+    /// source always retries in place.
     ///
     /// In place, a failing record runs again after a back-off that doubles from 100 ms to at most
     /// 5 s, with jitter (`RetryAfter(d)`: after `d`), until it succeeds, or until `max_attempts` or
@@ -256,9 +265,27 @@ impl<H: Handler> ConsumerBuilder<H> {
     /// [`on_failure`](Self::on_failure) destination, with [`receipts`](Self::receipts) gets a
     /// `quarantined` receipt, or is dropped where [`on_spent`](Self::on_spent) says so (a bound
     /// with none of these is refused at build). Without a bound it runs again until it succeeds,
-    /// and [`Running::health`] names it.
+    /// and [`Running::health`] names it. Only its key waits: other keys go on, and the shard's
+    /// checkpoint holds behind it.
+    ///
+    /// Copies need a bound: [`RetryMode::Copy`] without `max_attempts` and without a dead-letter
+    /// stream ([`dead_letter`](Self::dead_letter) or [`on_failure`](Self::on_failure)) is refused
+    /// at build, since a plain `retry()` could then never be written. Copies go to the stream
+    /// read, where every other consumer of it reads them too, unless
+    /// [`retry_stream`](Self::retry_stream) names another.
     pub fn retries(mut self, mode: RetryMode) -> Self {
         self.settings.retries = mode;
+        self
+    }
+
+    /// With [`RetryMode::Copy`]: write retry copies to `stream` instead of the stream read, so
+    /// other consumers of that stream (another application, Firehose) never see them. Read
+    /// `stream` with a consumer of its own, with the same handler and application and this same
+    /// `retry_stream` (its copies then stay in it), as `shardwise consume --retry-stream` does:
+    /// a copy nobody reads is never handled. Refused at build without copy mode, or when it is
+    /// the dead-letter stream.
+    pub fn retry_stream(mut self, stream: impl Into<String>) -> Self {
+        self.settings.retry_stream = Some(stream.into());
         self
     }
 
@@ -489,33 +516,40 @@ impl<H: Handler> ConsumerBuilder<H> {
             }
             fan_out.validate(&set.application)?;
         }
+        if let Some(retry) = &set.retry_stream
+            && set.retries != RetryMode::Copy
+        {
+            return Err(ConfigError::new(
+                "retry_stream",
+                retry,
+                "a retry stream takes retry copies, and retries run in place (the default): choose copy mode for retries too, or leave retry_stream unset",
+            ));
+        }
+        if set.retries == RetryMode::Copy
+            && set.max_attempts.is_none()
+            && set.dead_letter.is_none()
+            && self.destination.is_none()
+        {
+            // Seed 002's rule refuses a plain retry() copy without a declaration, per record:
+            // the record would hold its shard's checkpoint until a restart. Refused here instead.
+            return Err(ConfigError::new(
+                "retries",
+                "Copy",
+                "copy mode writes counted copies only under a declared bound: set max_attempts (a cap on attempts) or dead_letter (a dead-letter stream, or on_failure: a queue or bucket), or retry in place (the default), where a failing record runs again until it succeeds",
+            ));
+        }
         if set.retries == RetryMode::InPlace
+            && let Some(n) = set.max_attempts
             && set.dead_letter.is_none()
             && self.destination.is_none()
             && self.receipts.is_none()
             && set.on_spent.is_none()
         {
-            let bounds: Vec<(&'static str, String)> = [
-                ("max_attempts", set.max_attempts.map(|n| format!("{n:?}"))),
-                (
-                    "max_record_age",
-                    set.max_record_age.map(|d| format!("{d:?}")),
-                ),
-            ]
-            .into_iter()
-            .filter_map(|(field, value)| Some((field, value?)))
-            .collect();
-            if let Some((field, value)) = bounds.first() {
-                let fields: Vec<&str> = bounds.iter().map(|(f, _)| *f).collect();
-                return Err(ConfigError::new(
-                    field,
-                    format_args!("{value}"),
-                    format!(
-                        "with retries in place, {} can end a record's attempts, and a spent record needs somewhere to go: set dead_letter (a dead-letter stream), on_failure (a queue or bucket) or a receipt ledger (receipts: it is then quarantined), or say with on_spent that it may be dropped; without any, leave them unset and a failing record runs again until it succeeds",
-                        fields.join(", ")
-                    ),
-                ));
-            }
+            return Err(ConfigError::new(
+                "max_attempts",
+                n,
+                "with retries in place, max_attempts ends a record's attempts, and a spent record needs somewhere to go: set dead_letter (a dead-letter stream), on_failure (a queue or bucket) or a receipt ledger (receipts: it is then quarantined), or say with on_spent that it may be dropped; without any, leave it unset and a failing record runs again until it succeeds (or is older than max_record_age, which drops it)",
+            ));
         }
         Ok(())
     }
@@ -543,6 +577,20 @@ impl<H: Handler> ConsumerBuilder<H> {
                 "enhanced_fan_out",
                 &self.settings.fan_out,
                 "enhanced fan-out reads Kinesis shards, not a paged source",
+            ));
+        }
+        if self.settings.retries == RetryMode::Copy {
+            return Err(ConfigError::new(
+                "retries",
+                "Copy",
+                "a paged source runs a failing event again in place: it has no stream to copy to",
+            ));
+        }
+        if let Some(retry) = &self.settings.retry_stream {
+            return Err(ConfigError::new(
+                "retry_stream",
+                retry,
+                "a paged source runs a failing event again in place: it writes no retry copies",
             ));
         }
         if let Some(what) = self.settings.on_spent {
@@ -820,6 +868,14 @@ impl<H: Handler> Consumer<H> {
         if let Some(dead_letter) = &settings.dead_letter {
             producer.check(dead_letter).await?;
         }
+        // So does a misspelled retry stream.
+        if let Some(retry) = settings
+            .retry_stream
+            .as_ref()
+            .filter(|r| **r != settings.stream)
+        {
+            producer.check(retry).await?;
+        }
         if let Some(destination) = &self.destination {
             destination.check().await?;
         }
@@ -883,6 +939,7 @@ impl<H: Handler> Consumer<H> {
                     .dead_letter
                     .clone()
                     .or_else(|| self.destination.as_ref().map(|d| d.name().to_string())),
+                retry_stream: settings.retry_stream.clone(),
                 spent: reads.spent(self.receipts.is_some(), &settings),
                 in_place: reads.in_place(&settings),
             }),

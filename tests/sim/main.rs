@@ -9,7 +9,9 @@
 //! handler (`Batched`), three in ten run under a handler timeout that some handlers exceed, and
 //! about three in ten of the others retry in place (`RetryMode::InPlace`) instead of copying
 //! (half of those without a dead-letter stream send spent records to a simulated queue, an
-//! on-failure destination whose writes fail or lose their answers now and then). Three seeds in
+//! on-failure destination whose writes fail or lose their answers now and then); one in four of
+//! the seeds without batches, timeouts or receipts leaves every retry setting at its default (in
+//! place, no cap: a failing record runs again until it succeeds). Three seeds in
 //! ten read with enhanced fan-out (`FanOutRecords` over `testing::Subscriptions`, a model of
 //! SubscribeToShard on the simulated stream that ends every 5 minutes and fails with its faults).
 //! Invariants are checked as each event happens (see `sim/model.rs`), among them per-key order

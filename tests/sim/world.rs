@@ -95,6 +95,11 @@ struct Scenario {
     /// on-failure destination) whose writes fail or lose their answers now and then, instead of
     /// being dropped.
     queue: bool,
+    /// Retry settings left at their defaults: no `max_attempts`, dead-letter stream, retry mode
+    /// or `on_spent`, so a failing record runs again in place until it succeeds (Lambda's
+    /// default). Only where nothing else bounds or records attempts: no batches, handler
+    /// timeout or receipts.
+    defaults: bool,
     /// Shards are read with enhanced fan-out: subscriptions (the model of SubscribeToShard over
     /// the simulated stream, an event a second, ended every 5 minutes, failing with the stream's
     /// faults) instead of GetRecords polls.
@@ -197,10 +202,26 @@ impl Scenario {
             in_place: !matches!(seed % 10, 2 | 6 | 7)
                 && StdRng::seed_from_u64(seed ^ 0x1a9c_e000).random_bool(0.4),
             queue: StdRng::seed_from_u64(seed ^ 0x0c0e_0e00).random_bool(0.5),
+            defaults: false,
             fan_out: StdRng::seed_from_u64(seed ^ 0x0fa0_0e70).random_bool(0.3),
             actions,
         }
         .timeouts_dead_letter()
+        .retry_defaults()
+    }
+
+    /// One seed in four of those that can (apart from the other decisions) leaves the retry
+    /// settings at their defaults.
+    fn retry_defaults(mut self) -> Self {
+        self.defaults = self.batch.is_none()
+            && self.handler_timeout.is_none()
+            && !self.receipts
+            && StdRng::seed_from_u64(self.seed ^ 0xdefa_0175).random_bool(0.25);
+        if self.defaults {
+            self.in_place = true;
+            self.dead_letter = false;
+        }
+        self
     }
 
     /// A delivery dropped past the handler timeout at its last attempt is dead-lettered, so that
@@ -343,7 +364,10 @@ impl World {
 
     /// Whether spent records go to the queue (retries in place, no dead-letter stream).
     fn queued(&self) -> bool {
-        self.scenario.in_place && self.scenario.queue && !self.scenario.dead_letter
+        self.scenario.in_place
+            && self.scenario.queue
+            && !self.scenario.dead_letter
+            && !self.scenario.defaults
     }
 
     fn event(&self, what: String) {
@@ -369,7 +393,12 @@ impl World {
     ) -> impl Fn(Delivery) -> BoxFuture<'static, Outcome> + Send + Sync + 'static {
         let model = self.model.clone();
         let seed = self.scenario.seed;
-        let cap = self.scenario.max_attempts;
+        // On the defaults nothing caps attempts.
+        let cap = if self.scenario.defaults {
+            u32::MAX
+        } else {
+            self.scenario.max_attempts
+        };
         // A queue takes spent records only with retries in place and no dead-letter stream.
         let dead_letter = self.scenario.dead_letter || self.queued();
         let receipts = self.scenario.receipts;
@@ -501,7 +530,6 @@ impl World {
                     .shard_sync_interval(Duration::from_secs(1)),
             )
             .initial_position(s.start)
-            .max_attempts(NonZeroU32::new(s.max_attempts).unwrap())
             .lease_store(store)
             .record_source(if s.fan_out {
                 Arc::new(FanOutRecords::with(
@@ -518,10 +546,15 @@ impl World {
                 worker: worker.to_string(),
                 model: self.model.clone(),
             }));
+        if !s.defaults {
+            builder = builder.max_attempts(NonZeroU32::new(s.max_attempts).unwrap());
+        }
         if s.dead_letter {
             builder = builder.dead_letter(DLQ);
         }
-        if s.in_place {
+        if s.defaults {
+            // Nothing set: retries in place, unbounded.
+        } else if s.in_place {
             builder = builder.retries(RetryMode::InPlace);
             if self.queued() {
                 builder = builder.on_failure(Arc::new(Queue {
@@ -533,6 +566,8 @@ impl World {
             } else if !s.dead_letter {
                 builder = builder.on_spent(OnSpent::Drop);
             }
+        } else {
+            builder = builder.retries(RetryMode::Copy);
         }
         if let Some(ledger) = &self.ledger {
             builder = builder
