@@ -22,8 +22,8 @@ use crate::track::DeliveryId;
 /// |---|---|
 /// | `Ack` | settled |
 /// | `Drop` | settled: a poison record passes |
-/// | `Retry` | a counted copy goes back to the stream (needs `max_attempts` or a dead-letter stream; refused otherwise and the record holds the checkpoint) |
-/// | `RetryAfter(d)` | the same copy, written once `d` has passed; the original settles after the copy is durable |
+/// | `Retry` | runs again in place after a back-off (the default: its key's later deliveries wait, the checkpoint holds behind it), or, with [`RetryMode::Copy`](crate::consumer::RetryMode::Copy), a counted copy goes back to the stream |
+/// | `RetryAfter(d)` | the same, after `d`: in place the next attempt runs once `d` has passed; a copy is written then, and the original settles after the copy is durable |
 /// | `Apply(effects)` | (with receipts) the DynamoDB writes committed together with the event's `applied` receipt, in one transaction; a replay (the receipt exists) writes nothing and settles |
 /// | `Quarantine(reason)` | (with receipts) a terminal `quarantined` receipt, then settled |
 /// | `Hold(reason)` | (with receipts) a `held` receipt: the delivery stays unsettled and holds the checkpoint until the receipt is made terminal (settled) or released (handled again) |
@@ -34,9 +34,9 @@ pub enum Outcome {
     Ack,
     /// Not handled, and never will be: let the checkpoint pass it.
     Drop,
-    /// Try again as a counted copy on the stream.
+    /// Try again: in place after a back-off (the default), or as a counted copy on the stream.
     Retry,
-    /// Try again as a counted copy written after the delay.
+    /// Try again after the delay: in place, or as a counted copy written then.
     RetryAfter(Duration),
     /// Commit these DynamoDB writes with the event's receipt, exactly once (needs receipts).
     Apply(Effects),

@@ -217,7 +217,7 @@ async fn a_record_retried_in_place_holds_the_checkpoint_and_the_next_owner_rerea
     })
     .await;
     // key-0's records after 30 (40, 50, ..., 90) wait behind it.
-    let waiting = |id: u64| id > 30 && id % 10 == 0;
+    let waiting = |id: u64| id > 30 && id.is_multiple_of(10);
     let seen = || {
         log.all()
             .iter()

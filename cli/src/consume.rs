@@ -1167,24 +1167,30 @@ async fn exec_settings(args: &Args, ctx: &Ctx, worker: &str) -> Result<Option<Ex
         }
         _ => return Ok(None),
     };
-    // Lambda's event source mapping defaults: batches of 100, no batching window.
-    let batch = args.batch.or(lambda.then_some(LAMBDA_BATCH));
-    let wait = args.batch_wait.unwrap_or(if lambda {
-        LAMBDA_BATCH_WINDOW
-    } else {
-        BATCH_WAIT
-    });
     Ok(Some(ExecSettings {
         command,
         children: args.exec_children.unwrap_or(args.lanes),
         timeout: args.handler_timeout,
-        batching: batch.map(|n| Batching::new(n, wait)),
+        batching: batching(args, lambda),
         worker: worker.to_string(),
         grace: STOP_GRACE,
         format: source.map_or(Format::Shardwise, Format::Lambda),
         env,
         dir,
     }))
+}
+
+/// How a handler program's deliveries are batched: as `--batch` and `--batch-wait` say, or with
+/// Lambda's format as an event source mapping's defaults do (batches of up to 100, no batching
+/// window); without either, one at a time.
+fn batching(args: &Args, lambda: bool) -> Option<Batching> {
+    let size = args.batch.or(lambda.then_some(LAMBDA_BATCH))?;
+    let wait = args.batch_wait.unwrap_or(if lambda {
+        LAMBDA_BATCH_WINDOW
+    } else {
+        BATCH_WAIT
+    });
+    Some(Batching::new(size, wait))
 }
 
 /// Where Lambda's event says its records come from: the stream's ARN as Kinesis gives it (or,
@@ -1551,6 +1557,47 @@ mod tests {
         ] {
             assert!(parse(rejected).is_err(), "{rejected:?} accepted");
         }
+    }
+
+    /// A Lambda handler gets the event source mapping's defaults: batches of up to 100 with no
+    /// batching window, and retries in place without a cap or an age limit (until the record
+    /// succeeds: Lambda's MaximumRetryAttempts and MaximumRecordAgeInSeconds of -1), bisect off.
+    #[test]
+    fn lambdas_handlers_get_the_event_source_mappings_defaults() {
+        for lambda in [
+            &["--lambda-handler", "app.handler"][..],
+            &["--exec", "python3 h.py", "--exec-format", "lambda"],
+        ] {
+            let args = args(lambda);
+            let batching = batching(&args, true).expect("batches");
+            assert_eq!(
+                (batching.max_size, batching.max_wait, batching.bisect),
+                (100, Duration::ZERO, false),
+                "{lambda:?}"
+            );
+            assert_eq!(args.retries, RetryMode::InPlace, "{lambda:?}");
+            assert_eq!(
+                (args.max_attempts, args.max_record_age, args.dead_letter),
+                (None, None, None)
+            );
+        }
+        // --exec in its own format: one at a time unless --batch; then a 50 ms window.
+        let own = args(&["--exec", "python3 h.py"]);
+        assert_eq!(batching(&own, false), None);
+        let batched = args(&["--exec", "python3 h.py", "--batch", "10"]);
+        let b = batching(&batched, false).expect("batches");
+        assert_eq!((b.max_size, b.max_wait), (10, Duration::from_millis(50)));
+        // Either can be set.
+        let set = args(&[
+            "--lambda-handler",
+            "app.handler",
+            "--batch",
+            "10",
+            "--batch-wait",
+            "1s",
+        ]);
+        let b = batching(&set, true).expect("batches");
+        assert_eq!((b.max_size, b.max_wait), (10, Duration::from_secs(1)));
     }
 
     #[test]

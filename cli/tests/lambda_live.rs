@@ -38,18 +38,12 @@ fn examples() -> PathBuf {
 }
 
 /// A consumer's flags: the fast lease settings, one lane per shard (as Lambda's
-/// ParallelizationFactor 1), retries on their default (in place, Lambda's way: a failed record
-/// runs again where it is, its key's later records behind it, until it succeeds), and `extra`.
+/// ParallelizationFactor 1), batches and retries on Lambda's defaults (batches of up to 100 with
+/// no batching window; retries in place, Lambda's way: a failed record runs again where it is,
+/// its key's later records behind it, until it succeeds), and `extra`.
 fn worker_args(extra: &[&str]) -> Vec<String> {
     FAST.iter()
-        .chain(&[
-            "--batch-wait",
-            "20ms",
-            "--handler-timeout",
-            "20s",
-            "--shutdown-deadline",
-            "4s",
-        ])
+        .chain(&["--handler-timeout", "20s", "--shutdown-deadline", "4s"])
         .chain(extra)
         .map(|s| s.to_string())
         .collect()
@@ -58,6 +52,16 @@ fn worker_args(extra: &[&str]) -> Vec<String> {
 /// Runs one worker over a fresh stream of [`RECORDS`] records over `keys` keys until each is
 /// acked, stops it gracefully, and returns the printed lines and the worker's stderr.
 async fn consume_all(name: &str, keys: u64, extra: &[&str]) -> (Vec<Handled>, String) {
+    consume_all_with_env(name, keys, extra, &[]).await
+}
+
+/// [`consume_all`], with these environment variables for the worker and its programs.
+async fn consume_all_with_env(
+    name: &str,
+    keys: u64,
+    extra: &[&str],
+    env: &[(&str, String)],
+) -> (Vec<Handled>, String) {
     let _turn = EMULATORS.read().await;
     let live = support::live(name)
         .await
@@ -70,7 +74,7 @@ async fn consume_all(name: &str, keys: u64, extra: &[&str]) -> (Vec<Handled>, St
     let args = worker_args(extra);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let started = Instant::now();
-    let mut worker = Worker::spawn(&stream, &app, "L", &args, &log);
+    let mut worker = Worker::spawn_with_env(&stream, &app, "L", &args, env, &log);
     let acked = || {
         let lines = log.snapshot();
         lines
@@ -306,6 +310,128 @@ async fn a_python_function_reporting_batch_item_failures_gets_those_records_retr
     eprintln!(
         "python: {} batches, {reported} reporting failures, {} records retried",
         batches.len(),
+        expected.len(),
+    );
+}
+
+/// A handler written with Powertools for AWS Lambda (Python), as its documentation shows it for
+/// Kinesis: `BatchProcessor(EventType.KinesisDataStreams)` with the parser's
+/// `KinesisDataStreamRecord` model and `process_partial_response`, on every default of
+/// `consume` (batches, batching window, retries). Its record handler raises for ids `% 7 == 3`
+/// the first time it sees them; the processor reports those as batch item failures (or raises
+/// when every record of the batch failed). Every event must validate against Powertools'
+/// `KinesisDataStreamModel`, every reported failure is handed again with what follows it in its
+/// batch, as Lambda does, and each key's records are acked once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_powertools_batch_processor_gets_its_failures_retried_on_default_flags() {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.emulators/venv/bin");
+    let python = venv.join("python3");
+    let imports = std::process::Command::new(&python)
+        .args(["-c", "import aws_lambda_powertools.utilities.parser"])
+        .status();
+    assert!(
+        imports.is_ok_and(|s| s.success()),
+        "{} cannot import aws_lambda_powertools: `scripts/emulators install` puts it there",
+        python.display()
+    );
+    let dir = scratch("lambda-powertools");
+    let notes = dir.join("batches.jsonl");
+    let function = format!(
+        r#"import json
+
+from aws_lambda_powertools.utilities.batch import (
+    BatchProcessor,
+    EventType,
+    process_partial_response,
+)
+from aws_lambda_powertools.utilities.batch.exceptions import BatchProcessingError
+from aws_lambda_powertools.utilities.parser import parse
+from aws_lambda_powertools.utilities.parser.models import (
+    KinesisDataStreamModel,
+    KinesisDataStreamRecord,
+)
+
+processor = BatchProcessor(event_type=EventType.KinesisDataStreams, model=KinesisDataStreamRecord)
+SEEN = set()
+
+
+def record_handler(record: KinesisDataStreamRecord):
+    record_id = json.loads(record.kinesis.data)["id"]
+    first = record_id not in SEEN
+    SEEN.add(record_id)
+    if record_id % 7 == 3 and first:
+        raise ValueError(f"record {{record_id}} fails once")
+
+
+def lambda_handler(event, context):
+    # The whole event through Powertools' model: a field shardwise got wrong fails here.
+    parsed = parse(event=event, model=KinesisDataStreamModel)
+    ids = [json.loads(r.kinesis.data)["id"] for r in parsed.Records]
+    sequences = [r.kinesis.sequenceNumber for r in parsed.Records]
+    noted = {{"ids": ids, "failed_from": None, "raised": False}}
+    try:
+        response = process_partial_response(
+            event=event, record_handler=record_handler, processor=processor, context=context
+        )
+    except BatchProcessingError:
+        noted["raised"] = True
+        raise
+    finally:
+        with open({notes:?}, "a") as out:
+            if not noted["raised"]:
+                failed = [f["itemIdentifier"] for f in response["batchItemFailures"]]
+                noted["failed_from"] = min((sequences.index(s) for s in failed), default=None)
+            out.write(json.dumps(noted) + "\n")
+    return response
+"#,
+        notes = notes.display().to_string(),
+    );
+    std::fs::write(dir.join("app.py"), function).unwrap();
+    let dir_arg = dir.display().to_string();
+    // The interpreter on the PATH is the venv's, which has Powertools (as a Lambda layer would).
+    let path = format!(
+        "{}:{}",
+        venv.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let (lines, _) = consume_all_with_env(
+        "lambda-pt",
+        KEYS,
+        &[
+            "--lambda-handler",
+            "app.lambda_handler",
+            "--lambda-dir",
+            &dir_arg,
+        ],
+        &[("PATH", path)],
+    )
+    .await;
+    assert_acked_once_in_order(&lines, KEYS);
+    let batches = noted(&notes);
+    assert!(
+        batches.iter().any(|b| b.failed_from.is_some() || b.raised),
+        "some batches failed: {batches:?}"
+    );
+    let expected = to_retry(&batches);
+    assert!(!expected.is_empty());
+    assert_eq!(
+        retried(&lines),
+        expected,
+        "retried: exactly what Lambda would"
+    );
+    let noted_ids: BTreeSet<u64> = batches.iter().flat_map(|b| b.ids.iter().copied()).collect();
+    assert_eq!(
+        noted_ids,
+        (0..RECORDS).collect(),
+        "every event validated against Powertools' model"
+    );
+    eprintln!(
+        "powertools: {} batches, {} failing, {} records retried",
+        batches.len(),
+        batches
+            .iter()
+            .filter(|b| b.failed_from.is_some() || b.raised)
+            .count(),
         expected.len(),
     );
 }

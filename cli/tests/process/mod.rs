@@ -171,6 +171,19 @@ pub struct Worker {
 
 impl Worker {
     pub fn spawn(stream: &str, app: &str, id: &str, args: &[&str], log: &Log) -> Worker {
+        Self::spawn_with_env(stream, app, id, args, &[], log)
+    }
+
+    /// [`spawn`](Self::spawn), with these environment variables set for the worker (and the
+    /// programs it runs).
+    pub fn spawn_with_env(
+        stream: &str,
+        app: &str,
+        id: &str,
+        args: &[&str],
+        env: &[(&str, String)],
+        log: &Log,
+    ) -> Worker {
         let dir = log_dir();
         let stderr = dir.join(format!("{app}-{id}.stderr"));
         let file = File::create(&stderr).expect("a worker stderr file");
@@ -185,6 +198,7 @@ impl Worker {
                 id,
             ])
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env(
                 "RUST_LOG",
                 std::env::var(format!("SHARDWISE_TEST_WORKER_LOG_{id}"))
