@@ -20,6 +20,7 @@ use logs::LogsService;
 use shardwise::lease::{LeaseSettings, MemoryLeaseStore};
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagePosition, PagedSource};
 use shardwise::receipts::MemoryReceipts;
+use shardwise::testing::{HostClock, on_host};
 use shardwise::{Consumer, Delivery, Outcome, Running};
 use wait::wait_for;
 
@@ -413,6 +414,50 @@ async fn late_events_put_behind_the_cursor_are_found_by_an_audit_and_handled_onc
     assert_eq!(handled, expected, "every event once");
     assert!(!handled.contains(&too_late[0]), "later than the window");
     assert_eq!(late(), Some(3));
+}
+
+/// A host clock a minute ahead of the service's. An audit's mark vouches for every event ingested
+/// at or before it; made by the host's clock, it vouched for a minute the service had not reached
+/// yet, and a late event ingested in that minute was never handed out, nothing logged or counted.
+/// Marks are made by the service's time now (the `Date` of its answers). A late event (10 minutes
+/// old) put every 2 s for 5 minutes: every one handed out, once. Before, the ones put in the 30 s
+/// after the first forward read were never handed out.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn late_events_are_found_under_a_host_clock_a_minute_ahead_of_the_service() {
+    let metrics = recorder::Metrics::default();
+    let _metrics = metrics::set_default_local_recorder(&metrics);
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 31);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let minutes = |m: u64| Duration::from_secs(60 * m);
+    let mut expected = put(&service, 3);
+    let ahead = HostClock::new(60_000, 0);
+    let running = on_host(ahead, consumer(&service, &store, &calls)).await;
+    wait_for("the first events", Duration::from_secs(60), || {
+        calls.len() == 3
+    })
+    .await;
+    for i in 0..150 {
+        let message = format!("late {i}");
+        expected.extend(put_late(&service, "s0", &[(minutes(10), message.as_str())]));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    // Two audit intervals after the last one.
+    tokio::time::sleep(minutes(11)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let mut handled = calls.ids();
+    handled.sort();
+    expected.sort();
+    let missing: Vec<&String> = expected.iter().filter(|e| !handled.contains(e)).collect();
+    assert!(missing.is_empty(), "{} never handed out: {missing:?}", missing.len());
+    assert_eq!(handled, expected, "every event once");
+    assert_eq!(
+        metrics.counter("shardwise_paged_late_events_total", "s0"),
+        Some(150)
+    );
 }
 
 /// `FilterLogEvents` over hours, with the defaults (close horizon 5 minutes, lateness 1 hour,

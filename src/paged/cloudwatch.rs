@@ -99,6 +99,8 @@ use super::budget::Budget;
 use super::{Audit, Contract, Cursor, FetchError, Page, PagePosition, PagedEvent, PagedSource};
 use crate::backoff::Backoff;
 use crate::error::Error;
+use crate::shard::source::ReadDate;
+use crate::time::ServiceClock;
 
 /// The events of one page at most (the API's own limit is 10,000).
 const DEFAULT_PAGE_LIMIT: i32 = 1_000;
@@ -188,6 +190,8 @@ pub const DESCRIBE_LOG_STREAMS_PER_SECOND: f64 = 1.0;
 #[derive(Clone)]
 pub struct CloudWatchLogs {
     client: Client,
+    /// The service's time, from the `Date` of its answers: every mark is made by it.
+    clock: Arc<ServiceClock>,
     group: Arc<str>,
     name: Arc<str>,
     limit: i32,
@@ -219,8 +223,10 @@ impl CloudWatchLogs {
     /// Reads the log group `group`; the source is named `logs:<group>` in the lease table.
     pub fn new(client: Client, group: impl Into<String>) -> Self {
         let group: String = group.into();
+        let (client, clock) = dated(&client);
         Self {
             client,
+            clock,
             name: format!("logs:{group}").into(),
             group: group.into(),
             limit: DEFAULT_PAGE_LIMIT,
@@ -484,6 +490,19 @@ fn millis(time: SystemTime) -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
+/// A copy of `client` whose answers' `Date` goes to the returned clock: the service's time, which
+/// every mark is made by (a host clock a minute ahead would mark as read what the service has not
+/// yet ingested).
+pub(super) fn dated(client: &Client) -> (Client, Arc<ServiceClock>) {
+    let clock = Arc::new(ServiceClock::default());
+    let config = client
+        .config()
+        .to_builder()
+        .interceptor(ReadDate(Arc::clone(&clock)))
+        .build();
+    (Client::from_conf(config), clock)
+}
+
 fn allowance_ms() -> i64 {
     i64::try_from(AUDIT_ALLOWANCE.as_millis()).unwrap_or(i64::MAX)
 }
@@ -651,9 +670,20 @@ impl CloudWatchLogs {
     }
 }
 
+impl CloudWatchLogs {
+    /// The service's time now (ms), once an answer carried a date.
+    fn service_ms(&self) -> Option<i64> {
+        self.clock.reached().map(crate::time::millis)
+    }
+}
+
 impl PagedSource for CloudWatchLogs {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn service_time(&self) -> Option<SystemTime> {
+        self.clock.reached()
     }
 
     /// Events of one timestamp and ingestion time form a group (positions share their first
@@ -867,9 +897,13 @@ impl PagedSource for CloudWatchLogs {
             }
             // The first forward read of a cursor without a mark marks it: every event ingested
             // before now (less the allowance) is behind the cursor or ahead of it in this read.
+            // By the service's time (this answer's `Date`): without one, the cursor is marked by
+            // a later read.
             let audited = at.audited.or_else(|| {
                 (self.late_events.is_some() && at.audit.is_none())
-                    .then(|| crate::time::millis(crate::time::now()) - allowance_ms())
+                    .then(|| self.service_ms())
+                    .flatten()
+                    .map(|now| now - allowance_ms())
             });
             let next = LogCursor {
                 start: at.start,
@@ -905,7 +939,9 @@ impl PagedSource for CloudWatchLogs {
             return None;
         }
         let through = at.last?;
-        let now = crate::time::millis(crate::time::now());
+        // The service's time: a mark by a host clock ahead of it would vouch for events it has
+        // not ingested yet. Before an answer carried a date, nothing is audited.
+        let now = self.service_ms()?;
         let mark = now - allowance_ms();
         let then = LogCursor {
             audited: Some(at.audited.map_or(mark, |a| a.max(mark))),

@@ -84,6 +84,8 @@ pub const FILTER_LOG_EVENTS_PER_SECOND: f64 = 2.0;
 #[derive(Clone)]
 pub struct CloudWatchLogsFilter {
     client: Client,
+    /// The service's time, from the `Date` of its answers: polls end and close by it.
+    clock: Arc<crate::time::ServiceClock>,
     group: Arc<str>,
     name: Arc<str>,
     limit: i32,
@@ -110,8 +112,10 @@ impl CloudWatchLogsFilter {
     /// the lease table, its one partition `<group>`.
     pub fn new(client: Client, group: impl Into<String>) -> Self {
         let group: String = group.into();
+        let (client, clock) = super::cloudwatch::dated(&client);
         Self {
             client,
+            clock,
             name: format!("logs-by-time:{group}").into(),
             group: group.into(),
             limit: 10_000,
@@ -271,6 +275,10 @@ impl PagedSource for CloudWatchLogsFilter {
         &self.name
     }
 
+    fn service_time(&self) -> Option<std::time::SystemTime> {
+        self.clock.reached()
+    }
+
     fn contract(&self) -> Contract {
         Contract::default().timestamps(
             Timestamps::new(Traversal::Complete, Finality::Lateness(self.close_horizon))
@@ -373,7 +381,9 @@ impl PagedSource for CloudWatchLogsFilter {
     /// `after` yet) reads nothing, without asking, and proves nothing new.
     fn poll_after(&self, _partition: &str, after: Option<i64>) -> Option<Cursor> {
         let horizon = i64::try_from(self.close_horizon.as_millis()).unwrap_or(i64::MAX);
-        let end = crate::time::millis(crate::time::now())
+        // The service's time (the listing that found the group carried its first date).
+        let now = self.service_time().unwrap_or_else(crate::time::now);
+        let end = crate::time::millis(now)
             .saturating_sub(horizon)
             .saturating_add(1);
         let start = after.map(|a| a.saturating_add(1));

@@ -419,6 +419,14 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// A time the provider's clock has certainly reached, from its answers (the `Date` of the
+    /// newest, carried on by this host's clock since it arrived), for every time-based mark a
+    /// reader makes (a poll's start, an audit's mark). `None` (the default): the provider's
+    /// answers carry no time, and this host's clock stands in for it.
+    fn service_time(&self) -> Option<SystemTime> {
+        None
+    }
+
     /// For a source read by timestamp ([`Contract::timestamps`]): the cursor of a poll's first
     /// page, whose pages hold every event of `partition` strictly after `after` (ms since the Unix
     /// epoch; `None`: from the first event). `None` when the source cannot (the partition fails).

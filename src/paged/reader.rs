@@ -504,8 +504,13 @@ impl PollReader {
             }
             // Taken before the poll's first cursor is made: a source that bounds its polls by
             // time (`endTime`) bounds them at or after this, so what the poll proves does not
-            // reach past what it read.
-            let started_ms = crate::time::millis(crate::time::now());
+            // reach past what it read. The provider's time where it says (a host clock minutes
+            // ahead would otherwise prove what the provider has not yet ingested).
+            let started_ms = crate::time::millis(
+                self.source
+                    .service_time()
+                    .unwrap_or_else(crate::time::now),
+            );
             let Some(mut cursor) = self.source.poll_after(&self.partition, after) else {
                 let refused = FetchError::InvalidCursor(
                     "the source declares timestamps but cannot start a poll after one".into(),

@@ -158,9 +158,10 @@ pub(crate) fn dated(
     (aws_sdk_kinesis::Client::from_conf(config), clock)
 }
 
-/// Gives each answer's `Date` header, with the time it arrived, to a [`ServiceClock`].
+/// Gives each answer's `Date` header, with the time it arrived, to a [`ServiceClock`]: an
+/// interceptor for any AWS SDK client (Kinesis, CloudWatch Logs).
 #[derive(Debug)]
-struct ReadDate(Arc<ServiceClock>);
+pub(crate) struct ReadDate(pub(crate) Arc<ServiceClock>);
 
 impl Intercept for ReadDate {
     fn name(&self) -> &'static str {

@@ -21,6 +21,8 @@
 //!   5 requests/s, DescribeLogStreams 5 requests/s; past them `ThrottlingException`.
 //! - DeleteLogStream removes a stream and its events: reads of it answer
 //!   `ResourceNotFoundException`.
+//! - Every answer carries the service's time in its `Date` header, in whole seconds (HTTP's
+//!   date format), as every AWS API's does.
 //! - DescribeLogStreams: "The maximum number of items returned. If you don't specify a value, the
 //!   default is up to 50 items": pages of 50 streams and a `nextToken`.
 //! - PutRetentionPolicy: a group keeps events `retentionInDays` (none: never expire);
@@ -762,6 +764,11 @@ impl HttpConnector for Connector {
         response
             .headers_mut()
             .insert("content-type", "application/x-amz-json-1.1");
+        // The service's clock, in whole seconds, as every AWS answer carries it.
+        let date = aws_smithy_types::DateTime::from_millis(self.0.now())
+            .fmt(aws_smithy_types::date_time::Format::HttpDate)
+            .expect("an HTTP date");
+        response.headers_mut().insert("date", date);
         HttpConnectorFuture::ready(Ok(response))
     }
 }
