@@ -191,6 +191,73 @@ async fn a_deleted_stream_ends_its_partition_and_one_created_again_is_read_from_
     assert_eq!(handled, expected, "every event once");
 }
 
+/// A log stream deleted and created again under its name before the reader notices (5 s later,
+/// between two polls) is another stream: the token of the old one is refused, and the listing
+/// names the stream as before. The reader knows the stream by its name and its creation time:
+/// the old stream's partition ends, its row is deleted, and the new stream is read from its first
+/// event under a new row, older events (timestamps before the old stream's last) and newer ones
+/// alike. Before, the refused token was recovered from the old stream's last timestamp, so the
+/// new stream's older events were never asked for.
+#[tokio::test(start_paused = true)]
+async fn a_stream_created_again_under_its_name_is_read_whole_as_a_new_stream() {
+    let metrics = recorder::Metrics::default();
+    let _metrics = metrics::set_default_local_recorder(&metrics);
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 37);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    service.create_stream("s1");
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let mut expected = put_into(&service, "s0", 3);
+    expected.extend(put_into(&service, "s1", 3));
+    let running = consumer(&service, &store, &calls).await;
+    wait_for("the first events", Duration::from_secs(900), || {
+        calls.len() == 6
+    })
+    .await;
+
+    // Between two polls (5 minutes apart): deleted, and created again 5 s later with 20 events
+    // older than the old stream's last (2 hours old: beyond the late-event audit's window, so only
+    // a read of the new stream from its start finds them) and 20 newer.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    service.delete_stream("s1");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    service.create_stream("s1");
+    let now = service.now();
+    let batch: Vec<(i64, String)> = (0..20)
+        .map(|i| (now - 7_200_000 + i, format!("s1 again, older {i}")))
+        .chain((0..20).map(|i| (now - 1_000 + i, format!("s1 again, newer {i}"))))
+        .collect();
+    expected.extend(
+        service
+            .put("s1", &batch, Duration::ZERO)
+            .expect("accepted")
+            .into_iter()
+            .map(|e| e.id),
+    );
+    wait_for(
+        "the stream created again, read whole",
+        Duration::from_secs(1800),
+        || calls.len() == 46,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+
+    let mut handled = calls.ids();
+    handled.sort();
+    expected.sort();
+    assert_eq!(handled, expected, "every event once");
+    assert_eq!(
+        metrics.counter(
+            "shardwise_paged_partitions_recreated_total",
+            "logs:/app/orders"
+        ),
+        Some(1)
+    );
+}
+
 /// A poll of `FilterLogEvents` held up for more than a day (throttling that lasts) holds a
 /// `nextToken` the service refuses when it answers again. The source asks the poll's query again
 /// from its start: the attempt goes on under the same lease, and what it handed out already is
@@ -452,7 +519,11 @@ async fn late_events_are_found_under_a_host_clock_a_minute_ahead_of_the_service(
     handled.sort();
     expected.sort();
     let missing: Vec<&String> = expected.iter().filter(|e| !handled.contains(e)).collect();
-    assert!(missing.is_empty(), "{} never handed out: {missing:?}", missing.len());
+    assert!(
+        missing.is_empty(),
+        "{} never handed out: {missing:?}",
+        missing.len()
+    );
     assert_eq!(handled, expected, "every event once");
     assert_eq!(
         metrics.counter("shardwise_paged_late_events_total", "s0"),

@@ -933,7 +933,7 @@ async fn a_cloudwatch_log_group_is_read_stream_by_stream_without_skipping() {
         durable
             .resume_cursor
             .as_ref()
-            .is_some_and(|c| c.to_string().starts_with("v3|"))
+            .is_some_and(|c| c.to_string().starts_with("v4|"))
     );
     put_logs(&logs, &group, "web", base + 200, "o", 0..6).await;
     let w2 = run("w2").await.unwrap();

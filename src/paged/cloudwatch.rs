@@ -16,8 +16,20 @@
 //! reads that millisecond again to count them:
 //!
 //! ```text
-//! v3|<start ms>|<floor ms>|<timestamp>:<ingestion>:<place>:<digest>:<n>|<mark>|<audit>|<forward token>
+//! v4|<creation ms>|<start ms>|<floor ms>|<timestamp>:<ingestion>:<place>:<digest>:<n>|<mark>|<audit>|<forward token>
 //! ```
+//!
+//! (versions 1 to 3, written before, are still read). A log stream is its name and its
+//! `creationTime`: a stream can be deleted and created again under its name, and the new one is
+//! another stream. Each listing (DescribeLogStreams) keeps every stream's creation time, a cursor
+//! carries the one of the stream it reads, and a fetch whose cursor names another creation than
+//! the stream of that name has now (at once, when the listing saw it; or when the stream is not
+//! found or its token refused, asked for that stream alone) ends the partition
+//! ([`FetchError::Gone`](super::FetchError::Gone), `shardwise_paged_partitions_recreated_total`,
+//! a warning): its row is deleted once its deliveries settled, and the new stream is read from
+//! its first event under a row of its own. Before, the old cursor went on over the new stream: a
+//! refused token was recovered from the old stream's last timestamp, and the new stream's older
+//! events were never asked for.
 //!
 //! Exact repeats (the same timestamp, ingestion time and message) are told apart only by their
 //! order: when retention deletes one of them before a later one is read, the later one is handed
@@ -53,7 +65,11 @@
 //! - The forward cursor carries a **mark** `A`, an ingestion time: every event behind the cursor
 //!   ingested at or before `A`, and at most the window late, was handed out. The first forward
 //!   read marks a cursor with its start less [`AUDIT_ALLOWANCE`] (30 s: the delay before an
-//!   event can be read, and up to 10 s of clock skew).
+//!   event can be read, and the `Date` header's whole seconds). Every mark is made by the
+//!   service's time, from the `Date` of its answers, never this host's clock: a host a minute
+//!   ahead would vouch for a minute the service had not reached. Before an answer carried a date
+//!   nothing is marked or audited. An event that becomes readable more than the allowance after
+//!   its ingestion is not found by the audit (the API states no bound on that delay).
 //! - Every [`LATE_EVENT_AUDIT_INTERVAL`] (5 minutes), as each attempt starts (once its forward
 //!   read has passed the applied position it starts from, which the resume cursor, promoted at
 //!   page barriers, may lie behind: the audit covers what is behind the cursor it is given, and
@@ -192,6 +208,9 @@ pub struct CloudWatchLogs {
     client: Client,
     /// The service's time, from the `Date` of its answers: every mark is made by it.
     clock: Arc<ServiceClock>,
+    /// Each stream's `creationTime`, by name, from the newest listing (or look-up of one): a
+    /// stream is its name and its creation, since one can be deleted and created again.
+    created: Arc<std::sync::Mutex<HashMap<String, i64>>>,
     group: Arc<str>,
     name: Arc<str>,
     limit: i32,
@@ -227,6 +246,7 @@ impl CloudWatchLogs {
         Self {
             client,
             clock,
+            created: Arc::default(),
             name: format!("logs:{group}").into(),
             group: group.into(),
             limit: DEFAULT_PAGE_LIMIT,
@@ -296,6 +316,9 @@ impl CloudWatchLogs {
 /// What a cursor of this source holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct LogCursor {
+    /// The `creationTime` of the stream read: one deleted and created again under its name is
+    /// another stream, never read on from this cursor.
+    created: Option<i64>,
     /// `startTime` of every request of this traversal (a seek to a time, a recovery, an audit).
     start: Option<i64>,
     /// A seek's time: nothing before it is handed out, late or not.
@@ -348,7 +371,8 @@ impl LogCursor {
             format!("{}:{}", text(a.after), a.through.encode())
         });
         Cursor::new(format!(
-            "v3|{}|{}|{last}|{}|{audit}|{}",
+            "v4|{}|{}|{}|{last}|{}|{audit}|{}",
+            text(self.created),
             text(self.start),
             text(self.floor),
             text(self.audited),
@@ -418,6 +442,17 @@ impl LogCursor {
                 through,
             }))
         };
+        // Version 4 is version 3 with the stream's creation time first.
+        let (created, text) = match text.strip_prefix("v4|") {
+            Some(rest) => {
+                let (created, rest) = rest
+                    .split_once('|')
+                    .ok_or_else(|| format!("`{text}` is not a cursor of CloudWatch Logs"))?;
+                (number(created)?, format!("v3|{rest}"))
+            }
+            None => (None, text.to_string()),
+        };
+        let text = text.as_str();
         // The token comes last: whatever it holds, it cannot shift the fields before it. A
         // cursor of version 1 (before audits) has no mark and no audit.
         let (start, floor, last, audited, audit, token) = if text.starts_with("v1|") {
@@ -466,6 +501,7 @@ impl LogCursor {
             )
         };
         Ok(Self {
+            created,
             start: number(start)?,
             floor,
             token: (!token.is_empty()).then(|| token.to_string()),
@@ -522,6 +558,14 @@ fn refused(e: &SdkError<GetLogEventsError>) -> bool {
     matches!(
         e.as_service_error(),
         Some(GetLogEventsError::InvalidParameterException(_))
+    )
+}
+
+/// Whether the stream (or the group) does not exist.
+fn not_found(e: &SdkError<GetLogEventsError>) -> bool {
+    matches!(
+        e.as_service_error(),
+        Some(GetLogEventsError::ResourceNotFoundException(_))
     )
 }
 
@@ -675,6 +719,57 @@ impl CloudWatchLogs {
     fn service_ms(&self) -> Option<i64> {
         self.clock.reached().map(crate::time::millis)
     }
+
+    /// The creation time of the stream `partition` names, as the newest listing or look-up saw
+    /// it.
+    fn listed_creation(&self, partition: &str) -> Option<i64> {
+        self.created
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(partition)
+            .copied()
+    }
+
+    /// The creation time of the stream `partition` names now (`None`: there is none), asked of
+    /// the service for that stream alone (one DescribeLogStreams by its name), and remembered.
+    async fn creation_of(
+        &self,
+        partition: &str,
+    ) -> Result<Option<i64>, SdkError<DescribeLogStreamsError>> {
+        self.listings.acquire().await;
+        let page = self
+            .client
+            .describe_log_streams()
+            .log_group_name(self.group.as_ref())
+            .log_stream_name_prefix(partition)
+            .send()
+            .await?;
+        let created = page
+            .log_streams()
+            .iter()
+            .find(|s| s.log_stream_name() == Some(partition))
+            .and_then(|s| s.creation_time());
+        let mut known = self
+            .created
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match created {
+            Some(at) => known.insert(partition.to_string(), at),
+            None => known.remove(partition),
+        };
+        Ok(created)
+    }
+
+    /// The stream a cursor of `partition` read was deleted, and one of its name created since
+    /// (counted and logged once, by the forward read, not by an audit that meets it first).
+    fn recreated(&self, partition: &str, at: &LogCursor) -> FetchError {
+        if at.audit.is_some() {
+            return FetchError::Gone;
+        }
+        metrics::counter!("shardwise_paged_partitions_recreated_total", "source" => self.name.to_string()).increment(1);
+        warn!(source = %self.name, partition, "the log stream read was deleted and one of its name created since: the old one's partition ends, and the new stream is read from its start");
+        FetchError::Gone
+    }
 }
 
 impl PagedSource for CloudWatchLogs {
@@ -715,6 +810,7 @@ impl PagedSource for CloudWatchLogs {
             let patience = tokio::time::Instant::now() + LISTING_PATIENCE;
             let mut waits = Backoff::new(Duration::from_secs(5));
             let mut names = Vec::new();
+            let mut created = HashMap::new();
             let mut token: Option<String> = None;
             loop {
                 self.listings.acquire().await;
@@ -737,11 +833,14 @@ impl PagedSource for CloudWatchLogs {
                     Err(e) => return Err(failed(e)),
                 };
                 waits.reset();
-                names.extend(
-                    page.log_streams()
-                        .iter()
-                        .filter_map(|s| s.log_stream_name().map(str::to_string)),
-                );
+                for stream in page.log_streams() {
+                    if let Some(name) = stream.log_stream_name() {
+                        names.push(name.to_string());
+                        if let Some(at) = stream.creation_time() {
+                            created.insert(name.to_string(), at);
+                        }
+                    }
+                }
                 match page.next_token {
                     // The same token again would be a loop: the listing ends there.
                     Some(next) if token.as_ref() != Some(&next) => token = Some(next),
@@ -750,6 +849,11 @@ impl PagedSource for CloudWatchLogs {
             }
             names.sort();
             names.dedup();
+            // A complete listing: what it does not name no longer exists.
+            *self
+                .created
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = created;
             Ok(names)
         })
     }
@@ -764,6 +868,16 @@ impl PagedSource for CloudWatchLogs {
                 Some(c) => LogCursor::decode(c).map_err(|e| FetchError::InvalidCursor(e.into()))?,
                 None => LogCursor::default(),
             };
+            // The stream the cursor reads, by its creation time: a cursor without one (a first
+            // page, a seek, a cursor of an older version) takes the listed stream's.
+            let listed = self.listed_creation(partition);
+            match (at.created, listed) {
+                (Some(read), Some(now)) if read != now => {
+                    return Err(self.recreated(partition, &at));
+                }
+                (None, now) => at.created = now,
+                _ => {}
+            }
             if let Some(audit) = at.audit
                 && at
                     .start
@@ -776,6 +890,23 @@ impl PagedSource for CloudWatchLogs {
             // time returns up to it lies behind the cursor.
             let mut behind: Option<Last> = None;
             let output = match self.get_log_events(partition, &at).await {
+                // Not found, or its token refused: first, whether a stream of its name was
+                // created since (the one read is then gone for good).
+                Err(e) if not_found(&e) || (at.token.is_some() && refused(&e)) => {
+                    if let (Some(read), Ok(Some(now))) =
+                        (at.created, self.creation_of(partition).await)
+                        && read != now
+                    {
+                        return Err(self.recreated(partition, &at));
+                    }
+                    if not_found(&e) {
+                        return Err(fetch_error(e));
+                    }
+                    Err(e)
+                }
+                answer => answer,
+            };
+            let output = match output {
                 Err(e) if at.token.is_some() && refused(&e) => {
                     // An expired (or otherwise refused) token: read again from the last event's
                     // time, from the head, and go on after that event.
@@ -906,6 +1037,7 @@ impl PagedSource for CloudWatchLogs {
                     .map(|now| now - allowance_ms())
             });
             let next = LogCursor {
+                created: at.created,
                 start: at.start,
                 floor: at.floor,
                 // A token missing from the answer keeps the request's: fetched again after a
@@ -957,6 +1089,7 @@ impl PagedSource for CloudWatchLogs {
             None => through.timestamp.saturating_add(1),
         };
         let pages = LogCursor {
+            created: at.created,
             start: Some(start),
             floor: None,
             token: None,
@@ -1008,6 +1141,7 @@ mod tests {
                 ..LogCursor::default()
             },
             LogCursor {
+                created: Some(1_762_000_000_000),
                 start: None,
                 floor: Some(1_763_000_000_000),
                 token: Some(
@@ -1023,6 +1157,7 @@ mod tests {
                 audit: None,
             },
             LogCursor {
+                created: None,
                 start: Some(1_763_996_400_500),
                 floor: None,
                 token: Some("f/1".into()),
@@ -1058,6 +1193,7 @@ mod tests {
         assert_eq!(
             LogCursor::decode(&Cursor::new("v2|7|8|5|6|1|9|10:5:6:1|f/1")).unwrap(),
             LogCursor {
+                created: None,
                 start: Some(7),
                 floor: Some(8),
                 token: Some("f/1".into()),
@@ -1069,9 +1205,21 @@ mod tests {
                 }),
             }
         );
+        // Version 3 (no creation time) is read as a cursor of a stream of unknown creation.
+        assert_eq!(
+            LogCursor::decode(&Cursor::new("v3|7||5:6:1:00000000000000ff:0|||f/1")).unwrap(),
+            LogCursor {
+                start: Some(7),
+                token: Some("f/1".into()),
+                last: Some(last(5, 6, 1, Some((0xff, 0)))),
+                ..LogCursor::default()
+            }
+        );
         for bad in [
             "",
-            "v4||||||",
+            "v5||||||",
+            "v4|x||||||",
+            "v4",
             "v3|x|||||",
             "v3|||5:6|||",
             "v3|||5:6:0:zz:0|||f/1",

@@ -353,6 +353,12 @@ pub enum FetchError {
     /// The partition does not exist (any more).
     #[error("partition not found")]
     NotFound,
+    /// What the cursor reads is gone for good, though a partition of its name may exist: a log
+    /// stream deleted and created again under its name is another stream. The partition ends
+    /// (its row is deleted once every delivery settled), and the partition of that name now is
+    /// read from its start under a row of its own.
+    #[error("the partition the cursor reads is gone (another exists under its name)")]
+    Gone,
     /// The provider refused the cursor (expired, or not its own): the partition's attempt stops.
     #[error("cursor refused")]
     InvalidCursor(#[source] BoxError),

@@ -194,6 +194,10 @@ impl PageReader {
             };
             let page = match fetched {
                 Ok(page) => page,
+                Err(FetchError::Gone) => {
+                    let _ = pages.send(PageMessage::Gone).await;
+                    return;
+                }
                 Err(FetchError::NotFound) => {
                     let listed = tokio::select! {
                         biased;
@@ -374,7 +378,10 @@ impl PageReader {
             };
             let page = match fetched {
                 Ok(page) => page,
-                Err(error @ (FetchError::NotFound | FetchError::InvalidCursor(_))) => {
+                Err(
+                    error
+                    @ (FetchError::NotFound | FetchError::Gone | FetchError::InvalidCursor(_)),
+                ) => {
                     warn!(source = self.source.name(), partition = %self.partition, error = &error as &dyn std::error::Error, "the audit for late events cannot go on; it is given up until the next one");
                     return Audited::Done;
                 }
@@ -506,11 +513,8 @@ impl PollReader {
             // time (`endTime`) bounds them at or after this, so what the poll proves does not
             // reach past what it read. The provider's time where it says (a host clock minutes
             // ahead would otherwise prove what the provider has not yet ingested).
-            let started_ms = crate::time::millis(
-                self.source
-                    .service_time()
-                    .unwrap_or_else(crate::time::now),
-            );
+            let started_ms =
+                crate::time::millis(self.source.service_time().unwrap_or_else(crate::time::now));
             let Some(mut cursor) = self.source.poll_after(&self.partition, after) else {
                 let refused = FetchError::InvalidCursor(
                     "the source declares timestamps but cannot start a poll after one".into(),
@@ -528,7 +532,11 @@ impl PollReader {
                 };
                 let page = match fetched {
                     Ok(page) => page,
-                    Err(error @ (FetchError::NotFound | FetchError::InvalidCursor(_))) => {
+                    Err(
+                        error @ (FetchError::NotFound
+                        | FetchError::Gone
+                        | FetchError::InvalidCursor(_)),
+                    ) => {
                         let _ = polls.send(PollMessage::Failed(error)).await;
                         return;
                     }

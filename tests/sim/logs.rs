@@ -20,7 +20,10 @@
 //! - Quotas (Service Quotas, per account and Region): GetLogEvents 25 requests/s, FilterLogEvents
 //!   5 requests/s, DescribeLogStreams 5 requests/s; past them `ThrottlingException`.
 //! - DeleteLogStream removes a stream and its events: reads of it answer
-//!   `ResourceNotFoundException`.
+//!   `ResourceNotFoundException`; a stream created again under its name is a new stream (its
+//!   `creationTime` in DescribeLogStreams), and a token of the one deleted is refused with
+//!   `InvalidParameterException` (the API reference does not say; the case the consumer must
+//!   survive).
 //! - Every answer carries the service's time in its `Date` header, in whole seconds (HTTP's
 //!   date format), as every AWS API's does.
 //! - DescribeLogStreams: "The maximum number of items returned. If you don't specify a value, the
@@ -103,9 +106,11 @@ impl LogEvent {
 
 #[derive(Debug)]
 enum Token {
-    /// GetLogEvents: the events of `stream` after `after` (and at or after `start`).
+    /// GetLogEvents: the events of `stream` after `after` (and at or after `start`), the stream
+    /// created at `created`: one deleted and created again under its name refuses it.
     Forward {
         stream: String,
+        created: i64,
         start: Option<i64>,
         after: Option<(i64, i64, u64)>,
         issued: i64,
@@ -509,10 +514,11 @@ impl State {
             Some(name) => match self.tokens.get(name) {
                 Some(Token::Forward {
                     stream: s,
+                    created,
                     start,
                     after,
                     issued,
-                }) if *s == stream => {
+                }) if *s == stream && self.created.get(&stream) == Some(created) => {
                     if now - issued >= TOKEN_LIFETIME.as_millis() as i64 {
                         return self.expired();
                     }
@@ -556,6 +562,7 @@ impl State {
             (None, Some(given)) => given,
             (last, _) => self.mint(
                 Token::Forward {
+                    created: self.created.get(&stream).copied().unwrap_or_default(),
                     stream,
                     start,
                     after: last.map(LogEvent::key).or(after),
@@ -716,10 +723,12 @@ impl State {
         let after = request["nextToken"]
             .as_str()
             .map(|t| t.trim_start_matches("d/"));
+        let prefix = request["logStreamNamePrefix"].as_str().unwrap_or_default();
         let names: Vec<&String> = self
             .streams
             .keys()
             .filter(|name| after.is_none_or(|a| name.as_str() > a))
+            .filter(|name| name.starts_with(prefix))
             .collect();
         let page = &names[..limit.min(names.len())];
         let streams: Vec<Value> = page

@@ -10,7 +10,7 @@
 //! its calls, or the roster item) for 2 to 20 minutes. The service's tokens expire after 24
 //! hours, pages stop at 10,000 events or 1 MB, and GetLogEvents is throttled past 25 requests/s.
 //! Every worker runs on a host of its own whose wall clock is up to 9 s ahead or behind the
-//! service's and drifts up to 10 ppm (`testing::HostClock`). Each line logged is its own (a
+//! service's, in one seed in three up to 5 minutes, and drifts up to 10 ppm (`testing::HostClock`). Each line logged is its own (a
 //! random id); a third of a batch's lines after its first share the millisecond before them, so
 //! groups of one timestamp and ingestion time are common, and one batch in ten repeats a line
 //! exactly in one millisecond.
@@ -323,8 +323,20 @@ impl World {
         });
         let store = Arc::new(Layered::new(Arc::new(store), watchdog));
         let workers = rng.random_range(1..=3);
+        // In one seed in three the hosts are minutes off the service's clock (up to 5 minutes
+        // ahead or behind), drawn apart from the other decisions so the other seeds stay as they
+        // were.
+        let mut far = StdRng::seed_from_u64(seed ^ 0x0c10_c4ed);
+        let minutes_off = far.random_bool(1.0 / 3.0);
         let clocks = (0..workers)
-            .map(|_| (rng.random_range(-9_000..=9_000), rng.random_range(-10..=10)))
+            .map(|_| {
+                let near = (rng.random_range(-9_000..=9_000), rng.random_range(-10..=10));
+                if minutes_off {
+                    (far.random_range(-300_000..=300_000), near.1)
+                } else {
+                    near
+                }
+            })
             .collect();
         let mut world = Self {
             seed,
