@@ -5,7 +5,8 @@
 //! The seed lays out the week as phases: bursts of `PutLogEvents` batches into the group's streams,
 //! quiet hours and quiet days, outages of the whole fleet (up to 30 hours, one in four 2 to 4
 //! days: the fleet comes back among events the group's retention is deleting), workers that crash,
-//! stop and start, streams created and deleted, batches of late events (timestamps up to 13 days
+//! stop and start, streams created and deleted (half of those deleted created again at once under
+//! their name), batches of late events (timestamps up to 13 days
 //! old), account-wide throttling that lasts minutes, and lease-table throttling (all of it, half
 //! its calls, or the roster item) for 2 to 20 minutes. The service's tokens expire after 24
 //! hours, pages stop at 10,000 events or 1 MB, and GetLogEvents is throttled past 25 requests/s.
@@ -243,6 +244,9 @@ struct World {
     /// In half the seeds the handler applies an effect per event with a receipt, the group has
     /// a retention and the ledger's receipts are deleted by TTL.
     ledger: Option<Ledger>,
+    /// Whether a deleted stream is created again under its name at once (half of them), drawn
+    /// apart from the other decisions.
+    again: StdRng,
 }
 
 /// The receipt ledger of a seed with effects.
@@ -352,6 +356,7 @@ impl World {
             clocks,
             memory,
             ledger,
+            again: StdRng::seed_from_u64(seed ^ 0x0a9a_1e5e),
         };
         for _ in 0..world.rng.random_range(1..=3) {
             world.create_stream();
@@ -713,6 +718,13 @@ impl World {
                         for event in gone {
                             deleted.insert(format!("{stream}/{}", event.id));
                             deleted.insert(event.event_id);
+                        }
+                        drop(deleted);
+                        // Half the time a stream of its name is created again at once: another
+                        // stream, which its readers must read from its first event.
+                        if self.again.random_bool(0.5) {
+                            self.service.create_stream(&stream);
+                            self.event(format!("create {stream} again"));
                         }
                     }
                 }
