@@ -583,7 +583,10 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Handles a batch: deliveries of one lane of one shard, in shard order, so the deliveries of
     /// one partition key among them are in order. Returns one outcome per delivery, in the same
-    /// order; a delivery without one (a shorter answer) is retried. The default runs
+    /// order; a delivery without one (a shorter answer) is retried. No outcome at all says the
+    /// batch failed as a whole, as a panic does: with
+    /// [`Batching::bisect_on_failure`] it is handled again in halves, otherwise every delivery
+    /// is retried. The default runs
     /// [`handle`](Self::handle) on each in turn. Cancelled as `handle` is.
     fn handle_batch(&self, batch: Vec<Delivery>) -> impl Future<Output = Vec<Outcome>> + Send {
         async move {
@@ -621,8 +624,8 @@ impl Batching {
         }
     }
 
-    /// A batch whose call fails as a whole (the handler panics, or runs past `handler_timeout`)
-    /// is handled again in halves, one after the other, each half that fails split again, down
+    /// A batch whose call fails as a whole (the handler panics, runs past `handler_timeout`, or
+    /// answers with no outcome at all) is handled again in halves, one after the other, each half that fails split again, down
     /// to the single delivery that fails, which then takes the retry way alone (Lambda's
     /// `BisectBatchOnFunctionError`). The outcomes of the halves that succeed stand: those
     /// deliveries settle and are not handled again (they may have been handed to the failed

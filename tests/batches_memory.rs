@@ -367,63 +367,71 @@ async fn records_older_than_the_maximum_age_are_dead_lettered_or_dropped_unhandl
 /// second attempt and dropped, as `on_spent` says), and the checkpoint reaches the end.
 #[tokio::test(start_paused = true)]
 async fn a_failed_batch_is_bisected_down_to_its_poison_record() {
-    let stream = MemoryStream::new("orders", 1);
-    let sink = MemoryStreams::new([stream.clone()]);
-    let store = MemoryLeaseStore::new();
-    let (n, poison) = (100u64, 37u64);
-    for id in 0..n {
-        stream.put(&format!("key-{}", id % 7), id.to_string());
-    }
-    // Each call: the ids it got, and whether it answered (false: it panicked).
-    type Calls = Arc<Mutex<Vec<(Vec<u64>, bool)>>>;
-    let calls: Calls = Arc::default();
-    let seen = calls.clone();
-    let handler = move |batch: Vec<Delivery>| {
-        let seen = seen.clone();
-        async move {
-            let ids: Vec<u64> = batch.iter().map(id_of).collect();
-            let fails = ids.contains(&poison);
-            seen.lock().unwrap().push((ids, !fails));
-            if fails {
-                panic!("poison record {poison}");
-            }
-            vec![Outcome::Ack; batch.len()]
+    // A batch fails as a whole by panicking, or by answering no outcome at all (a Lambda
+    // function that raised, through `--exec`).
+    for answers_nothing in [false, true] {
+        let stream = MemoryStream::new("orders", 1);
+        let sink = MemoryStreams::new([stream.clone()]);
+        let store = MemoryLeaseStore::new();
+        let (n, poison) = (100u64, 37u64);
+        for id in 0..n {
+            stream.put(&format!("key-{}", id % 7), id.to_string());
         }
-    };
-    let batching = Batching::new(100, Duration::from_secs(1)).bisect_on_failure(true);
-    let running = consumer(&stream, &sink, &store, Batched::new(handler, batching))
-        .retries(shardwise::consumer::RetryMode::InPlace)
-        .max_attempts(NonZeroU32::new(2).unwrap())
-        .on_spent(shardwise::consumer::OnSpent::Drop)
-        .build()
-        .unwrap()
-        .run()
-        .await
-        .unwrap();
-    let last = stream.records().last().unwrap().record.sequence;
-    wait_for("everything settled", Duration::from_secs(30), || {
-        store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
-    })
-    .await;
-    running.shutdown(Duration::from_secs(2)).await;
-    let calls = calls.lock().unwrap().clone();
-    assert_eq!(calls[0].0.len(), 100, "one batch of 100 first: {calls:?}");
-    let failed: Vec<usize> = calls
-        .iter()
-        .filter(|(_, answered)| !answered)
-        .map(|(ids, _)| ids.len())
-        .collect();
-    // The whole batch, each split's failing half down to the poison alone, then its second
-    // attempt, alone too.
-    assert_eq!(failed.first(), Some(&100));
-    let splits = failed.iter().skip(1).take_while(|len| **len > 1).count() + 1;
-    assert!(splits <= 7, "{splits} splits: {failed:?}");
-    assert_eq!(&failed[failed.len() - 2..], [1, 1], "{failed:?}");
-    for id in (0..n).filter(|id| *id != poison) {
-        let answered = calls
+        // Each call: the ids it got, and whether it answered (false: it panicked).
+        type Calls = Arc<Mutex<Vec<(Vec<u64>, bool)>>>;
+        let calls: Calls = Arc::default();
+        let seen = calls.clone();
+        let handler = move |batch: Vec<Delivery>| {
+            let seen = seen.clone();
+            async move {
+                let ids: Vec<u64> = batch.iter().map(id_of).collect();
+                let fails = ids.contains(&poison);
+                seen.lock().unwrap().push((ids, !fails));
+                if fails {
+                    if answers_nothing {
+                        // No outcome at all: the batch failed as a whole.
+                        return Vec::new();
+                    }
+                    panic!("poison record {poison}");
+                }
+                vec![Outcome::Ack; batch.len()]
+            }
+        };
+        let batching = Batching::new(100, Duration::from_secs(1)).bisect_on_failure(true);
+        let running = consumer(&stream, &sink, &store, Batched::new(handler, batching))
+            .retries(shardwise::consumer::RetryMode::InPlace)
+            .max_attempts(NonZeroU32::new(2).unwrap())
+            .on_spent(shardwise::consumer::OnSpent::Drop)
+            .build()
+            .unwrap()
+            .run()
+            .await
+            .unwrap();
+        let last = stream.records().last().unwrap().record.sequence;
+        wait_for("everything settled", Duration::from_secs(30), || {
+            store.snapshot()[0].checkpoint == Checkpoint::At(Position::new(last, 0))
+        })
+        .await;
+        running.shutdown(Duration::from_secs(2)).await;
+        let calls = calls.lock().unwrap().clone();
+        assert_eq!(calls[0].0.len(), 100, "one batch of 100 first: {calls:?}");
+        let failed: Vec<usize> = calls
             .iter()
-            .filter(|(ids, answered)| *answered && ids.contains(&id))
-            .count();
-        assert_eq!(answered, 1, "id {id} settled from one half: {calls:?}");
+            .filter(|(_, answered)| !answered)
+            .map(|(ids, _)| ids.len())
+            .collect();
+        // The whole batch, each split's failing half down to the poison alone, then its second
+        // attempt, alone too.
+        assert_eq!(failed.first(), Some(&100));
+        let splits = failed.iter().skip(1).take_while(|len| **len > 1).count() + 1;
+        assert!(splits <= 7, "{splits} splits: {failed:?}");
+        assert_eq!(&failed[failed.len() - 2..], [1, 1], "{failed:?}");
+        for id in (0..n).filter(|id| *id != poison) {
+            let answered = calls
+                .iter()
+                .filter(|(ids, answered)| *answered && ids.contains(&id))
+                .count();
+            assert_eq!(answered, 1, "id {id} settled from one half: {calls:?}");
+        }
     }
 }

@@ -323,6 +323,18 @@ pub(crate) struct Args {
     #[arg(long, env = "SHARDWISE_BATCH_WAIT", value_name = "DURATION", value_parser = humantime::parse_duration, requires = "handler_program")]
     batch_wait: Option<Duration>,
 
+    /// With --exec and batches (Lambda's format, or --batch): a batch that fails as a whole (a
+    /// Lambda function that raises; in shardwise's format, an answer with no outcomes) is handled
+    /// again in halves, each failing half split again down to the record that fails, which alone
+    /// takes the retry path; the halves that succeed settle (Lambda's BisectBatchOnFunctionError:
+    /// a batch of N finds its poison record in log2(N) splits). Off by default, as in Lambda.
+    #[arg(
+        long,
+        env = "SHARDWISE_BISECT_BATCH_ON_ERROR",
+        requires = "handler_program"
+    )]
+    bisect_batch_on_error: bool,
+
     /// How long one delivery (or batch) may take. The built-in handler's delivery then takes the
     /// retry path; with --exec the program is restarted and gets the delivery again (and after
     /// three restarts with it in flight, it takes the retry path). A Lambda handler's context
@@ -1190,7 +1202,7 @@ fn batching(args: &Args, lambda: bool) -> Option<Batching> {
     } else {
         BATCH_WAIT
     });
-    Some(Batching::new(size, wait))
+    Some(Batching::new(size, wait).bisect_on_failure(args.bisect_batch_on_error))
 }
 
 /// Where Lambda's event says its records come from: the stream's ARN as Kinesis gives it (or,
@@ -1285,6 +1297,12 @@ impl<H: Handler> Handler for Printing<H> {
 
     async fn handle_batch(&self, batch: Vec<Delivery>) -> Vec<Outcome> {
         let outcomes = self.inner.handle_batch(batch.clone()).await;
+        if outcomes.is_empty() {
+            // The batch failed as a whole: each of its deliveries failed this call.
+            for d in &batch {
+                self.printer.handled(d, &Outcome::Retry);
+            }
+        }
         for (d, o) in batch.iter().zip(&outcomes) {
             self.printer.handled(d, o);
         }

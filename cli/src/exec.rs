@@ -496,6 +496,11 @@ fn outcomes_of(answer: &Answer, expect: &Expect) -> Result<Vec<Outcome>, String>
                     }
                 }
             }
+            // A batch that failed as a whole answers no outcome: the lane retries every record,
+            // or, with --bisect-batch-on-error, handles the batch again in halves.
+            if read.batch_failed.is_some() {
+                return Ok(Vec::new());
+            }
             return Ok(read.outcomes);
         }
     };

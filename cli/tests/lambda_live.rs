@@ -530,6 +530,89 @@ export const handler = async (event, context) => {{
     );
 }
 
+/// `--bisect-batch-on-error` (Lambda's BisectBatchOnFunctionError): a function that raises while
+/// its batch holds a poison record (ids `% 20 == 7`, until each has failed alone) has the batch
+/// handled again in halves, each failing half split again, down to the poison record alone, which
+/// alone takes the retry path. The halves without it settle: no other record is ever retried.
+/// Without the flag every record of a raising batch is retried (the test below).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raising_batch_is_bisected_down_to_its_poison_record() {
+    let dir = scratch("lambda-bisect");
+    let notes = dir.join("batches.jsonl");
+    let function = format!(
+        r#"import base64, json
+
+ALONE = set()
+
+
+def handler(event, context):
+    ids = [json.loads(base64.b64decode(r["kinesis"]["data"]))["id"] for r in event["Records"]]
+    # A poison record fails every call until it has failed alone once.
+    poison = [i for i in ids if i % 20 == 7 and i not in ALONE]
+    if ids == poison:
+        ALONE.update(poison)
+    with open({notes:?}, "a") as notes:
+        notes.write(json.dumps({{"ids": ids, "raised": bool(poison)}}) + "\n")
+    if poison:
+        raise ValueError("cannot handle %s" % poison)
+"#,
+        notes = notes.display().to_string()
+    );
+    std::fs::write(dir.join("poison.py"), function).unwrap();
+    let dir_arg = dir.display().to_string();
+    let (lines, _) = consume_all(
+        "lambda-bisect",
+        KEYS,
+        &[
+            "--lambda-handler",
+            "poison.handler",
+            "--lambda-dir",
+            &dir_arg,
+            "--bisect-batch-on-error",
+        ],
+    )
+    .await;
+    assert_acked_once_in_order(&lines, KEYS);
+    let poison: BTreeSet<u64> = (0..RECORDS).filter(|i| i % 20 == 7).collect();
+    let batches = noted(&notes);
+    assert!(
+        batches.iter().any(|b| b.raised && b.ids.len() > 1),
+        "a batch of several raised: {batches:?}"
+    );
+    assert_eq!(
+        retried(&lines),
+        to_retry(&batches),
+        "each record of a raising call failed that call"
+    );
+    // A raising batch of several is handled again at once as its halves, the front half first.
+    for (at, batch) in batches.iter().enumerate() {
+        if batch.raised && batch.ids.len() > 1 {
+            let front = &batch.ids[..batch.ids.len() / 2];
+            assert!(
+                batches[at + 1..].iter().any(|b| b.ids == front),
+                "{:?} raised and was not handled again as its front half {front:?}: {batches:?}",
+                batch.ids
+            );
+        }
+    }
+    // Every record not poison settled without ever failing alone.
+    for b in batches.iter().filter(|b| b.raised && b.ids.len() == 1) {
+        assert!(poison.contains(&b.ids[0]), "{:?} failed alone", b.ids);
+    }
+    // Each poison record failed alone at least once: the halving reached it.
+    for id in &poison {
+        assert!(
+            batches.iter().any(|b| b.raised && b.ids == [*id]),
+            "{id} never alone: {batches:?}"
+        );
+    }
+    eprintln!(
+        "bisect: {} invocations, {} raised",
+        batches.len(),
+        batches.iter().filter(|b| b.raised).count()
+    );
+}
+
 /// A function that raises fails its whole batch: every record of it is retried (in place, in
 /// order), the traceback reaches the log.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -670,10 +670,10 @@ fn age_past(delivery: &Delivery, max: Duration) -> Option<Duration> {
     (age > max).then_some(age)
 }
 
-/// Runs a batch handler on one batch: one outcome per delivery. A panic or a timeout fails the
-/// whole batch: each delivery is a retry, or, with `bisect` ([`Batching::bisect_on_failure`]),
-/// the batch is handled again in halves, one after the other, down to the delivery that fails;
-/// the outcomes of the halves that succeed stand.
+/// Runs a batch handler on one batch: one outcome per delivery. A panic, a timeout or an answer
+/// with no outcome at all fails the whole batch: each delivery is a retry, or, with `bisect`
+/// ([`Batching::bisect_on_failure`]), the batch is handled again in halves, one after the other,
+/// down to the delivery that fails; the outcomes of the halves that succeed stand.
 fn run_batch<'a, H: Handler>(
     handler: &'a H,
     batch: Vec<Delivery>,
@@ -686,7 +686,13 @@ fn run_batch<'a, H: Handler>(
         let first = batch[0].clone();
         let halves = (bisect && n > 1).then(|| batch.clone());
         let call = async { handler.handle_batch(batch).await };
-        match guarded(&first, n, settings, durations, call).await {
+        let answer = guarded(&first, n, settings, durations, call)
+            .await
+            // No outcome at all: the batch failed as a whole (a Lambda function that raised).
+            .filter(|outcomes| !(outcomes.is_empty() && halves.is_some()));
+        match answer {
+            // Failed as a whole, not bisected: every delivery is a retry.
+            Some(outcomes) if outcomes.is_empty() => vec![Outcome::Retry; n],
             Some(mut outcomes) => {
                 if outcomes.len() != n {
                     warn!(
