@@ -1145,43 +1145,19 @@ async fn copies_to_a_retry_stream_are_read_from_it_and_never_reach_the_stream_re
 
 /// The records of `stream`'s one shard as (sequence number, `x-ruststream-retry-count`).
 async fn read_copies(live: &support::Live, stream: &str) -> Vec<(String, String)> {
-    let mut iterator = live
-        .kinesis
-        .get_shard_iterator()
-        .stream_name(stream)
-        .shard_id("shardId-000000000000")
-        .shard_iterator_type(aws_sdk_kinesis::types::ShardIteratorType::TrimHorizon)
-        .send()
+    read_records(live, stream, "shardId-000000000000")
         .await
-        .expect("GetShardIterator")
-        .shard_iterator
-        .expect("an iterator");
-    let mut out = Vec::new();
-    loop {
-        let page = live
-            .kinesis
-            .get_records()
-            .shard_iterator(&iterator)
-            .send()
-            .await
-            .expect("GetRecords");
-        for r in page.records() {
-            let decoded =
-                shardwise::envelope::decode(bytes::Bytes::copy_from_slice(r.data().as_ref()));
+        .into_iter()
+        .map(|(sequence, data)| {
+            let decoded = shardwise::envelope::decode(bytes::Bytes::from(data));
             let count = decoded
                 .headers
                 .get_str(shardwise::envelope::RETRY_COUNT_HEADER)
                 .unwrap_or("none")
                 .to_string();
-            out.push((r.sequence_number().to_string(), count));
-        }
-        match page.next_shard_iterator() {
-            Some(next) if page.millis_behind_latest() != Some(0) || !page.records().is_empty() => {
-                iterator = next.to_string();
-            }
-            _ => return out,
-        }
-    }
+            (sequence, count)
+        })
+        .collect()
 }
 
 /// `retry_after` keeps the original unsettled until its copy is written: a `kill -9` during the

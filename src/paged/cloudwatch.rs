@@ -530,12 +530,8 @@ fn millis(time: SystemTime) -> i64 {
 /// every mark is made by (a host clock a minute ahead would mark as read what the service has not
 /// yet ingested).
 pub(super) fn dated(client: &Client) -> (Client, Arc<ServiceClock>) {
-    let clock = Arc::new(ServiceClock::default());
-    let config = client
-        .config()
-        .to_builder()
-        .interceptor(ReadDate(Arc::clone(&clock)))
-        .build();
+    let (read_date, clock) = ReadDate::new();
+    let config = client.config().to_builder().interceptor(read_date).build();
     (Client::from_conf(config), clock)
 }
 

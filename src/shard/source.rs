@@ -149,19 +149,23 @@ impl KinesisRecords {
 pub(crate) fn dated(
     client: &aws_sdk_kinesis::Client,
 ) -> (aws_sdk_kinesis::Client, Arc<ServiceClock>) {
-    let clock = Arc::new(ServiceClock::default());
-    let config = client
-        .config()
-        .to_builder()
-        .interceptor(ReadDate(Arc::clone(&clock)))
-        .build();
+    let (read_date, clock) = ReadDate::new();
+    let config = client.config().to_builder().interceptor(read_date).build();
     (aws_sdk_kinesis::Client::from_conf(config), clock)
 }
 
 /// Gives each answer's `Date` header, with the time it arrived, to a [`ServiceClock`]: an
 /// interceptor for any AWS SDK client (Kinesis, CloudWatch Logs).
 #[derive(Debug)]
-pub(crate) struct ReadDate(pub(crate) Arc<ServiceClock>);
+pub(crate) struct ReadDate(Arc<ServiceClock>);
+
+impl ReadDate {
+    /// An interceptor for a client, and the clock it keeps.
+    pub(crate) fn new() -> (Self, Arc<ServiceClock>) {
+        let clock = Arc::new(ServiceClock::default());
+        (Self(Arc::clone(&clock)), clock)
+    }
+}
 
 impl Intercept for ReadDate {
     fn name(&self) -> &'static str {

@@ -712,6 +712,22 @@ pub fn secs(d: Duration) -> f64 {
 
 /// Every record of one shard in order: (sequence, id).
 pub async fn read_shard(live: &support::Live, stream: &str, shard: &str) -> Vec<(String, u64)> {
+    read_records(live, stream, shard)
+        .await
+        .into_iter()
+        .map(|(sequence, data)| {
+            let data: Value = serde_json::from_slice(&data).expect("JSON data");
+            (sequence, data["id"].as_u64().expect("an id"))
+        })
+        .collect()
+}
+
+/// Every record of one shard in order: (sequence, data).
+pub async fn read_records(
+    live: &support::Live,
+    stream: &str,
+    shard: &str,
+) -> Vec<(String, Vec<u8>)> {
     let mut iterator = live
         .kinesis
         .get_shard_iterator()
@@ -734,11 +750,7 @@ pub async fn read_shard(live: &support::Live, stream: &str, shard: &str) -> Vec<
             .await
             .expect("GetRecords");
         for r in page.records() {
-            let data: Value = serde_json::from_slice(r.data().as_ref()).expect("JSON data");
-            out.push((
-                r.sequence_number().to_owned(),
-                data["id"].as_u64().expect("an id"),
-            ));
+            out.push((r.sequence_number().to_owned(), r.data().as_ref().to_vec()));
         }
         if page.records().is_empty() && page.millis_behind_latest() == Some(0) {
             return out;
