@@ -896,28 +896,23 @@ impl PagedSource for CloudWatchLogs {
                         return Err(self.recreated(partition, &at));
                     }
                     if not_found(&e) {
-                        return Err(fetch_error(e));
+                        Err(e)
+                    } else {
+                        // An expired (or otherwise refused) token: read again from the last
+                        // event's time, from the head, and go on after that event.
+                        let from = at.last.map(|l| l.timestamp).or(at.start);
+                        warn!(source = %self.name, partition, from, audit = at.audit.is_some(), error = %DisplayErrorContext(&e), "the service refused the cursor's token; reading the stream again from the last event's time");
+                        metrics::counter!("shardwise_paged_cursor_recoveries_total", "source" => self.name.to_string()).increment(1);
+                        behind = at.last;
+                        at = LogCursor {
+                            start: from,
+                            token: None,
+                            // The read starts at a group's first event: names are counted afresh.
+                            last: None,
+                            ..at
+                        };
+                        self.get_log_events(partition, &at).await
                     }
-                    Err(e)
-                }
-                answer => answer,
-            };
-            let output = match output {
-                Err(e) if at.token.is_some() && refused(&e) => {
-                    // An expired (or otherwise refused) token: read again from the last event's
-                    // time, from the head, and go on after that event.
-                    let from = at.last.map(|l| l.timestamp).or(at.start);
-                    warn!(source = %self.name, partition, from, audit = at.audit.is_some(), error = %DisplayErrorContext(&e), "the service refused the cursor's token; reading the stream again from the last event's time");
-                    metrics::counter!("shardwise_paged_cursor_recoveries_total", "source" => self.name.to_string()).increment(1);
-                    behind = at.last;
-                    at = LogCursor {
-                        start: from,
-                        token: None,
-                        // The read starts at a group's first event: names are counted afresh.
-                        last: None,
-                        ..at
-                    };
-                    self.get_log_events(partition, &at).await
                 }
                 answer => answer,
             }
