@@ -17,7 +17,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use calls::Calls;
 use logs::LogsService;
-use shardwise::lease::{LeaseSettings, MemoryLeaseStore};
+use shardwise::lease::{Checkpoint, LeaseSettings, LeaseStore, MemoryLeaseStore, NewLease};
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagePosition, PagedSource};
 use shardwise::receipts::MemoryReceipts;
 use shardwise::testing::{HostClock, on_host};
@@ -256,6 +256,58 @@ async fn a_stream_created_again_under_its_name_is_read_whole_as_a_new_stream() {
         ),
         Some(1)
     );
+}
+
+/// Streams' rows left at SHARD_END by owners that ended them as gone and stopped or failed a
+/// write (a throttled call) before deleting them, while the streams were created again under
+/// their names: one held by nobody (the deletion failed), one still naming this worker id (its
+/// release failed, or it was killed: this process does not hold it), one naming a worker that
+/// died. Scans delete them (the last once its counter stood still for a lease duration) and the
+/// sync makes new rows: every stream is read whole. Before, nothing deleted such rows (no worker
+/// takes an ended row) and the streams were never read again: long logs seeds 35 (a release
+/// throttled) and 149 (a deletion throttled).
+#[tokio::test(start_paused = true)]
+async fn streams_listed_again_over_rows_left_at_shard_end_by_gone_partitions_are_read_whole() {
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 41);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let mut expected = Vec::new();
+    for (stream, owner) in [("s0", None), ("s1", Some("w1")), ("s2", Some("w-dead"))] {
+        service.create_stream(stream);
+        expected.extend(put_into(&service, stream, 3));
+        let left = NewLease {
+            stream: "logs:/app/orders".into(),
+            shard_id: stream.into(),
+            checkpoint: Checkpoint::ShardEnd,
+            parents: Vec::new(),
+        };
+        assert!(store.create(&left).await.unwrap());
+        if let Some(owner) = owner {
+            let row = store
+                .snapshot()
+                .into_iter()
+                .find(|r| r.shard_id == stream)
+                .unwrap();
+            store.take(&row, owner).await.unwrap().expect("taken");
+        }
+    }
+    let running = consumer(&service, &store, &calls).await;
+    wait_for("the streams' new rows", Duration::from_secs(900), || {
+        calls.len() == 9
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+
+    let mut handled = calls.ids();
+    handled.sort();
+    expected.sort();
+    assert_eq!(handled, expected, "every event of every stream once");
+    for row in store.snapshot() {
+        assert_ne!(row.checkpoint, Checkpoint::ShardEnd, "a new row: {row:?}");
+    }
 }
 
 /// A poll of `FilterLogEvents` held up for more than a day (throttling that lasts) holds a

@@ -1463,7 +1463,7 @@ async fn on_exit(
         }
         Ok(Exit::Gone(o)) => {
             if let Err(e) = manager.partition_gone(&o).await {
-                warn!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "deleting the row of a partition that is gone failed; it stays at SHARD_END (syncs delete only rows with lineage)");
+                warn!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "deleting the row of a partition that is gone failed; a later scan deletes it");
             }
         }
         Ok(Exit::Stopped(o)) if !stopping => {

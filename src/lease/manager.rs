@@ -645,8 +645,8 @@ impl LeaseManager {
     /// stream): releases the lease at SHARD_END, then deletes its row, conditioned on it being
     /// unchanged since (at SHARD_END, the counter read). A partition created again under the same
     /// name then gets a new row at the next sync and is read from its start. A row left behind
-    /// (this worker stopped between the two writes) stays at SHARD_END: syncs delete only rows
-    /// with lineage (an ended paged partition's row is a frontier member's seal).
+    /// (this worker stopped between the two writes, or one failed) is deleted by a later scan
+    /// ([`Contract::names_reused`](crate::paged::Contract)).
     pub async fn partition_gone(&self, ownership: &Ownership) -> Result<(), Error> {
         self.shard_ended(ownership).await?;
         self.inner.failing().remove(&ownership.shard_id);
@@ -1295,10 +1295,49 @@ impl Inner {
         if self.taking.is_cancelled() || self.liveness.silent() {
             return Ok(false);
         }
+        if self.shards.names_reused() {
+            self.delete_left_by_gone(&rows, &observed.judged).await;
+        }
         let (plan, awaited) = self.plan(&rows, &observed.judged, now);
         let settling = plan.settling || awaited > 0 || observed.lost_some || observed.judging;
         let put_off = self.execute(plan.takes, &rows, now).await;
         Ok(settling || put_off)
+    }
+
+    /// Deletes the rows of gone partitions left at SHARD_END ([`planner::left_by_gone`]), then
+    /// syncs: a name the source lists again gets a new row and is read from its start.
+    async fn delete_left_by_gone(&self, rows: &[Lease], judged: &[(bool, bool)]) {
+        let held: HashSet<String> = self
+            .leases()
+            .holding()
+            .map(|h| h.ownership.shard_id.clone())
+            .collect();
+        let seen: Vec<Seen<'_>> = rows
+            .iter()
+            .zip(judged)
+            .map(|(lease, &(expired, neglected))| Seen {
+                lease,
+                expired,
+                neglected,
+            })
+            .collect();
+        let mut deleted = 0;
+        for row in planner::left_by_gone(&self.worker, &seen, &held) {
+            match self.store.delete(row).await {
+                Ok(true) => {
+                    info!(stream = %self.stream, shard = %row.shard_id, owner = row.owner.as_deref(), "lease row of a gone partition, left at SHARD_END, deleted");
+                    deleted += 1;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    warn!(stream = %self.stream, shard = %row.shard_id, error = &e as &dyn std::error::Error, "deleting the row of a gone partition left at SHARD_END failed; the next scan tries again");
+                }
+            }
+        }
+        if deleted > 0 {
+            self.changed_here();
+            self.sync_now.notify_one();
+        }
     }
 
     /// Publishes the frontier over `rows` (and syncs now when listed partitions still have no

@@ -315,6 +315,34 @@ pub(crate) fn plan_listed(
     }
 }
 
+/// For a source whose partition names come back once gone (`Contract::names_reused`, whose
+/// partitions end only when gone): the rows of gone partitions left at SHARD_END, to delete
+/// (conditioned on SHARD_END and the counter seen). Such a row blocks a name listed again: no
+/// worker takes an ended row. Left by an owner that stopped, or whose release or deletion failed,
+/// after ending it: held by nobody, by `me` without this process holding it, or by another worker
+/// that let it expire. A row its owner still holds is its owner's to delete; a row with lineage is
+/// never one of these.
+pub(crate) fn left_by_gone<'a>(
+    me: &str,
+    seen: &[Seen<'a>],
+    held: &HashSet<String>,
+) -> Vec<&'a Lease> {
+    seen.iter()
+        .filter(|s| {
+            let row = s.lease;
+            row.checkpoint.is_shard_end()
+                && row.parents.is_empty()
+                && row.children.is_empty()
+                && match row.owner.as_deref() {
+                    None => true,
+                    Some(owner) if owner == me => !held.contains(&row.shard_id),
+                    Some(_) => s.expired,
+                }
+        })
+        .map(|s| s.lease)
+        .collect()
+}
+
 /// The hash state after `worker` and its separator: what every rank for `worker` starts from, so
 /// sharing out many leases hashes each worker's id once.
 fn worker_prefix(worker: &str) -> u64 {
@@ -957,6 +985,39 @@ mod tests {
                 });
         // 67, 67, 66 down to 50 each: 17 + 17 + 16.
         assert_eq!(from.values().copied().collect::<Vec<_>>(), vec![17, 17, 16]);
+    }
+
+    /// Of a source whose names come back, a gone partition's ended row goes once nobody holds it:
+    /// unowned, named by this worker without this process holding it (its release failed), or
+    /// another worker's gone still. A row still held (its owner is deleting it), an open row and
+    /// a row with lineage stay.
+    #[test]
+    fn ended_rows_of_gone_partitions_are_deleted_once_nobody_holds_them() {
+        let rows: &[Row] = &[
+            ("unowned", None, false, true, &[]),
+            ("mine-forgotten", Some("a"), false, true, &[]),
+            ("mine-held", Some("a"), false, true, &[]),
+            ("theirs-expired", Some("b"), true, true, &[]),
+            ("theirs-live", Some("b"), false, true, &[]),
+            ("open", None, true, false, &[]),
+            ("child", None, true, true, &["parent"]),
+        ];
+        let leases: Vec<Lease> = rows.iter().map(lease).collect();
+        let seen: Vec<Seen<'_>> = leases
+            .iter()
+            .zip(rows)
+            .map(|(lease, row)| Seen {
+                lease,
+                expired: row.2,
+                neglected: false,
+            })
+            .collect();
+        let held: HashSet<String> = ["mine-held".to_string()].into();
+        let ids: Vec<&str> = left_by_gone("a", &seen, &held)
+            .iter()
+            .map(|l| l.shard_id.as_str())
+            .collect();
+        assert_eq!(ids, ["unowned", "mine-forgotten", "theirs-expired"]);
     }
 
     fn seen_all(leases: &[Lease], expired: impl Fn(&Lease) -> bool) -> Vec<Seen<'_>> {

@@ -780,7 +780,7 @@ impl PagedSource for CloudWatchLogs {
     /// Events of one timestamp and ingestion time form a group (positions share their first
     /// 16 bytes).
     fn contract(&self) -> Contract {
-        Contract::default().groups(16)
+        Contract::default().groups(16).names_reused()
     }
 
     /// The log group's retention ([`DELETION_DELAY`] and 2 hours added); "never expire" keeps

@@ -1,5 +1,5 @@
 //! A paged source's partitions as the lease manager lists shards: one row per partition, no
-//! lineage, never closed.
+//! lineage, never closed (a partition ends when it is gone, or when a page says so).
 
 use std::fmt;
 use std::sync::Arc;
@@ -36,5 +36,9 @@ impl ShardLister for PartitionLister {
                 })
                 .collect())
         })
+    }
+
+    fn names_reused(&self) -> bool {
+        self.0.contract().names_reused
     }
 }

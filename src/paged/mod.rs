@@ -233,6 +233,14 @@ pub struct Contract {
     /// below it, and an event of the group last read that this attempt did not hand out is
     /// handed out wherever it comes. `None`: every position stands alone.
     pub groups: Option<usize>,
+    /// A partition's name may be given to a new partition once the old one is gone (CloudWatch
+    /// Logs: a log stream deleted and created again). Such a source ends a partition only when it
+    /// is gone, so a row at SHARD_END that nobody holds is a gone partition's, left behind when
+    /// its owner stopped, or failed a write, between the writes that end it (SHARD_END, then the
+    /// row's deletion): lease scans delete it, and a partition listed under its name gets a new
+    /// row and is read from its start. `false`: an ended partition's row stays while the source
+    /// lists it (a partition that ended by itself is never read again).
+    pub names_reused: bool,
 }
 
 /// What a source read by timestamp promises: whether a poll enumerates every event of a
@@ -283,6 +291,7 @@ impl Default for Contract {
             dense: false,
             timestamps: None,
             groups: None,
+            names_reused: false,
         }
     }
 }
@@ -310,6 +319,14 @@ impl Contract {
     /// [`Contract::groups`](Self#structfield.groups)).
     pub fn groups(mut self, prefix: usize) -> Self {
         self.groups = Some(prefix);
+        self
+    }
+
+    /// Declares that a partition's name may be given to a new partition once the old one is
+    /// gone, and that partitions end only when gone (see
+    /// [`Contract::names_reused`](Self#structfield.names_reused)).
+    pub fn names_reused(mut self) -> Self {
+        self.names_reused = true;
         self
     }
 

@@ -22,6 +22,14 @@ pub trait ShardLister: Send + Sync + fmt::Debug + 'static {
     /// Every shard the stream retains, parents before children, following pagination.
     fn list_shards<'a>(&'a self, stream: &'a str) -> BoxFuture<'a, Result<Vec<ShardInfo>, Error>>;
 
+    /// Whether a partition's name may come back as a new partition once the old one is gone, its
+    /// partitions ending only then ([`Contract::names_reused`](crate::paged::Contract)): scans
+    /// delete every row at SHARD_END that nobody holds, and the sync creates a row anew for a
+    /// name listed again. `false` (Kinesis): an ended shard's row stays until it ages out.
+    fn names_reused(&self) -> bool {
+        false
+    }
+
     /// A time the service's clock has certainly reached, as its answers tell it; `None` before
     /// any answer did, or when the service does not say. `seek --to latest` moves to it rather
     /// than to this host's clock.
