@@ -310,6 +310,100 @@ async fn streams_listed_again_over_rows_left_at_shard_end_by_gone_partitions_are
     }
 }
 
+/// A group read by timestamp after a pause of three days: the backlog is read in polls of one
+/// catch-up step (10 minutes of event time) each, every step closed before the next begins, so
+/// the row's `closedThrough` follows the events handled, memory holds one step's events, and no
+/// poll lives long enough for its token to expire. Before, the first poll after the pause read
+/// the three days whole: nothing closed until it ended (every event was handled with
+/// `closedThrough` still at the pause), the open groups held the whole backlog, and past 24 hours
+/// the token expired and the poll started over (issue 55, defect 4).
+#[tokio::test(start_paused = true)]
+async fn a_backlog_of_days_is_read_in_steps_each_closed_before_the_next() {
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 43);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let closed_at_handling: Arc<std::sync::Mutex<Vec<(i64, Option<i64>)>>> = Arc::default();
+    let start = |calls: &Calls| {
+        let (calls, rows, seen) = (calls.clone(), store.clone(), closed_at_handling.clone());
+        let source = CloudWatchLogsFilter::new(service.client(), GROUP).page_limit(50);
+        Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
+            calls.push("w1", &d);
+            let closed = rows
+                .snapshot()
+                .first()
+                .and_then(|r| r.progress.as_ref()?.closed_through);
+            let ts = d
+                .arrived_at()
+                .map(|t| t.duration_since(UNIX_EPOCH).unwrap().as_millis() as i64)
+                .unwrap();
+            seen.lock().unwrap().push((ts, closed));
+            async { Outcome::Ack }
+        })
+        .worker_id("w1")
+        .poll_interval(Duration::from_secs(60))
+        .checkpoint_interval(Duration::from_secs(10))
+        .lease_settings(
+            LeaseSettings::default()
+                .lease_duration(Duration::from_secs(60))
+                .scan_interval(Duration::from_secs(20)),
+        )
+        .lease_store(Arc::new(store.clone()))
+        .build()
+        .unwrap()
+        .run()
+    };
+    // A first run closes the empty group through the present, then the fleet stops.
+    let running = start(&calls).await.unwrap();
+    wait_for("a first close", Duration::from_secs(900), || {
+        store
+            .snapshot()
+            .first()
+            .and_then(|r| r.progress.as_ref()?.closed_through)
+            .is_some()
+    })
+    .await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let paused_at = service.now();
+
+    // Three days later: an event a minute put during the pause (4,320), all ingested now.
+    tokio::time::sleep(3 * DAY).await;
+    let batch: Vec<(i64, String)> = (0..3 * 24 * 60)
+        .map(|i| (paused_at + 60_000 * (i + 1), format!("minute {i}")))
+        .collect();
+    let mut expected: Vec<String> = batch
+        .chunks(1_000)
+        .flat_map(|chunk| service.put("s0", chunk, Duration::ZERO).expect("accepted"))
+        .map(|e| e.event_id)
+        .collect();
+    let running = start(&calls).await.unwrap();
+    wait_for("the backlog", Duration::from_secs(6 * 3600), || {
+        calls.len() == expected.len()
+    })
+    .await;
+    running.shutdown(Duration::from_secs(5)).await;
+
+    let mut handled = calls.ids();
+    handled.sort();
+    expected.sort();
+    assert_eq!(handled, expected, "every event once");
+    // Each event was handled with the row closed through at most two steps and the close
+    // horizon behind it: the steps before were closed first.
+    let step = 600_000;
+    let seen = closed_at_handling.lock().unwrap();
+    let behind: Vec<&(i64, Option<i64>)> = seen
+        .iter()
+        .filter(|(ts, closed)| closed.is_none_or(|c| c < ts - 3 * step))
+        .take(5)
+        .collect();
+    assert!(
+        behind.len() <= 1,
+        "events handled while closedThrough lagged by more than three steps: {behind:?}"
+    );
+}
+
 /// A poll of `FilterLogEvents` held up for more than a day (throttling that lasts) holds a
 /// `nextToken` the service refuses when it answers again. The source asks the poll's query again
 /// from its start: the attempt goes on under the same lease, and what it handed out already is

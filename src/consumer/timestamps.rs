@@ -209,9 +209,10 @@ impl Progress for Attempt {
             PollMessage::Traversed {
                 started_ms,
                 watermark,
+                before,
                 audited_from,
             } => {
-                self.groups.traversed(started_ms, watermark);
+                self.groups.traversed(started_ms, watermark, before);
                 // The next poll starts after what this one proved, when that is past
                 // `closed_through` (a group held open by a failing event).
                 self.after.send_replace(self.groups.query_after());

@@ -73,6 +73,10 @@ pub const FILTER_LATENESS: Duration = Duration::from_secs(3600);
 /// How often the lateness window is audited by default: every 5 minutes.
 pub const FILTER_AUDIT_INTERVAL: Duration = Duration::from_secs(300);
 
+/// How much event time one poll covers at most while the group is read behind the present (a
+/// catch-up after a pause) by default: 10 minutes.
+pub const FILTER_CATCH_UP_STEP: Duration = Duration::from_secs(600);
+
 /// A worker's FilterLogEvents requests a second by default (the account's quota is 5; a group
 /// is one partition, read by one worker at a time).
 pub const FILTER_LOG_EVENTS_PER_SECOND: f64 = 2.0;
@@ -92,6 +96,7 @@ pub struct CloudWatchLogsFilter {
     close_horizon: Duration,
     lateness: Duration,
     audit_interval: Duration,
+    catch_up_step: Duration,
     reads: Arc<Budget>,
 }
 
@@ -103,6 +108,7 @@ impl fmt::Debug for CloudWatchLogsFilter {
             .field("close_horizon", &self.close_horizon)
             .field("lateness", &self.lateness)
             .field("audit_interval", &self.audit_interval)
+            .field("catch_up_step", &self.catch_up_step)
             .finish_non_exhaustive()
     }
 }
@@ -122,6 +128,7 @@ impl CloudWatchLogsFilter {
             close_horizon: FILTER_CLOSE_HORIZON,
             lateness: FILTER_LATENESS,
             audit_interval: FILTER_AUDIT_INTERVAL,
+            catch_up_step: FILTER_CATCH_UP_STEP,
             reads: Arc::new(Budget::per_second(FILTER_LOG_EVENTS_PER_SECOND)),
         }
     }
@@ -139,6 +146,17 @@ impl CloudWatchLogsFilter {
     /// [`FILTER_AUDIT_INTERVAL`], 5 minutes).
     pub fn audit_interval(mut self, every: Duration) -> Self {
         self.audit_interval = every.max(Duration::from_secs(1));
+        self
+    }
+
+    /// How much event time one poll covers at most while the group is read behind the present
+    /// (default [`FILTER_CATCH_UP_STEP`], 10 minutes; at least 1 s). After a pause of days the
+    /// backlog is read in polls of this span, one after the other, each closing what it read:
+    /// memory holds one step's events (at 100 events a second, 60,000), and no poll runs long
+    /// enough for its `nextToken` to expire (24 hours). Audits for late events wait until the
+    /// reader is back within a step of the present.
+    pub fn catch_up_step(mut self, step: Duration) -> Self {
+        self.catch_up_step = step.max(Duration::from_secs(1));
         self
     }
 
@@ -379,13 +397,30 @@ impl PagedSource for CloudWatchLogsFilter {
     /// A poll of what is new: strictly after `after`, up to the close horizon behind the present
     /// (`endTime` is exclusive). A poll whose window is empty (the horizon has not passed
     /// `after` yet) reads nothing, without asking, and proves nothing new.
-    fn poll_after(&self, _partition: &str, after: Option<i64>) -> Option<Cursor> {
+    fn poll_after(&self, partition: &str, after: Option<i64>) -> Option<Cursor> {
+        self.poll_before(partition, after, None)
+    }
+
+    /// [`catch_up_step`](CloudWatchLogsFilter::catch_up_step).
+    fn poll_step(&self) -> Option<Duration> {
+        Some(self.catch_up_step)
+    }
+
+    /// A poll that ends at the close horizon, or at `before` when that is earlier (a step of a
+    /// catch-up).
+    fn poll_before(
+        &self,
+        _partition: &str,
+        after: Option<i64>,
+        before: Option<i64>,
+    ) -> Option<Cursor> {
         let horizon = i64::try_from(self.close_horizon.as_millis()).unwrap_or(i64::MAX);
         // The service's time (the listing that found the group carried its first date).
         let now = self.service_time().unwrap_or_else(crate::time::now);
         let end = crate::time::millis(now)
             .saturating_sub(horizon)
             .saturating_add(1);
+        let end = before.map_or(end, |before| end.min(before));
         let start = after.map(|a| a.saturating_add(1));
         Some(
             FilterCursor {

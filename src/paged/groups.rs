@@ -179,8 +179,9 @@ impl Groups {
     }
 
     /// A poll traversed its pages to the end at wall time `now_ms`; `watermark` is the
-    /// provider's, when it reports one. Evidence is taken only as the contracts give it meaning.
-    pub(crate) fn traversed(&mut self, now_ms: i64, watermark: Option<i64>) {
+    /// provider's, when it reports one; `before` bounds the events a step of a catch-up read.
+    /// Evidence is taken only as the contracts give it meaning.
+    pub(crate) fn traversed(&mut self, now_ms: i64, watermark: Option<i64>, before: Option<i64>) {
         if self.traversal != Traversal::Complete {
             return;
         }
@@ -193,6 +194,11 @@ impl Groups {
                 Some(now_ms.saturating_sub(bound).saturating_add(1))
             }
             Finality::Unproven => None,
+        };
+        // A step of a catch-up read only the events before its bound: it proves nothing later.
+        let evidence = match before {
+            Some(before) => evidence.map(|e| e.min(before)),
+            None => evidence,
         };
         if let Some(evidence) = evidence {
             self.complete_before = Some(self.complete_before.map_or(evidence, |c| c.max(evidence)));
@@ -295,7 +301,7 @@ mod tests {
         }
         retry.settled(T10_01, "A"); // receipts: done before the crash
         retry.settled(T10_01, "B");
-        retry.traversed(T10_02 + 1_000, None);
+        retry.traversed(T10_02 + 1_000, None, None);
         assert_eq!(retry.proposal(), None, "C is not durable yet");
         retry.settled(T10_01, "C");
         assert_eq!(retry.proposal(), Some(T10_01));
@@ -327,7 +333,7 @@ mod tests {
             let id = format!("e{i}");
             g.saw(t, &id);
             g.settled(t, &id);
-            g.traversed(t + 5 * minute, None);
+            g.traversed(t + 5 * minute, None, None);
         }
         let proven = T10_00 + 59 * minute;
         assert_eq!(g.proposal(), None, "A holds 10:01 and everything after it");
@@ -351,7 +357,7 @@ mod tests {
         later.saw(T10_01, "A");
         later.saw(T10_02, "B");
         later.settled(T10_02, "B");
-        later.traversed(T10_02 + minute, None);
+        later.traversed(T10_02 + minute, None, None);
         assert_eq!(later.proposal(), None);
         assert_eq!(later.query_after(), Some(T10_02 - 1), "10:02 is read again");
 
@@ -362,7 +368,7 @@ mod tests {
             0,
         );
         unproven.saw(T10_02, "B");
-        unproven.traversed(T10_02 + 10 * minute, None);
+        unproven.traversed(T10_02 + 10 * minute, None, None);
         assert_eq!(unproven.query_after(), Some(T10_00));
     }
 
@@ -375,11 +381,11 @@ mod tests {
                 g.saw(T10_01, id);
                 g.settled(T10_01, id);
             }
-            g.traversed(T10_01 + 60_000, None);
+            g.traversed(T10_01 + 60_000, None, None);
             assert_eq!(g.proposal(), None, "only 10:01 seen so far");
         }
         g.saw(T10_02, "g");
-        g.traversed(T10_02, None);
+        g.traversed(T10_02, None, None);
         assert_eq!(g.proposal(), Some(T10_01));
     }
 
@@ -400,7 +406,7 @@ mod tests {
             g.saw(t, id);
             g.settled(t, id);
         }
-        g.traversed(T10_02 + 1, None);
+        g.traversed(T10_02 + 1, None, None);
         assert_eq!(
             g.proposal(),
             None,
@@ -418,7 +424,7 @@ mod tests {
             g.saw(t, id);
             g.settled(t, id);
         }
-        g.traversed(T10_02, None);
+        g.traversed(T10_02, None, None);
         assert_eq!(g.proposal(), Some(T10_01));
         // Before the close is written, the next poll returns E at 10:01.
         assert_eq!(g.saw(T10_01, "E"), Seen::New);
@@ -445,15 +451,15 @@ mod tests {
         let mut later = groups(Finality::LaterTimestamp);
         later.saw(T10_01, "A");
         later.settled(T10_01, "A");
-        later.traversed(T10_02 * 10, None);
+        later.traversed(T10_02 * 10, None, None);
         assert_eq!(later.proposal(), None);
 
         let mut watermark = groups(Finality::Watermark);
         watermark.saw(T10_01, "A");
         watermark.settled(T10_01, "A");
-        watermark.traversed(T10_02, None);
+        watermark.traversed(T10_02, None, None);
         assert_eq!(watermark.proposal(), None, "no watermark reported");
-        watermark.traversed(T10_02, Some(T10_01 + 30_000));
+        watermark.traversed(T10_02, Some(T10_01 + 30_000), None);
         assert_eq!(
             watermark.proposal(),
             Some(T10_01 + 30_000),
@@ -470,17 +476,17 @@ mod tests {
         let mut g = groups(bound);
         g.saw(T10_01, "A");
         g.settled(T10_01, "A");
-        g.traversed(T10_01 + ten_minutes - 1, None);
+        g.traversed(T10_01 + ten_minutes - 1, None, None);
         // The quiet time before 10:01 is final; 10:01 itself may still receive events.
         assert_eq!(g.proposal(), Some(T10_01 - 1));
-        g.traversed(T10_01 + ten_minutes, None);
+        g.traversed(T10_01 + ten_minutes, None, None);
         assert_eq!(g.proposal(), Some(T10_01));
         // A pending event holds every later group.
         let mut held = groups(bound);
         held.saw(T10_01, "A");
         held.saw(T10_02, "B");
         held.settled(T10_02, "B");
-        held.traversed(T10_02 + ten_minutes * 2, None);
+        held.traversed(T10_02 + ten_minutes * 2, None, None);
         assert_eq!(
             held.proposal(),
             None,
@@ -496,7 +502,7 @@ mod tests {
         g.saw(T10_01, "A");
         g.settled(T10_01, "A");
         g.saw(T10_02, "B");
-        g.traversed(i64::MAX / 2, Some(T10_02));
+        g.traversed(i64::MAX / 2, Some(T10_02), None);
         assert_eq!(g.proposal(), None);
     }
 }

@@ -458,6 +458,29 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// For a source read by timestamp: how much event time one poll need cover at most. A
+    /// partition further behind (a pause of days) catches up in polls of this span, one after
+    /// the other: each closes what it read before the next begins, so memory holds one step's
+    /// events and no continuation lives long enough to expire. `None` (the default): every poll
+    /// reads through to the present.
+    fn poll_step(&self) -> Option<Duration> {
+        None
+    }
+
+    /// [`poll_after`](Self::poll_after), with the poll's events bounded to timestamps before
+    /// `before` (exclusive; `None`: unbounded), which the reader passes for a step of a catch-up
+    /// ([`poll_step`](Self::poll_step)). A poll may read more than asked (the default ignores
+    /// the bound): what it proves is bounded by the reader, not by the source.
+    fn poll_before(
+        &self,
+        partition: &str,
+        after: Option<i64>,
+        before: Option<i64>,
+    ) -> Option<Cursor> {
+        let _ = before;
+        self.poll_after(partition, after)
+    }
+
     /// How long the provider keeps an event: after an outage a handled event can be handed out
     /// again until the provider deletes it, so a consumer with a receipt ledger keeps receipts
     /// at least that long (it asks once, at start, and refuses to run otherwise). The default

@@ -448,6 +448,9 @@ pub(crate) enum PollMessage {
     Traversed {
         started_ms: i64,
         watermark: Option<i64>,
+        /// For a step of a catch-up, the bound of the events it read (exclusive): it proves
+        /// nothing at or after it.
+        before: Option<i64>,
         /// For an audit, the timestamp it read from (every event after it that could be read
         /// when the poll began).
         audited_from: Option<i64>,
@@ -490,10 +493,31 @@ impl PollReader {
         let mut failures = Backoff::new(self.max_backoff);
         let mut polls_done: u32 = 0;
         let mut next_audit = Instant::now();
+        let mut moved = self.after.clone();
+        let step_ms = self
+            .source
+            .poll_step()
+            .map(|step| i64::try_from(step.as_millis()).unwrap_or(i64::MAX));
         loop {
-            let mut after = *self.after.borrow();
+            let mut after = *moved.borrow_and_update();
             polls_done = polls_done.wrapping_add(1);
+            // Taken before the poll's first cursor is made: a source that bounds its polls by
+            // time (`endTime`) bounds them at or after this, so what the poll proves does not
+            // reach past what it read. The provider's time where it says (a host clock minutes
+            // ahead would otherwise prove what the provider has not yet ingested).
+            let started_ms =
+                crate::time::millis(self.source.service_time().unwrap_or_else(crate::time::now));
+            // More than a step behind the present: this poll is a step of a catch-up, bounded,
+            // and no audit (an audit reads to the present; it waits until the reader is back).
+            let before = match (after, step_ms) {
+                (Some(a), Some(step)) => {
+                    let bound = a.saturating_add(1).saturating_add(step);
+                    (bound < started_ms.saturating_sub(step)).then_some(bound)
+                }
+                _ => None,
+            };
             let audit = match self.audit {
+                _ if before.is_some() => None,
                 Some((AuditEvery::Polls(every), lookback)) => {
                     polls_done.is_multiple_of(every.max(1)).then_some(lookback)
                 }
@@ -508,14 +532,11 @@ impl PollReader {
                 after = after.map(|a| a.saturating_sub(lookback));
                 audited_from = Some(after.map_or(i64::MIN, |a| a.saturating_add(1)));
                 metrics::counter!("shardwise_paged_audits_total", &labels).increment(1);
+            } else if before.is_some() {
+                polls_done = polls_done.wrapping_sub(1);
+                metrics::counter!("shardwise_paged_catch_up_polls_total", &labels).increment(1);
             }
-            // Taken before the poll's first cursor is made: a source that bounds its polls by
-            // time (`endTime`) bounds them at or after this, so what the poll proves does not
-            // reach past what it read. The provider's time where it says (a host clock minutes
-            // ahead would otherwise prove what the provider has not yet ingested).
-            let started_ms =
-                crate::time::millis(self.source.service_time().unwrap_or_else(crate::time::now));
-            let Some(mut cursor) = self.source.poll_after(&self.partition, after) else {
+            let Some(mut cursor) = self.source.poll_before(&self.partition, after, before) else {
                 let refused = FetchError::InvalidCursor(
                     "the source declares timestamps but cannot start a poll after one".into(),
                 );
@@ -579,6 +600,7 @@ impl PollReader {
                     .send(PollMessage::Traversed {
                         started_ms,
                         watermark,
+                        before,
                         audited_from,
                     })
                     .await
@@ -587,6 +609,18 @@ impl PollReader {
                 return;
             }
             metrics::counter!("shardwise_paged_polls_total", &labels).increment(1);
+            if complete && before.is_some() {
+                // A step of a catch-up: the next one starts as soon as this one's evidence moved
+                // the start (the partition's loop sets it), or after the poll interval if it
+                // cannot (a group held open by a failing event).
+                tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => return,
+                    _ = moved.changed() => {}
+                    _ = tokio::time::sleep(self.poll_interval) => {}
+                }
+                continue;
+            }
             if sleep(self.poll_interval, &cancel).await {
                 return;
             }
