@@ -47,8 +47,8 @@ pub use cloudwatch::{
 };
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch_filter::{
-    CLOUDWATCH_LATENESS, CloudWatchLogsFilter, FILTER_AUDIT_INTERVAL, FILTER_CLOSE_HORIZON,
-    FILTER_LATENESS, FILTER_LOG_EVENTS_PER_SECOND,
+    CLOUDWATCH_LATENESS, CloudWatchLogsFilter, FILTER_AUDIT_INTERVAL, FILTER_CATCH_UP_STEP,
+    FILTER_CLOSE_HORIZON, FILTER_LATENESS, FILTER_LOG_EVENTS_PER_SECOND,
 };
 pub use groups::{Finality, Traversal};
 pub(crate) use groups::{Groups, Seen};
