@@ -325,7 +325,9 @@ async fn a_backlog_of_days_is_read_in_steps_each_closed_before_the_next() {
     service.create_stream("s0");
     let store = MemoryLeaseStore::new();
     let calls = Calls::default();
-    let closed_at_handling: Arc<std::sync::Mutex<Vec<(i64, Option<i64>)>>> = Arc::default();
+    // Each event handled: its timestamp, and the row's `closedThrough` then.
+    type Handled = Vec<(i64, Option<i64>)>;
+    let closed_at_handling: Arc<std::sync::Mutex<Handled>> = Arc::default();
     let start = |calls: &Calls| {
         let (calls, rows, seen) = (calls.clone(), store.clone(), closed_at_handling.clone());
         let source = CloudWatchLogsFilter::new(service.client(), GROUP).page_limit(50);
