@@ -406,6 +406,82 @@ async fn a_backlog_of_days_is_read_in_steps_each_closed_before_the_next() {
     );
 }
 
+/// An application's client as the SDK makes it retries a throttled call 3 times on its own: the
+/// sources make one attempt a call and ask again themselves, so every request passes the
+/// source's budget and every throttled answer the service gives is counted in
+/// `shardwise_paged_throttled_total`, for both sources. Before, the SDK's retries sent requests
+/// no budget saw, and the metric counted a third of the throttled answers or fewer (issue 55,
+/// defect 7).
+#[tokio::test(start_paused = true)]
+async fn every_throttled_answer_is_counted_whatever_the_applications_client_retries() {
+    for by_time in [false, true] {
+        let metrics = recorder::Metrics::default();
+        let _metrics = metrics::set_default_local_recorder(&metrics);
+        let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+        let _deterministic = shardwise::testing::simulate(base, 47);
+        let service = LogsService::new(GROUP, 1_767_225_600_000);
+        service.create_stream("s0");
+        let store = MemoryLeaseStore::new();
+        let calls = Calls::default();
+        let mut expected: Vec<String> = service
+            .put(
+                "s0",
+                &(0..5)
+                    .map(|i| (service.now() - 600_000 + i, format!("event {i}")))
+                    .collect::<Vec<_>>(),
+                Duration::ZERO,
+            )
+            .expect("accepted")
+            .into_iter()
+            .map(|e| if by_time { e.event_id } else { e.id })
+            .collect();
+        // The account throttled for the first two minutes: listings, looks and reads.
+        service.throttle_until(service.now() + 120_000);
+        let client = service.client_with_sdk_retries();
+        let (source, name): (Arc<dyn PagedSource>, String) = if by_time {
+            (
+                Arc::new(CloudWatchLogsFilter::new(client, GROUP)),
+                format!("logs-by-time:{GROUP}"),
+            )
+        } else {
+            (
+                Arc::new(CloudWatchLogs::new(client, GROUP)),
+                format!("logs:{GROUP}"),
+            )
+        };
+        let recorded = calls.clone();
+        let running = Consumer::paged(source, "app", move |d: Delivery| {
+            recorded.push("w1", &d);
+            async { Outcome::Ack }
+        })
+        .worker_id("w1")
+        .poll_interval(Duration::from_secs(30))
+        .lease_store(Arc::new(store.clone()))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+        wait_for("every event", Duration::from_secs(1800), || {
+            calls.len() == 5
+        })
+        .await;
+        running.shutdown(Duration::from_secs(5)).await;
+
+        let mut handled = calls.ids();
+        handled.sort();
+        expected.sort();
+        assert_eq!(handled, expected, "every event once (by time: {by_time})");
+        let throttled = service.counts().throttled;
+        assert!(throttled > 0, "the throttling was met");
+        assert_eq!(
+            metrics.counter("shardwise_paged_throttled_total", &name),
+            Some(throttled),
+            "every throttled answer counted (by time: {by_time})"
+        );
+    }
+}
+
 /// A poll of `FilterLogEvents` held up for more than a day (throttling that lasts) holds a
 /// `nextToken` the service refuses when it answers again. The source asks the poll's query again
 /// from its start: the attempt goes on under the same lease, and what it handed out already is

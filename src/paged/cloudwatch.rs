@@ -156,17 +156,33 @@ pub(crate) async fn group_retention(
     name: &str,
 ) -> Result<crate::receipts::SourceRetention, Error> {
     use crate::receipts::SourceRetention;
-    let groups = client
-        .describe_log_groups()
-        .log_group_name_prefix(group)
-        .send()
-        .await
-        .map_err(|e| Error::Paged {
-            source_name: name.to_string(),
-            partition: String::new(),
-            what: "describing the log group failed",
-            source: Box::new(e),
-        })?;
+    // Asked again while it fails for a while (the sources' client makes one attempt a call).
+    let patience = tokio::time::Instant::now() + LISTING_PATIENCE;
+    let mut waits = Backoff::new(Duration::from_secs(5));
+    let groups = loop {
+        match client
+            .describe_log_groups()
+            .log_group_name_prefix(group)
+            .send()
+            .await
+        {
+            Ok(groups) => break groups,
+            Err(e) if transient(&e) && tokio::time::Instant::now() < patience => {
+                if throttled(&e) {
+                    metrics::counter!("shardwise_paged_throttled_total", "source" => name.to_string()).increment(1);
+                }
+                tokio::time::sleep(waits.next()).await;
+            }
+            Err(e) => {
+                return Err(Error::Paged {
+                    source_name: name.to_string(),
+                    partition: String::new(),
+                    what: "describing the log group failed",
+                    source: Box::new(e),
+                });
+            }
+        }
+    };
     let Some(found) = groups
         .log_groups()
         .iter()
@@ -528,11 +544,32 @@ fn millis(time: SystemTime) -> i64 {
 
 /// A copy of `client` whose answers' `Date` goes to the returned clock: the service's time, which
 /// every mark is made by (a host clock a minute ahead would mark as read what the service has not
-/// yet ingested).
+/// yet ingested). The copy makes one attempt a call: the SDK's own retries (3 attempts by
+/// default) would send requests the source's budget never sees and throttled answers
+/// `shardwise_paged_throttled_total` never counts; each caller backs off and asks again itself,
+/// within its budget.
 pub(super) fn dated(client: &Client) -> (Client, Arc<ServiceClock>) {
     let (read_date, clock) = ReadDate::new();
-    let config = client.config().to_builder().interceptor(read_date).build();
+    let config = client
+        .config()
+        .to_builder()
+        .interceptor(read_date)
+        .retry_config(aws_sdk_cloudwatchlogs::config::retry::RetryConfig::disabled())
+        .build();
     (Client::from_conf(config), clock)
+}
+
+/// Whether a failed call may succeed if asked again: throttled, a server error, or no answer (a
+/// timeout, a connection that failed). What the service refused (a missing group, bad
+/// parameters) may not.
+pub(super) fn transient<E: ProvideErrorMetadata>(e: &SdkError<E>) -> bool {
+    match e {
+        SdkError::ServiceError(service) => throttled(e) || service.raw().status().is_server_error(),
+        SdkError::TimeoutError(_) | SdkError::DispatchFailure(_) | SdkError::ResponseError(_) => {
+            true
+        }
+        _ => false,
+    }
 }
 
 fn allowance_ms() -> i64 {
@@ -803,7 +840,9 @@ impl PagedSource for CloudWatchLogs {
                 what: "listing the log streams failed",
                 source: Box::new(e),
             };
-            let patience = tokio::time::Instant::now() + LISTING_PATIENCE;
+            // Patience counts from the last page answered: a listing of hundreds of pages at the
+            // budget's pace goes on as long as each page comes within it.
+            let mut patience = tokio::time::Instant::now() + LISTING_PATIENCE;
             let mut waits = Backoff::new(Duration::from_secs(5));
             let mut names = Vec::new();
             let mut created = HashMap::new();
@@ -819,16 +858,19 @@ impl PagedSource for CloudWatchLogs {
                     .await
                 {
                     Ok(page) => page,
-                    Err(e) if throttled(&e) && tokio::time::Instant::now() < patience => {
-                        metrics::counter!("shardwise_paged_throttled_total", "source" => self.name.to_string()).increment(1);
+                    Err(e) if transient(&e) && tokio::time::Instant::now() < patience => {
+                        if throttled(&e) {
+                            metrics::counter!("shardwise_paged_throttled_total", "source" => self.name.to_string()).increment(1);
+                        }
                         let wait = waits.next();
-                        debug!(source = %self.name, streams = names.len(), ?wait, "listing the log streams was throttled; asking for the same page again");
+                        debug!(source = %self.name, streams = names.len(), ?wait, error = %DisplayErrorContext(&e), "a page of the log streams' listing failed; asking for it again");
                         tokio::time::sleep(wait).await;
                         continue;
                     }
                     Err(e) => return Err(failed(e)),
                 };
                 waits.reset();
+                patience = tokio::time::Instant::now() + LISTING_PATIENCE;
                 for stream in page.log_streams() {
                     if let Some(name) = stream.log_stream_name() {
                         names.push(name.to_string());

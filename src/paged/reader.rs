@@ -562,6 +562,10 @@ impl PollReader {
                         return;
                     }
                     Err(error) => {
+                        if matches!(error, FetchError::Throttled) {
+                            metrics::counter!("shardwise_paged_throttled_total", &labels)
+                                .increment(1);
+                        }
                         let wait = failures.next();
                         warn!(source = self.source.name(), partition = %self.partition, error = &error as &dyn std::error::Error, ?wait, "fetch failed; fetching the same page again");
                         if sleep(wait, &cancel).await {

@@ -213,6 +213,18 @@ impl LogsService {
         Client::from_conf(config)
     }
 
+    /// [`client`](Self::client) with the SDK's retries as an application's client has them by
+    /// default (standard mode, 3 attempts): what the sources must not leave to the SDK.
+    pub fn client_with_sdk_retries(&self) -> Client {
+        let config = self
+            .client()
+            .config()
+            .to_builder()
+            .retry_config(aws_sdk_cloudwatchlogs::config::retry::RetryConfig::standard())
+            .build();
+        Client::from_conf(config)
+    }
+
     pub fn create_stream(&self, stream: &str) {
         let now = self.now();
         let mut state = self.state.lock().unwrap();
