@@ -215,6 +215,7 @@ impl LogsService {
 
     /// [`client`](Self::client) with the SDK's retries as an application's client has them by
     /// default (standard mode, 3 attempts): what the sources must not leave to the SDK.
+    #[allow(dead_code)]
     pub fn client_with_sdk_retries(&self) -> Client {
         let config = self
             .client()
