@@ -826,8 +826,9 @@ impl PagedSource for CloudWatchLogs {
         Box::pin(group_retention(&self.client, &self.group, &self.name))
     }
 
-    /// Every log stream of the group, page by page. A throttled page is asked again after a
-    /// back-off (the pages read so far are kept) for up to 2 minutes: the
+    /// Every log stream of the group, page by page. A throttled (or failed) page is asked again
+    /// after a back-off (the pages read so far are kept) for up to 2 minutes from the last page
+    /// answered: the
     /// account's DescribeLogStreams quota (5 requests a second) is shared by every worker, and a
     /// listing that gave up at the first throttled page would never finish for a group of many
     /// streams. A listing is complete or an error, never a part: a stream missing from it would
