@@ -482,6 +482,83 @@ async fn every_throttled_answer_is_counted_whatever_the_applications_client_retr
     }
 }
 
+/// A group keeping events a day, its stream read again after the fleet was down 30 hours while
+/// an event an hour came: the first reads are of events older than the group keeps them, which
+/// the service may have deleted unread. The reader says so: `shardwise_paged_behind_retention_total`
+/// counts the pages read that far behind and a warning names the partition, and
+/// `shardwise_millis_behind_latest` (as for a Kinesis shard) shows the lag while catching up and
+/// 0 once at the present. Before, nothing: events the retention deleted were lost silently
+/// (issue 55, defect 7). After a pause of 6 hours, nothing is counted. Both sources.
+#[tokio::test(start_paused = true)]
+async fn reading_behind_the_groups_retention_is_counted_and_the_lag_reported() {
+    for (by_time, down_hours) in [(false, 30), (false, 6), (true, 30), (true, 6)] {
+        let metrics = recorder::Metrics::default();
+        let _metrics = metrics::set_default_local_recorder(&metrics);
+        let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+        let _deterministic = shardwise::testing::simulate(base, 53);
+        let service = LogsService::new(GROUP, 1_767_225_600_000);
+        service.set_retention(1);
+        service.create_stream("s0");
+        let store = MemoryLeaseStore::new();
+        let calls = Calls::default();
+        let (name, lag) = if by_time {
+            (format!("logs-by-time:{GROUP}"), GROUP.to_string())
+        } else {
+            (format!("logs:{GROUP}"), "s0".to_string())
+        };
+        let start = |calls: &Calls| {
+            let client = service.client();
+            let source: Arc<dyn PagedSource> = if by_time {
+                Arc::new(CloudWatchLogsFilter::new(client, GROUP))
+            } else {
+                Arc::new(CloudWatchLogs::new(client, GROUP))
+            };
+            let recorded = calls.clone();
+            Consumer::paged(source, "app", move |d: Delivery| {
+                recorded.push("w1", &d);
+                async { Outcome::Ack }
+            })
+            .worker_id("w1")
+            .poll_interval(Duration::from_secs(30))
+            .lease_store(Arc::new(store.clone()))
+            .build()
+            .unwrap()
+            .run()
+        };
+        put_into(&service, "s0", 1);
+        let running = start(&calls).await.unwrap();
+        wait_for("the first event", Duration::from_secs(900), || {
+            calls.len() == 1
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        running.shutdown(Duration::from_secs(5)).await;
+        for _ in 0..down_hours {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            put_into(&service, "s0", 1);
+        }
+        let running = start(&calls).await.unwrap();
+        wait_for("the events of the pause", Duration::from_secs(3600), || {
+            calls.len() == 1 + down_hours
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(900)).await;
+        let at_present = metrics.gauge("shardwise_millis_behind_latest", &lag);
+        running.shutdown(Duration::from_secs(5)).await;
+
+        let behind = metrics.counter("shardwise_paged_behind_retention_total", &name);
+        if down_hours > 24 {
+            assert!(
+                behind.is_some_and(|n| n > 0),
+                "read behind the retention, counted (by time: {by_time}): {behind:?}"
+            );
+        } else {
+            assert_eq!(behind, None, "within the retention (by time: {by_time})");
+        }
+        assert_eq!(at_present, Some(0.0), "at the present (by time: {by_time})");
+    }
+}
+
 /// A poll of `FilterLogEvents` held up for more than a day (throttling that lasts) holds a
 /// `nextToken` the service refuses when it answers again. The source asks the poll's query again
 /// from its start: the attempt goes on under the same lease, and what it handed out already is

@@ -154,6 +154,7 @@ pub(crate) async fn group_retention(
     client: &Client,
     group: &str,
     name: &str,
+    kept: &Kept,
 ) -> Result<crate::receipts::SourceRetention, Error> {
     use crate::receipts::SourceRetention;
     // Asked again while it fails for a while (the sources' client makes one attempt a call).
@@ -195,6 +196,7 @@ pub(crate) async fn group_retention(
             source: format!("there is no log group `{group}`").into(),
         });
     };
+    kept.set(found.retention_in_days());
     Ok(match found.retention_in_days() {
         Some(days) => SourceRetention::For(
             Duration::from_secs(u64::try_from(days).unwrap_or(0) * 86_400)
@@ -203,6 +205,48 @@ pub(crate) async fn group_retention(
         ),
         None => SourceRetention::Forever,
     })
+}
+
+/// How long a log group keeps its events, as last described (`retentionInDays`), and when: the
+/// age past which an event may be deleted unread. Clones share it.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Kept(Arc<std::sync::Mutex<Option<Described>>>);
+
+/// When a group was described, and its `retentionInDays` then (`None`: never expire).
+type Described = (tokio::time::Instant, Option<i32>);
+
+impl Kept {
+    /// How often a source describes its group again for it, at most.
+    const REFRESH: Duration = Duration::from_secs(3600);
+
+    fn set(&self, days: Option<i32>) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some((tokio::time::Instant::now(), days));
+    }
+
+    /// The age past which the group may delete an event (`None`: never, or not described yet).
+    pub(crate) fn deletes_after(&self) -> Option<Duration> {
+        let days = (*self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner))?
+        .1?;
+        Some(Duration::from_secs(
+            u64::try_from(days).unwrap_or(0) * 86_400,
+        ))
+    }
+
+    /// Whether the group is due to be described again.
+    pub(crate) fn stale(&self) -> bool {
+        (*self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner))
+        .is_none_or(|(at, _)| at.elapsed() >= Self::REFRESH)
+    }
 }
 
 /// A worker's GetLogEvents requests a second by default: five workers stay inside the
@@ -232,6 +276,8 @@ pub struct CloudWatchLogs {
     limit: i32,
     reads: Arc<Budget>,
     listings: Arc<Budget>,
+    /// The group's retention, described at most hourly.
+    kept: Kept,
     late_events: Option<LateEvents>,
 }
 
@@ -268,6 +314,7 @@ impl CloudWatchLogs {
             limit: DEFAULT_PAGE_LIMIT,
             reads: Arc::new(Budget::per_second(GET_LOG_EVENTS_PER_SECOND)),
             listings: Arc::new(Budget::per_second(DESCRIBE_LOG_STREAMS_PER_SECOND)),
+            kept: Kept::default(),
             late_events: Some(LateEvents {
                 window: LATE_EVENT_WINDOW,
                 every: LATE_EVENT_AUDIT_INTERVAL,
@@ -823,7 +870,17 @@ impl PagedSource for CloudWatchLogs {
     /// The log group's retention ([`DELETION_DELAY`] and 2 hours added); "never expire" keeps
     /// events for good.
     fn retention(&self) -> BoxFuture<'_, Result<crate::receipts::SourceRetention, Error>> {
-        Box::pin(group_retention(&self.client, &self.group, &self.name))
+        Box::pin(group_retention(
+            &self.client,
+            &self.group,
+            &self.name,
+            &self.kept,
+        ))
+    }
+
+    /// The group's `retentionInDays`, described with the listing at most hourly.
+    fn deletes_after(&self) -> Option<Duration> {
+        self.kept.deletes_after()
     }
 
     /// Every log stream of the group, page by page. A throttled (or failed) page is asked again
@@ -843,6 +900,14 @@ impl PagedSource for CloudWatchLogs {
             };
             // Patience counts from the last page answered: a listing of hundreds of pages at the
             // budget's pace goes on as long as each page comes within it.
+            // The group's retention, for the signal of reading behind it (hourly; a failure
+            // leaves the last one known).
+            if self.kept.stale()
+                && let Err(e) =
+                    group_retention(&self.client, &self.group, &self.name, &self.kept).await
+            {
+                debug!(source = %self.name, error = &e as &dyn std::error::Error, "describing the log group for its retention failed");
+            }
             let mut patience = tokio::time::Instant::now() + LISTING_PATIENCE;
             let mut waits = Backoff::new(Duration::from_secs(5));
             let mut names = Vec::new();

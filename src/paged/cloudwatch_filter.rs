@@ -98,6 +98,8 @@ pub struct CloudWatchLogsFilter {
     audit_interval: Duration,
     catch_up_step: Duration,
     reads: Arc<Budget>,
+    /// The group's retention, described with every listing.
+    kept: super::cloudwatch::Kept,
 }
 
 impl fmt::Debug for CloudWatchLogsFilter {
@@ -130,6 +132,7 @@ impl CloudWatchLogsFilter {
             audit_interval: FILTER_AUDIT_INTERVAL,
             catch_up_step: FILTER_CATCH_UP_STEP,
             reads: Arc::new(Budget::per_second(FILTER_LOG_EVENTS_PER_SECOND)),
+            kept: super::cloudwatch::Kept::default(),
         }
     }
 
@@ -317,7 +320,7 @@ impl PagedSource for CloudWatchLogsFilter {
     /// The group itself, once it is found (a missing group is an error naming it).
     fn partitions(&self) -> BoxFuture<'_, Result<Vec<String>, Error>> {
         Box::pin(async move {
-            group_retention(&self.client, &self.group, &self.name).await?;
+            group_retention(&self.client, &self.group, &self.name, &self.kept).await?;
             Ok(vec![self.group.to_string()])
         })
     }
@@ -326,7 +329,17 @@ impl PagedSource for CloudWatchLogsFilter {
     /// hours added); "never expire" keeps events for good. A poll after an outage reads again
     /// every event after `closedThrough`, however long ago it was handled.
     fn retention(&self) -> BoxFuture<'_, Result<crate::receipts::SourceRetention, Error>> {
-        Box::pin(group_retention(&self.client, &self.group, &self.name))
+        Box::pin(group_retention(
+            &self.client,
+            &self.group,
+            &self.name,
+            &self.kept,
+        ))
+    }
+
+    /// The group's `retentionInDays`, as its last listing described it.
+    fn deletes_after(&self) -> Option<Duration> {
+        self.kept.deletes_after()
     }
 
     fn fetch<'a>(

@@ -458,6 +458,14 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// The age past which the provider may delete an event (a log group's `retentionInDays`),
+    /// when it says: a partition read further behind than this may lose events unread, which
+    /// the reader reports (a warning, `shardwise_paged_behind_retention_total`). `None` (the
+    /// default): the provider keeps events for good, or does not say.
+    fn deletes_after(&self) -> Option<Duration> {
+        None
+    }
+
     /// For a source read by timestamp: how much event time one poll need cover at most. A
     /// partition further behind (a pause of days) catches up in polls of this span, one after
     /// the other: each closes what it read before the next begins, so memory holds one step's

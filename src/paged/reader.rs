@@ -157,6 +157,68 @@ impl Audits {
     }
 }
 
+/// How far behind the provider's present a partition is read, reported as a Kinesis shard's lag
+/// is: `shardwise_millis_behind_latest` (labels `stream`, the source, and `shard`, the
+/// partition): the age of the oldest event of the last page read, 0 once a read finds nothing
+/// new, and 0 again when the reader stops. Past the age at which the provider may delete events
+/// ([`PagedSource::deletes_after`]) events may be lost unread, which no read can see: each such
+/// page counts in `shardwise_paged_behind_retention_total`, and a warning says it (at most hourly
+/// per partition).
+struct Behind {
+    labels: [(&'static str, String); 2],
+    warned: Option<Instant>,
+}
+
+impl Behind {
+    fn new(source: &dyn PagedSource, partition: &str) -> Self {
+        Self {
+            labels: [
+                ("stream", source.name().to_string()),
+                ("shard", partition.to_string()),
+            ],
+            warned: None,
+        }
+    }
+
+    /// Nothing new: read at the present.
+    fn at_head(&self) {
+        metrics::gauge!("shardwise_millis_behind_latest", &self.labels).set(0.0);
+    }
+
+    /// A page read whose oldest event is dated `oldest_ms`.
+    fn read(&mut self, source: &dyn PagedSource, oldest_ms: i64) {
+        let now = crate::time::millis(source.service_time().unwrap_or_else(crate::time::now));
+        let behind = now.saturating_sub(oldest_ms).max(0);
+        metrics::gauge!("shardwise_millis_behind_latest", &self.labels).set(behind as f64);
+        let Some(keeps) = source.deletes_after() else {
+            return;
+        };
+        let keeps_ms = i64::try_from(keeps.as_millis()).unwrap_or(i64::MAX);
+        if behind < keeps_ms {
+            return;
+        }
+        metrics::counter!("shardwise_paged_behind_retention_total", "source" => source.name().to_string()).increment(1);
+        if self
+            .warned
+            .is_none_or(|at| at.elapsed() >= Duration::from_secs(3600))
+        {
+            self.warned = Some(Instant::now());
+            warn!(source = source.name(), partition = %self.labels[1].1, behind_ms = behind, retention_ms = keeps_ms, "the partition is read further behind than the provider keeps events: events older than its retention may have been deleted unread (catch up faster: more workers, a larger request budget)");
+        }
+    }
+}
+
+impl Drop for Behind {
+    fn drop(&mut self) {
+        self.at_head();
+    }
+}
+
+/// An event's timestamp, in ms since the Unix epoch.
+fn dated_ms(event: &PagedEvent) -> Option<i64> {
+    event.timestamp.map(crate::time::millis)
+}
+
 impl PageReader {
     /// Fetches until the partition ends, fails, or `cancel` fires.
     pub(crate) async fn run(mut self, pages: mpsc::Sender<PageMessage>, cancel: CancellationToken) {
@@ -165,6 +227,7 @@ impl PageReader {
         let mut failures = Backoff::new(self.max_backoff);
         let mut idle = Idle::new(self.poll_interval, self.idle_poll_max);
         let mut watermark_sent: Option<i64> = None;
+        let mut behind = Behind::new(self.source.as_ref(), &self.partition);
         // An auditing source is audited as the attempt starts (late events that arrived while
         // nobody read, or that an earlier attempt found and did not settle), then every interval.
         let mut audits = self.source.audit_interval().map(|every| Audits {
@@ -258,6 +321,11 @@ impl PageReader {
             };
             let unchanged = self.cursor.as_ref() == Some(&next);
             let empty = page.events.is_empty();
+            match page.events.iter().filter_map(dated_ms).min() {
+                Some(oldest) => behind.read(self.source.as_ref(), oldest),
+                None if unchanged => behind.at_head(),
+                None => {}
+            }
             // A quiet page that only raises the certified watermark is handed over (so a quiet
             // partition's watermark can move), with the cursor it was fetched with.
             let raised = page.watermark > watermark_sent;
@@ -494,6 +562,7 @@ impl PollReader {
         let mut polls_done: u32 = 0;
         let mut next_audit = Instant::now();
         let mut moved = self.after.clone();
+        let mut behind = Behind::new(self.source.as_ref(), &self.partition);
         let step_ms = self
             .source
             .poll_step()
@@ -585,6 +654,13 @@ impl PollReader {
                 };
                 first = false;
                 let empty = page.events.is_empty();
+                // Behind: a step of a catch-up (a poll to the present reads what is a poll
+                // interval and the close horizon old, by design; an audit reads behind).
+                if before.is_some()
+                    && let Some(oldest) = page.events.iter().filter_map(dated_ms).min()
+                {
+                    behind.read(self.source.as_ref(), oldest);
+                }
                 if !empty && polls.send(PollMessage::Events(page.events)).await.is_err() {
                     return;
                 }
@@ -613,6 +689,9 @@ impl PollReader {
                 return;
             }
             metrics::counter!("shardwise_paged_polls_total", &labels).increment(1);
+            if complete && before.is_none() {
+                behind.at_head();
+            }
             if complete && before.is_some() {
                 // A step of a catch-up: the next one starts as soon as this one's evidence moved
                 // the start (the partition's loop sets it), or after the poll interval if it
