@@ -191,6 +191,75 @@ async fn a_deleted_stream_ends_its_partition_and_one_created_again_is_read_from_
     assert_eq!(handled, expected, "every event once");
 }
 
+/// Streams deleted from a group of 200 (4 pages of DescribeLogStreams): each costs two or three
+/// look-ups by its name (the fetch's, whether one of its name was created since, and the
+/// reader's, whether it is still listed; an audit that meets it first asks once more), not
+/// listings of the group. Before, each not-found fetch listed the whole group, and each
+/// partition's end asked for a sync, another listing: 66 requests for these 10, 25 now (issue
+/// 55, defect 3: a thousand deleted streams, a thousand listings).
+#[tokio::test(start_paused = true)]
+async fn a_deleted_stream_costs_look_ups_of_its_name_not_listings_of_the_group() {
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 59);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let mut expected = Vec::new();
+    for i in 0..200 {
+        let stream = format!("s{i:03}");
+        service.create_stream(&stream);
+        expected.extend(put_into(&service, &stream, 1));
+    }
+    let source = CloudWatchLogs::new(service.client(), GROUP);
+    let recorded = calls.clone();
+    let running = Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
+        recorded.push("w1", &d);
+        async { Outcome::Ack }
+    })
+    .worker_id("w1")
+    .poll_interval(Duration::from_secs(30))
+    .lease_settings(
+        LeaseSettings::default()
+            .lease_duration(Duration::from_secs(60))
+            .scan_interval(Duration::from_secs(20))
+            // No periodic listing within the test's window: what is counted is the deletions'.
+            .shard_sync_interval(Duration::from_secs(6 * 3600)),
+    )
+    .lease_store(Arc::new(store.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    wait_for("every stream's event", Duration::from_secs(1800), || {
+        calls.len() == 200
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(60)).await;
+
+    let before = service.counts().describe_log_streams;
+    for i in (0..200).step_by(20) {
+        service.delete_stream(&format!("s{i:03}"));
+    }
+    wait_for(
+        "the deleted streams' rows deleted",
+        Duration::from_secs(1800),
+        || store.snapshot().len() == 190,
+    )
+    .await;
+    let spent = service.counts().describe_log_streams - before;
+    running.shutdown(Duration::from_secs(5)).await;
+
+    let mut handled = calls.ids();
+    handled.sort();
+    expected.sort();
+    assert_eq!(handled, expected, "every event once");
+    assert!(
+        spent <= 3 * 10,
+        "10 deleted streams cost {spent} DescribeLogStreams requests"
+    );
+}
+
 /// A log stream deleted and created again under its name before the reader notices (5 s later,
 /// between two polls) is another stream: the token of the old one is refused, and the listing
 /// names the stream as before. The reader knows the stream by its name and its creation time:

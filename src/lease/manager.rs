@@ -648,7 +648,13 @@ impl LeaseManager {
     /// (this worker stopped between the two writes, or one failed) is deleted by a later scan
     /// ([`Contract::names_reused`](crate::paged::Contract)).
     pub async fn partition_gone(&self, ownership: &Ownership) -> Result<(), Error> {
-        self.shard_ended(ownership).await?;
+        // Not `shard_ended`: a gone partition has no children to find, so no sync is asked for
+        // at once (deleting a thousand streams would list the group a thousand times); a name
+        // listed again gets its row at the next periodic sync.
+        self.inner.unlisted(&ownership.shard_id);
+        self.inner.give_back(ownership, false).await?;
+        self.inner.hooks.shard_ended(ownership);
+        self.inner.changed_here();
         self.inner.failing().remove(&ownership.shard_id);
         let Some(row) = self
             .inner
@@ -820,6 +826,19 @@ impl Inner {
             at: crate::time::millis(crate::time::now()),
         };
         *self.listing.lock().unwrap_or_else(|e| e.into_inner()) = Some((listing, Instant::now()));
+    }
+
+    /// The source no longer lists `shard_id` (a partition found gone): the last listing would
+    /// otherwise count it among those listed without a row, and ask for a sync.
+    fn unlisted(&self, shard_id: &str) {
+        if let Some((listing, _)) = self
+            .listing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            listing.ids.remove(shard_id);
+        }
     }
 
     /// Something every worker should scan for happened here (rows created, a lease freed or
@@ -1304,8 +1323,8 @@ impl Inner {
         Ok(settling || put_off)
     }
 
-    /// Deletes the rows of gone partitions left at SHARD_END ([`planner::left_by_gone`]), then
-    /// syncs: a name the source lists again gets a new row and is read from its start.
+    /// Deletes the rows of gone partitions left at SHARD_END ([`planner::left_by_gone`]): a name
+    /// the source lists again gets a new row at the next sync and is read from its start.
     async fn delete_left_by_gone(&self, rows: &[Lease], judged: &[(bool, bool)]) {
         let held: HashSet<String> = self
             .leases()
@@ -1336,7 +1355,6 @@ impl Inner {
         }
         if deleted > 0 {
             self.changed_here();
-            self.sync_now.notify_one();
         }
     }
 

@@ -962,6 +962,22 @@ impl PagedSource for CloudWatchLogs {
         })
     }
 
+    /// One DescribeLogStreams by the stream's name (its prefix), not a listing of the group:
+    /// deleting a thousand streams costs a thousand requests, not a thousand listings.
+    fn listed<'a>(&'a self, partition: &'a str) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            self.creation_of(partition)
+                .await
+                .map(|created| created.is_some())
+                .map_err(|e| Error::Paged {
+                    source_name: self.name.to_string(),
+                    partition: partition.to_string(),
+                    what: "looking up the log stream failed",
+                    source: Box::new(e),
+                })
+        })
+    }
+
     fn fetch<'a>(
         &'a self,
         partition: &'a str,

@@ -399,6 +399,14 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
     /// Every partition, in a stable order.
     fn partitions(&self) -> BoxFuture<'_, Result<Vec<String>, crate::Error>>;
 
+    /// Whether the source lists `partition` now: asked when a fetch finds it missing, to tell a
+    /// partition that is gone from one not visible yet. The default lists every partition; a
+    /// source that can ask for one alone should (a group of thousands of streams takes dozens of
+    /// pages to list).
+    fn listed<'a>(&'a self, partition: &'a str) -> BoxFuture<'a, Result<bool, crate::Error>> {
+        Box::pin(async move { Ok(self.partitions().await?.iter().any(|p| p == partition)) })
+    }
+
     /// The page of `partition` at `cursor` (`None`: its first page).
     fn fetch<'a>(
         &'a self,

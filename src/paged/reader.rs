@@ -265,9 +265,8 @@ impl PageReader {
                     let listed = tokio::select! {
                         biased;
                         _ = cancel.cancelled() => return,
-                        r = self.source.partitions() => r,
+                        r = self.source.listed(&self.partition) => r,
                     };
-                    let listed = listed.map(|all| all.contains(&self.partition));
                     if let Ok(false) = listed {
                         let _ = pages.send(PageMessage::Gone).await;
                         return;

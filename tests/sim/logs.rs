@@ -159,6 +159,8 @@ pub struct Counts {
     pub not_found: u64,
     /// Events returned by GetLogEvents and FilterLogEvents (a read again counts again).
     pub events: u64,
+    /// DescribeLogStreams requests (listings and look-ups of one stream).
+    pub describe_log_streams: u64,
 }
 
 /// The service. Clones share it.
@@ -426,6 +428,9 @@ impl LogsService {
         let mut state = self.state.lock().unwrap();
         state.sweep(now);
         state.counts.requests += 1;
+        if operation == "DescribeLogStreams" {
+            state.counts.describe_log_streams += 1;
+        }
         if let Some(limit) = quota(operation) {
             let throttled = now < state.throttled_until;
             let recent = state.recent.entry(operation.to_string()).or_default();
