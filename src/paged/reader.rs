@@ -692,14 +692,23 @@ impl PollReader {
                 behind.at_head();
             }
             if complete && before.is_some() {
-                // A step of a catch-up: the next one starts as soon as this one's evidence moved
-                // the start (the partition's loop sets it), or after the poll interval if it
-                // cannot (a group held open by a failing event).
-                tokio::select! {
-                    biased;
-                    _ = cancel.cancelled() => return,
-                    _ = moved.changed() => {}
-                    _ = tokio::time::sleep(self.poll_interval) => {}
+                // A step of a catch-up: the next one starts as soon as the partition's loop
+                // moved the start past this one's (its close written), or after the poll
+                // interval if it cannot (a group held open by a failing event). Not at the
+                // first word from the loop, which may repeat the old start: the step would be
+                // read again (20 times over, in a test of three days' backlog).
+                let deadline = Instant::now() + self.poll_interval;
+                loop {
+                    tokio::select! {
+                        biased;
+                        _ = cancel.cancelled() => return,
+                        changed = moved.changed() => {
+                            if changed.is_err() || *moved.borrow() != after {
+                                break;
+                            }
+                        }
+                        _ = tokio::time::sleep_until(deadline) => break,
+                    }
                 }
                 continue;
             }
