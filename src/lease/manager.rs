@@ -1323,23 +1323,19 @@ impl Inner {
         Ok(settling || put_off)
     }
 
+    /// The shards this process holds now.
+    fn held_shards(&self) -> HashSet<String> {
+        self.leases()
+            .holding()
+            .map(|h| h.ownership.shard_id.clone())
+            .collect()
+    }
+
     /// Deletes the rows of gone partitions left at SHARD_END ([`planner::left_by_gone`]): a name
     /// the source lists again gets a new row at the next sync and is read from its start.
     async fn delete_left_by_gone(&self, rows: &[Lease], judged: &[(bool, bool)]) {
-        let held: HashSet<String> = self
-            .leases()
-            .holding()
-            .map(|h| h.ownership.shard_id.clone())
-            .collect();
-        let seen: Vec<Seen<'_>> = rows
-            .iter()
-            .zip(judged)
-            .map(|(lease, &(expired, neglected))| Seen {
-                lease,
-                expired,
-                neglected,
-            })
-            .collect();
+        let held = self.held_shards();
+        let seen = seen(rows, judged);
         let mut deleted = 0;
         for row in planner::left_by_gone(&self.worker, &seen, &held) {
             match self.store.delete(row).await {
@@ -1469,20 +1465,8 @@ impl Inner {
             self.settings.handoff_patience(),
             self.settings.handoff_ack_patience(),
         );
-        let held: HashSet<String> = self
-            .leases()
-            .holding()
-            .map(|h| h.ownership.shard_id.clone())
-            .collect();
-        let seen: Vec<Seen<'_>> = rows
-            .iter()
-            .zip(judged)
-            .map(|(lease, &(expired, neglected))| Seen {
-                lease,
-                expired,
-                neglected,
-            })
-            .collect();
+        let held = self.held_shards();
+        let seen = seen(rows, judged);
         let roster: Vec<String> = self.liveness.roster().live(now).into_iter().collect();
         let listing = self.listing();
         let plan = planner::plan_listed(
@@ -1775,6 +1759,19 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// A scan's `rows` as the planner sees them, each with its judgement (expired, neglected) from
+/// [`Inner::observe`].
+fn seen<'a>(rows: &'a [Lease], judged: &[(bool, bool)]) -> Vec<Seen<'a>> {
+    rows.iter()
+        .zip(judged)
+        .map(|(lease, &(expired, neglected))| Seen {
+            lease,
+            expired,
+            neglected,
+        })
+        .collect()
 }
 
 #[cfg(test)]
