@@ -1503,3 +1503,107 @@ async fn events_are_named_by_their_messages_and_exact_repeats_by_their_occurrenc
     running.shutdown(Duration::from_secs(5)).await;
     assert_eq!(calls.ids(), expected, "each once, under its own name");
 }
+
+/// A consumer of `service` named `worker` without a receipt ledger, whose handler records each
+/// message it is given.
+async fn recording(
+    service: &LogsService,
+    store: &MemoryLeaseStore,
+    worker: &'static str,
+    seen: &Messages,
+) -> Running {
+    let seen = seen.clone();
+    let source = CloudWatchLogs::new(service.client(), GROUP);
+    Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
+        let message = String::from_utf8_lossy(d.payload()).into_owned();
+        seen.lock()
+            .unwrap()
+            .push((worker.to_string(), message, d.attempt()));
+        async { Outcome::Ack }
+    })
+    .worker_id(worker)
+    .poll_interval(Duration::from_secs(5))
+    .checkpoint_interval(Duration::from_secs(1))
+    .lease_settings(
+        LeaseSettings::default()
+            .lease_duration(Duration::from_secs(10))
+            .scan_interval(Duration::from_secs(2)),
+    )
+    .lease_store(Arc::new(store.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap()
+}
+
+/// A graceful lease move of a busy stream (an event a second; a deploy). A cursor's audit mark
+/// moved only with an audit (every 5 minutes), and the next owner's first audit hands out again
+/// every event ingested since the mark that it does not remember: up to the audit interval and
+/// the allowance of the stream, after every deploy. Now a graceful stop audits once more before
+/// the final write, and the next owner hands out again only what was ingested in the allowance
+/// (30 s) before that audit began: 28 of 240 events here (240 before, every one since the first
+/// read's mark). Every event is handled.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_graceful_lease_move_of_a_busy_stream_hands_out_again_only_the_allowance() {
+    let metrics = recorder::Metrics::default();
+    let _metrics = metrics::set_default_local_recorder(&metrics);
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 37);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let seen = Messages::default();
+    let mut expected = Vec::new();
+    let mut put_one = |i: usize| {
+        let message = format!("event {i}");
+        service
+            .put("s0", &[(service.now(), message.clone())], Duration::ZERO)
+            .expect("accepted");
+        expected.push(message);
+    };
+
+    let first = recording(&service, &store, "w1", &seen).await;
+    for i in 0..240 {
+        put_one(i);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    // Settled and written before the stop: the stop alone decides what the next owner rereads.
+    wait_for("w1 handles every event", Duration::from_secs(30), || {
+        seen.lock().unwrap().len() == 240
+    })
+    .await;
+    first.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(
+        metrics.counter("shardwise_paged_final_audits_total", "logs:/app/orders"),
+        Some(1)
+    );
+
+    let second = recording(&service, &store, "w2", &seen).await;
+    for i in 240..300 {
+        put_one(i);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    // Past the second owner's first audit, and its next one.
+    tokio::time::sleep(Duration::from_secs(6 * 60)).await;
+    second.shutdown(Duration::from_secs(5)).await;
+
+    let seen = seen.lock().unwrap().clone();
+    let by = |worker: &str| -> std::collections::HashSet<String> {
+        seen.iter()
+            .filter(|(w, _, _)| w == worker)
+            .map(|(_, m, _)| m.clone())
+            .collect()
+    };
+    let (w1, w2) = (by("w1"), by("w2"));
+    let missing: Vec<&String> = expected
+        .iter()
+        .filter(|m| !w1.contains(*m) && !w2.contains(*m))
+        .collect();
+    assert!(missing.is_empty(), "never handed out: {missing:?}");
+    let again = w1.intersection(&w2).count();
+    assert!(
+        again <= 32,
+        "{again} events handed out by both owners (at most the allowance's 30, and the second of the stop)"
+    );
+}

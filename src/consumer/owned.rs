@@ -126,6 +126,9 @@ pub(crate) enum Read {
 pub(crate) struct Prepared<P: Progress> {
     pub(crate) progress: P,
     pub(crate) reader: Option<mpsc::Receiver<P::Message>>,
+    /// A reader with a last step to take at a graceful stop (a final audit) is told to finish
+    /// with this token, and read until it ends, rather than cancelled.
+    pub(crate) finish: Option<CancellationToken>,
 }
 
 /// The lease is lost.
@@ -280,6 +283,7 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
     let Prepared {
         mut progress,
         reader,
+        finish,
     } = match P::prepare(&source, &ctx, &held, reader_cancel.clone()).await {
         Ok(prepared) => prepared,
         Err(exit) => return exit,
@@ -306,6 +310,7 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
     let mut tick = tokio::time::interval(settings.checkpoint_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut aborted = false;
+    let mut finishing = false;
 
     let halt = loop {
         let room = pipeline.has_room();
@@ -321,9 +326,19 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
                 }
                 reader_cancel.cancel();
             }
-            _ = ctx.stop.cancelled(), if reading == Reading::Open => {
-                reading = Reading::Stopped;
-                reader_cancel.cancel();
+            _ = ctx.stop.cancelled(), if reading == Reading::Open && !finishing => {
+                match &finish {
+                    // Read on until the reader ends (the channel closes): what its last step
+                    // hands over is handled and settles before the final writes.
+                    Some(finish) => {
+                        finishing = true;
+                        finish.cancel();
+                    }
+                    None => {
+                        reading = Reading::Stopped;
+                        reader_cancel.cancel();
+                    }
+                }
             }
             answer = async { (&mut owned.in_flight.as_mut().expect("writing").handle).await }, if writing => {
                 let write = owned.in_flight.take().expect("writing").write;
@@ -368,6 +383,16 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
                     break Halt::Lost;
                 }
             }
+        }
+        // A reader told to finish that waits for room no delivery will make (only held ones
+        // left) is stopped as a cancelled one would be.
+        if finishing
+            && reading == Reading::Open
+            && !pipeline.has_room()
+            && pipeline.step(Reading::Stopped, true, aborted) == Step::Stop
+        {
+            reading = Reading::Stopped;
+            reader_cancel.cancel();
         }
         match pipeline.step(reading, ctx.stop.is_cancelled(), aborted) {
             Step::Continue => {}

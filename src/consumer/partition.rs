@@ -83,6 +83,9 @@ impl Progress for Pages {
             "partition started"
         );
         let contract = source.contract();
+        // A source that audits for late events audits once more at a graceful stop (see
+        // `PageReader::run`): the reader is told to finish, not cancelled.
+        let finish = source.audit_interval().map(|_| reader.child_token());
         let messages = (!held.lease.checkpoint.is_shard_end()).then(|| {
             let (pages_tx, pages_rx) = mpsc::channel(1);
             let page_reader = PageReader {
@@ -94,7 +97,8 @@ impl Progress for Pages {
                 idle_poll_max: settings.reader.idle_poll_max,
                 max_backoff: settings.reader.max_backoff,
             };
-            tokio::spawn(crate::time::carry(page_reader.run(pages_tx, reader)));
+            let finish = finish.clone().unwrap_or_else(|| reader.clone());
+            tokio::spawn(crate::time::carry(page_reader.run(pages_tx, reader, finish)));
             pages_rx
         });
         Ok(Prepared {
@@ -118,6 +122,7 @@ impl Progress for Pages {
                 handed_out: source.audit_interval().map(|_| HandedOut::default()),
             },
             reader: messages,
+            finish,
         })
     }
 

@@ -153,6 +153,7 @@ impl Progress for Shard {
                 last_read: None,
             },
             reader: messages,
+            finish: None,
         })
     }
 

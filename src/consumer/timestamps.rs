@@ -192,6 +192,7 @@ impl Progress for Attempt {
                 ready_mark: None,
             },
             reader: Some(polls_rx),
+            finish: None,
         })
     }
 

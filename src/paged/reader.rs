@@ -220,8 +220,38 @@ fn dated_ms(event: &PagedEvent) -> Option<i64> {
 }
 
 impl PageReader {
-    /// Fetches until the partition ends, fails, or `cancel` fires.
-    pub(crate) async fn run(mut self, pages: mpsc::Sender<PageMessage>, cancel: CancellationToken) {
+    /// Fetches until the partition ends, fails, or `cancel` fires. When `finish` fires first (a
+    /// graceful stop: `finish` is a child of `cancel`), forward reading stops and a source that
+    /// audits for late events is audited once more before the reader ends: the audited cursor,
+    /// promoted once what the audit found settled, is the final progress, and the next owner's
+    /// first audit then hands out again only what was ingested in the source's allowance before
+    /// this one began, not everything since the last periodic audit (up to its interval more).
+    pub(crate) async fn run(
+        mut self,
+        pages: mpsc::Sender<PageMessage>,
+        cancel: CancellationToken,
+        finish: CancellationToken,
+    ) {
+        if let Some(mut audits) = self.forward(&pages, &finish).await
+            && !cancel.is_cancelled()
+            && let Some(cursor) = self.cursor.clone()
+        {
+            // Only once the forward read passed where the attempt started (else the audit's mark
+            // would vouch for what lies between the cursor and the applied position).
+            if self.applied.is_none() {
+                metrics::counter!("shardwise_paged_final_audits_total", "source" => self.source.name().to_string()).increment(1);
+                let _ = self.audit(&cursor, &mut audits, &pages, &cancel).await;
+            }
+        }
+    }
+
+    /// Reads forward until the partition ends or fails (`None`), or `stop` fires: then the
+    /// audits' state, if the source audits (`Some`).
+    async fn forward(
+        &mut self,
+        pages: &mpsc::Sender<PageMessage>,
+        stop: &CancellationToken,
+    ) -> Option<Audits> {
         let labels = [("source", self.source.name().to_string())];
         let contract = self.source.contract();
         let mut failures = Backoff::new(self.max_backoff);
@@ -237,39 +267,39 @@ impl PageReader {
             quiet: None,
         });
         loop {
-            if let Some(audits) = audits.as_mut()
+            if let Some(due) = audits.as_mut()
                 && self.applied.is_none()
-                && audits.due(Instant::now())
+                && due.due(Instant::now())
             {
                 match self.cursor.clone() {
-                    Some(cursor) => match self.audit(&cursor, audits, &pages, &cancel).await {
+                    Some(cursor) => match self.audit(&cursor, due, pages, stop).await {
                         Audited::Done => {}
-                        Audited::Stop => return,
+                        Audited::Stop => return audits,
                     },
                     // Nothing read yet: nothing to audit behind, and no wait cut short for it.
-                    None => audits.next = Instant::now() + audits.every,
+                    None => due.next = Instant::now() + due.every,
                 }
             }
             let fetched = tokio::select! {
                 biased;
-                _ = cancel.cancelled() => return,
+                _ = stop.cancelled() => return audits,
                 r = self.source.fetch(&self.partition, self.cursor.as_ref()) => r,
             };
             let page = match fetched {
                 Ok(page) => page,
                 Err(FetchError::Gone) => {
                     let _ = pages.send(PageMessage::Gone).await;
-                    return;
+                    return None;
                 }
                 Err(FetchError::NotFound) => {
                     let listed = tokio::select! {
                         biased;
-                        _ = cancel.cancelled() => return,
+                        _ = stop.cancelled() => return audits,
                         r = self.source.listed(&self.partition) => r,
                     };
                     if let Ok(false) = listed {
                         let _ = pages.send(PageMessage::Gone).await;
-                        return;
+                        return None;
                     }
                     let wait = failures.next();
                     let why = match &listed {
@@ -277,14 +307,14 @@ impl PageReader {
                         Err(e) => format!("listing the partitions failed: {e}"),
                     };
                     warn!(source = self.source.name(), partition = %self.partition, ?wait, "the partition was not found, but {why}; fetching the same cursor again");
-                    if sleep(wait, &cancel).await {
-                        return;
+                    if sleep(wait, stop).await {
+                        return audits;
                     }
                     continue;
                 }
                 Err(error @ FetchError::InvalidCursor(_)) => {
                     let _ = pages.send(PageMessage::Failed(error)).await;
-                    return;
+                    return None;
                 }
                 Err(error) => {
                     if matches!(error, FetchError::Throttled) {
@@ -292,8 +322,8 @@ impl PageReader {
                     }
                     let wait = failures.next();
                     warn!(source = self.source.name(), partition = %self.partition, error = &error as &dyn std::error::Error, ?wait, "fetch failed; fetching the same cursor again");
-                    if sleep(wait, &cancel).await {
-                        return;
+                    if sleep(wait, stop).await {
+                        return audits;
                     }
                     continue;
                 }
@@ -316,7 +346,7 @@ impl PageReader {
                         watermark: page.watermark,
                     })
                     .await;
-                return;
+                return None;
             };
             let unchanged = self.cursor.as_ref() == Some(&next);
             let empty = page.events.is_empty();
@@ -339,10 +369,10 @@ impl PageReader {
                     .await
                     .is_err()
                 {
-                    return;
+                    return None;
                 }
-                if sleep(until_audit(&audits, idle.wait()), &cancel).await {
-                    return;
+                if sleep(until_audit(&audits, idle.wait()), stop).await {
+                    return audits;
                 }
                 continue;
             }
@@ -350,8 +380,8 @@ impl PageReader {
                 metrics::counter!("shardwise_paged_unchanged_cursor_total", &labels).increment(1);
                 let wait = until_audit(&audits, idle.wait());
                 debug!(source = self.source.name(), partition = %self.partition, cursor = %next, ?wait, "nothing new: fetching the same cursor after a wait");
-                if sleep(wait, &cancel).await {
-                    return;
+                if sleep(wait, stop).await {
+                    return audits;
                 }
                 continue;
             }
@@ -378,20 +408,21 @@ impl PageReader {
                 })
                 .await;
             if sent.is_err() {
-                return;
+                return None;
             }
             if unchanged {
                 // Events, but a cursor that does not move: the same page is fetched again after
                 // the poll interval (its events are then overlaps), never in a tight loop.
                 metrics::counter!("shardwise_paged_unchanged_cursor_total", &labels).increment(1);
             }
+            // The page was handed over: a stop during the wait audits behind its cursor.
+            self.cursor = Some(next.clone());
             if let Some(wait) = pause.map(|wait| until_audit(&audits, wait)) {
                 debug!(source = self.source.name(), partition = %self.partition, cursor = %next, ?wait, "fetching the next page after a wait");
-                if sleep(wait, &cancel).await {
-                    return;
+                if sleep(wait, stop).await {
+                    return audits;
                 }
             }
-            self.cursor = Some(next);
         }
     }
 }
