@@ -17,6 +17,7 @@
 //! (`Uncertain`), that one went through. Anything else means this attempt is stale, and it
 //! stops.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
@@ -31,7 +32,8 @@ use crate::handler::{Delivery, Handler, Replayable};
 use crate::lease::{CheckpointWrite, HeldLease, LeaseStore, Ownership};
 use crate::paged::reader::{HandedOut, Instant, PageMessage, PageReader};
 use crate::paged::{
-    Barrier, BarrierWrite, LATE_EVENTS, Order, PagePosition, PagedProgress, PagedSource, Verdict,
+    Barrier, BarrierWrite, LATE_EVENTS, Order, PagePosition, PagedEvent, PagedProgress,
+    PagedSource, Verdict, Vouched,
 };
 use crate::track::Tracker;
 
@@ -54,6 +56,12 @@ pub(crate) struct Pages {
     /// For a source that audits for late events: what this attempt handed out, for as long as
     /// an audit can return it.
     handed_out: Option<HandedOut>,
+    /// The source, for what an attempt vouches for at a graceful stop and the ingestion times of
+    /// what it hands out.
+    source: Arc<dyn PagedSource>,
+    /// During an audit whose range an earlier attempt vouched for: that, and the events of the
+    /// range the audit returned that this attempt did not hand out (held until the audit ends).
+    vouched: Option<(Vouched, Vec<PagedEvent>, HashSet<String>)>,
 }
 
 impl Progress for Pages {
@@ -98,7 +106,9 @@ impl Progress for Pages {
                 max_backoff: settings.reader.max_backoff,
             };
             let finish = finish.clone().unwrap_or_else(|| reader.clone());
-            tokio::spawn(crate::time::carry(page_reader.run(pages_tx, reader, finish)));
+            tokio::spawn(crate::time::carry(
+                page_reader.run(pages_tx, reader, finish),
+            ));
             pages_rx
         });
         Ok(Prepared {
@@ -120,6 +130,8 @@ impl Progress for Pages {
                 gone: false,
                 started_at: durable.applied_position,
                 handed_out: source.audit_interval().map(|_| HandedOut::default()),
+                source: source.clone(),
+                vouched: None,
             },
             reader: messages,
             finish,
@@ -145,10 +157,31 @@ impl Progress for Pages {
                 self.page(pipeline, Vec::new(), None, None)
             }
             PageMessage::Late(events) => self.late(pipeline, &events),
+            PageMessage::Vouched(vouched) => {
+                // (Events held for an audit given up before its end come again in the next.)
+                self.vouched = Some((vouched, Vec::new(), HashSet::new()));
+                Read::Note
+            }
             PageMessage::Audited {
                 next,
                 forget_before,
+                last,
             } => {
+                self.settle_vouched(pipeline);
+                // At a graceful stop: vouch for what the next attempt's first audit returns
+                // though this one handed it out (before forgetting any of it).
+                let next = match (&self.handed_out, last) {
+                    (Some(handed_out), true) => self
+                        .source
+                        .vouch_range(&next)
+                        .and_then(|(after, through)| {
+                            let vouched = handed_out.vouch(after, through);
+                            debug!(source = %self.lease.stream, partition = %self.lease.shard, count = vouched.count, "vouched for what the next owner's first audit returns");
+                            self.source.vouch(&next, &vouched)
+                        })
+                        .unwrap_or(next),
+                    _ => next,
+                };
                 if let (Some(handed_out), Some(before)) = (self.handed_out.as_mut(), forget_before)
                 {
                     handed_out.forget_before(before);
@@ -242,7 +275,7 @@ impl Pages {
             match verdict {
                 Verdict::New => {
                     if let Some(handed_out) = self.handed_out.as_mut() {
-                        handed_out.insert(&event.id, Instant::now());
+                        handed_out.insert(&event.id, Instant::now(), self.source.ingested(&event));
                     }
                     let (id, lane) = pipeline.track(event.position.clone(), event.key.as_deref());
                     let delivery =
@@ -295,7 +328,8 @@ impl Pages {
     /// (remembered) are passed over. Above the applied position the attempt started from, this
     /// attempt read forward over the rest: they arrived late, and are handed out. At or below
     /// it an earlier attempt may have handled them: a terminal receipt settles one as a replay,
-    /// anything else hands it out (never skipped).
+    /// anything else hands it out (never skipped). Events of a range the previous owner vouched
+    /// for ([`Vouched`]) wait for the audit's end ([`Self::settle_vouched`]).
     /// Either way the deliveries hold the page barrier until they settle, so the audited cursor
     /// the reader sends after them is promoted only then.
     fn late<H: Handler>(
@@ -303,38 +337,91 @@ impl Pages {
         pipeline: &mut Pipeline<H, PagePosition>,
         events: &[crate::paged::PagedEvent],
     ) -> Read {
-        let (source_name, partition) = (&self.lease.stream, &self.lease.shard);
-        let now = Instant::now();
         for event in events {
-            if let Some(handed_out) = self.handed_out.as_mut()
-                && !handed_out.insert(&event.id, now)
+            let ingested = self.source.ingested(event);
+            if let Some(handed_out) = &self.handed_out
+                && handed_out.contains(&event.id)
             {
                 // Handed out by this attempt (read forward, or found by an earlier audit).
                 continue;
             }
-            let timestamp = event.timestamp.map(crate::time::millis);
-            // (For a source of groups: in the group of that position or before it, which that
-            // position claims only in part.)
-            if self
-                .started_at
-                .as_ref()
-                .is_some_and(|a| self.order.claim(&event.position) <= *a)
+            if let Some((vouched, held, ids)) = self.vouched.as_mut()
+                && ingested.is_some_and(|at| vouched.covers(at))
             {
-                debug!(source = %source_name, partition = %partition, id = %event.id, timestamp, "an audit found an event at or below the applied position this attempt started from: handled unless its receipt shows it done");
-                pipeline.dispatch_late(source_name, partition, event);
+                if ids.insert(event.id.clone()) {
+                    held.push(event.clone());
+                }
                 continue;
             }
-            metrics::counter!(LATE_EVENTS, &self.lease.labels).increment(1);
-            warn!(source = %source_name, partition = %partition, id = %event.id, timestamp, "a late event: put behind what was read already, found by an audit; handed out now");
-            let (id, lane) = pipeline.track(event.position.clone(), event.key.as_deref());
-            let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
-                .set_id(id)
-                .set_lane(lane)
-                .replayable(Replayable::Recorded)
-                .build();
-            pipeline.dispatch(delivery);
+            self.late_one(pipeline, event, ingested);
         }
         Read::Page
+    }
+
+    /// The events of a vouched range the audit that just ended returned: passed over when they
+    /// are exactly those the attempt before vouched for (it handed them out), all handed out
+    /// otherwise.
+    fn settle_vouched<H: Handler>(&mut self, pipeline: &mut Pipeline<H, PagePosition>) {
+        let Some((vouched, held, _)) = self.vouched.take() else {
+            return;
+        };
+        let mut returned = Vouched::new(vouched.after, vouched.through);
+        for event in &held {
+            returned.add(&event.id);
+        }
+        if returned == vouched {
+            metrics::counter!("shardwise_paged_replays_total", &self.lease.labels)
+                .increment(held.len() as u64);
+            debug!(source = %self.lease.stream, partition = %self.lease.shard, count = held.len(), "the audit returned exactly what the previous owner vouched for: not handed out again");
+            if let Some(handed_out) = self.handed_out.as_mut() {
+                for event in &held {
+                    handed_out.insert(&event.id, Instant::now(), self.source.ingested(event));
+                }
+            }
+            return;
+        }
+        debug!(source = %self.lease.stream, partition = %self.lease.shard, vouched = vouched.count, returned = returned.count, "the audit returned other events than the previous owner vouched for: every one of them is handed out");
+        for event in &held {
+            let ingested = self.source.ingested(event);
+            self.late_one(pipeline, event, ingested);
+        }
+    }
+
+    /// An event an audit returned that this attempt did not hand out.
+    fn late_one<H: Handler>(
+        &mut self,
+        pipeline: &mut Pipeline<H, PagePosition>,
+        event: &PagedEvent,
+        ingested: Option<i64>,
+    ) {
+        let (source_name, partition) = (&self.lease.stream, &self.lease.shard);
+        if let Some(handed_out) = self.handed_out.as_mut()
+            && !handed_out.insert(&event.id, Instant::now(), ingested)
+        {
+            // Returned twice by one audit.
+            return;
+        }
+        let timestamp = event.timestamp.map(crate::time::millis);
+        // (For a source of groups: in the group of that position or before it, which that
+        // position claims only in part.)
+        if self
+            .started_at
+            .as_ref()
+            .is_some_and(|a| self.order.claim(&event.position) <= *a)
+        {
+            debug!(source = %source_name, partition = %partition, id = %event.id, timestamp, "an audit found an event at or below the applied position this attempt started from: handled unless its receipt shows it done");
+            pipeline.dispatch_late(source_name, partition, event);
+            return;
+        }
+        metrics::counter!(LATE_EVENTS, &self.lease.labels).increment(1);
+        warn!(source = %source_name, partition = %partition, id = %event.id, timestamp, "a late event: put behind what was read already, found by an audit; handed out now");
+        let (id, lane) = pipeline.track(event.position.clone(), event.key.as_deref());
+        let delivery = Delivery::paged(source_name.clone(), partition.clone(), event)
+            .set_id(id)
+            .set_lane(lane)
+            .replayable(Replayable::Recorded)
+            .build();
+        pipeline.dispatch(delivery);
     }
 }
 

@@ -12,14 +12,16 @@
 //! before the one the settled prefix reached), so a group is a replay only once all of it settled.
 //! Counting occurrences across a page boundary needs the group's earlier messages: this source's
 //! cursor carries the last event (its place in its group and its name) beside the service's token,
-//! in bytes of its own, and a page that goes on with a group of several events read before it
-//! reads that millisecond again to count them:
+//! and a page that goes on with a group of several events read before it reads that millisecond
+//! again to count them. A cursor is `v5|` and JSON (serde; fields absent when empty):
 //!
 //! ```text
-//! v4|<creation ms>|<start ms>|<floor ms>|<timestamp>:<ingestion>:<place>:<digest>:<n>|<mark>|<audit>|<forward token>
+//! v5|{"c":<creation ms>,"s":<start ms>,"f":<floor ms>,"t":"<forward token>",
+//!     "l":{"t":<timestamp>,"i":<ingestion>,"k":<place>,"n":[<digest>,<n>]},"a":<mark>,
+//!     "r":{"a":<mark>,"l":<event>} (an audit's pages),"v":{"a":..,"t":..,"n":..,"d":".."} (vouched)}
 //! ```
 //!
-//! (versions 1 to 3, written before, are still read). A log stream is its name and its
+//! (versions 1 to 4, fields split by `|`, written before, are still read). A log stream is its name and its
 //! `creationTime`: a stream can be deleted and created again under its name, and the new one is
 //! another stream. Each listing (DescribeLogStreams) keeps every stream's creation time, a cursor
 //! carries the one of the stream it reads, and a fetch whose cursor names another creation than
@@ -109,10 +111,13 @@ use aws_sdk_cloudwatchlogs::types::OutputLogEvent;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use md5::{Digest, Md5};
+use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
 use super::budget::Budget;
-use super::{Audit, Contract, Cursor, FetchError, Page, PagePosition, PagedEvent, PagedSource};
+use super::{
+    Audit, Contract, Cursor, FetchError, Page, PagePosition, PagedEvent, PagedSource, Vouched,
+};
 use crate::backoff::Backoff;
 use crate::error::Error;
 use crate::shard::source::ReadDate;
@@ -377,46 +382,101 @@ impl CloudWatchLogs {
 }
 
 /// What a cursor of this source holds.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct LogCursor {
     /// The `creationTime` of the stream read: one deleted and created again under its name is
     /// another stream, never read on from this cursor.
+    #[serde(rename = "c", default, skip_serializing_if = "Option::is_none")]
     created: Option<i64>,
     /// `startTime` of every request of this traversal (a seek to a time, a recovery, an audit).
+    #[serde(rename = "s", default, skip_serializing_if = "Option::is_none")]
     start: Option<i64>,
     /// A seek's time: nothing before it is handed out, late or not.
+    #[serde(rename = "f", default, skip_serializing_if = "Option::is_none")]
     floor: Option<i64>,
     /// The service's forward token.
+    #[serde(rename = "t", default, skip_serializing_if = "Option::is_none")]
     token: Option<String>,
     /// The last event before this cursor.
+    #[serde(rename = "l", default, skip_serializing_if = "Option::is_none")]
     last: Option<Last>,
     /// Audited through this ingestion time (ms): every event behind the cursor that was
     /// ingested at or before it, and at most the late-event window late, was handed out.
+    #[serde(rename = "a", default, skip_serializing_if = "Option::is_none")]
     audited: Option<i64>,
     /// Set on the cursors of an audit's pages: what the audit returns.
+    #[serde(rename = "r", default, skip_serializing_if = "Option::is_none")]
     audit: Option<AuditRange>,
+    /// What the attempt that stopped at this cursor handed out of the events ingested in the
+    /// allowance before its mark (see [`Vouched`]); carried by the forward reads until the
+    /// next audit, whose mark replaces it.
+    #[serde(rename = "v", default, skip_serializing_if = "Option::is_none")]
+    vouched: Option<VouchedRange>,
 }
 
 /// An audit's events: those at or before `through` (the forward cursor's last event when the
 /// audit began) ingested after `after` (the forward cursor's mark), from the request's
 /// `startTime` on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct AuditRange {
+    #[serde(rename = "a", default, skip_serializing_if = "Option::is_none")]
     after: Option<i64>,
+    #[serde(rename = "l")]
     through: Last,
+}
+
+/// [`Vouched`] as a cursor carries it (its digest in hex).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VouchedRange {
+    #[serde(rename = "a")]
+    after: i64,
+    #[serde(rename = "t")]
+    through: i64,
+    #[serde(rename = "n")]
+    count: u64,
+    #[serde(rename = "d")]
+    digest: String,
+}
+
+impl VouchedRange {
+    fn of(vouched: &Vouched) -> Self {
+        Self {
+            after: vouched.after,
+            through: vouched.through,
+            count: vouched.count,
+            digest: format!("{:032x}", vouched.digest),
+        }
+    }
+
+    /// `None` for a digest that is not one (the cursor then vouches for nothing).
+    fn vouched(&self) -> Option<Vouched> {
+        Some(Vouched {
+            after: self.after,
+            through: self.through,
+            count: self.count,
+            digest: u128::from_str_radix(&self.digest, 16).ok()?,
+        })
+    }
 }
 
 /// An event as a cursor remembers it: where it stands in the service's order, and which one it
 /// is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Last {
+    #[serde(rename = "t")]
     timestamp: i64,
+    #[serde(rename = "i")]
     ingestion: i64,
     /// Its place among the events of its group (same timestamp and ingestion time) as read: so
     /// many were read before it.
     k: u64,
     /// Its message's digest and its occurrence among the group's events with that message (its
     /// name); `None` in a cursor written before names were taken from the message.
+    #[serde(rename = "n", default, skip_serializing_if = "Option::is_none")]
     name: Option<(u64, u64)>,
 }
 
@@ -427,23 +487,28 @@ impl Last {
 }
 
 impl LogCursor {
+    /// Version 5: `v5|` and the cursor as JSON (serde), fields absent when empty.
     fn encode(&self) -> Cursor {
-        let text = |n: Option<i64>| n.map(|n| n.to_string()).unwrap_or_default();
-        let last = self.last.as_ref().map_or(String::new(), Last::encode);
-        let audit = self.audit.map_or(String::new(), |a| {
-            format!("{}:{}", text(a.after), a.through.encode())
-        });
         Cursor::new(format!(
-            "v4|{}|{}|{}|{last}|{}|{audit}|{}",
-            text(self.created),
-            text(self.start),
-            text(self.floor),
-            text(self.audited),
-            self.token.as_deref().unwrap_or_default(),
+            "v5|{}",
+            serde_json::to_string(self).expect("a cursor is plain data")
         ))
     }
 
+    /// A cursor of any version written so far: 5 (JSON), or 1 to 4 (fields split by hand, read
+    /// as they were written).
     fn decode(cursor: &Cursor) -> Result<Self, String> {
+        let text = std::str::from_utf8(cursor.as_bytes())
+            .map_err(|_| "a cursor of CloudWatch Logs is text".to_string())?;
+        match text.strip_prefix("v5|") {
+            Some(json) => serde_json::from_str(json)
+                .map_err(|e| format!("`{text}` is not a cursor of CloudWatch Logs: {e}")),
+            None => Self::decode_split(cursor),
+        }
+    }
+
+    /// Versions 1 to 4.
+    fn decode_split(cursor: &Cursor) -> Result<Self, String> {
         let text = std::str::from_utf8(cursor.as_bytes())
             .map_err(|_| "a cursor of CloudWatch Logs is text".to_string())?;
         let number = |s: &str| -> Result<Option<i64>, String> {
@@ -571,16 +636,8 @@ impl LogCursor {
             last,
             audited,
             audit,
+            vouched: None,
         })
-    }
-}
-
-impl Last {
-    fn encode(&self) -> String {
-        let name = self.name.map_or(":".to_string(), |(digest, occurrence)| {
-            format!("{digest:016x}:{occurrence}")
-        });
-        format!("{}:{}:{}:{name}", self.timestamp, self.ingestion, self.k)
     }
 }
 
@@ -1161,6 +1218,7 @@ impl PagedSource for CloudWatchLogs {
                 last,
                 audited,
                 audit: at.audit,
+                vouched: at.vouched.clone(),
             };
             Ok(Page {
                 events,
@@ -1192,8 +1250,16 @@ impl PagedSource for CloudWatchLogs {
         let mark = now - allowance_ms();
         let then = LogCursor {
             audited: Some(at.audited.map_or(mark, |a| a.max(mark))),
+            // The new mark passes what was vouched for.
+            vouched: None,
             ..at.clone()
         };
+        // What the attempt that stopped at this cursor vouched for, of the range after its mark.
+        let vouched = at
+            .vouched
+            .as_ref()
+            .filter(|v| Some(v.after) == at.audited)
+            .and_then(VouchedRange::vouched);
         let window = i64::try_from(late.window.as_millis()).unwrap_or(i64::MAX);
         let start = match at.audited {
             Some(after) => after
@@ -1214,12 +1280,41 @@ impl PagedSource for CloudWatchLogs {
                 after: at.audited,
                 through,
             }),
+            vouched: None,
         };
-        Some(Audit::new(
-            pages.encode(),
-            then.encode(),
-            AUDIT_ALLOWANCE * 2,
-        ))
+        Some(Audit::new(pages.encode(), then.encode(), AUDIT_ALLOWANCE * 2).vouched(vouched))
+    }
+
+    /// The allowance before an audited cursor's mark: events ingested in it may have been read
+    /// forward (or by the audit) and come back in the next audit.
+    fn vouch_range(&self, cursor: &Cursor) -> Option<(i64, i64)> {
+        self.late_events?;
+        let at = LogCursor::decode(cursor).ok()?;
+        if at.audit.is_some() {
+            return None;
+        }
+        let mark = at.audited?;
+        Some((mark, mark.saturating_add(allowance_ms())))
+    }
+
+    fn vouch(&self, cursor: &Cursor, vouched: &Vouched) -> Option<Cursor> {
+        let at = LogCursor::decode(cursor).ok()?;
+        if at.audit.is_some() || at.audited != Some(vouched.after) {
+            return None;
+        }
+        Some(
+            LogCursor {
+                vouched: Some(VouchedRange::of(vouched)),
+                ..at
+            }
+            .encode(),
+        )
+    }
+
+    /// The ingestion time the event's position carries (its second part).
+    fn ingested(&self, event: &PagedEvent) -> Option<i64> {
+        let bytes: [u8; 8] = event.position.as_bytes().get(8..16)?.try_into().ok()?;
+        i64::try_from(u64::from_be_bytes(bytes)).ok()
     }
 
     fn cursor_at(&self, _partition: &str, time: SystemTime) -> Option<Cursor> {
@@ -1270,6 +1365,12 @@ mod tests {
                 )),
                 audited: Some(1_764_000_000_500),
                 audit: None,
+                vouched: Some(VouchedRange::of(&Vouched {
+                    after: 1_764_000_000_500,
+                    through: 1_764_000_030_500,
+                    count: 3,
+                    digest: u128::MAX - 7,
+                })),
             },
             LogCursor {
                 created: None,
@@ -1282,6 +1383,7 @@ mod tests {
                     after: Some(1_764_000_000_500),
                     through: last(1_764_000_000_123, 1_764_000_000_200, 2, Some((1, 2))),
                 }),
+                vouched: None,
             },
             // An event carried over from a cursor of version 2 keeps having no name.
             LogCursor {
@@ -1318,6 +1420,22 @@ mod tests {
                     after: Some(10),
                     through: last(5, 6, 1, None),
                 }),
+                vouched: None,
+            }
+        );
+        // Version 4: version 3 with the stream's creation time first.
+        assert_eq!(
+            LogCursor::decode(&Cursor::new(
+                "v4|1762000000000|7||5:6:1:00000000000000ff:0|9||f/1"
+            ))
+            .unwrap(),
+            LogCursor {
+                created: Some(1_762_000_000_000),
+                start: Some(7),
+                token: Some("f/1".into()),
+                last: Some(last(5, 6, 1, Some((0xff, 0)))),
+                audited: Some(9),
+                ..LogCursor::default()
             }
         );
         // Version 3 (no creation time) is read as a cursor of a stream of unknown creation.
@@ -1331,7 +1449,9 @@ mod tests {
             }
         );
         for bad in [
-            "",
+            "v5|{}x",
+            "v5|{\"q\":1}",
+            "v5|{\"l\":{\"t\":1}}",
             "v5||||||",
             "v4|x||||||",
             "v4",

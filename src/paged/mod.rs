@@ -497,6 +497,24 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
         self.poll_after(partition, after)
     }
 
+    /// For a source that audits: the ingestion times `(after, through]` (ms) whose events the
+    /// next attempt's first audit behind `cursor` (an audited cursor an attempt stops at) returns
+    /// though the stopping attempt may have handed them out (the source's allowance before the
+    /// audit's mark). `None` (the default): nothing is vouched for, and the next attempt hands
+    /// such events out again.
+    fn vouch_range(&self, cursor: &Cursor) -> Option<(i64, i64)> {
+        let _ = cursor;
+        None
+    }
+
+    /// `cursor` (whose [`vouch_range`](Self::vouch_range) `vouched` covers) carrying `vouched`, so
+    /// that the next attempt's first audit ([`Audit::vouched`]) can tell the events of that range
+    /// it returns were all handed out. `None` (the default): the source cannot carry it.
+    fn vouch(&self, cursor: &Cursor, vouched: &Vouched) -> Option<Cursor> {
+        let _ = (cursor, vouched);
+        None
+    }
+
     /// How long the provider keeps an event: after an outage a handled event can be handed out
     /// again until the provider deletes it, so a consumer with a receipt ledger keeps receipts
     /// at least that long (it asks once, at start, and refuses to run otherwise). The default
@@ -523,6 +541,10 @@ pub struct Audit {
     /// source's allowance for the delay before an event can be read, and for clock skew, twice):
     /// the reader remembers what it handed out that long before the previous audit began.
     pub remember: Duration,
+    /// What the attempt that stopped at the audited cursor vouched for
+    /// ([`PagedSource::vouch`]): the events of its range this audit returns are known when they
+    /// are exactly the ones vouched for, and are not handed out again.
+    pub vouched: Option<Vouched>,
 }
 
 impl Audit {
@@ -533,7 +555,59 @@ impl Audit {
             pages,
             then,
             remember,
+            vouched: None,
         }
+    }
+
+    /// The audit with what the attempt that stopped at its cursor vouched for.
+    pub fn vouched(mut self, vouched: Option<Vouched>) -> Self {
+        self.vouched = vouched;
+        self
+    }
+}
+
+/// The events an attempt handed out in a range of ingestion times `(after, through]`, as a count
+/// and a digest of their identities (the sum of each identity's MD5, as a 128-bit number: the
+/// same whatever the order, and a different set gives the same sum by chance only). An attempt
+/// that stops gracefully vouches for what its last audit's mark leaves to the next attempt's
+/// first audit; that audit passes over the events of the range it returns when they sum to the
+/// same, and hands every one of them out again otherwise (never skipped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Vouched {
+    /// The range's start (exclusive), ms.
+    pub after: i64,
+    /// The range's end (inclusive), ms.
+    pub through: i64,
+    /// How many events.
+    pub count: u64,
+    /// The sum of their identities' digests.
+    pub digest: u128,
+}
+
+impl Vouched {
+    /// Nothing yet, over `(after, through]`.
+    pub fn new(after: i64, through: i64) -> Self {
+        Self {
+            after,
+            through,
+            count: 0,
+            digest: 0,
+        }
+    }
+
+    /// Whether an event ingested at `ingested` (ms) lies in the range.
+    pub fn covers(&self, ingested: i64) -> bool {
+        ingested > self.after && ingested <= self.through
+    }
+
+    /// Adds the event `id` (each identity once).
+    pub fn add(&mut self, id: &str) {
+        use md5::{Digest, Md5};
+        let digest = Md5::digest(id.as_bytes());
+        let mut bytes = [0; 16];
+        bytes.copy_from_slice(&digest);
+        self.count += 1;
+        self.digest = self.digest.wrapping_add(u128::from_be_bytes(bytes));
     }
 }
 

@@ -14,7 +14,7 @@
 //! ([`PageMessage::Gone`]) and ends; while it is still listed (or the listing fails) the fetch is
 //! tried again with back-off.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,11 +42,17 @@ pub(crate) enum PageMessage {
     /// Events an audit returned: what may be late (some were handed out by this attempt, or, at
     /// or below the applied position it started from, by an earlier one).
     Late(Vec<PagedEvent>),
+    /// An audit begins whose events of a range were vouched for by the attempt that stopped at
+    /// its cursor: they are held until the audit ends, and passed over when they are exactly
+    /// those.
+    Vouched(super::Vouched),
     /// An audit read to its end: reading goes on from `next`, the cursor marked as audited, and
-    /// what was handed out before `forget_before` cannot come back in a later audit.
+    /// what was handed out before `forget_before` cannot come back in a later audit. `last`:
+    /// the audit of a graceful stop, after which the reader ends.
     Audited {
         next: Cursor,
         forget_before: Option<Instant>,
+        last: bool,
     },
     /// The partition cannot be read on.
     Failed(FetchError),
@@ -106,21 +112,39 @@ impl Idle {
 /// What an attempt of an auditing source handed out, and when, for as long as an audit can
 /// return it again: events come back in an audit only if they arrived after the previous audit
 /// began (less the source's allowance), so what was handed out well before that is forgotten.
+/// With each identity, its ingestion time when the source tells it (for what a graceful stop
+/// vouches for).
 #[derive(Debug, Default)]
 pub(crate) struct HandedOut {
     order: VecDeque<(Instant, String)>,
-    ids: HashSet<String>,
+    ids: HashMap<String, Option<i64>>,
 }
 
 impl HandedOut {
-    /// Remembers `id`; `false` when it was handed out before.
-    pub(crate) fn insert(&mut self, id: &str, now: Instant) -> bool {
-        if self.ids.contains(id) {
+    /// Remembers `id`, ingested at `ingested`; `false` when it was handed out before.
+    pub(crate) fn insert(&mut self, id: &str, now: Instant, ingested: Option<i64>) -> bool {
+        if self.ids.contains_key(id) {
             return false;
         }
-        self.ids.insert(id.to_string());
+        self.ids.insert(id.to_string(), ingested);
         self.order.push_back((now, id.to_string()));
         true
+    }
+
+    /// Whether `id` was handed out (and is still remembered).
+    pub(crate) fn contains(&self, id: &str) -> bool {
+        self.ids.contains_key(id)
+    }
+
+    /// What was handed out of the events ingested in `(after, through]`.
+    pub(crate) fn vouch(&self, after: i64, through: i64) -> super::Vouched {
+        let mut vouched = super::Vouched::new(after, through);
+        for (id, ingested) in &self.ids {
+            if ingested.is_some_and(|at| vouched.covers(at)) {
+                vouched.add(id);
+            }
+        }
+        vouched
     }
 
     /// Forgets what was handed out before `before`.
@@ -240,7 +264,9 @@ impl PageReader {
             // would vouch for what lies between the cursor and the applied position).
             if self.applied.is_none() {
                 metrics::counter!("shardwise_paged_final_audits_total", "source" => self.source.name().to_string()).increment(1);
-                let _ = self.audit(&cursor, &mut audits, &pages, &cancel).await;
+                let _ = self
+                    .audit(&cursor, &mut audits, &pages, &cancel, true)
+                    .await;
             }
         }
     }
@@ -272,7 +298,7 @@ impl PageReader {
                 && due.due(Instant::now())
             {
                 match self.cursor.clone() {
-                    Some(cursor) => match self.audit(&cursor, due, pages, stop).await {
+                    Some(cursor) => match self.audit(&cursor, due, pages, stop, false).await {
                         Audited::Done => {}
                         Audited::Stop => return audits,
                     },
@@ -456,6 +482,7 @@ impl PageReader {
         audits: &mut Audits,
         pages: &mpsc::Sender<PageMessage>,
         cancel: &CancellationToken,
+        last: bool,
     ) -> Audited {
         let labels = [("source", self.source.name().to_string())];
         let began = Instant::now();
@@ -465,6 +492,11 @@ impl PageReader {
             return Audited::Done;
         };
         metrics::counter!("shardwise_paged_audits_total", &labels).increment(1);
+        if let Some(vouched) = audit.vouched
+            && pages.send(PageMessage::Vouched(vouched)).await.is_err()
+        {
+            return Audited::Stop;
+        }
         let mut failures = Backoff::new(self.max_backoff);
         let mut at = audit.pages.clone();
         let mut read = 0usize;
@@ -515,6 +547,7 @@ impl PageReader {
             .send(PageMessage::Audited {
                 next: audit.then.clone(),
                 forget_before: began.checked_sub(audit.remember),
+                last,
             })
             .await;
         if sent.is_err() {
