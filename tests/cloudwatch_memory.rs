@@ -1638,3 +1638,243 @@ async fn a_late_event_readable_only_after_a_graceful_stop_is_handed_out_by_the_n
     assert!(missing.is_empty(), "never handed out: {missing:?}");
     assert!(again > 0, "the vouched range is handed out again");
 }
+
+/// [`by_message`] (pages of 100), told to resume past expired receipts or not.
+async fn by_message_resuming(
+    service: &LogsService,
+    store: &MemoryLeaseStore,
+    receipts: &MemoryReceipts,
+    worker: &'static str,
+    stall: Option<&'static str>,
+    resume: bool,
+    seen: &Messages,
+) -> Running {
+    let seen = seen.clone();
+    let source = CloudWatchLogs::new(service.client(), GROUP);
+    let builder = Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
+        let message = String::from_utf8_lossy(d.payload()).into_owned();
+        let outcome = if Some(message.as_str()) == stall {
+            Outcome::Retry
+        } else {
+            Outcome::Ack
+        };
+        seen.lock()
+            .unwrap()
+            .push((worker.to_string(), message, d.attempt()));
+        async move { outcome }
+    })
+    .worker_id(worker)
+    .poll_interval(Duration::from_secs(5))
+    .checkpoint_interval(Duration::from_secs(1))
+    .lease_settings(
+        LeaseSettings::default()
+            .lease_duration(Duration::from_secs(10))
+            .scan_interval(Duration::from_secs(2)),
+    )
+    .lease_store(Arc::new(store.clone()))
+    .receipts(Arc::new(receipts.clone()));
+    let builder = if resume {
+        builder.resume_past_expired_receipts()
+    } else {
+        builder
+    };
+    builder.build().unwrap().run().await.unwrap()
+}
+
+/// A log group that never expires its events, and receipts that do (2 days here; 7 by default
+/// on the command line). Receipts were kept for good before, one per event with no end. A
+/// replay needs the receipts of what was handled after the durable progress: an event failing in
+/// place holds the cursor while the events after it are handled; the worker is killed, and the
+/// fleet stays down 5 days. The next worker refuses the stream (their receipts expired: it would
+/// apply their effects again), counted and logged, and takes it again after growing waits; an
+/// operator resumes past the expired receipts, and the events are handled again, the failing
+/// one too. A stream held all along (its audits keep its mark new) is never refused.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_stream_whose_progress_is_older_than_receipts_are_kept_is_refused_until_resumed() {
+    let metrics = recorder::Metrics::default();
+    let _metrics = metrics::set_default_local_recorder(&metrics);
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 41);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let receipts = MemoryReceipts::new().retention(2 * DAY, 41);
+    let seen = Messages::default();
+    let at = service.now() - 1_000;
+    let batch: Vec<(i64, String)> = ["a", "stall", "c", "d"]
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (at + i as i64, m.to_string()))
+        .collect();
+    service.put("s0", &batch, Duration::ZERO).expect("accepted");
+
+    let w1 = by_message_resuming(
+        &service,
+        &store,
+        &receipts,
+        "w1",
+        Some("stall"),
+        false,
+        &seen,
+    )
+    .await;
+    wait_for(
+        "c and d handled, stall failing",
+        Duration::from_secs(120),
+        || handled(&seen, "w1", "c") == 1 && handled(&seen, "w1", "stall") >= 2,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    w1.abort();
+    // Down five days: the receipts of a, c and d expired, and TTL deleted them (within 48 hours).
+    tokio::time::sleep(5 * DAY).await;
+    assert_eq!(receipts.expired(), 3);
+
+    let refused = || metrics.counter("shardwise_paged_expired_receipts_total", "s0");
+    let w2 = by_message_resuming(&service, &store, &receipts, "w2", None, false, &seen).await;
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert!(refused() >= Some(2), "refused, and again: {:?}", refused());
+    assert_eq!(handled(&seen, "w2", "c"), 0, "c not handled again unasked");
+    w2.shutdown(Duration::from_secs(5)).await;
+
+    let w3 = by_message_resuming(&service, &store, &receipts, "w3", None, true, &seen).await;
+    wait_for(
+        "stall handled once resumed",
+        Duration::from_secs(120),
+        || handled(&seen, "w3", "stall") == 1,
+    )
+    .await;
+    w3.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(
+        handled(&seen, "w3", "c"),
+        1,
+        "handled again, as the operator chose"
+    );
+}
+
+/// A stream held all along is never refused: its audits (every 5 minutes) move its mark, and so
+/// what a replay needs, with them. Events handled at the start; the worker reads the quiet
+/// stream for a day and a half (receipts kept a day), then hands it over gracefully: the next worker reads on,
+/// refusing nothing and handling nothing again.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_stream_held_longer_than_receipts_are_kept_is_not_refused_at_a_move() {
+    let metrics = recorder::Metrics::default();
+    let _metrics = metrics::set_default_local_recorder(&metrics);
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 43);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let receipts = MemoryReceipts::new().retention(DAY, 43);
+    let seen = Messages::default();
+    put(&service, 3);
+    let w1 = by_message_resuming(&service, &store, &receipts, "w1", None, false, &seen).await;
+    tokio::time::sleep(DAY + DAY / 2).await;
+    w1.shutdown(Duration::from_secs(5)).await;
+    put(&service, 2);
+    let w2 = by_message_resuming(&service, &store, &receipts, "w2", None, false, &seen).await;
+    wait_for("the new events", Duration::from_secs(120), || {
+        seen.lock().unwrap().len() == 5
+    })
+    .await;
+    w2.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(
+        metrics.counter("shardwise_paged_expired_receipts_total", "s0"),
+        None
+    );
+}
+
+/// A late event put behind `closedThrough` (50 minutes old, within the hour's lateness) just
+/// before the worker is killed, so that no audit read it; the fleet is down 20 hours. The next
+/// worker catches up in steps, and the steps read only ahead of `closedThrough`. Before, no audit
+/// ran during a catch-up, and the first one back at the present started its window 20 hours past
+/// the late event: it was never handed out, nothing counted (the long logs simulation, seed 5 of
+/// its first 200: "1 never handed out"). Now an audit due during a catch-up reads behind its
+/// start, and the late event is handed out.
+#[tokio::test(start_paused = true)]
+async fn a_late_event_behind_closed_through_is_found_when_the_next_worker_catches_up_in_steps() {
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 47);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let start = |calls: &Calls| {
+        let calls = calls.clone();
+        let source = CloudWatchLogsFilter::new(service.client(), GROUP);
+        Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
+            calls.push("w1", &d);
+            async { Outcome::Ack }
+        })
+        .worker_id("w1")
+        .poll_interval(Duration::from_secs(5))
+        .checkpoint_interval(Duration::from_secs(1))
+        .lease_settings(
+            LeaseSettings::default()
+                .lease_duration(Duration::from_secs(10))
+                .scan_interval(Duration::from_secs(2)),
+        )
+        .lease_store(Arc::new(store.clone()))
+        .build()
+        .unwrap()
+        .run()
+    };
+    let closed = || {
+        store
+            .snapshot()
+            .first()
+            .and_then(|r| r.progress.as_ref()?.closed_through)
+    };
+    let running = start(&calls).await.unwrap();
+    let mut expected = Vec::new();
+    for minute in 0..30 {
+        let now = service.now();
+        expected.extend(
+            service
+                .put("s0", &[(now, format!("minute {minute}"))], Duration::ZERO)
+                .expect("accepted")
+                .into_iter()
+                .map(|e| e.event_id),
+        );
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    }
+    wait_for(
+        "closed past the late event",
+        Duration::from_secs(600),
+        || closed().is_some_and(|c| c > service.now() - 50 * 60_000),
+    )
+    .await;
+    let now = service.now();
+    let late: Vec<String> = service
+        .put(
+            "s0",
+            &[(now - 50 * 60_000, "late".to_string())],
+            Duration::ZERO,
+        )
+        .expect("accepted")
+        .into_iter()
+        .map(|e| e.event_id)
+        .collect();
+    running.abort();
+    assert!(closed().is_some_and(|c| c > now - 50 * 60_000));
+    expected.extend(late.iter().cloned());
+
+    tokio::time::sleep(Duration::from_secs(20 * 3600)).await;
+    let running = start(&calls).await.unwrap();
+    wait_for("caught up", Duration::from_secs(6 * 3600), || {
+        closed().is_some_and(|c| c > service.now() - 3_600_000)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let handled = calls.ids();
+    assert!(
+        handled.contains(&late[0]),
+        "the late event was never handed out"
+    );
+    let mut unique = handled.clone();
+    unique.sort();
+    unique.dedup();
+    expected.sort();
+    assert_eq!(unique, expected, "every event");
+}

@@ -807,6 +807,16 @@ fn progress(cursor: Option<&str>, applied: Option<u64>, version: u64) -> PagedPr
         applied_position: applied.map(PagePosition::from_u64),
         checkpoint_version: version,
         closed_through: None,
+        // Stored and read back as written by both stores (`receiptsSince`).
+        receipts_since: Some(1_764_000_000_000 + version as i64),
+    }
+}
+
+/// The progress a seek leaves (no cursor, no applied position, nothing known of receipts).
+fn sought(version: u64) -> PagedProgress {
+    PagedProgress {
+        receipts_since: None,
+        ..progress(None, None, version)
     }
 }
 
@@ -928,7 +938,7 @@ async fn a_seek_resets_paged_progress_and_bumps_the_version(store: &dyn LeaseSto
         .unwrap();
     assert!(moved);
     let after = row(store, &stream).await;
-    assert_eq!(after.progress, Some(progress(None, None, 2)));
+    assert_eq!(after.progress, Some(sought(2)));
     assert_eq!(after.owner, None);
     // A barrier of the attempt at C3 version 1 is refused (and the lease is gone anyway).
     let c4 = progress(Some("C4"), Some(40), 2);
@@ -1342,7 +1352,7 @@ async fn a_seek_records_what_it_skipped_on_the_row(store: &dyn LeaseStore) {
     );
     let after = row(store, &stream).await;
     assert_eq!(after.seek_skipped, Some(paged));
-    assert_eq!(after.progress, Some(progress(None, None, 1)));
+    assert_eq!(after.progress, Some(sought(1)));
     assert!(
         store
             .seek(&[mv(&after, Checkpoint::TrimHorizon)])

@@ -208,6 +208,7 @@ async fn the_c7_walkthrough_crash_before_107_then_retry() {
             applied_position: Some(p(105)),
             checkpoint_version: 4,
             closed_through: None,
+            receipts_since: None,
         },
     )
     .await;
@@ -292,6 +293,7 @@ async fn the_quarantine_boundary_210_211_212() {
             applied_position: Some(p(209)),
             checkpoint_version: 1,
             closed_through: None,
+            receipts_since: None,
         },
     )
     .await;

@@ -238,11 +238,24 @@ pub(crate) struct Args {
     /// With --receipts: how long applied receipts are kept (DynamoDB TTL), e.g. `7d`, `36h`
     /// (default: as long as the source keeps events, the stream's retention or the log group's
     /// plus its deletion delay, and at least 7d, or with --by-timestamp the close horizon plus
-    /// the lateness if that is longer; for good when the log group never expires events: a
-    /// receipt must outlive every replay, and a shorter one is refused). Held and quarantined
-    /// receipts stay.
+    /// the lateness if that is longer: a receipt must outlive every replay, and a shorter one is
+    /// refused). For a log group that never expires events, 7d, and a stream whose progress is
+    /// older than the receipts are kept is refused (see --resume-past-expired-receipts). Held
+    /// and quarantined receipts stay.
     #[arg(long, env = "SHARDWISE_RECEIPT_RETENTION", value_name = "DURATION", value_parser = humantime::parse_duration)]
     receipt_retention: Option<Duration>,
+
+    /// With --receipts on a log group that never expires events: read on a stream whose
+    /// progress is older than the receipts are kept (the fleet was down longer, or an event
+    /// failed in place that long), handling again what their receipts would have settled (its
+    /// effects may be applied a second time). Without it such a stream is refused, with an error
+    /// that names it, until it is sought or this is given.
+    #[arg(
+        long,
+        env = "SHARDWISE_RESUME_PAST_EXPIRED_RECEIPTS",
+        requires = "receipts"
+    )]
+    resume_past_expired_receipts: bool,
 
     /// Print nothing per delivery (for throughput measurements); a count goes to stderr at exit.
     #[arg(long, env = "SHARDWISE_QUIET")]
@@ -1018,6 +1031,9 @@ fn builder_reading<H: Handler>(
         .poll_interval(args.poll_interval)
         .hold_poll_interval(args.hold_poll_interval)
         .aws_config(config);
+    if args.resume_past_expired_receipts {
+        builder = builder.resume_past_expired_receipts();
+    }
     if let Some(table) = &args.lease_table {
         builder = builder.lease_table(table.clone());
     }
@@ -1434,11 +1450,15 @@ async fn receipt_ledger(args: &Args, ctx: &Ctx, table: &str) -> Result<Arc<Dynam
         (None, SourceRetention::For(keeps)) => {
             ledger.retention(args.receipt_retention().max(keeps))
         }
+        // Receipts expire all the same; a stream whose progress is older than they are kept is
+        // refused until an operator says how to go on.
         (None, SourceRetention::Forever) => {
+            let kept = args.receipt_retention();
             eprintln!(
-                "shardwise: the source keeps its events for good, so receipts are kept for good too (a replay can come after any outage); give the log group a retention policy to let them expire"
+                "shardwise: the log group keeps its events for good; receipts are kept {:.1} days, and a stream whose progress is older than that (the fleet down that long, an event failing in place that long) is refused until you seek it or pass --resume-past-expired-receipts",
+                kept.as_secs_f64() / 86_400.0
             );
-            ledger.keep_forever()
+            ledger.retention(kept)
         }
         (None, _) => ledger.retention(args.receipt_retention()),
     };

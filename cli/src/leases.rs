@@ -148,6 +148,9 @@ struct LeaseJson<'a> {
     /// A source read by timestamp: the latest timestamp (ms) whose group is closed.
     #[serde(skip_serializing_if = "Option::is_none")]
     closed_through: Option<Option<i64>>,
+    /// Since when (ms) the receipts a replay from the progress can need were recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    receipts_since_ms: Option<Option<i64>>,
 }
 
 impl<'a> LeaseJson<'a> {
@@ -183,6 +186,7 @@ impl<'a> LeaseJson<'a> {
                 .map(|p| p.applied_position.as_ref().map(ToString::to_string)),
             checkpoint_version: lease.progress.as_ref().map(|p| p.checkpoint_version),
             closed_through: lease.progress.as_ref().map(|p| p.closed_through),
+            receipts_since_ms: lease.progress.as_ref().map(|p| p.receipts_since),
         }
     }
 }
@@ -287,17 +291,18 @@ mod tests {
             ])),
             checkpoint_version: 4,
             closed_through: None,
+            receipts_since: Some(1_764_000_000_500),
         });
         let line = serde_json::to_string(&LeaseJson::of(&paged)).unwrap();
         assert!(
-            line.ends_with(r#""resume_cursor":"f/0009","applied_position":"1764000000000.1764000000020.0","checkpoint_version":4,"closed_through":null}"#),
+            line.ends_with(r#""resume_cursor":"f/0009","applied_position":"1764000000000.1764000000020.0","checkpoint_version":4,"closed_through":null,"receipts_since_ms":1764000000500}"#),
             "{line}"
         );
         paged.progress = Some(PagedProgress::default());
         let line = serde_json::to_string(&LeaseJson::of(&paged)).unwrap();
         assert!(
             line.ends_with(
-                r#""resume_cursor":null,"applied_position":null,"checkpoint_version":0,"closed_through":null}"#
+                r#""resume_cursor":null,"applied_position":null,"checkpoint_version":0,"closed_through":null,"receipts_since_ms":null}"#
             ),
             "{line}"
         );

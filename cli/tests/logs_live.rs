@@ -558,9 +558,10 @@ async fn consume_log_group_by_timestamp_survives_kill_9_and_skips_nothing() {
 }
 
 /// `consume --log-group G --receipts`: receipts outlive the group's events. With no
-/// `--receipt-retention`, a group that never expires events has its receipts kept for good (a
-/// notice says so) and the consumer runs; a `--receipt-retention` shorter than the group keeps
-/// events is refused, naming the flag and both figures.
+/// `--receipt-retention`, a group that never expires events has its receipts kept 7 days (a
+/// notice says so, and that a stream whose progress is older is refused until sought or resumed
+/// past them) and the consumer runs; a `--receipt-retention` shorter than a group with a
+/// retention keeps events is refused, naming the flag and both figures.
 #[tokio::test]
 async fn consume_with_receipts_keeps_them_as_long_as_the_log_group_keeps_events() {
     let live = live_or_skip!();
@@ -578,7 +579,7 @@ async fn consume_with_receipts_keeps_them_as_long_as_the_log_group_keeps_events(
     let lines = Arc::new(Mutex::new(Vec::<Value>::new()));
 
     let mut forever = Worker::spawn(&group, &app, "w1", &["--receipts"], &lines);
-    let notice = "receipts are kept for good too";
+    let notice = "receipts are kept 7.0 days, and a stream whose progress is older";
     let deadline = Instant::now() + Duration::from_secs(20);
     while !forever.stderr().contains(notice) {
         assert!(
@@ -592,7 +593,7 @@ async fn consume_with_receipts_keeps_them_as_long_as_the_log_group_keeps_events(
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(
         forever.child.try_wait().unwrap().is_none(),
-        "a ledger kept for good runs: {}",
+        "a ledger kept 7 days runs: {}",
         forever.stderr()
     );
     drop(forever);

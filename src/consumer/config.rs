@@ -104,6 +104,11 @@ pub struct Settings {
     /// How often the receipts of held deliveries are read, to settle the ones made terminal and
     /// handle again the ones released.
     pub hold_poll_interval: Duration,
+    /// Read on a paged partition whose receipts a replay may need could have expired (its
+    /// durable progress older than the ledger keeps receipts), handling again what they would
+    /// have settled; by default such a partition is refused until an operator says so (see
+    /// [`ConsumerBuilder::resume_past_expired_receipts`](super::ConsumerBuilder::resume_past_expired_receipts)).
+    pub resume_past_expired_receipts: bool,
     /// How far back from the local clock a LATEST start is pinned (see
     /// [`ConsumerBuilder::latest_margin`](super::ConsumerBuilder::latest_margin)).
     pub latest_margin: Duration,
@@ -175,6 +180,7 @@ impl Settings {
             latest_margin: DEFAULT_LATEST_MARGIN,
             unproven: Unproven::Refuse,
             hold_poll_interval: Duration::from_secs(5),
+            resume_past_expired_receipts: false,
             handler_timeout: None,
             max_record_age: None,
         }

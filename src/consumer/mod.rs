@@ -500,6 +500,19 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
+    /// Reads on a paged partition whose durable progress is older than the receipt ledger keeps
+    /// receipts (less an hour for clocks), handling again the events whose receipts may be
+    /// gone: their effects may be applied a second time. Without it such a partition is refused
+    /// (`shardwise_paged_expired_receipts_total`, an error naming it), for an operator to choose:
+    /// this, or a seek of the partition. Only sources that keep events for good and bound what a
+    /// replay needs ([`PagedSource::receipts_needed_since`](crate::paged::PagedSource::receipts_needed_since))
+    /// run with a ledger that deletes receipts; with any other, the ledger keeps receipts at
+    /// least as long as the source keeps events, and no partition is refused.
+    pub fn resume_past_expired_receipts(mut self) -> Self {
+        self.settings.resume_past_expired_receipts = true;
+        self
+    }
+
     /// The checks of a Kinesis consumer's settings, besides [`Settings::validate`]: with retries
     /// in place, a bound on attempts needs somewhere for a spent record to go.
     fn check_stream(&self) -> Result<(), ConfigError> {
@@ -891,19 +904,34 @@ impl<H: Handler> Consumer<H> {
             }
             _ => None,
         };
+        // Receipts that can expire while the source still keeps the events (it keeps them for good
+        // and bounds what a replay needs): each partition is checked as it is taken.
+        let mut receipts_expire_first = false;
         if let Some(receipts) = &self.receipts {
             receipts.prepare().await?;
             // After an outage a handled event can be handed out again for as long as the source
             // keeps it, however long ago its receipt was written.
             if let Some(kept) = receipts.retention() {
-                let (keeps, name) = match &reads {
-                    Reads::Pages(source) => (source.retention().await?, source.name().to_string()),
+                let (keeps, name, bounded) = match &reads {
+                    Reads::Pages(source) => (
+                        source.retention().await?,
+                        source.name().to_string(),
+                        source.bounds_replays(),
+                    ),
                     Reads::Stream => (
                         lister.retention(&settings.stream).await?,
                         settings.stream.clone(),
+                        false,
                     ),
                 };
-                crate::receipts::check_retention(Some(kept), keeps, &name)?;
+                if keeps == crate::receipts::SourceRetention::Forever && bounded {
+                    // Each partition is checked as it is taken instead: one whose progress is
+                    // older than the receipts are kept is refused.
+                    receipts_expire_first = true;
+                    info!(source = %name, receipt_retention_days = kept.as_secs_f64() / 86_400.0, "the source keeps events for good and receipts expire: a partition whose durable progress is older than the receipts are kept is refused until an operator resumes it (resume_past_expired_receipts) or seeks it");
+                } else {
+                    crate::receipts::check_retention(Some(kept), keeps, &name)?;
+                }
             }
         }
         if let Some(target) = &self.seek {
@@ -946,6 +974,7 @@ impl<H: Handler> Consumer<H> {
             stuck: stuck.clone(),
             destination: self.destination,
             receipts: self.receipts,
+            receipts_expire_first,
             hooks: self.delivery_hooks,
             health: health_board.clone(),
         };

@@ -27,7 +27,7 @@ use tokio::sync::mpsc;
 use tokio::task::{JoinError, JoinHandle};
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::ending::{Reading, Step};
 use super::health;
@@ -74,6 +74,46 @@ pub(crate) enum Exit {
     /// Reading failed for good (the source is gone, a cursor refused, the pages broke the
     /// source's order), or the attempt found itself stale. The lease is released.
     Failed(Ownership, Error),
+}
+
+/// Why a paged partition is refused, if its replay may need receipts that expired: the ledger
+/// deletes receipts while the source still keeps their events, the durable progress needs
+/// receipts recorded since `since` (the provider's time, ms), and the ledger keeps them for less
+/// than that has been, unless the consumer resumes past them. (With a source that deletes
+/// events, the ledger keeps receipts longer than the events, and nothing is refused.) The
+/// refusal releases the lease (it is taken again after growing waits, and refused again) until
+/// an operator seeks the partition or resumes past the expired receipts.
+pub(crate) fn refuse_past_expired_receipts<H: Handler>(
+    ctx: &OwnedContext<H>,
+    ownership: &Ownership,
+    since: Option<i64>,
+    now_ms: i64,
+) -> Option<Error> {
+    if !ctx.pipeline.receipts_expire_first {
+        return None;
+    }
+    let (Some(since), Some(kept)) = (
+        since,
+        ctx.pipeline.receipts.as_ref().and_then(|r| r.retention()),
+    ) else {
+        return None;
+    };
+    if !crate::receipts::receipts_may_have_expired(kept, since, now_ms) {
+        return None;
+    }
+    let days = |ms: i64| ms as f64 / 86_400_000.0;
+    let age = days(now_ms.saturating_sub(since));
+    let kept_days = kept.as_secs_f64() / 86_400.0;
+    if ctx.pipeline.settings.resume_past_expired_receipts {
+        warn!(source = %ownership.stream, partition = %ownership.shard_id, progress_age_days = age, receipts_kept_days = kept_days, "the partition's progress is older than receipts are kept: read on as told (resume_past_expired_receipts); events handled since may be handled again, their effects applied a second time");
+        return None;
+    }
+    metrics::counter!("shardwise_paged_expired_receipts_total", "stream" => ownership.stream.clone(), "shard" => ownership.shard_id.clone()).increment(1);
+    let why = format!(
+        "its durable progress needs receipts recorded {age:.2} days ago, and receipts are kept {kept_days:.2} days: the events handled since would be handed out again with their receipts gone and their effects applied a second time; seek the partition (`shardwise seek`), or resume past the expired receipts (`--resume-past-expired-receipts`, `ConsumerBuilder::resume_past_expired_receipts`)"
+    );
+    error!(source = %ownership.stream, partition = %ownership.shard_id, "partition refused: {why}");
+    Some(Error::paged(ownership, "receipts may have expired", why))
 }
 
 /// What became of a write.

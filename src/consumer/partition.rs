@@ -90,6 +90,23 @@ impl Progress for Pages {
             version = durable.checkpoint_version,
             "partition started"
         );
+        let now_ms = crate::time::millis(source.service_time().unwrap_or_else(crate::time::now));
+        // What a replay needs: the receipts since the durable cursor's page was read, or since
+        // what the source says (a mark behind which an audit finds events again), if earlier.
+        if source.bounds_replays() {
+            let since = match (
+                durable.receipts_since,
+                source.receipts_needed_since(&durable),
+            ) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            if let Some(refused) =
+                super::owned::refuse_past_expired_receipts(ctx, &ownership, since, now_ms)
+            {
+                return Err(Exit::Failed(ownership, refused));
+            }
+        }
         let contract = source.contract();
         // A source that audits for late events audits once more at a graceful stop (see
         // `PageReader::run`): the reader is told to finish, not cancelled.
@@ -257,6 +274,9 @@ impl Pages {
         watermark: Option<i64>,
     ) -> Read {
         let (source_name, partition) = (&self.lease.stream, &self.lease.shard);
+        // Every event after this page's cursor is handed out after now (for what a replay needs).
+        let now_ms =
+            crate::time::millis(self.source.service_time().unwrap_or_else(crate::time::now));
         let verdicts = match self.order.classify(&events) {
             Ok(verdicts) => verdicts,
             Err(violation) => {
@@ -312,7 +332,7 @@ impl Pages {
         let raised = watermark > self.barrier.fetched_watermark();
         if tracked || ended || raised || self.barrier.fetch_cursor() != Some(next.as_ref()) {
             self.barrier
-                .fetched(next, pipeline.tracker().next_index(), watermark);
+                .fetched(next, pipeline.tracker().next_index(), watermark, now_ms);
         }
         if ended {
             info!(source = %source_name, partition = %partition, "the partition ended: SHARD_END once every delivery settled");

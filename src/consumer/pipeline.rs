@@ -83,6 +83,10 @@ pub(crate) struct PipelineContext<H> {
     pub(crate) destination: Option<Arc<dyn crate::destination::Destination>>,
     /// The receipt ledger, if the consumer has one.
     pub(crate) receipts: Option<Arc<dyn ReceiptStore>>,
+    /// The ledger deletes receipts while the source still keeps their events (a source that
+    /// keeps events for good and bounds what a replay needs): a partition whose replay may need
+    /// expired receipts is refused as it is taken.
+    pub(crate) receipts_expire_first: bool,
     /// Told how each delivery settled.
     pub(crate) hooks: Arc<dyn DeliveryHooks>,
     /// Each partition's reads and checkpoint writes, for health.
@@ -98,6 +102,7 @@ impl<H> Clone for PipelineContext<H> {
             retry: self.retry.clone(),
             stuck: self.stuck.clone(),
             destination: self.destination.clone(),
+            receipts_expire_first: self.receipts_expire_first,
             receipts: self.receipts.clone(),
             hooks: self.hooks.clone(),
             health: self.health.clone(),

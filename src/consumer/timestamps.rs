@@ -148,6 +148,25 @@ impl Progress for Attempt {
             warn!(source = %ownership.stream, partition = %ownership.shard_id, traversal = ?contracts.traversal, finality = ?contracts.finality, "the source's contracts cannot prove a timestamp group complete: nothing will ever be closed, and every poll reads the open groups again (receipts make the replays harmless; shardwise_paged_replays_total counts them)");
         }
         let audit_ms = i64::try_from(contracts.audit_window.as_millis()).unwrap_or(i64::MAX);
+        // An event polled again after `closed_through`, or found again by the audit behind it,
+        // was first handed out at or after its ingestion, at most `AHEAD_MS` before its
+        // timestamp, which is at least `closed_through` less the audit window.
+        if source.source.bounds_replays() {
+            let since = durable
+                .closed_through
+                .map(|through| through.saturating_sub(audit_ms).saturating_sub(AHEAD_MS));
+            let now_ms = crate::time::millis(
+                source
+                    .source
+                    .service_time()
+                    .unwrap_or_else(crate::time::now),
+            );
+            if let Some(refused) =
+                super::owned::refuse_past_expired_receipts(ctx, &ownership, since, now_ms)
+            {
+                return Err(Exit::Failed(ownership, refused));
+            }
+        }
         let mark = durable.resume_cursor.as_ref().and_then(AuditMark::decode);
         let (after_tx, after_rx) = watch::channel(durable.closed_through);
         let (polls_tx, polls_rx) = mpsc::channel(1);

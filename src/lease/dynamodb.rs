@@ -50,6 +50,7 @@ mod attr {
     pub(super) const APPLIED_POSITION: &str = "appliedPosition";
     pub(super) const CHECKPOINT_VERSION: &str = "checkpointVersion";
     pub(super) const CLOSED_THROUGH: &str = "closedThrough";
+    pub(super) const RECEIPTS_SINCE: &str = "receiptsSince";
     pub(super) const WANTED_BY: &str = "wantedBy";
     pub(super) const HANDOFF_ACK: &str = "handoffAck";
     pub(super) const MEMBERSHIP_EPOCH: &str = "membershipEpoch";
@@ -798,6 +799,14 @@ impl DynamoDbLeaseStore {
             }
             None => remove.push("#cursor"),
         }
+        request = request.expression_attribute_names("#receiptsSince", RECEIPTS_SINCE);
+        match to.receipts_since {
+            Some(since) => {
+                set.push("#receiptsSince = :receiptsSince");
+                request = request.expression_attribute_values(":receiptsSince", n(since));
+            }
+            None => remove.push("#receiptsSince"),
+        }
         match &to.applied_position {
             Some(applied) => {
                 set.push("#applied = :applied");
@@ -920,9 +929,17 @@ impl DynamoDbLeaseStore {
                 }
                 None => remove.push("#closed"),
             }
+            match progress.receipts_since {
+                Some(since) => {
+                    set.push_str(", #receiptsSince = :receiptsSince");
+                    values.insert(":receiptsSince".into(), n(since));
+                }
+                None => remove.push("#receiptsSince"),
+            }
             names.insert("#cursor".into(), RESUME_CURSOR.into());
             names.insert("#applied".into(), APPLIED_POSITION.into());
             names.insert("#closed".into(), CLOSED_THROUGH.into());
+            names.insert("#receiptsSince".into(), RECEIPTS_SINCE.into());
             if !remove.is_empty() {
                 // `REMOVE #owner` opens the expression: the paged attributes join that clause.
                 set = set.replacen(
@@ -1413,6 +1430,7 @@ impl Row<'_> {
             applied_position: applied.map(PagePosition::from_bytes),
             checkpoint_version: version.unwrap_or(0),
             closed_through: closed,
+            receipts_since: self.number::<i64>(RECEIPTS_SINCE)?,
         }))
     }
 

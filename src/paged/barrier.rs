@@ -29,6 +29,9 @@ struct Mark {
     end: u64,
     /// The complete-through watermark the source certified with the page: promoted with it.
     watermark: Option<i64>,
+    /// When it was read (the provider's time, ms): every event after its next cursor was handed
+    /// out later.
+    at: i64,
 }
 
 /// The write to make.
@@ -66,6 +69,9 @@ pub(crate) struct Barrier {
     settled_below: u64,
     /// The greatest position the settled prefix has reached.
     settled_through: Option<PagePosition>,
+    /// When the attempt read its first page: what it handed out after the durable cursor, it
+    /// handed out since.
+    first_at: Option<i64>,
 }
 
 impl Barrier {
@@ -76,6 +82,7 @@ impl Barrier {
             pages: VecDeque::new(),
             settled_below: next_index,
             settled_through: None,
+            first_at: None,
         }
     }
 
@@ -99,13 +106,21 @@ impl Barrier {
         self.pages.len()
     }
 
-    /// A page was fetched: its deliveries end before arrival index `end`; the source certified
-    /// it complete through `watermark`, if it did.
-    pub(crate) fn fetched(&mut self, next: Option<Cursor>, end: u64, watermark: Option<i64>) {
+    /// A page was fetched (read at `at`, the provider's time in ms): its deliveries end before
+    /// arrival index `end`; the source certified it complete through `watermark`, if it did.
+    pub(crate) fn fetched(
+        &mut self,
+        next: Option<Cursor>,
+        end: u64,
+        watermark: Option<i64>,
+        at: i64,
+    ) {
+        self.first_at.get_or_insert(at);
         self.pages.push_back(Mark {
             next,
             end,
             watermark,
+            at,
         });
     }
 
@@ -163,6 +178,7 @@ impl Barrier {
                         applied_position: applied,
                         checkpoint_version: self.durable.checkpoint_version + 1,
                         closed_through,
+                        receipts_since: Some(mark.at),
                     },
                     pages: passed,
                 },
@@ -171,6 +187,9 @@ impl Barrier {
         (applied != self.durable.applied_position).then(|| {
             BarrierWrite::Applied(PagedProgress {
                 applied_position: applied,
+                // The cursor stays: what was handed out after it, since it was read or since
+                // this attempt began.
+                receipts_since: self.durable.receipts_since.or(self.first_at),
                 ..self.durable.clone()
             })
         })
@@ -208,7 +227,45 @@ mod tests {
             applied_position: Some(p(applied)),
             checkpoint_version: version,
             closed_through: None,
+            // (Every page of these tests is read at 0.)
+            receipts_since: Some(0),
         }
+    }
+
+    /// What a replay from the written progress needs: the receipts of what was handed out
+    /// after its cursor. A promotion: since the page that brought the cursor was read. An
+    /// applied-only write: since the durable cursor's page was read (as stored), or, when the
+    /// row does not say, since the attempt read its first page.
+    #[test]
+    fn receipts_since_is_when_the_promoted_page_was_read_or_the_attempt_began() {
+        let unknown = PagedProgress {
+            receipts_since: None,
+            ..progress("C1", 10, 1)
+        };
+        let mut barrier = Barrier::new(unknown, 0);
+        barrier.fetched(Some(c("C2")), 2, None, 1_000);
+        barrier.fetched(Some(c("C3")), 4, None, 2_000);
+        barrier.settled(1, Some(&p(11)));
+        let write = barrier.next_write().unwrap();
+        assert_eq!(write.progress().unwrap().receipts_since, Some(1_000));
+        barrier.written(&write);
+        barrier.settled(2, Some(&p(12)));
+        let write = barrier.next_write().unwrap();
+        assert!(matches!(write, BarrierWrite::Promote { .. }));
+        assert_eq!(write.progress().unwrap().receipts_since, Some(1_000));
+        barrier.written(&write);
+        barrier.settled(3, Some(&p(13)));
+        let write = barrier.next_write().unwrap();
+        assert_eq!(
+            write.progress().unwrap().receipts_since,
+            Some(1_000),
+            "the stored one: C2's page was read at 1,000"
+        );
+        barrier.written(&write);
+        barrier.settled(4, Some(&p(14)));
+        let write = barrier.next_write().unwrap();
+        assert_eq!(write.progress().unwrap().resume_cursor, Some(c("C3")));
+        assert_eq!(write.progress().unwrap().receipts_since, Some(2_000));
     }
 
     /// Seed 003's walkthrough: durable C7 / 105; the page at C7 holds 104 (a replay, not tracked),
@@ -217,7 +274,7 @@ mod tests {
     #[test]
     fn the_cursor_is_promoted_only_when_the_whole_page_settled() {
         let mut barrier = Barrier::new(progress("C7", 105, 4), 0);
-        barrier.fetched(Some(c("C8")), 2, None);
+        barrier.fetched(Some(c("C8")), 2, None, 0);
         assert_eq!(barrier.next_write(), None, "nothing settled");
         barrier.settled(1, Some(&p(106)));
         let write = barrier.next_write().unwrap();
@@ -239,7 +296,7 @@ mod tests {
     #[test]
     fn a_later_settled_event_does_not_pass_an_unsettled_one() {
         let mut barrier = Barrier::new(progress("C20", 209, 1), 0);
-        barrier.fetched(Some(c("C21")), 3, None); // 210, 211, 212 are deliveries 0, 1, 2
+        barrier.fetched(Some(c("C21")), 3, None, 0); // 210, 211, 212 are deliveries 0, 1, 2
         // 210 and 212 settled; the tracker's prefix stops at 211.
         barrier.settled(1, Some(&p(210)));
         assert_eq!(
@@ -260,9 +317,9 @@ mod tests {
     #[test]
     fn empty_pages_pass_with_the_pages_before_them_and_promotions_coalesce() {
         let mut barrier = Barrier::new(progress("C1", 10, 0), 0);
-        barrier.fetched(Some(c("C2")), 2, None);
-        barrier.fetched(Some(c("C3")), 2, None); // an empty page: no deliveries
-        barrier.fetched(Some(c("C4")), 4, None);
+        barrier.fetched(Some(c("C2")), 2, None, 0);
+        barrier.fetched(Some(c("C3")), 2, None, 0); // an empty page: no deliveries
+        barrier.fetched(Some(c("C4")), 4, None, 0);
         assert_eq!(barrier.fetch_cursor(), Some(Some(&c("C4"))));
         barrier.settled(2, Some(&p(12)));
         let write = barrier.next_write().unwrap();
@@ -289,7 +346,7 @@ mod tests {
     fn a_page_of_replays_only_passes_at_once_and_never_lowers_the_applied_position() {
         // Durable applied 50; a page whose events were all at or below it tracks nothing.
         let mut barrier = Barrier::new(progress("C5", 50, 3), 7);
-        barrier.fetched(Some(c("C6")), 7, None);
+        barrier.fetched(Some(c("C6")), 7, None, 0);
         assert_eq!(
             barrier.next_write(),
             Some(BarrierWrite::Promote {
@@ -305,7 +362,7 @@ mod tests {
     fn an_ended_partition_ends_once_its_last_page_passed() {
         let mut barrier = Barrier::new(PagedProgress::default(), 0);
         assert_eq!(barrier.fetch_cursor(), Some(None), "the first page");
-        barrier.fetched(None, 1, None);
+        barrier.fetched(None, 1, None, 0);
         assert_eq!(barrier.fetch_cursor(), None, "nothing more to fetch");
         assert_eq!(barrier.next_write(), None);
         barrier.settled(1, Some(&p(1)));

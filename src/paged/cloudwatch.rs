@@ -1311,6 +1311,21 @@ impl PagedSource for CloudWatchLogs {
         )
     }
 
+    /// With audits: every event after the durable cursor was read after its mark was made (the
+    /// forward read or the audit that made it began after it), and an audit returns only events
+    /// ingested after it.
+    fn bounds_replays(&self) -> bool {
+        self.late_events.is_some()
+    }
+
+    /// The durable cursor's audit mark.
+    fn receipts_needed_since(&self, progress: &super::PagedProgress) -> Option<i64> {
+        self.late_events?;
+        LogCursor::decode(progress.resume_cursor.as_ref()?)
+            .ok()?
+            .audited
+    }
+
     /// The ingestion time the event's position carries (its second part).
     fn ingested(&self, event: &PagedEvent) -> Option<i64> {
         let bytes: [u8; 8] = event.position.as_bytes().get(8..16)?.try_into().ok()?;

@@ -311,6 +311,11 @@ impl PagedSource for CloudWatchLogsFilter {
         Some(self.audit_interval)
     }
 
+    /// What a replay needs is bounded by `closedThrough` (the consumer reads it from the row).
+    fn bounds_replays(&self) -> bool {
+        true
+    }
+
     /// The event's `ingestionTime`, the second part of its position.
     fn ingested(&self, event: &PagedEvent) -> Option<i64> {
         let bytes: [u8; 8] = event.position.as_bytes().get(8..16)?.try_into().ok()?;

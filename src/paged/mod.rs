@@ -515,6 +515,24 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// Whether [`receipts_needed_since`](Self::receipts_needed_since) bounds every replay of a
+    /// partition (default `false`; for a source read by timestamp the consumer bounds them by
+    /// the row's `closedThrough` itself). A source that keeps events for good and says so may run with
+    /// a receipt ledger that deletes receipts: each partition is checked as it is taken, and one
+    /// whose receipts may have expired is refused.
+    fn bounds_replays(&self) -> bool {
+        false
+    }
+
+    /// For a source that [bounds replays](Self::bounds_replays): the provider's time (ms) since
+    /// which every receipt a replay from `progress` can need was recorded (every event a later
+    /// attempt can hand out again was first handed out at or after it). `None`: none is needed
+    /// (nothing was handed out from this progress), or the progress does not say.
+    fn receipts_needed_since(&self, progress: &PagedProgress) -> Option<i64> {
+        let _ = progress;
+        None
+    }
+
     /// How long the provider keeps an event: after an outage a handled event can be handed out
     /// again until the provider deletes it, so a consumer with a receipt ledger keeps receipts
     /// at least that long (it asks once, at start, and refuses to run otherwise). The default
@@ -633,6 +651,13 @@ pub struct PagedProgress {
     /// with the version. (For such a source `resume_cursor` holds the late-event audit's mark,
     /// `audited|<ingested through>|<from>`, when the source tells ingestion times.)
     pub closed_through: Option<i64>,
+    /// The provider's time (ms) since which every receipt a replay from this progress can need
+    /// was recorded, as far as the attempt that wrote it knows: when the page that brought the
+    /// resume cursor was read (every event after it was handed out later), or, while the
+    /// cursor stays, when that was or the attempt began. `None`: not known (a row written
+    /// before, a seek). With a receipt ledger that deletes receipts, a partition whose
+    /// progress needs receipts older than they are kept is refused.
+    pub receipts_since: Option<i64>,
 }
 
 #[cfg(test)]

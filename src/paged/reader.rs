@@ -648,8 +648,7 @@ impl PollReader {
                 }
                 _ => None,
             };
-            let audit = match self.audit {
-                _ if before.is_some() => None,
+            let due = match self.audit {
                 Some((AuditEvery::Polls(every), lookback)) => {
                     polls_done.is_multiple_of(every.max(1)).then_some(lookback)
                 }
@@ -658,6 +657,17 @@ impl PollReader {
                     Some(lookback)
                 }
                 _ => None,
+            };
+            // An audit due during a catch-up reads only behind the start, bounded there: the late
+            // events behind `closed_through` (put while nobody read, or found by no audit before
+            // a crash), which no step reads, and which an audit back at the present would no
+            // longer reach (it starts the lateness window behind a start days later).
+            let (audit, before) = match (due, before, after) {
+                (Some(lookback), Some(_), Some(start)) => {
+                    (Some(lookback), Some(start.saturating_add(1)))
+                }
+                (Some(_), Some(_), None) => (None, before),
+                (due, before, _) => (due, before),
             };
             let mut audited_from = None;
             if let Some(lookback) = audit {

@@ -153,6 +153,19 @@ pub fn check_retention(
     }
 }
 
+/// How much earlier than this host's clock another host's may have dated a receipt's expiry:
+/// receipts a replay needs are taken for gone this long before they expire.
+pub const RECEIPT_CLOCK_MARGIN: Duration = Duration::from_secs(3600);
+
+/// Whether a replay of a partition may need receipts that expired: its progress needs receipts
+/// recorded since `since_ms` (the provider's time, ms), it is `now_ms`, and receipts are kept
+/// `kept`. With [`RECEIPT_CLOCK_MARGIN`] for the clocks of the hosts that recorded them.
+pub fn receipts_may_have_expired(kept: Duration, since_ms: i64, now_ms: i64) -> bool {
+    let kept_ms = i64::try_from(kept.as_millis()).unwrap_or(i64::MAX);
+    let margin_ms = i64::try_from(RECEIPT_CLOCK_MARGIN.as_millis()).unwrap_or(0);
+    now_ms.saturating_sub(since_ms) > kept_ms.saturating_sub(margin_ms)
+}
+
 /// What became of an event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -354,5 +367,32 @@ mod tests {
                 "{kept:?} against {source:?}"
             );
         }
+    }
+
+    #[test]
+    fn receipts_may_have_expired_past_their_retention_less_the_clock_margin() {
+        let day_ms = 86_400_000;
+        let kept = Duration::from_secs(2 * 86_400);
+        let since = 1_764_000_000_000;
+        // Within the retention less an hour: there.
+        assert!(!receipts_may_have_expired(
+            kept,
+            since,
+            since + 2 * day_ms - 3_600_001
+        ));
+        assert!(!receipts_may_have_expired(
+            kept,
+            since,
+            since + 2 * day_ms - 3_600_000
+        ));
+        // Past it: a host whose clock ran an hour behind may have expired them.
+        assert!(receipts_may_have_expired(
+            kept,
+            since,
+            since + 2 * day_ms - 3_599_999
+        ));
+        assert!(receipts_may_have_expired(kept, since, since + 5 * day_ms));
+        // A progress dated ahead of now needs nothing old.
+        assert!(!receipts_may_have_expired(kept, since, since - day_ms));
     }
 }
