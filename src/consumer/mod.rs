@@ -505,7 +505,7 @@ impl<H: Handler> ConsumerBuilder<H> {
     /// gone: their effects may be applied a second time. Without it such a partition is refused
     /// (`shardwise_paged_expired_receipts_total`, an error naming it), for an operator to choose:
     /// this, or a seek of the partition. Only sources that keep events for good and bound what a
-    /// replay needs ([`PagedSource::receipts_needed_since`](crate::paged::PagedSource::receipts_needed_since))
+    /// replay needs ([`PagedSource::receipts_needed_since`])
     /// run with a ledger that deletes receipts; with any other, the ledger keeps receipts at
     /// least as long as the source keeps events, and no partition is refused.
     pub fn resume_past_expired_receipts(mut self) -> Self {
