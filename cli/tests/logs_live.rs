@@ -301,7 +301,7 @@ async fn consume_log_group_survives_kill_9_and_skips_nothing() {
         assert_eq!(row["stream"], format!("logs:{group}"));
         assert_eq!(row["owner"], "w2");
         assert!(
-            row["resume_cursor"].as_str().unwrap().starts_with("v4|"),
+            row["resume_cursor"].as_str().unwrap().starts_with("v5|"),
             "{row}"
         );
         assert!(row["applied_position"].as_str().is_some(), "{row}");
