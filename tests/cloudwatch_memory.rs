@@ -1295,35 +1295,17 @@ async fn by_message(
     stall: Option<&'static str>,
     seen: &Messages,
 ) -> Running {
-    let seen = seen.clone();
-    let source = CloudWatchLogs::new(service.client(), GROUP).page_limit(page_limit);
-    Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
-        let message = String::from_utf8_lossy(d.payload()).into_owned();
-        let outcome = if Some(message.as_str()) == stall {
-            Outcome::Retry
-        } else {
-            Outcome::Ack
-        };
-        seen.lock()
-            .unwrap()
-            .push((worker.to_string(), message, d.attempt()));
-        async move { outcome }
-    })
-    .worker_id(worker)
-    .poll_interval(Duration::from_secs(5))
-    .checkpoint_interval(Duration::from_secs(1))
-    .lease_settings(
-        LeaseSettings::default()
-            .lease_duration(Duration::from_secs(10))
-            .scan_interval(Duration::from_secs(2)),
+    by_message_with(
+        service,
+        store,
+        receipts,
+        worker,
+        Some(page_limit),
+        stall,
+        false,
+        seen,
     )
-    .lease_store(Arc::new(store.clone()))
-    .receipts(Arc::new(receipts.clone()))
-    .build()
-    .unwrap()
-    .run()
     .await
-    .unwrap()
 }
 
 fn handled(seen: &Messages, worker: &str, message: &str) -> usize {
@@ -1639,18 +1621,25 @@ async fn a_late_event_readable_only_after_a_graceful_stop_is_handed_out_by_the_n
     assert!(again > 0, "the vouched range is handed out again");
 }
 
-/// [`by_message`] (pages of 100), told to resume past expired receipts or not.
-async fn by_message_resuming(
+/// [`by_message`] (pages of `page_limit`, or the source's default), told to resume past expired
+/// receipts or not.
+#[allow(clippy::too_many_arguments)]
+async fn by_message_with(
     service: &LogsService,
     store: &MemoryLeaseStore,
     receipts: &MemoryReceipts,
     worker: &'static str,
+    page_limit: Option<u32>,
     stall: Option<&'static str>,
     resume: bool,
     seen: &Messages,
 ) -> Running {
     let seen = seen.clone();
     let source = CloudWatchLogs::new(service.client(), GROUP);
+    let source = match page_limit {
+        Some(limit) => source.page_limit(limit),
+        None => source,
+    };
     let builder = Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
         let message = String::from_utf8_lossy(d.payload()).into_owned();
         let outcome = if Some(message.as_str()) == stall {
@@ -1679,6 +1668,19 @@ async fn by_message_resuming(
         builder
     };
     builder.build().unwrap().run().await.unwrap()
+}
+
+/// [`by_message_with`] with the source's default page size.
+async fn by_message_resuming(
+    service: &LogsService,
+    store: &MemoryLeaseStore,
+    receipts: &MemoryReceipts,
+    worker: &'static str,
+    stall: Option<&'static str>,
+    resume: bool,
+    seen: &Messages,
+) -> Running {
+    by_message_with(service, store, receipts, worker, None, stall, resume, seen).await
 }
 
 /// A log group that never expires its events, and receipts that do (2 days here; 7 by default
