@@ -28,7 +28,17 @@ const GROUP: &str = "/app/orders";
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
 async fn consumer(service: &LogsService, store: &MemoryLeaseStore, calls: &Calls) -> Running {
-    let source = CloudWatchLogs::new(service.client(), GROUP);
+    consumer_with(service, store, calls, Some(shardwise::paged::RETIRE_AFTER)).await
+}
+
+/// [`consumer`], its streams retiring after `retire` without news (`None`: never).
+async fn consumer_with(
+    service: &LogsService,
+    store: &MemoryLeaseStore,
+    calls: &Calls,
+    retire: Option<Duration>,
+) -> Running {
+    let source = CloudWatchLogs::new(service.client(), GROUP).retire_after(retire);
     let calls = calls.clone();
     Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
         calls.push("w1", &d);
@@ -80,12 +90,24 @@ fn applied(store: &MemoryLeaseStore) -> Option<PagePosition> {
 }
 
 /// A stream quiet for a day holds a token past its 24 hours: the one the service issued with the
-/// last events, handed back unchanged at every poll since (polls 5 minutes apart). The source reads on from the last
-/// event's time, and so does a worker that starts after a day with the fleet down. Every event is
-/// handled once; before, the partition failed at every attempt and nothing after the quiet day
-/// was read.
+/// last events, handed back unchanged at every poll since (polls 5 minutes apart; streams that
+/// never retire). The source reads on from the last event's time, and so does a worker that
+/// starts after a day with the fleet down. Every event is handled once; before, the partition
+/// failed at every attempt and nothing after the quiet day was read.
 #[tokio::test(start_paused = true)]
 async fn a_stream_read_on_after_a_quiet_day_and_after_a_day_with_the_fleet_down() {
+    read_on_after_a_quiet_day(None).await;
+}
+
+/// The same with streams retiring after an hour without news (the default): the stream retires
+/// during the quiet day and is not polled; woken by the events after it, it reads on from its
+/// stored cursor, whose token expired.
+#[tokio::test(start_paused = true)]
+async fn a_retired_stream_woken_after_a_quiet_day_reads_on_past_its_expired_token() {
+    read_on_after_a_quiet_day(Some(shardwise::paged::RETIRE_AFTER)).await;
+}
+
+async fn read_on_after_a_quiet_day(retire: Option<Duration>) {
     let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
     let _deterministic = shardwise::testing::simulate(base, 7);
     let service = LogsService::new(GROUP, 1_767_225_600_000);
@@ -94,17 +116,21 @@ async fn a_stream_read_on_after_a_quiet_day_and_after_a_day_with_the_fleet_down(
     let calls = Calls::default();
     let mut expected = put(&service, 3);
 
-    let running = consumer(&service, &store, &calls).await;
+    let running = consumer_with(&service, &store, &calls, retire).await;
     wait_for("the first events", Duration::from_secs(900), || {
         calls.len() == 3
     })
     .await;
     tokio::time::sleep(DAY + Duration::from_secs(3600)).await;
-    let recovered = service.counts().expired_tokens;
-    assert!(
-        recovered >= 1,
-        "the polls' token expired during the quiet day"
-    );
+    if retire.is_some() {
+        assert_eq!(service.counts().expired_tokens, 0, "retired: never polled");
+        assert!(store.snapshot()[0].retired_at.is_some(), "retired");
+    } else {
+        assert!(
+            service.counts().expired_tokens >= 1,
+            "the polls' token expired during the quiet day"
+        );
+    }
     expected.extend(put(&service, 2));
     wait_for(
         "the events after the quiet day",
@@ -112,11 +138,13 @@ async fn a_stream_read_on_after_a_quiet_day_and_after_a_day_with_the_fleet_down(
         || calls.len() == 5,
     )
     .await;
+    let recovered = service.counts().expired_tokens;
+    assert!(recovered >= 1, "the token had expired during the quiet day");
     running.shutdown(Duration::from_secs(5)).await;
 
     tokio::time::sleep(DAY + Duration::from_secs(3600)).await;
     expected.extend(put(&service, 2));
-    let running = consumer(&service, &store, &calls).await;
+    let running = consumer_with(&service, &store, &calls, retire).await;
     wait_for(
         "the events after the day down",
         Duration::from_secs(900),
@@ -1879,4 +1907,99 @@ async fn a_late_event_behind_closed_through_is_found_when_the_next_worker_catche
     unique.dedup();
     expected.sort();
     assert_eq!(unique, expected, "every event");
+}
+
+/// Lambda's pattern: a log stream per execution environment, busy for a while and then silent
+/// for good, while CloudWatch keeps it. A stream with nothing new for an hour (the default)
+/// retires: its last audit runs, its progress is written, and its row is left unowned with
+/// `retiredAt`; nobody renews it or reads it. A listing of the group showing it took events after
+/// that (`lastIngestionTime`) wakes it: it is read on from its cursor, new events and late ones
+/// (30 minutes old) handed out once. Before, every stream stayed open for good: a lease renewal
+/// every few seconds and a GetLogEvents every poll interval for each dead stream.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn idle_streams_retire_cost_no_reads_or_lease_writes_and_wake_when_they_take_events() {
+    let metrics = recorder::Metrics::default();
+    let _metrics = metrics::set_default_local_recorder(&metrics);
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 23);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    let streams = ["s0", "s1", "s2"];
+    let mut expected = Vec::new();
+    for stream in streams {
+        service.create_stream(stream);
+        expected.extend(put_into(&service, stream, 3));
+    }
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let hours = |h: u64| Duration::from_secs(3600 * h);
+    let running = consumer(&service, &store, &calls).await;
+    wait_for("the first events", Duration::from_secs(120), || {
+        calls.len() == 9
+    })
+    .await;
+
+    // Two hours later every stream has retired.
+    tokio::time::sleep(hours(2)).await;
+    let rows = store.snapshot();
+    for row in &rows {
+        assert!(
+            row.retired_at.is_some() && row.owner.is_none(),
+            "{} is retired: {row:?}",
+            row.shard_id
+        );
+    }
+    // Three hours more: no read of a retired stream, no write to its row.
+    let reads = |stream: &str| {
+        service
+            .counts()
+            .get_log_events
+            .get(stream)
+            .copied()
+            .unwrap_or(0)
+    };
+    let reads_before: Vec<u64> = streams.iter().map(|s| reads(s)).collect();
+    tokio::time::sleep(hours(3)).await;
+    let reads_after: Vec<u64> = streams.iter().map(|s| reads(s)).collect();
+    assert_eq!(reads_after, reads_before, "retired streams are not read");
+    assert_eq!(store.snapshot(), rows, "retired rows are not written");
+    assert_eq!(
+        metrics.counter("shardwise_paged_partitions_retired_total", "w1"),
+        Some(3)
+    );
+
+    // s1 takes new events, and s2 a late one (30 minutes old): both wake and are read on.
+    expected.extend(put_into(&service, "s1", 2));
+    expected.extend(put_late(
+        &service,
+        "s2",
+        &[(Duration::from_secs(1800), "late 30 min")],
+    ));
+    wait_for(
+        "the woken streams' events",
+        Duration::from_secs(600),
+        || calls.len() == 12,
+    )
+    .await;
+    let s0 = store
+        .snapshot()
+        .into_iter()
+        .find(|r| r.shard_id == "s0")
+        .unwrap();
+    assert!(s0.retired_at.is_some(), "s0 took nothing and sleeps on");
+    assert_eq!(
+        reads("s0"),
+        reads_before[0],
+        "s0 is not read: {:?}",
+        service.counts()
+    );
+    assert_eq!(
+        metrics.counter("shardwise_paged_partitions_woken_total", "w1"),
+        Some(2)
+    );
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let mut handled = calls.ids();
+    handled.sort();
+    expected.sort();
+    assert_eq!(handled, expected, "every event once");
 }

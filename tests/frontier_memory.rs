@@ -151,6 +151,9 @@ impl LeaseStore for Tampered {
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
         self.inner.release(held)
     }
+    fn retire<'a>(&'a self, held: &'a Ownership, at: i64) -> BoxFuture<'a, Result<bool, Error>> {
+        self.inner.retire(held, at)
+    }
     fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
         self.inner.seek(moves)
     }

@@ -336,6 +336,70 @@ async fn release_gives_the_lease_up(store: &dyn LeaseStore) {
     assert_eq!(again.counter, released.counter + 1);
 }
 
+/// An idle partition's owner retires it: the row is left unowned with `retiredAt`, fenced like
+/// every write (a stranger or a zombie cannot), never at SHARD_END; a take removes the mark, and
+/// so does a seek.
+async fn retire_leaves_the_row_unowned_with_its_mark_until_a_take(store: &dyn LeaseStore) {
+    let stream = stream_name();
+    let (taken, mine) = held(store, &stream, "worker-a").await;
+    let stranger = Ownership {
+        owner: "worker-b".into(),
+        ..mine.clone()
+    };
+    assert!(
+        !store.retire(&stranger, 1_000).await.unwrap(),
+        "not the owner"
+    );
+    let zombie = Ownership {
+        epoch: mine.epoch - 1,
+        ..mine.clone()
+    };
+    assert!(
+        !store.retire(&zombie, 1_000).await.unwrap(),
+        "an older epoch"
+    );
+    assert_eq!(row(store, &stream).await, taken, "nothing changed");
+    assert!(store.retire(&mine, 1_000).await.unwrap());
+    let retired = row(store, &stream).await;
+    assert_eq!(retired.retired_at, Some(1_000));
+    assert_eq!(retired.owner, None);
+    assert_eq!(retired.counter, taken.counter + 1);
+    assert_eq!(retired.owner_epoch, taken.owner_epoch);
+    assert_eq!(retired.checkpoint, taken.checkpoint);
+    assert!(!store.retire(&mine, 2_000).await.unwrap(), "no longer held");
+    assert!(!store.renew(&mine).await.unwrap().is_renewed());
+
+    // Woken: a take removes the mark.
+    let woken = store
+        .take(&retired, "worker-b")
+        .await
+        .unwrap()
+        .expect("take");
+    assert_eq!(woken.retired_at, None);
+    assert_eq!(woken.owner_epoch, taken.owner_epoch + 1);
+    assert_eq!(row(store, &stream).await.retired_at, None);
+
+    // Retired again, then moved by a seek: the mark goes with the owner.
+    let again = woken.ownership().unwrap();
+    assert!(store.retire(&again, 3_000).await.unwrap());
+    let retired = row(store, &stream).await;
+    assert_eq!(retired.retired_at, Some(3_000));
+    assert!(store.seek(&[mv(&retired, at("7", 0))]).await.unwrap());
+    assert_eq!(row(store, &stream).await.retired_at, None);
+
+    // Never at SHARD_END: an ended partition is deleted, not retired.
+    let (_, ended) = held(store, &format!("{stream}-ended"), "worker-a").await;
+    assert_eq!(
+        store
+            .checkpoint(&ended, &Checkpoint::ShardEnd, None)
+            .await
+            .unwrap(),
+        CheckpointWrite::Written
+    );
+    assert!(!store.retire(&ended, 1_000).await.unwrap(), "at SHARD_END");
+    assert_eq!(row(store, &ended.stream).await.retired_at, None);
+}
+
 async fn steal_from_a_live_owner(store: &dyn LeaseStore) {
     let stream = stream_name();
     let (a_row, a) = held(store, &stream, "worker-a").await;
@@ -1402,6 +1466,7 @@ conformance!(
     shard_end_beats_any_sequence,
     a_129_digit_sequence_beats_a_56_digit_one,
     release_gives_the_lease_up,
+    retire_leaves_the_row_unowned_with_its_mark_until_a_take,
     steal_from_a_live_owner,
     list_returns_only_the_stream,
     at_timestamp_round_trips,

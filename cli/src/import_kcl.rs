@@ -1214,6 +1214,7 @@ mod tests {
             progress: None,
             wanted_by: None,
             handoff_acked: false,
+            retired_at: None,
         }
     }
 

@@ -1495,6 +1495,12 @@ async fn on_exit(
                 warn!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "deleting the row of a partition that is gone failed; a later scan deletes it");
             }
         }
+        Ok(Exit::Retired(o, at)) => match manager.retire(&o, at).await {
+            Ok(_) => {}
+            Err(e) => {
+                warn!(shard = %o.shard_id, error = &e as &dyn std::error::Error, "retiring an idle partition failed; its lease will expire and another worker reads it on");
+            }
+        },
         Ok(Exit::Stopped(o)) if !stopping => {
             // Stopped alone: a handoff. The final checkpoint is written: pass the lease.
             if let Err(e) = manager.release(&o).await {

@@ -69,6 +69,9 @@ pub(crate) enum Exit {
     Gone(Ownership),
     /// Stopped on request; the final progress was written (or attempted).
     Stopped(Ownership),
+    /// Stopped because it was idle, its final progress written: its row is to be retired at
+    /// this time (the provider's, ms) until the source lists activity after it.
+    Retired(Ownership, i64),
     /// The lease was lost: nothing more was written.
     Lost(Ownership),
     /// Reading failed for good (the source is gone, a cursor refused, the pages broke the
@@ -242,6 +245,20 @@ pub(crate) trait Progress: Sized + Send + 'static {
     fn gone(&self) -> bool {
         false
     }
+
+    /// Whether the lease's work had nothing new for as long as its source lets a partition
+    /// retire ([`PagedSource::retire_after`](crate::paged::PagedSource::retire_after)); asked
+    /// every checkpoint interval while nothing is unsettled or being written. `true` stops it
+    /// as a graceful stop would, then retires its row at [`retired_at`](Self::retired_at).
+    fn idle(&self) -> bool {
+        false
+    }
+
+    /// After a retirement's final writes: the time its row retires at (`None`: the stored
+    /// progress does not tell, and the lease is released instead).
+    fn retired_at(&self) -> Option<i64> {
+        None
+    }
 }
 
 /// A write in flight.
@@ -351,6 +368,8 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut aborted = false;
     let mut finishing = false;
+    // Stopping gracefully because the partition was idle: its row retires after the final writes.
+    let mut retiring = false;
 
     let halt = loop {
         let room = pipeline.has_room();
@@ -422,6 +441,28 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
                 if progress.tick(pipeline.tracker(), owned.in_flight.is_some()).await.is_err() {
                     break Halt::Lost;
                 }
+                // Idle for its source's retirement time, everything settled and written: stop
+                // as a graceful stop does (its reader's last step included), then retire.
+                if !retiring
+                    && reading == Reading::Open
+                    && !finishing
+                    && !ctx.stop.is_cancelled()
+                    && owned.in_flight.is_none()
+                    && pipeline.unsettled() == 0
+                    && progress.idle()
+                {
+                    retiring = true;
+                    match &finish {
+                        Some(finish) => {
+                            finishing = true;
+                            finish.cancel();
+                        }
+                        None => {
+                            reading = Reading::Stopped;
+                            reader_cancel.cancel();
+                        }
+                    }
+                }
             }
         }
         // A reader told to finish that waits for room no delivery will make (only held ones
@@ -434,7 +475,7 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
             reading = Reading::Stopped;
             reader_cancel.cancel();
         }
-        match pipeline.step(reading, ctx.stop.is_cancelled(), aborted) {
+        match pipeline.step(reading, ctx.stop.is_cancelled() || retiring, aborted) {
             Step::Continue => {}
             Step::Stop => break Halt::Stop,
             Step::End => break Halt::End,
@@ -491,6 +532,13 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
                     Ok(CheckpointWrite::Lost) => return Exit::Lost(ownership),
                     Err(e) => return Exit::Failed(ownership, e),
                 }
+            }
+            if retiring
+                && matches!(halt, Halt::Stop)
+                && let Some(at) = progress.retired_at()
+            {
+                info!(stream = %ownership.stream, shard = %ownership.shard_id, read_through = at, "idle: stopped, its final progress written, to retire");
+                return Exit::Retired(ownership, at);
             }
             info!(stream = %ownership.stream, shard = %ownership.shard_id, "stopped: what settled is written");
             Exit::Stopped(ownership)

@@ -62,6 +62,13 @@ pub(crate) struct Pages {
     /// During an audit whose range an earlier attempt vouched for: that, and the events of the
     /// range the audit returned that this attempt did not hand out (held until the audit ends).
     vouched: Option<(Vouched, Vec<PagedEvent>, HashSet<String>)>,
+    /// When this attempt last read something new (started, a page or an audit with events): a
+    /// partition with nothing new for its source's [`retire_after`](PagedSource::retire_after)
+    /// retires.
+    news: tokio::time::Instant,
+    /// At a graceful stop: how many events this attempt handed out that its final audit's mark
+    /// does not cover (ingested after it). A partition retires only when none were.
+    after_final_mark: Option<u64>,
 }
 
 impl Progress for Pages {
@@ -93,7 +100,10 @@ impl Progress for Pages {
         let now_ms = crate::time::millis(source.service_time().unwrap_or_else(crate::time::now));
         // What a replay needs: the receipts since the durable cursor's page was read, or since
         // what the source says (a mark behind which an audit finds events again), if earlier.
-        if source.bounds_replays() {
+        // A retired partition woken: its progress was written with nothing handed out after
+        // its last audit's mark, and reading on from it hands nothing out again (see
+        // `Pages::retired_at`): no receipt is needed, however old.
+        if source.bounds_replays() && held.woken_from.is_none() {
             let since = match (
                 durable.receipts_since,
                 source.receipts_needed_since(&durable),
@@ -149,6 +159,8 @@ impl Progress for Pages {
                 handed_out: source.audit_interval().map(|_| HandedOut::default()),
                 source: source.clone(),
                 vouched: None,
+                news: tokio::time::Instant::now(),
+                after_final_mark: None,
             },
             reader: messages,
             finish,
@@ -193,6 +205,7 @@ impl Progress for Pages {
                         .vouch_range(&next)
                         .and_then(|(after, through)| {
                             let vouched = handed_out.vouch(after, through);
+                            self.after_final_mark = Some(vouched.count);
                             debug!(source = %self.lease.stream, partition = %self.lease.shard, count = vouched.count, "vouched for what the next owner's first audit returns");
                             self.source.vouch(&next, &vouched)
                         })
@@ -262,6 +275,29 @@ impl Progress for Pages {
     fn ends(&self) -> bool {
         self.barrier.next_write() == Some(BarrierWrite::End)
     }
+
+    /// Nothing new for the source's retirement time, and nothing left to write.
+    fn idle(&self) -> bool {
+        !self.gone
+            && self.barrier.next_write().is_none()
+            && self
+                .source
+                .retire_after()
+                .is_some_and(|after| self.news.elapsed() >= after)
+    }
+
+    /// The stored cursor's [`read_through`](PagedSource::read_through), when this attempt
+    /// handed out nothing its final audit's mark does not cover: then reading on from the cursor
+    /// hands nothing out again, and a woken partition needs no receipt. Otherwise (an event
+    /// arrived in the last moments) the partition is released, not retired.
+    fn retired_at(&self) -> Option<i64> {
+        if self.after_final_mark != Some(0) {
+            debug!(source = %self.lease.stream, partition = %self.lease.shard, after_final_mark = self.after_final_mark, "not retired: events were handed out after the final audit's mark");
+            return None;
+        }
+        let cursor = self.barrier.durable().resume_cursor.as_ref()?;
+        self.source.read_through(cursor)
+    }
 }
 
 impl Pages {
@@ -290,6 +326,9 @@ impl Pages {
                 ));
             }
         };
+        if !events.is_empty() {
+            self.news = tokio::time::Instant::now();
+        }
         let before = pipeline.tracker().next_index();
         for (event, verdict) in events.into_iter().zip(verdicts) {
             match verdict {
@@ -357,6 +396,9 @@ impl Pages {
         pipeline: &mut Pipeline<H, PagePosition>,
         events: &[crate::paged::PagedEvent],
     ) -> Read {
+        if !events.is_empty() {
+            self.news = tokio::time::Instant::now();
+        }
         for event in events {
             let ingested = self.source.ingested(event);
             if let Some(handed_out) = &self.handed_out

@@ -59,6 +59,7 @@ mod attr {
     pub(super) const MEMBERSHIP_SEEK_EPOCHS: &str = "membershipSeekEpochs";
     pub(super) const SEEK_SKIPPED: &str = "seekSkipped";
     pub(super) const SOUGHT_AT: &str = "soughtAt";
+    pub(super) const RETIRED_AT: &str = "retiredAt";
     /// Prefix of a worker's beat in a roster item.
     pub(super) const BEAT: &str = "beat:";
     pub(super) const CHANGES: &str = "changes";
@@ -321,8 +322,9 @@ impl DynamoDbLeaseStore {
                 "SET #owner = :owner, \
                  #counter = if_not_exists(#counter, :zero) + :one, \
                  #epoch = if_not_exists(#epoch, :zero) + :one \
-                 REMOVE #wanted, #ack",
+                 REMOVE #wanted, #ack, #retired",
             )
+            .expression_attribute_names("#retired", RETIRED_AT)
             .expression_attribute_names("#wanted", WANTED_BY)
             .expression_attribute_names("#ack", HANDOFF_ACK)
             .expression_attribute_names("#key", KEY)
@@ -606,6 +608,27 @@ impl DynamoDbLeaseStore {
         self.stored(result)
     }
 
+    /// `retire`: `retiredAt` set, the owner and any request removed, counter + 1, under the
+    /// owner and epoch, on a row not at SHARD_END.
+    async fn retire_row(&self, held: &Ownership, at: i64) -> Result<bool, Error> {
+        let result = self
+            .fenced(held, Some("#cp <> :end"))
+            .update_expression(
+                "REMOVE #owner, #wanted, #ack SET #counter = #counter + :one, #retired = :at",
+            )
+            .expression_attribute_names("#counter", COUNTER)
+            .expression_attribute_names("#wanted", WANTED_BY)
+            .expression_attribute_names("#ack", HANDOFF_ACK)
+            .expression_attribute_names("#cp", CHECKPOINT)
+            .expression_attribute_names("#retired", RETIRED_AT)
+            .expression_attribute_values(":one", n(1u64))
+            .expression_attribute_values(":end", s(crate::checkpoint::SHARD_END))
+            .expression_attribute_values(":at", n(at))
+            .send()
+            .await;
+        self.stored(result)
+    }
+
     /// `request`: `wantedBy` = the taker, under the owner and epoch seen, when none is pending.
     async fn request_row(&self, seen: &Lease, taker: &str) -> Result<bool, Error> {
         let Some(owned) = seen.ownership() else {
@@ -860,7 +883,7 @@ impl DynamoDbLeaseStore {
     /// The update of one seek move: its expression, names and values.
     fn seek_update(m: &SeekMove) -> (String, HashMap<String, String>, Item) {
         let mut set = String::from(
-            "REMOVE #owner, #wanted, #ack SET #cp = :cp, #sub = :sub, #cpKey = :cpKey, \
+            "REMOVE #owner, #wanted, #ack, #retired SET #cp = :cp, #sub = :sub, #cpKey = :cpKey, \
              #seek = #seek + :one, #epoch = #epoch + :one, #counter = #counter + :one, \
              #soughtAt = :soughtAt",
         );
@@ -875,6 +898,7 @@ impl DynamoDbLeaseStore {
             ("#sub", SUB),
             ("#cpKey", CHECKPOINT_KEY),
             ("#soughtAt", SOUGHT_AT),
+            ("#retired", RETIRED_AT),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
@@ -1166,6 +1190,10 @@ impl LeaseStore for DynamoDbLeaseStore {
         Box::pin(self.release_row(held))
     }
 
+    fn retire<'a>(&'a self, held: &'a Ownership, at: i64) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.retire_row(held, at))
+    }
+
     fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(self.seek_rows(moves))
     }
@@ -1367,6 +1395,7 @@ fn parse_row(item: &Item) -> Result<Lease, Error> {
         progress: row.progress()?,
         wanted_by: row.optional_string(WANTED_BY)?,
         handoff_acked: row.optional_string(HANDOFF_ACK)?.is_some(),
+        retired_at: row.number(RETIRED_AT)?,
         stream,
         shard_id,
     })

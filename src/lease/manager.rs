@@ -298,6 +298,11 @@ pub struct HeldLease {
     pub ownership: Ownership,
     /// The row as taken (checkpoint, lineage).
     pub lease: Lease,
+    /// The `retiredAt` of the row as seen before the take, when the take woke a retired
+    /// partition ([`LeaseStore::retire`]): its progress was written with every delivery settled
+    /// and nothing handed out after the last audit's mark, so reading on from it hands nothing
+    /// out again.
+    pub woken_from: Option<i64>,
     /// Cancelled the moment the lease is lost or given up: the shard's work must stop handing
     /// anything out. It may still write what settled, once, with the fenced writes (refused if
     /// the row moved), then report with [`LeaseManager::work_ended`].
@@ -332,6 +337,8 @@ enum Command {
     GiveBack {
         ownership: Ownership,
         may_pass: bool,
+        /// Retire the row instead (`retiredAt` = this time): an idle paged partition.
+        retire: Option<i64>,
         reply: oneshot::Sender<Result<bool, Error>>,
     },
     /// Stamp the row of a held lease with the acknowledgement of `to`'s request.
@@ -671,6 +678,14 @@ impl LeaseManager {
         Ok(())
     }
 
+    /// Retires a held paged partition that went idle, its final progress written: nobody renews
+    /// or reads it until the source lists activity after `at` (its ingestion time through which
+    /// everything was read), when a scan finds it woken and a worker takes it
+    /// ([`LeaseStore::retire`]). `false` if the lease had been lost already.
+    pub async fn retire(&self, ownership: &Ownership, at: i64) -> Result<bool, Error> {
+        self.inner.give_back_as(ownership, false, Some(at)).await
+    }
+
     /// Stops taking, releases every held lease (call after final checkpoints), leaves the roster
     /// so the other workers rebalance at once, then stops renewing. Returns how many leases were
     /// handed back.
@@ -983,7 +998,8 @@ impl Inner {
                     self.renewed(&ownership, sent, result);
                 }
                 Some(command) = commands.recv() => match command {
-                    Command::GiveBack { ownership, may_pass, reply } => {
+                    Command::GiveBack { ownership, may_pass, retire, reply } => {
+                        let may_pass = may_pass && retire.is_none();
                         let Some(give) = self.leases().give(&ownership, may_pass) else {
                             let _ = reply.send(Ok(false));
                             continue;
@@ -991,7 +1007,10 @@ impl Inner {
                         self.held_gauge();
                         let inner = Arc::clone(&self);
                         writes.push(Box::pin(crate::time::carry(async move {
-                            let answer = inner.hand_back(&ownership, give, may_pass).await;
+                            let answer = match retire {
+                                Some(at) => inner.retire_row(&ownership, at).await,
+                                None => inner.hand_back(&ownership, give, may_pass).await,
+                            };
                             inner.leases().given(&ownership);
                             let _ = reply.send(answer);
                         })));
@@ -1154,16 +1173,41 @@ impl Inner {
     /// only when `may_pass` and the row is not at SHARD_END. `false` when it was lost already,
     /// or the manager stopped (the lease then expires).
     async fn give_back(&self, ownership: &Ownership, may_pass: bool) -> Result<bool, Error> {
+        self.give_back_as(ownership, may_pass, None).await
+    }
+
+    /// [`give_back`](Self::give_back), retiring the row when `retire` says when.
+    async fn give_back_as(
+        &self,
+        ownership: &Ownership,
+        may_pass: bool,
+        retire: Option<i64>,
+    ) -> Result<bool, Error> {
         let (reply, answer) = oneshot::channel();
         let command = Command::GiveBack {
             ownership: ownership.clone(),
             may_pass,
+            retire,
             reply,
         };
         if self.commands.send(command).is_err() {
             return Ok(false);
         }
         answer.await.unwrap_or(Ok(false))
+    }
+
+    /// The retirement of a lease given back (its state is `Giving`): nobody takes the row until
+    /// the source lists activity after `at`.
+    async fn retire_row(&self, ownership: &Ownership, at: i64) -> Result<bool, Error> {
+        let retired = self.store.retire(ownership, at).await?;
+        if retired {
+            info!(stream = %self.stream, shard = %ownership.shard_id, retired_at = at, "idle partition retired: nobody renews or reads it until its source lists activity after this time");
+            metrics::counter!("shardwise_paged_partitions_retired_total", &self.labels())
+                .increment(1);
+        } else {
+            debug!(stream = %self.stream, shard = %ownership.shard_id, "retiring the lease was refused: it was lost");
+        }
+        Ok(retired)
     }
 
     /// The pass or release of a lease given back (its state is `Giving`): an ended row is never
@@ -1466,9 +1510,15 @@ impl Inner {
             self.settings.handoff_ack_patience(),
         );
         let held = self.held_shards();
-        let seen = seen(rows, judged);
-        let roster: Vec<String> = self.liveness.roster().live(now).into_iter().collect();
         let listing = self.listing();
+        // Retired partitions the listing shows no activity in since are left out: nobody takes
+        // them, and they count for no worker's share.
+        let listed = listing.as_ref().map(|(listing, _)| &listing.ids);
+        let seen: Vec<Seen<'_>> = seen(rows, judged)
+            .into_iter()
+            .filter(|s| !planner::dormant(s.lease, listed, |id| self.shards.last_activity(id)))
+            .collect();
+        let roster: Vec<String> = self.liveness.roster().live(now).into_iter().collect();
         let plan = planner::plan_listed(
             &self.worker,
             &seen,
@@ -1543,6 +1593,11 @@ impl Inner {
             let Some(seen) = by_shard.get(shard) else {
                 continue;
             };
+            if seen.retired_at.is_some() {
+                info!(stream = %self.stream, shard, retired_at = seen.retired_at, "a retired partition shows activity since (or is no longer listed): waking it");
+                metrics::counter!("shardwise_paged_partitions_woken_total", &self.labels())
+                    .increment(1);
+            }
             to_take.push((*seen, stolen));
         }
         // The takes of a scan `TAKES_AT_ONCE` at a time (one by one, 50 takes at 40-50 ms a
@@ -1574,7 +1629,7 @@ impl Inner {
                     }
                     // The request is over only once the lease is ours (`acquired` forgets it);
                     // a steal that failed is tried again at the next scan.
-                    Ok(Some(lease)) => self.acquired(lease, stolen, sent),
+                    Ok(Some(lease)) => self.acquired(lease, stolen, sent, seen.retired_at),
                     Ok(None) => debug!(shard, "lease changed before it could be taken"),
                     Err(e) => warn!(
                         shard,
@@ -1621,7 +1676,7 @@ impl Inner {
     }
 
     /// A lease taken by a write sent at `sent` (its renewal stamp: see `lease_loop`).
-    fn acquired(&self, lease: Lease, stolen: bool, sent: Instant) {
+    fn acquired(&self, lease: Lease, stolen: bool, sent: Instant, woken_from: Option<i64>) {
         let Some(ownership) = lease.ownership() else {
             return;
         };
@@ -1647,6 +1702,7 @@ impl Inner {
         let _ = self.events.send(LeaseEvent::Acquired(Box::new(HeldLease {
             ownership,
             lease,
+            woken_from,
             cancel: holding.cancel,
             handoff: holding.handoff,
         })));

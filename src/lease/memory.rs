@@ -417,6 +417,7 @@ impl LeaseStore for MemoryLeaseStore {
                 progress: None,
                 wanted_by: None,
                 handoff_acked: false,
+                retired_at: None,
             };
             rows.changes.push(("create", None, Some(row.clone())));
             rows.rows.insert(key, row);
@@ -440,6 +441,7 @@ impl LeaseStore for MemoryLeaseStore {
                 row.owner_epoch += 1;
                 row.wanted_by = None;
                 row.handoff_acked = false;
+                row.retired_at = None;
                 taken = Some(row.clone());
                 true
             });
@@ -554,6 +556,7 @@ impl LeaseStore for MemoryLeaseStore {
                     row.owner = None;
                     row.wanted_by = None;
                     row.handoff_acked = false;
+                    row.retired_at = None;
                     row.counter += 1;
                     true
                 });
@@ -611,6 +614,23 @@ impl LeaseStore for MemoryLeaseStore {
                     row.counter += 1;
                     row.wanted_by = None;
                     row.handoff_acked = false;
+                    true
+                })
+        })
+    }
+
+    fn retire<'a>(&'a self, held: &'a Ownership, at: i64) -> BoxFuture<'a, Result<bool, Error>> {
+        self.call("retire", true, move |rows| {
+            rows.held(held)
+                && rows.change("retire", &held.key(), |row| {
+                    if row.checkpoint.is_shard_end() {
+                        return false;
+                    }
+                    row.owner = None;
+                    row.counter += 1;
+                    row.wanted_by = None;
+                    row.handoff_acked = false;
+                    row.retired_at = Some(at);
                     true
                 })
         })

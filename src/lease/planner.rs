@@ -343,6 +343,22 @@ pub(crate) fn left_by_gone<'a>(
         .collect()
 }
 
+/// Whether `row` is a retired partition to leave alone ([`Lease::retired_at`]): nobody holds it,
+/// and the source's last listing (`listed`) names it without activity after its retirement
+/// (`last_activity`, the provider's time, ms). A retired row is woken (taken like any free one)
+/// once the listing shows activity after it, or no longer names it (the partition's reader then
+/// finds it gone and its row is deleted). Before any listing, it stays retired.
+pub(crate) fn dormant(
+    row: &Lease,
+    listed: Option<&BTreeSet<String>>,
+    last_activity: impl Fn(&str) -> Option<i64>,
+) -> bool {
+    let (Some(retired), None, Some(listed)) = (row.retired_at, &row.owner, listed) else {
+        return row.retired_at.is_some() && row.owner.is_none() && listed.is_none();
+    };
+    listed.contains(&row.shard_id) && last_activity(&row.shard_id).is_none_or(|t| t <= retired)
+}
+
 /// The hash state after `worker` and its separator: what every rank for `worker` starts from, so
 /// sharing out many leases hashes each worker's id once.
 fn worker_prefix(worker: &str) -> u64 {
@@ -423,6 +439,7 @@ mod tests {
             progress: None,
             wanted_by: None,
             handoff_acked: false,
+            retired_at: None,
         }
     }
 
@@ -991,6 +1008,39 @@ mod tests {
     /// unowned, named by this worker without this process holding it (its release failed), or
     /// another worker's gone still. A row still held (its owner is deleting it), an open row and
     /// a row with lineage stay.
+    #[test]
+    fn retired_rows_sleep_until_the_listing_shows_activity_after_them_or_drops_them() {
+        let mut row = lease(&("p", None, false, false, &[]));
+        row.retired_at = Some(1_000);
+        let listed: BTreeSet<String> = ["p".to_string()].into();
+        let quiet = |_: &str| Some(1_000);
+        let woken = |_: &str| Some(1_001);
+        let unknown = |_: &str| None;
+        assert!(dormant(&row, Some(&listed), quiet), "no activity after it");
+        assert!(dormant(&row, Some(&listed), unknown), "activity unknown");
+        assert!(
+            !dormant(&row, Some(&listed), woken),
+            "activity after it wakes it"
+        );
+        assert!(
+            dormant(&row, None, woken),
+            "no listing yet: it stays retired"
+        );
+        assert!(
+            !dormant(&row, Some(&BTreeSet::new()), quiet),
+            "no longer listed: woken, so a reader finds it gone"
+        );
+        row.owner = Some("w".into());
+        assert!(
+            !dormant(&row, Some(&listed), quiet),
+            "held: not for the planner to hide"
+        );
+        row.owner = None;
+        row.retired_at = None;
+        assert!(!dormant(&row, Some(&listed), quiet), "never retired");
+        assert!(!dormant(&row, None, quiet), "never retired, no listing");
+    }
+
     #[test]
     fn ended_rows_of_gone_partitions_are_deleted_once_nobody_holds_them() {
         let rows: &[Row] = &[

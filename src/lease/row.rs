@@ -43,6 +43,11 @@ pub struct Lease {
     /// The owner acknowledged the request of `wanted_by` (`handoffAck`): it is draining the
     /// lease, and the taker counts its patience from when it saw this. Cleared with the request.
     pub handoff_acked: bool,
+    /// A paged partition retired while idle (`retiredAt`: the provider's ingestion time, ms,
+    /// through which everything of the partition was read, audits included): nobody holds it,
+    /// renews it or reads it until the source lists activity after this time (see
+    /// [`LeaseStore::retire`](super::LeaseStore::retire)). Every take and seek removes it.
+    pub retired_at: Option<i64>,
 }
 
 impl Lease {

@@ -187,6 +187,14 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
     /// Gives a held lease up so another worker can take it at once. `false`: it was already lost.
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>>;
 
+    /// Retires a held paged partition that went idle: `retiredAt` = `at` (the ingestion time
+    /// through which the partition was read), owner removed, counter + 1, any handoff request
+    /// removed; fenced by owner and epoch, and refused on a row at SHARD_END. Call it after the
+    /// final progress write. Nobody takes a retired row until its source lists activity after
+    /// `at` (or stops listing it); a take or a seek removes `retiredAt`. `false`: the lease was
+    /// lost (nothing changed).
+    fn retire<'a>(&'a self, held: &'a Ownership, at: i64) -> BoxFuture<'a, Result<bool, Error>>;
+
     /// Moves checkpoints, backwards too: the only write that may. Every move is applied or none
     /// is (one transaction), each conditioned on the seek epoch of the row as seen. Each moved row
     /// gets its seek epoch and ownership epoch bumped and its owner removed, so the worker reading

@@ -294,6 +294,7 @@ mod tests {
             progress: None,
             wanted_by: None,
             handoff_acked: false,
+            retired_at: None,
         }
     }
 

@@ -132,6 +132,9 @@ const AUDIT_PAGE_LIMIT: i32 = 10_000;
 /// How late an event may arrive and still be found, by default: 1 hour.
 pub const LATE_EVENT_WINDOW: Duration = Duration::from_secs(3600);
 
+/// How long a stream may have nothing new before it retires, by default: 1 hour.
+pub const RETIRE_AFTER: Duration = Duration::from_secs(3600);
+
 /// How often a stream is audited for late events, by default: every 5 minutes.
 pub const LATE_EVENT_AUDIT_INTERVAL: Duration = Duration::from_secs(300);
 
@@ -276,6 +279,11 @@ pub struct CloudWatchLogs {
     /// Each stream's `creationTime`, by name, from the newest listing (or look-up of one): a
     /// stream is its name and its creation, since one can be deleted and created again.
     created: Arc<std::sync::Mutex<HashMap<String, i64>>>,
+    /// Each stream's `lastIngestionTime`, by name, from the newest listing (or look-up): a
+    /// retired stream taking events again is woken by it.
+    ingested: Arc<std::sync::Mutex<HashMap<String, i64>>>,
+    /// How long a stream may have nothing new before it retires (`None`: never).
+    retire_after: Option<Duration>,
     group: Arc<str>,
     name: Arc<str>,
     limit: i32,
@@ -314,6 +322,8 @@ impl CloudWatchLogs {
             client,
             clock,
             created: Arc::default(),
+            ingested: Arc::default(),
+            retire_after: Some(RETIRE_AFTER),
             name: format!("logs:{group}").into(),
             group: group.into(),
             limit: DEFAULT_PAGE_LIMIT,
@@ -345,6 +355,18 @@ impl CloudWatchLogs {
         if let Some(late) = self.late_events.as_mut() {
             late.every = every.max(Duration::from_secs(1));
         }
+        self
+    }
+
+    /// How long a stream may have nothing new before it retires (default [`RETIRE_AFTER`], 1
+    /// hour; `None`: never). A retired stream costs no lease writes and no reads: its row is left
+    /// unowned until a listing of the group shows it took events after what was read
+    /// (`lastIngestionTime`), which AWS updates "typically in less than an hour", so a stream
+    /// that wakes is read that much later at worst (nothing is skipped: it is read on from its
+    /// cursor). Streams are listed every `shard_sync_interval` (one DescribeLogStreams per 50
+    /// streams). A source without late-event audits never retires a stream.
+    pub fn retire_after(mut self, after: Option<Duration>) -> Self {
+        self.retire_after = after;
         self
     }
 
@@ -881,11 +903,22 @@ impl CloudWatchLogs {
             .log_stream_name_prefix(partition)
             .send()
             .await?;
-        let created = page
+        let found = page
             .log_streams()
             .iter()
-            .find(|s| s.log_stream_name() == Some(partition))
-            .and_then(|s| s.creation_time());
+            .find(|s| s.log_stream_name() == Some(partition));
+        let created = found.and_then(|s| s.creation_time());
+        let ingested = found.and_then(|s| s.last_ingestion_time());
+        {
+            let mut known = self
+                .ingested
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match ingested {
+                Some(at) => known.insert(partition.to_string(), at),
+                None => known.remove(partition),
+            };
+        }
         let mut known = self
             .created
             .lock()
@@ -969,6 +1002,7 @@ impl PagedSource for CloudWatchLogs {
             let mut waits = Backoff::new(Duration::from_secs(5));
             let mut names = Vec::new();
             let mut created = HashMap::new();
+            let mut ingested = HashMap::new();
             let mut token: Option<String> = None;
             loop {
                 self.listings.acquire().await;
@@ -1000,6 +1034,9 @@ impl PagedSource for CloudWatchLogs {
                         if let Some(at) = stream.creation_time() {
                             created.insert(name.to_string(), at);
                         }
+                        if let Some(at) = stream.last_ingestion_time() {
+                            ingested.insert(name.to_string(), at);
+                        }
                     }
                 }
                 match page.next_token {
@@ -1015,6 +1052,10 @@ impl PagedSource for CloudWatchLogs {
                 .created
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) = created;
+            *self
+                .ingested
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = ingested;
             Ok(names)
         })
     }
@@ -1287,6 +1328,33 @@ impl PagedSource for CloudWatchLogs {
 
     /// The allowance before an audited cursor's mark: events ingested in it may have been read
     /// forward (or by the audit) and come back in the next audit.
+    /// Streams retire after [`retire_after`](CloudWatchLogs::retire_after) without news (1
+    /// hour by default), when late events are audited.
+    fn retire_after(&self) -> Option<Duration> {
+        self.late_events?;
+        self.retire_after
+    }
+
+    /// The forward cursor's audit mark: every event ingested at or before it (and at most the
+    /// late-event window late) was handed out.
+    fn read_through(&self, cursor: &Cursor) -> Option<i64> {
+        self.late_events?;
+        let at = LogCursor::decode(cursor).ok()?;
+        if at.audit.is_some() {
+            return None;
+        }
+        at.audited
+    }
+
+    /// The stream's `lastIngestionTime`, as the newest listing (or look-up) gave it.
+    fn last_activity(&self, partition: &str) -> Option<i64> {
+        self.ingested
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(partition)
+            .copied()
+    }
+
     fn vouch_range(&self, cursor: &Cursor) -> Option<(i64, i64)> {
         self.late_events?;
         let at = LogCursor::decode(cursor).ok()?;

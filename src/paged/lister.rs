@@ -41,4 +41,8 @@ impl ShardLister for PartitionLister {
     fn names_reused(&self) -> bool {
         self.0.contract().names_reused
     }
+
+    fn last_activity(&self, shard_id: &str) -> Option<i64> {
+        self.0.last_activity(shard_id)
+    }
 }

@@ -43,7 +43,8 @@ pub(crate) use barrier::{Barrier, BarrierWrite};
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch::{
     AUDIT_ALLOWANCE, CloudWatchLogs, DELETION_DELAY, DESCRIBE_LOG_STREAMS_PER_SECOND,
-    GET_LOG_EVENTS_PER_SECOND, LATE_EVENT_AUDIT_INTERVAL, LATE_EVENT_WINDOW, log_event_identity,
+    GET_LOG_EVENTS_PER_SECOND, LATE_EVENT_AUDIT_INTERVAL, LATE_EVENT_WINDOW, RETIRE_AFTER,
+    log_event_identity,
 };
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch_filter::{
@@ -512,6 +513,34 @@ pub trait PagedSource: Send + Sync + fmt::Debug + 'static {
     /// it returns were all handed out. `None` (the default): the source cannot carry it.
     fn vouch(&self, cursor: &Cursor, vouched: &Vouched) -> Option<Cursor> {
         let _ = (cursor, vouched);
+        None
+    }
+
+    /// How long a partition may have nothing new before it retires (`None`, the default: never):
+    /// its owner stops it gracefully (its last audit included), writes its final progress and
+    /// retires its row ([`LeaseStore::retire`](crate::lease::LeaseStore::retire)) at
+    /// [`read_through`](Self::read_through) of that progress; nobody renews or reads it until
+    /// [`last_activity`](Self::last_activity) is after that time. For sources whose partitions
+    /// stop receiving for good without being deleted (CloudWatch Logs' streams, one per Lambda
+    /// execution environment).
+    fn retire_after(&self) -> Option<Duration> {
+        None
+    }
+
+    /// The provider's ingestion time (ms) through which a partition read to `cursor` (forward to
+    /// its end, its last audit done) has handed out everything it is owed: what the provider
+    /// takes in after this time shows in [`last_activity`](Self::last_activity). `None` (the
+    /// default): the cursor does not tell, and the partition does not retire.
+    fn read_through(&self, cursor: &Cursor) -> Option<i64> {
+        let _ = cursor;
+        None
+    }
+
+    /// When the provider last took something into `partition` (ms, its clock), as the newest
+    /// [`partitions`](Self::partitions) listing said: a retired partition is woken once this is
+    /// after its retirement. `None` (the default): not known.
+    fn last_activity(&self, partition: &str) -> Option<i64> {
+        let _ = partition;
         None
     }
 

@@ -30,6 +30,15 @@ pub trait ShardLister: Send + Sync + fmt::Debug + 'static {
         false
     }
 
+    /// When the source last took something into `shard_id` (ms, the provider's clock), as its
+    /// newest listing said: a retired row ([`Lease::retired_at`](crate::lease::Lease)) is woken
+    /// once this is after its retirement. `None` (the default): not known; a retired row then
+    /// stays retired while the listing names it.
+    fn last_activity(&self, shard_id: &str) -> Option<i64> {
+        let _ = shard_id;
+        None
+    }
+
     /// A time the service's clock has certainly reached, as its answers tell it; `None` before
     /// any answer did, or when the service does not say. `seek --to latest` moves to it rather
     /// than to this host's clock.

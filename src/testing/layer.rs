@@ -76,6 +76,10 @@ pub enum Call<'a> {
         to: &'a PagedProgress,
     },
     Release(&'a Ownership),
+    Retire {
+        held: &'a Ownership,
+        at: i64,
+    },
     Seek(&'a [SeekMove]),
     AdvanceFrontier {
         held: &'a Ownership,
@@ -143,6 +147,7 @@ impl Call<'_> {
             Call::Checkpoint { .. } => "checkpoint",
             Call::PagedCheckpoint { .. } => "paged_checkpoint",
             Call::Release(_) => "release",
+            Call::Retire { .. } => "retire",
             Call::Seek(_) => "seek",
             Call::AdvanceFrontier { .. } => "advance_frontier",
             Call::Delete(_) => "delete",
@@ -280,6 +285,11 @@ impl<L: Layer> LeaseStore for Layered<L> {
     fn release<'a>(&'a self, held: &'a Ownership) -> BoxFuture<'a, Result<bool, Error>> {
         self.layer
             .around(Call::Release(held), self.inner.release(held))
+    }
+
+    fn retire<'a>(&'a self, held: &'a Ownership, at: i64) -> BoxFuture<'a, Result<bool, Error>> {
+        self.layer
+            .around(Call::Retire { held, at }, self.inner.retire(held, at))
     }
 
     fn seek<'a>(&'a self, moves: &'a [SeekMove]) -> BoxFuture<'a, Result<bool, Error>> {

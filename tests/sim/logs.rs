@@ -134,6 +134,11 @@ struct State {
     /// Stream name -> its events in timestamp order (timestamp, ingestion, k).
     streams: BTreeMap<String, Vec<LogEvent>>,
     created: BTreeMap<String, i64>,
+    /// Stream name -> the ingestion time of each batch put (ascending), for `lastIngestionTime`.
+    ingested: BTreeMap<String, Vec<i64>>,
+    /// How long after an ingestion DescribeLogStreams' `lastIngestionTime` shows it (AWS:
+    /// "typically in less than an hour").
+    activity_lag_ms: i64,
     tokens: HashMap<String, Token>,
     minted: u64,
     events_put: u64,
@@ -151,7 +156,7 @@ struct State {
 }
 
 /// What the service answered, counted.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Counts {
     pub requests: u64,
     pub throttled: u64,
@@ -161,6 +166,8 @@ pub struct Counts {
     pub events: u64,
     /// DescribeLogStreams requests (listings and look-ups of one stream).
     pub describe_log_streams: u64,
+    /// GetLogEvents requests, by stream.
+    pub get_log_events: BTreeMap<String, u64>,
 }
 
 /// The service. Clones share it.
@@ -267,9 +274,16 @@ impl LogsService {
         Some(event)
     }
 
+    /// DescribeLogStreams' `lastIngestionTime` shows an ingestion only `lag` after it.
+    #[allow(dead_code)]
+    pub fn set_activity_lag(&self, lag: Duration) {
+        self.state.lock().unwrap().activity_lag_ms = lag.as_millis() as i64;
+    }
+
     pub fn delete_stream(&self, stream: &str) -> Vec<LogEvent> {
         let mut state = self.state.lock().unwrap();
         state.created.remove(stream);
+        state.ingested.remove(stream);
         state.streams.remove(stream).unwrap_or_default()
     }
 
@@ -291,6 +305,13 @@ impl LogsService {
             *t < now - (MAX_AGE.as_millis() as i64).min(kept) || *t > now + 2 * 3600 * 1000
         }) {
             return None;
+        }
+        if !batch.is_empty() && state.streams.contains_key(stream) {
+            state
+                .ingested
+                .entry(stream.to_string())
+                .or_default()
+                .push(now);
         }
         let mut stored = Vec::new();
         for (timestamp, message) in batch {
@@ -420,7 +441,7 @@ impl LogsService {
     }
 
     pub fn counts(&self) -> Counts {
-        self.state.lock().unwrap().counts
+        self.state.lock().unwrap().counts.clone()
     }
 
     fn answer(&self, operation: &str, request: &Value) -> Answer {
@@ -430,6 +451,14 @@ impl LogsService {
         state.counts.requests += 1;
         if operation == "DescribeLogStreams" {
             state.counts.describe_log_streams += 1;
+        }
+        if operation == "GetLogEvents" {
+            let stream = request["logStreamName"].as_str().unwrap_or_default();
+            *state
+                .counts
+                .get_log_events
+                .entry(stream.to_string())
+                .or_default() += 1;
         }
         if let Some(limit) = quota(operation) {
             let throttled = now < state.throttled_until;
@@ -466,7 +495,7 @@ impl LogsService {
         let answer = match operation {
             "GetLogEvents" => state.get_log_events(request, now),
             "FilterLogEvents" => state.filter_log_events(request, now),
-            "DescribeLogStreams" => state.describe_log_streams(request),
+            "DescribeLogStreams" => state.describe_log_streams(request, now),
             other => error(
                 "InvalidAction",
                 &format!("the simulated service does not serve {other}"),
@@ -736,7 +765,7 @@ impl State {
 
     /// Pages of at most `limit` streams (default and most: 50), in name order; the token names
     /// the last stream of the page before.
-    fn describe_log_streams(&mut self, request: &Value) -> Answer {
+    fn describe_log_streams(&mut self, request: &Value, now: i64) -> Answer {
         let limit = request["limit"].as_u64().map_or(50, |l| l.min(50)) as usize;
         let after = request["nextToken"]
             .as_str()
@@ -752,10 +781,19 @@ impl State {
         let streams: Vec<Value> = page
             .iter()
             .map(|name| {
-                json!({
+                let mut stream = json!({
                     "logStreamName": name,
                     "creationTime": self.created.get(*name).copied().unwrap_or_default(),
-                })
+                });
+                // The newest ingestion the lag lets show.
+                let shown = now - self.activity_lag_ms;
+                if let Some(times) = self.ingested.get(*name) {
+                    let before = times.partition_point(|t| *t <= shown);
+                    if before > 0 {
+                        stream["lastIngestionTime"] = json!(times[before - 1]);
+                    }
+                }
+                stream
             })
             .collect();
         let mut answer = json!({ "logStreams": streams });
