@@ -75,6 +75,13 @@ pub(crate) struct Args {
     #[arg(long, env = "SHARDWISE_LATENESS", value_name = "DURATION", requires = "by_timestamp", value_parser = humantime::parse_duration)]
     lateness: Option<Duration>,
 
+    /// With --log-group (read stream by stream): how long a log stream may have nothing new
+    /// before it retires, e.g. `30m`, `6h` (default 1h; `0s`: never). A retired stream costs no
+    /// lease writes and no reads until a listing of the group shows it took events since
+    /// (`lastIngestionTime`); `leases` shows it `retired`.
+    #[arg(long, env = "SHARDWISE_RETIRE_AFTER", value_name = "DURATION", requires = "log_group", conflicts_with = "by_timestamp", value_parser = humantime::parse_duration)]
+    retire_after: Option<Duration>,
+
     /// The application, shared by every worker of the application; names the lease table unless
     /// --lease-table does.
     #[arg(long, env = "SHARDWISE_APP", value_name = "APP")]
@@ -194,6 +201,12 @@ pub(crate) struct Args {
     /// How often the lease table is scanned to take and steal leases.
     #[arg(long, env = "SHARDWISE_SCAN_INTERVAL", value_name = "DURATION", default_value = "2s", value_parser = humantime::parse_duration)]
     scan_interval: Duration,
+
+    /// How often one worker lists the stream's shards (the log group's streams) to create rows
+    /// for new ones (KCL's `shardSyncIntervalMillis`); a retired log stream that took events is
+    /// woken by such a listing.
+    #[arg(long, env = "SHARDWISE_SHARD_SYNC_INTERVAL", value_name = "DURATION", default_value = "60s", value_parser = humantime::parse_duration)]
+    shard_sync_interval: Duration,
 
     /// Cooperative handoff: how long a worker asked for one of its leases lets in-flight
     /// deliveries settle before it aborts them, checkpoints and hands the lease over.
@@ -999,6 +1012,7 @@ fn builder_reading<H: Handler>(
     let lease = LeaseSettings::default()
         .lease_duration(args.lease_duration)
         .scan_interval(args.scan_interval)
+        .shard_sync_interval(args.shard_sync_interval)
         .handoff_timeout(args.handoff_timeout);
     let builder = match (&args.log_group, stream) {
         (Some(group), _) => {
@@ -1013,7 +1027,12 @@ fn builder_reading<H: Handler>(
                 }
                 Arc::new(filter)
             } else {
-                Arc::new(CloudWatchLogs::new(logs, group.clone()))
+                let source = CloudWatchLogs::new(logs, group.clone());
+                Arc::new(match args.retire_after {
+                    Some(after) if after.is_zero() => source.retire_after(None),
+                    Some(after) => source.retire_after(Some(after)),
+                    None => source,
+                })
             };
             Consumer::paged(source, args.app.clone(), handler)
         }

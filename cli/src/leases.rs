@@ -98,12 +98,16 @@ async fn stream_names(client: &aws_sdk_dynamodb::Client, table: &str) -> Result<
     Ok(names.into_iter().collect())
 }
 
-/// `ended` once the shard is fully handled, `owned` while a worker holds it, else `free`.
+/// `ended` once the shard is fully handled, `owned` while a worker holds it, `retired` for an
+/// idle paged partition nobody reads until its source shows activity after its `retiredAt`, else
+/// `free`.
 fn state(lease: &Lease) -> &'static str {
     if lease.checkpoint.is_shard_end() {
         "ended"
     } else if lease.owner.is_some() {
         "owned"
+    } else if lease.retired_at.is_some() {
+        "retired"
     } else {
         "free"
     }
@@ -151,6 +155,10 @@ struct LeaseJson<'a> {
     /// Since when (ms) the receipts a replay from the progress can need were recorded.
     #[serde(skip_serializing_if = "Option::is_none")]
     receipts_since_ms: Option<Option<i64>>,
+    /// A retired paged partition: the source's ingestion time (ms) through which it was read;
+    /// activity after it wakes it. Absent on rows never retired.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retired_at_ms: Option<i64>,
 }
 
 impl<'a> LeaseJson<'a> {
@@ -187,6 +195,7 @@ impl<'a> LeaseJson<'a> {
             checkpoint_version: lease.progress.as_ref().map(|p| p.checkpoint_version),
             closed_through: lease.progress.as_ref().map(|p| p.closed_through),
             receipts_since_ms: lease.progress.as_ref().map(|p| p.receipts_since),
+            retired_at_ms: lease.retired_at,
         }
     }
 }
@@ -240,6 +249,12 @@ mod tests {
             lease_row(&lease(Some("w1"), Checkpoint::ShardEnd))[6],
             "ended"
         );
+        let mut retired = lease(None, Checkpoint::TrimHorizon);
+        retired.retired_at = Some(1_764_000_000_000);
+        assert_eq!(lease_row(&retired)[6], "retired");
+        let json = serde_json::to_value(LeaseJson::of(&retired)).unwrap();
+        assert_eq!(json["state"], "retired");
+        assert_eq!(json["retired_at_ms"], 1_764_000_000_000_i64);
     }
 
     #[test]

@@ -344,6 +344,142 @@ async fn consume_log_group_survives_kill_9_and_skips_nothing() {
     let _ = live.dynamodb.delete_table().table_name(&app).send().await;
 }
 
+/// The rows as `shardwise leases --app APP --json` prints them, by partition.
+fn leases(app: &str) -> BTreeMap<String, Value> {
+    let out = Command::new(BIN)
+        .args(["leases", "--app", app, "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .map(|row| (row["shard"].as_str().unwrap().to_string(), row))
+        .collect()
+}
+
+/// `consume --log-group G --retire-after 2s --shard-sync-interval 1s` on moto: a stream with
+/// nothing new retires (once it has been quiet longer than the audit's 30 s allowance too):
+/// `leases --json` shows it `retired` with `retired_at_ms`, unowned, while a stream taking an
+/// event every second stays owned. Events put into the retired stream wake it: moto's
+/// DescribeLogStreams reports them in `lastIngestionTime`, the next listing wakes the row, and
+/// they are handled, every event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consume_log_group_retires_an_idle_stream_and_wakes_it_when_it_takes_events() {
+    let live = live_or_skip!();
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .load()
+        .await;
+    let logs = aws_sdk_cloudwatchlogs::Client::new(&config);
+    let group = support::unique_name("/shardwise/retire");
+    let app = support::unique_name("retire-app");
+    logs.create_log_group()
+        .log_group_name(&group)
+        .send()
+        .await
+        .unwrap();
+    for stream in ["idle", "busy"] {
+        logs.create_log_stream()
+            .log_group_name(&group)
+            .log_stream_name(stream)
+            .send()
+            .await
+            .unwrap();
+        put(&logs, &group, stream, 0..20).await;
+    }
+    let lines = Arc::new(Mutex::new(Vec::<Value>::new()));
+    let retiring = ["--retire-after", "2s", "--shard-sync-interval", "1s"];
+    let mut w1 = Worker::spawn(&group, &app, "w1", &retiring, &lines);
+    let handled = |lines: &Arc<Mutex<Vec<Value>>>| -> BTreeMap<String, usize> {
+        let mut per_event = BTreeMap::new();
+        for line in lines.lock().unwrap().iter() {
+            *per_event
+                .entry(line["data"].as_str().unwrap().to_string())
+                .or_default() += 1;
+        }
+        per_event
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while handled(&lines).len() < 40 {
+        assert!(Instant::now() < deadline, "stderr: {}", w1.stderr());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // `busy` takes an event every second; `idle` nothing.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut next = 20;
+    let retired = loop {
+        put(&logs, &group, "busy", next..next + 1).await;
+        next += 1;
+        let rows = leases(&app);
+        if rows.get("idle").is_some_and(|r| r["state"] == "retired") {
+            break rows;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "idle never retired: {rows:?}; stderr: {}",
+            w1.stderr()
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    assert_eq!(retired["idle"]["owner"], Value::Null, "{retired:?}");
+    assert!(
+        retired["idle"]["retired_at_ms"].as_i64().is_some(),
+        "{retired:?}"
+    );
+    assert_eq!(retired["busy"]["state"], "owned", "{retired:?}");
+    assert!(
+        retired["busy"].get("retired_at_ms").is_none(),
+        "{retired:?}"
+    );
+
+    // Events in the retired stream wake it.
+    put(&logs, &group, "idle", 20..30).await;
+    let expected: BTreeSet<String> = (0..30)
+        .map(|i| format!("idle:{i}"))
+        .chain((0..next).map(|i| format!("busy:{i}")))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let seen: BTreeSet<String> = handled(&lines).into_keys().collect();
+        if expected.is_subset(&seen) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "missing {:?}; stderr: {}",
+            expected.difference(&seen).collect::<Vec<_>>(),
+            w1.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let woken = leases(&app);
+    assert_eq!(woken["idle"]["owner"], "w1", "{woken:?}");
+    assert!(woken["idle"].get("retired_at_ms").is_none(), "{woken:?}");
+    let status = Command::new("kill")
+        .args(["-TERM", &w1.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(w1.wait_exit(Duration::from_secs(15)).await.success());
+    let twice: Vec<(String, usize)> = handled(&lines)
+        .into_iter()
+        .filter(|(_, n)| *n > 1)
+        .collect();
+    assert!(twice.is_empty(), "handled more than once: {twice:?}");
+    assert!(
+        w1.stderr().contains("idle partition retired"),
+        "{}",
+        w1.stderr()
+    );
+    let _ = logs.delete_log_group().log_group_name(&group).send().await;
+    let _ = live.dynamodb.delete_table().table_name(&app).send().await;
+}
+
 /// `consume --log-group G --by-timestamp --close-horizon 2s --lateness 2s`: the group read by timestamp through
 /// `FilterLogEvents`, SIGKILL mid-run while events keep arriving, a second worker finishes: every
 /// event handled (by its `eventId`), `closed_through` never moves back and `leases --json` shows

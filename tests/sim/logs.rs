@@ -274,6 +274,20 @@ impl LogsService {
         Some(event)
     }
 
+    /// The `n` streams created last (fewer when there are fewer), newest first.
+    #[allow(dead_code)]
+    pub fn newest_streams(&self, n: usize) -> Vec<String> {
+        let state = self.state.lock().unwrap();
+        let mut by_creation: Vec<(&i64, &String)> =
+            state.created.iter().map(|(name, at)| (at, name)).collect();
+        by_creation.sort_unstable_by(|a, b| b.cmp(a));
+        by_creation
+            .into_iter()
+            .take(n)
+            .map(|(_, name)| name.clone())
+            .collect()
+    }
+
     /// DescribeLogStreams' `lastIngestionTime` shows an ingestion only `lag` after it.
     #[allow(dead_code)]
     pub fn set_activity_lag(&self, lag: Duration) {

@@ -6,7 +6,10 @@
 //! quiet hours and quiet days, outages of the whole fleet (up to 30 hours, one in four 2 to 4
 //! days: the fleet comes back among events the group's retention is deleting), workers that crash,
 //! stop and start, streams created and deleted (half of those deleted created again at once under
-//! their name), batches of late events (timestamps up to 13 days
+//! their name), Lambda's pattern (a burst starts one to three new streams one time in two, and
+//! four puts in five go to the three newest streams, so older ones fall silent for hours or for
+//! good, retire, and now and then take an event again and wake; DescribeLogStreams shows an
+//! ingestion in `lastIngestionTime` up to 30 minutes late), batches of late events (timestamps up to 13 days
 //! old), account-wide throttling that lasts minutes, and lease-table throttling (all of it, half
 //! its calls, or the roster item) for 2 to 20 minutes. The service's tokens expire after 24
 //! hours, pages stop at 10,000 events or 1 MB, and GetLogEvents is throttled past 25 requests/s.
@@ -247,6 +250,11 @@ struct World {
     /// Whether a deleted stream is created again under its name at once (half of them), drawn
     /// apart from the other decisions.
     again: StdRng,
+    /// Lambda's pattern, drawn apart: a burst starts a new stream (an execution environment) one
+    /// time in two, and a put goes to one of the three newest streams four times in five, so
+    /// older streams fall silent for hours or for good (and retire), and now and then take an
+    /// event again (and wake).
+    lambda: StdRng,
 }
 
 /// The receipt ledger of a seed with effects.
@@ -357,7 +365,12 @@ impl World {
             memory,
             ledger,
             again: StdRng::seed_from_u64(seed ^ 0x0a9a_1e5e),
+            lambda: StdRng::seed_from_u64(seed ^ 0x1a3b_dae0),
         };
+        // DescribeLogStreams shows an ingestion in `lastIngestionTime` up to 30 minutes late
+        // (AWS: "typically in less than an hour"): what wakes a retired stream.
+        let lag = world.lambda.random_range(0..=1_800);
+        world.service.set_activity_lag(Duration::from_secs(lag));
         for _ in 0..world.rng.random_range(1..=3) {
             world.create_stream();
         }
@@ -384,7 +397,15 @@ impl World {
         if streams.is_empty() {
             return;
         }
-        let stream = streams[self.rng.random_range(0..streams.len())].clone();
+        let pick = self.rng.random_range(0..streams.len());
+        // Mostly one of the newest streams (by creation), as an application's busy
+        // environments; the draw of `rng` is kept, so the rest of the seed stays.
+        let stream = if self.lambda.random_ratio(4, 5) {
+            let newest = self.service.newest_streams(3);
+            newest[self.lambda.random_range(0..newest.len())].clone()
+        } else {
+            streams[pick].clone()
+        };
         let now = self.service.now();
         let newest = late.map_or(now, |l| now - l);
         let mut previous: Option<i64> = None;
@@ -640,6 +661,11 @@ impl World {
                     let until =
                         Instant::now() + Duration::from_secs(self.rng.random_range(120..1_800));
                     self.event("burst".into());
+                    if self.lambda.random_bool(0.5) {
+                        for _ in 0..self.lambda.random_range(1..=3) {
+                            self.create_stream();
+                        }
+                    }
                     while Instant::now() < until {
                         self.put(None);
                         let gap = Duration::from_secs(self.rng.random_range(1..=10));
