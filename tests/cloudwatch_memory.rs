@@ -2040,9 +2040,11 @@ async fn retired_streams_deleted_or_created_again_end_and_the_new_ones_are_read_
     service.create_stream("s2");
     tokio::time::sleep(Duration::from_secs(1)).await;
     expected.extend(put_into(&service, "s2", 3));
-    wait_for("the deleted stream's row to go", Duration::from_secs(600), || {
-        !has_row(&store, "s1")
-    })
+    wait_for(
+        "the deleted stream's row to go",
+        Duration::from_secs(600),
+        || !has_row(&store, "s1"),
+    )
     .await;
     wait_for(
         "the stream created again, read whole (after the listing's 20 minutes)",

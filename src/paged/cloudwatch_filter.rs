@@ -36,9 +36,10 @@
 //!   (a query begun later enumerates a superset). Logged, and counted in
 //!   `shardwise_paged_cursor_recoveries_total`.
 //!
-//! The cursor, which only this module reads:
-//! `f2|<startTime ms, or empty>|<endTime ms, or empty>|<nextToken, or empty>` (`f1` cursors,
-//! without `endTime`, are still read).
+//! The cursor, which only this module reads: `f3|` and a JSON object (serde; `s` the poll's
+//! `startTime` ms, `e` its `endTime` ms, `t` the service's `nextToken`, each absent when none).
+//! Cursors written before are still read: `f2|<startTime>|<endTime>|<nextToken>` (fields split
+//! by hand, empty when none) and `f1`, without `endTime`.
 
 use std::fmt;
 use std::sync::Arc;
@@ -197,27 +198,34 @@ impl CloudWatchLogsFilter {
 }
 
 /// A poll's place: its `startTime` and `endTime`, and the service's token within it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct FilterCursor {
+    #[serde(rename = "s", default, skip_serializing_if = "Option::is_none")]
     start: Option<i64>,
+    #[serde(rename = "e", default, skip_serializing_if = "Option::is_none")]
     end: Option<i64>,
+    #[serde(rename = "t", default, skip_serializing_if = "Option::is_none")]
     token: Option<String>,
 }
 
 impl FilterCursor {
     fn encode(&self) -> Cursor {
-        let text = |n: Option<i64>| n.map(|n| n.to_string()).unwrap_or_default();
         Cursor::new(format!(
-            "f2|{}|{}|{}",
-            text(self.start),
-            text(self.end),
-            self.token.as_deref().unwrap_or_default()
+            "f3|{}",
+            serde_json::to_string(self).expect("a cursor is plain data")
         ))
     }
 
+    /// A cursor of any version written so far: 3 (JSON), or 1 and 2 (fields split by hand, read
+    /// as they were written).
     fn decode(cursor: &Cursor) -> Result<Self, String> {
         let text = std::str::from_utf8(cursor.as_bytes())
             .map_err(|_| "a cursor of CloudWatch Logs is text".to_string())?;
+        if let Some(json) = text.strip_prefix("f3|") {
+            return serde_json::from_str(json)
+                .map_err(|e| format!("`{text}` is not a cursor of FilterLogEvents: {e}"));
+        }
         let number = |s: &str| -> Result<Option<i64>, String> {
             match s {
                 "" => Ok(None),
@@ -229,8 +237,7 @@ impl FilterCursor {
         };
         // The token comes last: whatever it holds, it cannot shift the fields before it. Version
         // 1 (before the close horizon) has no `endTime`.
-        let refused =
-            || format!("`{text}` is not a cursor of FilterLogEvents (f2|start|end|token)");
+        let refused = || format!("`{text}` is not a cursor of FilterLogEvents (f3|JSON)");
         let (start, end, token) = if let Some(rest) = text.strip_prefix("f2|") {
             let fields: Vec<&str> = rest.splitn(3, '|').collect();
             let [start, end, token] = fields[..] else {
@@ -467,6 +474,24 @@ mod tests {
         ] {
             assert_eq!(FilterCursor::decode(&cursor.encode()).unwrap(), cursor);
         }
+        assert!(
+            FilterCursor {
+                start: Some(5),
+                ..FilterCursor::default()
+            }
+            .encode()
+            .to_string()
+            .starts_with(r#"f3|{"s":5}"#)
+        );
+        // Version 2, split by hand.
+        assert_eq!(
+            FilterCursor::decode(&Cursor::new("f2|5|9|/g@s|odd@1")).unwrap(),
+            FilterCursor {
+                start: Some(5),
+                end: Some(9),
+                token: Some("/g@s|odd@1".into()),
+            }
+        );
         // Version 1, before the close horizon.
         assert_eq!(
             FilterCursor::decode(&Cursor::new("f1|5|/g@s|odd@1")).unwrap(),
@@ -476,7 +501,16 @@ mod tests {
                 token: Some("/g@s|odd@1".into()),
             }
         );
-        for bad in ["", "f3|||", "f2||", "f1|x|", "f2||x|", "v1||||||"] {
+        for bad in [
+            "",
+            "f3|||",
+            "f3|{\"s\":\"x\"}",
+            "f3|{\"z\":1}",
+            "f2||",
+            "f1|x|",
+            "f2||x|",
+            "v1||||||",
+        ] {
             assert!(FilterCursor::decode(&Cursor::new(bad)).is_err(), "{bad}");
         }
     }
