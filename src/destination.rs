@@ -32,6 +32,13 @@
 //! - [`S3Destination`] (feature `s3`): one object a record, the document as its body (JSON), at
 //!   `PREFIX` `STREAM/SHARD/SEQUENCE-SUBSEQUENCE.json` (a paged event: `SOURCE/PARTITION/POSITION.json`),
 //!   so writing one twice (a crash after the write, before the checkpoint) replaces it.
+//! - [`SnsDestination`] (feature `sns`): one message a record published to a topic, its body
+//!   Lambda's failure record ([`lambda_failure_record`]: `requestContext`, `responseContext`,
+//!   `version`, `timestamp` and, for a Kinesis record, `KinesisBatchInfo` of a batch of one)
+//!   with the document's fields beside them, so a subscriber written for Lambda's SNS
+//!   destination reads it unchanged and finds the record in it too. SNS takes messages up to
+//!   256 KiB. A FIFO topic (`.fifo`) gets the shard as the message group and the event's id
+//!   (hashed) as the deduplication id.
 
 use std::fmt;
 
@@ -60,7 +67,7 @@ pub trait Destination: Send + Sync + fmt::Debug + 'static {
 }
 
 /// The JSON document a destination stores for a spent record (see the [module docs](self)).
-#[cfg(any(feature = "sqs", feature = "s3"))]
+#[cfg(any(feature = "sqs", feature = "s3", feature = "sns"))]
 pub fn document(delivery: &Delivery, headers: &Headers) -> serde_json::Value {
     use base64::Engine;
     use serde_json::json;
@@ -102,16 +109,79 @@ pub fn document(delivery: &Delivery, headers: &Headers) -> serde_json::Value {
     })
 }
 
+/// Lambda's failure record for a spent record (what an event source mapping sends its SNS or
+/// SQS on-failure destination), merged with the record's [`document`]: `requestContext`
+/// (`condition` `RetryAttemptsExhausted`, or `RecordAgeExceeded` for a record too old;
+/// `approximateInvokeCount` its attempts; `requestId` its event id), `responseContext`
+/// (`functionError` `Unhandled`), `version` `1.0`, `timestamp` (now, ISO 8601) and, for a Kinesis
+/// record, `KinesisBatchInfo` for a batch of one (`shardId`, `startSequenceNumber` and
+/// `endSequenceNumber` its sequence number, `approximateArrivalOfFirstRecord` and `...LastRecord`,
+/// `batchSize` 1, `streamArn` as given, else null). Lambda's record carries no data: the
+/// document's fields (`data`, `partitionKey`, ...) stand beside it.
+#[cfg(feature = "sns")]
+pub fn lambda_failure_record(
+    delivery: &Delivery,
+    headers: &Headers,
+    stream_arn: Option<&str>,
+) -> serde_json::Value {
+    use serde_json::json;
+    let iso = |t: std::time::SystemTime| {
+        aws_sdk_sns::primitives::DateTime::from(t)
+            .fmt(aws_sdk_sns::primitives::DateTimeFormat::DateTime)
+            .ok()
+    };
+    let mut record = document(delivery, headers);
+    let reason = record["reason"].as_str().unwrap_or_default();
+    let condition = if reason.starts_with("record too old") {
+        "RecordAgeExceeded"
+    } else {
+        "RetryAttemptsExhausted"
+    };
+    let fields = record.as_object_mut().expect("the document is an object");
+    fields.insert(
+        "requestContext".into(),
+        json!({
+            "requestId": delivery.event_id().as_str(),
+            "functionArn": null,
+            "condition": condition,
+            "approximateInvokeCount": fields["attempts"].clone(),
+        }),
+    );
+    fields.insert(
+        "responseContext".into(),
+        json!({ "statusCode": 200, "executedVersion": "$LATEST", "functionError": "Unhandled" }),
+    );
+    fields.insert("version".into(), json!("1.0"));
+    fields.insert("timestamp".into(), json!(iso(crate::time::now())));
+    if delivery.page_position().is_none() {
+        let sequence = delivery.sequence_number().to_string();
+        let arrived = delivery.arrived_at().and_then(iso);
+        fields.insert(
+            "KinesisBatchInfo".into(),
+            json!({
+                "shardId": delivery.shard(),
+                "startSequenceNumber": sequence,
+                "endSequenceNumber": sequence,
+                "approximateArrivalOfFirstRecord": arrived,
+                "approximateArrivalOfLastRecord": arrived,
+                "batchSize": 1,
+                "streamArn": stream_arn,
+            }),
+        );
+    }
+    record
+}
+
 /// Headers that are shardwise's or ruststream's retry bookkeeping, told by the document's own
 /// fields instead.
-#[cfg(any(feature = "sqs", feature = "s3"))]
+#[cfg(any(feature = "sqs", feature = "s3", feature = "sns"))]
 fn bookkeeping(name: &str) -> bool {
     name.starts_with("x-shardwise-") || name.starts_with("x-ruststream-")
 }
 
 /// A destination's error: permanent ones (a missing queue or bucket, a refused permission, a
 /// message too large) hold the record loudly until fixed; the rest are tried again.
-#[cfg(any(feature = "sqs", feature = "s3"))]
+#[cfg(any(feature = "sqs", feature = "s3", feature = "sns"))]
 fn failure(
     destination: &str,
     operation: &'static str,
@@ -345,6 +415,127 @@ impl Destination for S3Destination {
     }
 }
 
+/// An SNS topic as the on-failure destination (feature `sns`): one message a record, its body
+/// [`lambda_failure_record`].
+#[cfg(feature = "sns")]
+#[derive(Debug, Clone)]
+pub struct SnsDestination {
+    client: aws_sdk_sns::Client,
+    topic_arn: String,
+    stream_arn: Option<String>,
+    name: String,
+}
+
+/// The largest message SNS takes (256 KiB).
+#[cfg(feature = "sns")]
+pub const SNS_MAX_MESSAGE_BYTES: usize = 256 * 1024;
+
+#[cfg(feature = "sns")]
+impl SnsDestination {
+    /// The topic `topic_arn`, published to with `client`.
+    pub fn new(client: aws_sdk_sns::Client, topic_arn: impl Into<String>) -> Self {
+        let topic_arn = topic_arn.into();
+        Self {
+            client,
+            name: format!("sns:{topic_arn}"),
+            topic_arn,
+            stream_arn: None,
+        }
+    }
+
+    /// The consumed stream's ARN, for `KinesisBatchInfo.streamArn` (null otherwise).
+    pub fn stream_arn(mut self, arn: impl Into<String>) -> Self {
+        self.stream_arn = Some(arn.into());
+        self
+    }
+}
+
+#[cfg(feature = "sns")]
+fn sns_permanent(code: Option<&str>) -> bool {
+    matches!(
+        code,
+        Some(
+            "NotFound"
+                | "NotFoundException"
+                | "AuthorizationError"
+                | "AccessDenied"
+                | "AccessDeniedException"
+                | "InvalidParameter"
+                | "InvalidParameterValue"
+                | "KMSAccessDenied"
+                | "KMSDisabled"
+                | "KMSNotFound"
+                | "KMSInvalidState"
+        )
+    )
+}
+
+#[cfg(feature = "sns")]
+impl Destination for SnsDestination {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn send<'a>(
+        &'a self,
+        delivery: &'a Delivery,
+        headers: &'a Headers,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        use aws_sdk_sns::error::ProvideErrorMetadata;
+        Box::pin(async move {
+            let body =
+                lambda_failure_record(delivery, headers, self.stream_arn.as_deref()).to_string();
+            if body.len() > SNS_MAX_MESSAGE_BYTES {
+                return Err(failure(
+                    &self.name,
+                    "Publish",
+                    true,
+                    format!(
+                        "the record's message is {} bytes, over SNS's {SNS_MAX_MESSAGE_BYTES}: use an S3 bucket for records this large",
+                        body.len()
+                    ),
+                ));
+            }
+            let mut publish = self
+                .client
+                .publish()
+                .topic_arn(&self.topic_arn)
+                .message(body);
+            if self.topic_arn.ends_with(".fifo") {
+                use md5::Digest;
+                let id = md5::Md5::digest(delivery.event_id().as_str().as_bytes());
+                let dedup: String = id.iter().map(|b| format!("{b:02x}")).collect();
+                publish = publish
+                    .message_group_id(delivery.shard())
+                    .message_deduplication_id(dedup);
+            }
+            match publish.send().await {
+                Ok(_) => Ok(()),
+                Err(e) => {
+                    let permanent = sns_permanent(e.code());
+                    Err(failure(&self.name, "Publish", permanent, e))
+                }
+            }
+        })
+    }
+
+    fn check(&self) -> BoxFuture<'_, Result<(), Error>> {
+        use aws_sdk_sns::error::ProvideErrorMetadata;
+        Box::pin(async move {
+            self.client
+                .get_topic_attributes()
+                .topic_arn(&self.topic_arn)
+                .send()
+                .await
+                .map(|_| ())
+                .map_err(|e| {
+                    let permanent = sns_permanent(e.code());
+                    failure(&self.name, "GetTopicAttributes", permanent, e)
+                })
+        })
+    }
+}
+
 #[cfg(all(test, feature = "sqs", feature = "s3"))]
 mod tests {
     use super::*;
@@ -380,5 +571,66 @@ mod tests {
         assert_eq!(doc["reason"], "attempts spent: 3 of 3");
         assert_eq!(doc["headers"], serde_json::json!({"tenant": "acme"}));
         assert_eq!(doc["data"], "AGhlbGxv/w==");
+    }
+}
+
+#[cfg(all(test, feature = "sns"))]
+mod sns_tests {
+    use super::*;
+    use crate::{Position, SequenceNumber};
+
+    /// Lambda's failure record (the fields an SNS destination's subscriber written for Lambda
+    /// reads), with the record beside it.
+    #[test]
+    fn the_sns_message_is_lambdas_failure_record_with_the_record_beside_it() {
+        let mut headers = Headers::new();
+        headers.insert(crate::retry::ATTEMPTS_HEADER, "3");
+        headers.insert(
+            crate::retry::DEAD_LETTER_REASON_HEADER,
+            "attempts spent: 3 of 3",
+        );
+        let d = Delivery::builder(
+            "orders",
+            "shardId-000000000001",
+            Position::new(SequenceNumber::parse("4965").unwrap(), 0),
+        )
+        .partition_key("customer-7")
+        .payload(&b"hello"[..])
+        .arrived_at(std::time::UNIX_EPOCH + std::time::Duration::from_millis(1_764_547_200_123))
+        .build();
+        let arn = "arn:aws:kinesis:eu-west-1:123456789012:stream/orders";
+        let record = lambda_failure_record(&d, &headers, Some(arn));
+        assert_eq!(record["version"], "1.0");
+        assert_eq!(
+            record["requestContext"]["condition"],
+            "RetryAttemptsExhausted"
+        );
+        assert_eq!(record["requestContext"]["approximateInvokeCount"], 3);
+        assert_eq!(record["responseContext"]["functionError"], "Unhandled");
+        assert!(record["timestamp"].as_str().unwrap().ends_with('Z'));
+        let batch = &record["KinesisBatchInfo"];
+        assert_eq!(batch["shardId"], "shardId-000000000001");
+        assert_eq!(batch["startSequenceNumber"], "4965");
+        assert_eq!(batch["endSequenceNumber"], "4965");
+        assert_eq!(batch["batchSize"], 1);
+        assert_eq!(batch["streamArn"], arn);
+        assert_eq!(
+            batch["approximateArrivalOfFirstRecord"],
+            "2025-12-01T00:00:00.123Z"
+        );
+        // The record itself, as the SQS and S3 destinations carry it.
+        assert_eq!(record["data"], "aGVsbG8=");
+        assert_eq!(record["partitionKey"], "customer-7");
+
+        headers.insert(
+            crate::retry::DEAD_LETTER_REASON_HEADER,
+            "record too old: arrived 90.000 s ago, max_record_age 60.000 s",
+        );
+        let old = lambda_failure_record(&d, &headers, None);
+        assert_eq!(old["requestContext"]["condition"], "RecordAgeExceeded");
+        assert_eq!(
+            old["KinesisBatchInfo"]["streamArn"],
+            serde_json::Value::Null
+        );
     }
 }

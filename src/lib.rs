@@ -84,6 +84,8 @@ pub use aws_sdk_dynamodb;
 pub use aws_sdk_kinesis;
 #[cfg(feature = "s3")]
 pub use aws_sdk_s3;
+#[cfg(feature = "sns")]
+pub use aws_sdk_sns;
 #[cfg(feature = "sqs")]
 pub use aws_sdk_sqs;
 pub use consumer::{Consumer, ConsumerBuilder, DeliveryOrder, Running, ShutdownReport, Unproven};

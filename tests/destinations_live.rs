@@ -1,7 +1,8 @@
 //! On-failure destinations on the emulators: spent records retried in place go to an SQS queue
 //! (moto) after `max_attempts`, or to an S3 bucket (moto) once older than `max_record_age`, each
 //! with its payload byte for byte and where it came from, before they settle; a missing queue or
-//! bucket fails the start naming it.
+//! bucket fails the start naming it. The same through an SNS topic (moto), its message Lambda's
+//! failure record with the record beside it, read from an SQS queue subscribed to the topic.
 
 mod support;
 
@@ -13,9 +14,10 @@ use support::wait::wait_for;
 use aws_sdk_kinesis::primitives::Blob;
 use base64::Engine;
 use shardwise::aws_sdk_s3;
+use shardwise::aws_sdk_sns;
 use shardwise::aws_sdk_sqs;
 use shardwise::consumer::RetryMode;
-use shardwise::destination::{Destination, S3Destination, SqsDestination};
+use shardwise::destination::{Destination, S3Destination, SnsDestination, SqsDestination};
 use shardwise::lease::LeaseSettings;
 use shardwise::{Consumer, ConsumerBuilder, Delivery, Error, Outcome};
 use support::Live;
@@ -81,6 +83,121 @@ fn calls(seen: &Seen, payload: &[u8]) -> Vec<u32> {
         .filter(|(p, _)| p == payload)
         .map(|(_, a)| *a)
         .collect()
+}
+
+/// Lambda's SNS on-failure destination: the spent record published to a topic as Lambda's
+/// failure record (`KinesisBatchInfo` for a batch of one, `requestContext.condition`), with the
+/// record's payload beside it; read from an SQS queue subscribed to the topic (raw delivery).
+#[tokio::test]
+async fn a_record_that_keeps_failing_is_published_to_the_sns_topic_as_lambdas_failure_record() {
+    let live = live_or_skip!();
+    let stream = support::unique_name("dest-sns");
+    let app = support::unique_name("dest-sns-app");
+    live.create_stream(&stream, 1).await;
+    let config = config().await;
+    let sns = aws_sdk_sns::Client::new(&config);
+    let sqs = sqs().await;
+    let topic = sns
+        .create_topic()
+        .name(support::unique_name("spent"))
+        .send()
+        .await
+        .expect("CreateTopic")
+        .topic_arn
+        .expect("a topic ARN");
+    let queue = sqs
+        .create_queue()
+        .queue_name(support::unique_name("spent-sub"))
+        .send()
+        .await
+        .expect("CreateQueue")
+        .queue_url
+        .expect("a queue URL");
+    let queue_arn = sqs
+        .get_queue_attributes()
+        .queue_url(&queue)
+        .attribute_names(aws_sdk_sqs::types::QueueAttributeName::QueueArn)
+        .send()
+        .await
+        .expect("GetQueueAttributes")
+        .attributes
+        .and_then(|a| {
+            a.get(&aws_sdk_sqs::types::QueueAttributeName::QueueArn)
+                .cloned()
+        })
+        .expect("the queue's ARN");
+    sns.subscribe()
+        .topic_arn(&topic)
+        .protocol("sqs")
+        .endpoint(&queue_arn)
+        .attributes("RawMessageDelivery", "true")
+        .send()
+        .await
+        .expect("Subscribe");
+    let poison = b"\x00poison\xff".to_vec();
+    let sequence = put(&live, &stream, "poison", &poison).await;
+    put(&live, &stream, "fine", b"after").await;
+    let seen: Seen = Arc::default();
+    let stream_arn = format!("arn:aws:kinesis:us-east-1:123456789012:stream/{stream}");
+    let running = consumer(&stream, &app, &seen)
+        .max_attempts(NonZeroU32::new(2).unwrap())
+        .on_failure(Arc::new(
+            SnsDestination::new(sns.clone(), topic.clone()).stream_arn(&stream_arn),
+        ))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    let mut messages = Vec::new();
+    for _ in 0..50 {
+        let out = sqs
+            .receive_message()
+            .queue_url(&queue)
+            .max_number_of_messages(10)
+            .send()
+            .await
+            .expect("ReceiveMessage");
+        messages.extend(out.messages.unwrap_or_default());
+        if !messages.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(calls(&seen, &poison), [1, 2], "two attempts in place");
+    assert_eq!(calls(&seen, b"after"), [1]);
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    let record: serde_json::Value =
+        serde_json::from_str(messages[0].body().expect("a body")).expect("JSON");
+    assert_eq!(record["version"], "1.0", "{record}");
+    assert_eq!(
+        record["requestContext"]["condition"],
+        "RetryAttemptsExhausted"
+    );
+    assert_eq!(record["requestContext"]["approximateInvokeCount"], 2);
+    let batch = &record["KinesisBatchInfo"];
+    assert_eq!(batch["shardId"], "shardId-000000000000");
+    assert_eq!(batch["startSequenceNumber"], sequence.as_str());
+    assert_eq!(batch["endSequenceNumber"], sequence.as_str());
+    assert_eq!(batch["batchSize"], 1);
+    assert_eq!(batch["streamArn"], stream_arn.as_str());
+    let data = base64::engine::general_purpose::STANDARD
+        .decode(record["data"].as_str().unwrap())
+        .unwrap();
+    assert_eq!(data, poison, "the payload byte for byte");
+
+    // A topic that does not exist fails the start, naming it.
+    let missing = format!("{topic}-missing");
+    let refused = consumer(&stream, &support::unique_name("dest-sns-missing"), &seen)
+        .max_attempts(NonZeroU32::new(2).unwrap())
+        .on_failure(Arc::new(SnsDestination::new(sns, missing.clone())))
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    let error = refused.err().expect("refused").to_string();
+    assert!(error.contains(&missing), "{error}");
 }
 
 #[tokio::test]

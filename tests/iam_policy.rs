@@ -1,5 +1,5 @@
-//! The least-privilege IAM policies in the README name exactly the Kinesis, DynamoDB and CloudWatch
-//! Logs actions the code calls: every SDK operation called in `src/` is in the library's policy,
+//! The least-privilege IAM policies in the README name exactly the Kinesis, DynamoDB, CloudWatch
+//! Logs, SQS, SNS and S3 actions the code calls: every SDK operation called in `src/` is in the library's policy,
 //! every one called in `cli/src/` is in the library's or the command's, and neither policy names
 //! one nobody calls. A transaction counts as the item actions its parts are authorized as; an
 //! operation two SDKs share (`tag_resource`) counts for the SDK whose crate the file uses.
@@ -138,6 +138,19 @@ const SQS: &[&str] = &[
     "set_queue_attributes",
 ];
 
+/// Operations of aws-sdk-sns an on-failure destination or a tool might call, as fluent methods
+/// (`subscribe` left out: tokio's channels have a `.subscribe()` too).
+const SNS: &[&str] = &[
+    "create_topic",
+    "delete_topic",
+    "get_topic_attributes",
+    "list_subscriptions_by_topic",
+    "list_topics",
+    "publish",
+    "publish_batch",
+    "unsubscribe",
+];
+
 /// Operations of aws-sdk-s3 an on-failure destination or a tool might call, as fluent methods.
 const S3: &[&str] = &[
     "create_bucket",
@@ -216,6 +229,7 @@ fn called(dir: &Path) -> BTreeSet<String> {
             ("dynamodb", DYNAMODB),
             ("logs", LOGS),
             ("sqs", SQS),
+            ("sns", SNS),
             ("s3", S3),
         ];
         for (service, operations) in services {

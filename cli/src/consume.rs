@@ -15,7 +15,7 @@ use aws_config::SdkConfig;
 use base64::Engine;
 use serde::Serialize;
 use shardwise::consumer::{OnSpent, RetryMode, Settled};
-use shardwise::destination::{Destination, S3Destination, SqsDestination};
+use shardwise::destination::{Destination, S3Destination, SnsDestination, SqsDestination};
 use shardwise::lease::{InitialPosition, LeaseSettings};
 use shardwise::observe::Metrics;
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
@@ -174,10 +174,11 @@ pub(crate) struct Args {
     on_spent: Option<OnSpent>,
 
     /// Where spent records go instead of a --dead-letter stream: `sqs:QUEUE_URL` (one message a
-    /// record) or `s3:BUCKET/PREFIX` (one object a record, at PREFIX STREAM/SHARD/SEQUENCE-SUB.json),
-    /// each a JSON document with the record's data (base64), stream, shard, sequence number,
-    /// partition key, arrival time, attempts and reason. Checked at start.
-    #[arg(long, env = "SHARDWISE_ON_FAILURE", value_name = "sqs:URL|s3:BUCKET/PREFIX", value_parser = parse_on_failure, conflicts_with = "dead_letter")]
+    /// record), `s3:BUCKET/PREFIX` (one object a record, at PREFIX STREAM/SHARD/SEQUENCE-SUB.json)
+    /// or `sns:TOPIC_ARN` (one message a record, Lambda's failure record with the document's
+    /// fields beside it), each a JSON document with the record's data (base64), stream, shard,
+    /// sequence number, partition key, arrival time, attempts and reason. Checked at start.
+    #[arg(long, env = "SHARDWISE_ON_FAILURE", value_name = "sqs:URL|s3:BUCKET/PREFIX|sns:TOPIC_ARN", value_parser = parse_on_failure, conflicts_with = "dead_letter")]
     on_failure: Option<OnFailure>,
 
     /// The Kinesis stream spent records (with --log-group: spent events, with their partition,
@@ -661,6 +662,7 @@ impl Args {
             "retry_stream" => self.retry_stream.clone(),
             "on_failure" => self.on_failure.as_ref().map(|o| match o {
                 OnFailure::Sqs(url) => format!("sqs:{url}"),
+                OnFailure::Sns(arn) => format!("sns:{arn}"),
                 OnFailure::S3 { bucket, prefix } => format!("s3:{bucket}/{prefix}"),
             }),
             "on_spent" => self.on_spent.map(|_| "drop".to_string()),
@@ -715,6 +717,7 @@ fn source_of(setting: &str) -> Option<Source> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum OnFailure {
     Sqs(String),
+    Sns(String),
     S3 { bucket: String, prefix: String },
 }
 
@@ -726,6 +729,14 @@ fn parse_on_failure(s: &str) -> std::result::Result<OnFailure, String> {
             ));
         }
         return Ok(OnFailure::Sqs(url.to_string()));
+    }
+    if let Some(arn) = s.strip_prefix("sns:") {
+        if !arn.starts_with("arn:") || arn.split(':').nth(2) != Some("sns") {
+            return Err(format!(
+                "`{s}`: sns: takes the topic's ARN (arn:aws:sns:REGION:ACCOUNT:TOPIC)"
+            ));
+        }
+        return Ok(OnFailure::Sns(arn.to_string()));
     }
     if let Some(path) = s.strip_prefix("s3://").or_else(|| s.strip_prefix("s3:")) {
         let (bucket, prefix) = path.split_once('/').unwrap_or((path, ""));
@@ -739,7 +750,9 @@ fn parse_on_failure(s: &str) -> std::result::Result<OnFailure, String> {
             prefix: prefix.to_string(),
         });
     }
-    Err(format!("`{s}`: expected sqs:QUEUE_URL or s3:BUCKET/PREFIX"))
+    Err(format!(
+        "`{s}`: expected sqs:QUEUE_URL, s3:BUCKET/PREFIX or sns:TOPIC_ARN"
+    ))
 }
 
 impl OnFailure {
@@ -750,6 +763,10 @@ impl OnFailure {
             OnFailure::Sqs(url) => Arc::new(SqsDestination::new(
                 shardwise::aws_sdk_sqs::Client::new(config),
                 url.clone(),
+            )),
+            OnFailure::Sns(arn) => Arc::new(SnsDestination::new(
+                shardwise::aws_sdk_sns::Client::new(config),
+                arn.clone(),
             )),
             OnFailure::S3 { bucket, prefix } => {
                 let by_path = config.endpoint_url().is_some()
@@ -1814,7 +1831,19 @@ mod tests {
                 "{given}"
             );
         }
-        for bad in ["sqs:spent", "s3:ab/x", "kinesis:spent", "spent"] {
+        let topic = "arn:aws:sns:eu-west-1:123456789012:spent";
+        assert_eq!(
+            parse_on_failure(&format!("sns:{topic}")),
+            Ok(OnFailure::Sns(topic.into()))
+        );
+        for bad in [
+            "sqs:spent",
+            "s3:ab/x",
+            "kinesis:spent",
+            "spent",
+            "sns:spent",
+            "sns:arn:aws:sqs:eu-west-1:123456789012:spent",
+        ] {
             assert!(parse_on_failure(bad).is_err(), "{bad}");
         }
     }
