@@ -196,7 +196,10 @@ async fn a_record_that_keeps_failing_is_published_to_the_sns_topic_as_lambdas_fa
         .unwrap()
         .run()
         .await;
-    let error = refused.err().expect("refused").to_string();
+    let Err(error) = refused else {
+        panic!("a missing topic must fail the start")
+    };
+    let error = error.to_string();
     assert!(error.contains(&missing), "{error}");
 }
 
