@@ -168,6 +168,10 @@ pub struct Counts {
     pub describe_log_streams: u64,
     /// GetLogEvents requests, by stream.
     pub get_log_events: BTreeMap<String, u64>,
+    /// Bytes of the events put (each its message and 26 bytes, as PutLogEvents counts them).
+    pub bytes_put: u64,
+    /// Bytes of the events GetLogEvents and FilterLogEvents returned, counted the same way.
+    pub bytes_read: u64,
 }
 
 /// The service. Clones share it.
@@ -330,6 +334,7 @@ impl LogsService {
         let mut stored = Vec::new();
         for (timestamp, message) in batch {
             state.events_put += 1;
+            state.counts.bytes_put += (message.len() + EVENT_OVERHEAD) as u64;
             let event_id = format!("{:020}", state.events_put);
             let events = state.streams.get_mut(stream)?;
             // The stream is in key order: those with this timestamp and ingestion time are a run.
@@ -517,6 +522,10 @@ impl LogsService {
         };
         if let Some(events) = answer.1["events"].as_array() {
             state.counts.events += events.len() as u64;
+            state.counts.bytes_read += events
+                .iter()
+                .map(|e| e["message"].as_str().map_or(0, str::len) + EVENT_OVERHEAD)
+                .sum::<usize>() as u64;
         }
         answer
     }
