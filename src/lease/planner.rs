@@ -1004,10 +1004,9 @@ mod tests {
         assert_eq!(from.values().copied().collect::<Vec<_>>(), vec![17, 17, 16]);
     }
 
-    /// Of a source whose names come back, a gone partition's ended row goes once nobody holds it:
-    /// unowned, named by this worker without this process holding it (its release failed), or
-    /// another worker's gone still. A row still held (its owner is deleting it), an open row and
-    /// a row with lineage stay.
+    /// A retired, unowned row is left out of the plan while the last listing names it with no
+    /// activity after its retirement (or says nothing of its activity); activity after it, or a
+    /// listing without it, wakes it. Held rows and rows never retired are never hidden.
     #[test]
     fn retired_rows_sleep_until_the_listing_shows_activity_after_them_or_drops_them() {
         let mut row = lease(&("p", None, false, false, &[]));
@@ -1041,6 +1040,10 @@ mod tests {
         assert!(!dormant(&row, None, quiet), "never retired, no listing");
     }
 
+    /// Of a source whose names come back, a gone partition's ended row goes once nobody holds it:
+    /// unowned, named by this worker without this process holding it (its release failed), or
+    /// another worker's gone still. A row still held (its owner is deleting it), an open row and
+    /// a row with lineage stay.
     #[test]
     fn ended_rows_of_gone_partitions_are_deleted_once_nobody_holds_them() {
         let rows: &[Row] = &[

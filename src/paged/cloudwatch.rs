@@ -1326,8 +1326,6 @@ impl PagedSource for CloudWatchLogs {
         Some(Audit::new(pages.encode(), then.encode(), AUDIT_ALLOWANCE * 2).vouched(vouched))
     }
 
-    /// The allowance before an audited cursor's mark: events ingested in it may have been read
-    /// forward (or by the audit) and come back in the next audit.
     /// Streams retire after [`retire_after`](CloudWatchLogs::retire_after) without news (1
     /// hour by default), when late events are audited.
     fn retire_after(&self) -> Option<Duration> {
@@ -1355,6 +1353,8 @@ impl PagedSource for CloudWatchLogs {
             .copied()
     }
 
+    /// The allowance before an audited cursor's mark: events ingested in it may have been read
+    /// forward (or by the audit) and come back in the next audit.
     fn vouch_range(&self, cursor: &Cursor) -> Option<(i64, i64)> {
         self.late_events?;
         let at = LogCursor::decode(cursor).ok()?;
