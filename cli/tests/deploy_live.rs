@@ -97,6 +97,7 @@ fn every_feature(stream: &str, counts: &str) -> Vec<String> {
         "KmsKeyArn=arn:aws:kms:us-east-1:123456789012:key/00000000-0000-0000-0000-000000000000"
             .into(),
         "OnFailureQueueArn=arn:aws:sqs:us-east-1:123456789012:spent".into(),
+        "OnFailureTopicArn=arn:aws:sns:us-east-1:123456789012:spent".into(),
         "OnFailureBucket=spent-records".into(),
         "OnFailurePrefix=billing/".into(),
         format!("EffectTableArns={account}:table/{counts}"),
