@@ -196,6 +196,29 @@ fn failure(
     }
 }
 
+/// A message body larger than `service` takes (`max` bytes): refused for good, naming both.
+#[cfg(any(feature = "sqs", feature = "sns"))]
+fn too_large(
+    destination: &str,
+    operation: &'static str,
+    service: &str,
+    body: &str,
+    max: usize,
+) -> Result<(), Error> {
+    if body.len() <= max {
+        return Ok(());
+    }
+    Err(failure(
+        destination,
+        operation,
+        true,
+        format!(
+            "the record's message is {} bytes, over {service}'s {max}: use an S3 bucket for records this large",
+            body.len()
+        ),
+    ))
+}
+
 /// An SQS queue as the on-failure destination (feature `sqs`): one message a record, the
 /// [`document`] as its body.
 #[cfg(feature = "sqs")]
@@ -255,17 +278,13 @@ impl Destination for SqsDestination {
         use aws_sdk_sqs::error::ProvideErrorMetadata;
         Box::pin(async move {
             let body = document(delivery, headers).to_string();
-            if body.len() > SQS_MAX_MESSAGE_BYTES {
-                return Err(failure(
-                    &self.name,
-                    "SendMessage",
-                    true,
-                    format!(
-                        "the record's message is {} bytes, over SQS's {SQS_MAX_MESSAGE_BYTES}: use an S3 bucket for records this large",
-                        body.len()
-                    ),
-                ));
-            }
+            too_large(
+                &self.name,
+                "SendMessage",
+                "SQS",
+                &body,
+                SQS_MAX_MESSAGE_BYTES,
+            )?;
             match self
                 .client
                 .send_message()
@@ -485,17 +504,7 @@ impl Destination for SnsDestination {
         Box::pin(async move {
             let body =
                 lambda_failure_record(delivery, headers, self.stream_arn.as_deref()).to_string();
-            if body.len() > SNS_MAX_MESSAGE_BYTES {
-                return Err(failure(
-                    &self.name,
-                    "Publish",
-                    true,
-                    format!(
-                        "the record's message is {} bytes, over SNS's {SNS_MAX_MESSAGE_BYTES}: use an S3 bucket for records this large",
-                        body.len()
-                    ),
-                ));
-            }
+            too_large(&self.name, "Publish", "SNS", &body, SNS_MAX_MESSAGE_BYTES)?;
             let mut publish = self
                 .client
                 .publish()
