@@ -940,6 +940,66 @@ async fn late_events_are_found_under_a_host_clock_a_minute_ahead_of_the_service(
     );
 }
 
+/// Events that become readable by `GetLogEvents` 3 minutes after their ingestion (AWS states no
+/// bound on that delay; the service's pipeline keeps a stream's order). An audit's mark vouches
+/// for every event ingested at or before it; made 30 s before the audit, it vouched for events
+/// not readable yet, and a late event ingested in the 2.5 minutes before the mark was never
+/// handed out, nothing logged or counted. The mark now stays at or before the newest ingestion
+/// the forward read saw, and for a stream with nothing recent, 15 minutes before the audit
+/// (`readable_within`). A late event (10 minutes old) put every 2 s for 5 minutes, into a busy
+/// stream (an event every 2 s as well) and into a quiet one: every one handed out, once.
+/// Before, most of those put in the minutes before each audit were never handed out.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn late_events_readable_minutes_after_their_ingestion_are_found() {
+    for busy in [false, true] {
+        late_events_readable_after(Duration::from_secs(180), busy).await;
+    }
+}
+
+async fn late_events_readable_after(delay: Duration, busy: bool) {
+    let metrics = recorder::Metrics::default();
+    let _metrics = metrics::set_default_local_recorder(&metrics);
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 37);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let minutes = |m: u64| Duration::from_secs(60 * m);
+    let mut expected = put(&service, 3);
+    let running = consumer(&service, &store, &calls).await;
+    wait_for("the first events", Duration::from_secs(60), || {
+        calls.len() == 3
+    })
+    .await;
+    service.set_readability_delay(delay);
+    for i in 0..150 {
+        let message = format!("late {i}");
+        expected.extend(put_late(&service, "s0", &[(minutes(10), message.as_str())]));
+        if busy {
+            expected.extend(put_late(
+                &service,
+                "s0",
+                &[(Duration::ZERO, format!("now {i}").as_str())],
+            ));
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    // Readable, and two audit intervals after.
+    tokio::time::sleep(delay + minutes(11)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let mut handled = calls.ids();
+    handled.sort();
+    expected.sort();
+    let missing: Vec<&String> = expected.iter().filter(|e| !handled.contains(e)).collect();
+    assert!(
+        missing.is_empty(),
+        "busy {busy}: {} never handed out: {missing:?}",
+        missing.len()
+    );
+    assert_eq!(handled, expected, "busy {busy}: every event once");
+}
+
 /// `FilterLogEvents` over hours, with the defaults (close horizon 5 minutes, lateness 1 hour,
 /// audited every 5 minutes): 5 events a second into 5 streams for 3 hours. Polls read only what
 /// is new (up to the close horizon), so the open groups hold about the horizon's events and the

@@ -82,6 +82,14 @@ pub(crate) struct Args {
     #[arg(long, env = "SHARDWISE_RETIRE_AFTER", value_name = "DURATION", requires = "log_group", conflicts_with = "by_timestamp", value_parser = humantime::parse_duration)]
     retire_after: Option<Duration>,
 
+    /// With --log-group (read stream by stream): how long after its ingestion an event may
+    /// become readable, e.g. `5m`, `1h` (default 15m; AWS states no bound). An audit for late
+    /// events never vouches for an event ingested after the newest one read, nor (for a stream
+    /// with nothing recent) for the last DURATION: a late event readable later than that is not
+    /// looked for.
+    #[arg(long, env = "SHARDWISE_READABLE_WITHIN", value_name = "DURATION", requires = "log_group", conflicts_with = "by_timestamp", value_parser = humantime::parse_duration)]
+    readable_within: Option<Duration>,
+
     /// The application, shared by every worker of the application; names the lease table unless
     /// --lease-table does.
     #[arg(long, env = "SHARDWISE_APP", value_name = "APP")]
@@ -1044,7 +1052,10 @@ fn builder_reading<H: Handler>(
                 }
                 Arc::new(filter)
             } else {
-                let source = CloudWatchLogs::new(logs, group.clone());
+                let mut source = CloudWatchLogs::new(logs, group.clone());
+                if let Some(within) = args.readable_within {
+                    source = source.readable_within(within);
+                }
                 Arc::new(match args.retire_after {
                     Some(after) if after.is_zero() => source.retire_after(None),
                     Some(after) => source.retire_after(Some(after)),
@@ -1107,6 +1118,22 @@ fn builder_reading<H: Handler>(
     builder
 }
 
+/// The flags of a log group read stream by stream, refused without `--log-group` (clap's
+/// `requires` lets them through beside `--stream`).
+fn log_group_only(args: &Args) -> Result<()> {
+    if args.log_group.is_none() {
+        for (flag, given) in [
+            ("--retire-after", args.retire_after.is_some()),
+            ("--readable-within", args.readable_within.is_some()),
+        ] {
+            if given {
+                bail!("{flag} is for a log group read stream by stream: add --log-group");
+            }
+        }
+    }
+    Ok(())
+}
+
 pub(crate) async fn run(mut args: Args, ctx: &Ctx) -> Result<()> {
     for warning in args.take_deprecated() {
         tracing::warn!("{warning}");
@@ -1119,6 +1146,7 @@ pub(crate) async fn run(mut args: Args, ctx: &Ctx) -> Result<()> {
             outcome_name(&args.fail_outcome)
         );
     }
+    log_group_only(&args)?;
     if args.batch == Some(0) {
         bail!("invalid --batch 0: must be at least 1");
     }
@@ -1586,6 +1614,28 @@ mod tests {
             checked += 1;
         }
         assert!(checked >= 45, "{checked} flags");
+    }
+
+    #[test]
+    fn readable_within_is_a_duration_of_the_log_group_read_stream_by_stream() {
+        let parse = |extra: &[&str]| {
+            let argv = ["consume", "--log-group", "/app/orders", "--app", "billing"];
+            Command::try_parse_from(argv.iter().chain(extra)).map(|c| c.args)
+        };
+        let parsed = parse(&["--readable-within", "5m"]).unwrap();
+        assert_eq!(parsed.readable_within, Some(Duration::from_secs(300)));
+        assert_eq!(parse(&[]).unwrap().readable_within, None);
+        assert!(parse(&["--readable-within", "soon"]).is_err());
+        // Read by timestamp, the close horizon is the allowance.
+        assert!(parse(&["--by-timestamp", "--readable-within", "5m"]).is_err());
+        assert!(log_group_only(&parsed).is_ok());
+        for flag in ["--readable-within", "--retire-after"] {
+            let refused = log_group_only(&args(&[flag, "5m"])).unwrap_err();
+            assert_eq!(
+                refused.to_string(),
+                format!("{flag} is for a log group read stream by stream: add --log-group")
+            );
+        }
     }
 
     #[test]

@@ -66,12 +66,17 @@
 //!
 //! - The forward cursor carries a **mark** `A`, an ingestion time: every event behind the cursor
 //!   ingested at or before `A`, and at most the window late, was handed out. The first forward
-//!   read marks a cursor with its start less [`AUDIT_ALLOWANCE`] (30 s: the delay before an
-//!   event can be read, and the `Date` header's whole seconds). Every mark is made by the
-//!   service's time, from the `Date` of its answers, never this host's clock: a host a minute
-//!   ahead would vouch for a minute the service had not reached. Before an answer carried a date
-//!   nothing is marked or audited. An event that becomes readable more than the allowance after
-//!   its ingestion is not found by the audit (the API states no bound on that delay).
+//!   read marks a cursor, and each audit marks it again, with its start less
+//!   [`AUDIT_ALLOWANCE`] (30 s: the delay before an event can be read, and the `Date` header's
+//!   whole seconds), but never past the ingestion of the newest event the forward read returned,
+//!   nor before the start less [`READABLE_WITHIN`] (15 minutes): a stream's events become
+//!   readable in the order they were ingested, so a stream whose events take minutes to become
+//!   readable is marked by what was readable. Every mark is made by the service's time, from
+//!   the `Date` of its answers, never this host's clock: a host a minute ahead would vouch for a
+//!   minute the service had not reached. Before an answer carried a date nothing is marked or
+//!   audited. An event readable more than [`CloudWatchLogs::readable_within`] after its
+//!   ingestion, or more than the allowance after it and after a later event of its stream, is
+//!   not found by the audit (the API states no bound on that delay).
 //! - Every [`LATE_EVENT_AUDIT_INTERVAL`] (5 minutes), as each attempt starts (once its forward
 //!   read has passed the applied position it starts from, which the resume cursor, promoted at
 //!   page barriers, may lie behind: the audit covers what is behind the cursor it is given, and
@@ -114,7 +119,7 @@ use md5::{Digest, Md5};
 use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
-use super::budget::Budget;
+use super::budget::{Budget, Priority};
 use super::{
     Audit, Contract, Cursor, FetchError, Page, PagePosition, PagedEvent, PagedSource, Vouched,
 };
@@ -143,6 +148,12 @@ pub const LATE_EVENT_AUDIT_INTERVAL: Duration = Duration::from_secs(300);
 /// and 20 s for the delay before an event can be read). The audit marks itself this long before
 /// its start, so such an event comes in the next audit.
 pub const AUDIT_ALLOWANCE: Duration = Duration::from_secs(30);
+
+/// How long after its ingestion an event may become readable, by default: 15 minutes (AWS states
+/// no bound). A stream's events are taken to become readable in the order they were ingested:
+/// an audit's mark never passes the newest ingestion the forward read has seen, nor lies more
+/// than this before the audit (see [`CloudWatchLogs::readable_within`]).
+pub const READABLE_WITHIN: Duration = Duration::from_secs(15 * 60);
 
 /// How old an event PutLogEvents accepts: no audit looks further back.
 const MAX_EVENT_AGE_MS: i64 = 14 * 24 * 3600 * 1000;
@@ -261,6 +272,10 @@ impl Kept {
 /// account's quota of 25.
 pub const GET_LOG_EVENTS_PER_SECOND: f64 = 5.0;
 
+/// How long after the newest event read from a stream its reads count as an idle stream's,
+/// which wait behind busy streams' in the worker's request budget (up to a minute).
+const IDLE_AFTER: Duration = Duration::from_secs(600);
+
 /// A worker's DescribeLogStreams requests a second by default (the account's quota is 5).
 pub const DESCRIBE_LOG_STREAMS_PER_SECOND: f64 = 1.0;
 
@@ -299,6 +314,23 @@ pub struct CloudWatchLogs {
 struct LateEvents {
     window: Duration,
     every: Duration,
+    readable_within: Duration,
+}
+
+impl LateEvents {
+    /// The mark of an audit (or of a cursor's first forward read) begun at service time `now`,
+    /// the forward read having returned an event ingested at `seen` (ms): every event ingested at
+    /// or before it was readable when the audit began, if either an event is readable within
+    /// [`AUDIT_ALLOWANCE`] of its ingestion, or a stream's events become readable in the order
+    /// they were ingested and within [`readable_within`](CloudWatchLogs::readable_within). So
+    /// the mark is `now` less the allowance, but not past `seen` (the events ingested before it
+    /// were readable when it was read: a stream whose reads lag by minutes is marked by what
+    /// they showed), nor, for a stream with nothing recent, before `now` less `readable_within`.
+    fn mark(&self, now: i64, seen: Option<i64>) -> i64 {
+        let within = i64::try_from(self.readable_within.as_millis()).unwrap_or(i64::MAX);
+        let slow = now.saturating_sub(within);
+        (now - allowance_ms()).min(seen.map_or(slow, |seen| seen.max(slow)))
+    }
 }
 
 impl fmt::Debug for CloudWatchLogs {
@@ -333,6 +365,7 @@ impl CloudWatchLogs {
             late_events: Some(LateEvents {
                 window: LATE_EVENT_WINDOW,
                 every: LATE_EVENT_AUDIT_INTERVAL,
+                readable_within: READABLE_WITHIN,
             }),
         }
     }
@@ -354,6 +387,23 @@ impl CloudWatchLogs {
     pub fn late_event_audit_interval(mut self, every: Duration) -> Self {
         if let Some(late) = self.late_events.as_mut() {
             late.every = every.max(Duration::from_secs(1));
+        }
+        self
+    }
+
+    /// How long after its ingestion an event may become readable (default [`READABLE_WITHIN`],
+    /// 15 minutes; AWS states no bound). Audits assume a stream's events become readable in the
+    /// order they were ingested: an audit's mark (everything ingested at or before it was handed
+    /// out) never passes the newest ingestion the forward read has seen, so a stream whose
+    /// events take minutes to become readable is marked by what was readable; and for a stream
+    /// with nothing recent it lies this long before the audit (or [`AUDIT_ALLOWANCE`], when
+    /// the forward read saw an event ingested that recently). A late event that became
+    /// readable later than both allow is not looked for. A longer bound costs little: a
+    /// stream's audits start that much earlier, and the reader remembers what it handed out
+    /// that much longer.
+    pub fn readable_within(mut self, within: Duration) -> Self {
+        if let Some(late) = self.late_events.as_mut() {
+            late.readable_within = within;
         }
         self
     }
@@ -847,12 +897,28 @@ impl CloudWatchLogs {
 }
 
 impl CloudWatchLogs {
+    /// A read of a stream whose newest event read was ingested more than [`IDLE_AFTER`] ago (by
+    /// the service's time) lets reads of busy streams go first: hundreds of silent streams
+    /// polled until they retire would otherwise delay the busy streams' audits by the whole
+    /// queue. A stream never read is busy (a new stream is read at once).
+    fn priority(&self, at: &LogCursor) -> Priority {
+        let newest = at
+            .audit
+            .map(|audit| audit.through.ingestion)
+            .or(at.last.map(|last| last.ingestion));
+        let idle_after = i64::try_from(IDLE_AFTER.as_millis()).unwrap_or(i64::MAX);
+        match (newest, self.service_ms()) {
+            (Some(newest), Some(now)) if newest < now.saturating_sub(idle_after) => Priority::Idle,
+            _ => Priority::Busy,
+        }
+    }
+
     async fn get_log_events(
         &self,
         partition: &str,
         at: &LogCursor,
     ) -> Result<GetLogEventsOutput, SdkError<GetLogEventsError>> {
-        self.reads.acquire().await;
+        self.reads.acquire_as(self.priority(at)).await;
         // An audit reads through its last event's timestamp (`endTime` is exclusive).
         let end = at.audit.map(|a| a.through.timestamp.saturating_add(1));
         self.client
@@ -1244,10 +1310,9 @@ impl PagedSource for CloudWatchLogs {
             // By the service's time (this answer's `Date`): without one, the cursor is marked by
             // a later read.
             let audited = at.audited.or_else(|| {
-                (self.late_events.is_some() && at.audit.is_none())
-                    .then(|| self.service_ms())
-                    .flatten()
-                    .map(|now| now - allowance_ms())
+                let late = self.late_events.filter(|_| at.audit.is_none())?;
+                let now = self.service_ms()?;
+                Some(late.mark(now, last.map(|l| l.ingestion)))
             });
             let next = LogCursor {
                 created: at.created,
@@ -1288,7 +1353,7 @@ impl PagedSource for CloudWatchLogs {
         // The service's time: a mark by a host clock ahead of it would vouch for events it has
         // not ingested yet. Before an answer carried a date, nothing is audited.
         let now = self.service_ms()?;
-        let mark = now - allowance_ms();
+        let mark = late.mark(now, Some(through.ingestion));
         let then = LogCursor {
             audited: Some(at.audited.map_or(mark, |a| a.max(mark))),
             // The new mark passes what was vouched for.
@@ -1323,7 +1388,14 @@ impl PagedSource for CloudWatchLogs {
             }),
             vouched: None,
         };
-        Some(Audit::new(pages.encode(), then.encode(), AUDIT_ALLOWANCE * 2).vouched(vouched))
+        // What this audit's mark leaves to the next audit was handed out at most this long
+        // before this audit began, and the allowance after.
+        let lag = Duration::from_millis(u64::try_from(now - mark).unwrap_or(0));
+        Some(
+            Audit::new(pages.encode(), then.encode(), lag + AUDIT_ALLOWANCE)
+                .quiet(AUDIT_ALLOWANCE * 2)
+                .vouched(vouched),
+        )
     }
 
     /// Streams retire after [`retire_after`](CloudWatchLogs::retire_after) without news (1
@@ -1415,6 +1487,29 @@ impl PagedSource for CloudWatchLogs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mark_passes_neither_the_newest_ingestion_read_nor_the_allowance() {
+        let late = LateEvents {
+            window: LATE_EVENT_WINDOW,
+            every: LATE_EVENT_AUDIT_INTERVAL,
+            readable_within: Duration::from_secs(600),
+        };
+        let now = 10_000_000;
+        // A busy stream read up to a second ago: the allowance.
+        assert_eq!(late.mark(now, Some(now - 1_000)), now - 30_000);
+        // Reads lagging 3 minutes behind the service: what they showed.
+        assert_eq!(late.mark(now, Some(now - 180_000)), now - 180_000);
+        // Nothing recent, or nothing read: the bound.
+        assert_eq!(late.mark(now, Some(now - 3_600_000)), now - 600_000);
+        assert_eq!(late.mark(now, None), now - 600_000);
+        // A bound shorter than the allowance: the allowance.
+        let short = LateEvents {
+            readable_within: Duration::from_secs(10),
+            ..late
+        };
+        assert_eq!(short.mark(now, None), now - 30_000);
+    }
 
     fn last(timestamp: i64, ingestion: i64, k: u64, name: Option<(u64, u64)>) -> Last {
         Last {

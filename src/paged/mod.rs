@@ -43,8 +43,8 @@ pub(crate) use barrier::{Barrier, BarrierWrite};
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch::{
     AUDIT_ALLOWANCE, CloudWatchLogs, DELETION_DELAY, DESCRIBE_LOG_STREAMS_PER_SECOND,
-    GET_LOG_EVENTS_PER_SECOND, LATE_EVENT_AUDIT_INTERVAL, LATE_EVENT_WINDOW, RETIRE_AFTER,
-    log_event_identity,
+    GET_LOG_EVENTS_PER_SECOND, LATE_EVENT_AUDIT_INTERVAL, LATE_EVENT_WINDOW, READABLE_WITHIN,
+    RETIRE_AFTER, log_event_identity,
 };
 #[cfg(feature = "cloudwatch-logs")]
 pub use cloudwatch_filter::{
@@ -588,6 +588,10 @@ pub struct Audit {
     /// source's allowance for the delay before an event can be read, and for clock skew, twice):
     /// the reader remembers what it handed out that long before the previous audit began.
     pub remember: Duration,
+    /// How long a stream that brought events must be quiet before an audit's mark passes every
+    /// event read (an audit is made then, so a restart after it has nothing to check again):
+    /// `remember` unless the source says ([`quiet`](Self::quiet)).
+    pub quiet: Duration,
     /// What the attempt that stopped at the audited cursor vouched for
     /// ([`PagedSource::vouch`]): the events of its range this audit returns are known when they
     /// are exactly the ones vouched for, and are not handed out again.
@@ -602,8 +606,15 @@ impl Audit {
             pages,
             then,
             remember,
+            quiet: remember,
             vouched: None,
         }
+    }
+
+    /// The audit, with a stream's quiet spell of `quiet` before its mark passes every event read.
+    pub fn quiet(mut self, quiet: Duration) -> Self {
+        self.quiet = quiet;
+        self
     }
 
     /// The audit with what the attempt that stopped at its cursor vouched for.

@@ -554,7 +554,7 @@ impl PageReader {
             return Audited::Stop;
         }
         self.cursor = Some(audit.then);
-        audits.quiet_after = audit.remember;
+        audits.quiet_after = audit.quiet;
         debug!(source = self.source.name(), partition = %self.partition, read, "audit for late events read");
         Audited::Done
     }

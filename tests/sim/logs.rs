@@ -90,6 +90,8 @@ pub struct LogEvent {
     pub position: shardwise::paged::PagePosition,
     /// When FilterLogEvents finds it.
     pub searchable: i64,
+    /// When GetLogEvents returns it.
+    pub readable: i64,
     /// The service's `eventId` (what the FilterLogEvents source names it by).
     pub event_id: String,
     pub message: String,
@@ -139,6 +141,11 @@ struct State {
     /// How long after an ingestion DescribeLogStreams' `lastIngestionTime` shows it (AWS:
     /// "typically in less than an hour").
     activity_lag_ms: i64,
+    /// How long after its ingestion a batch put now becomes readable by GetLogEvents (AWS states
+    /// no bound), and when each stream's newest batch becomes readable: a stream's batches
+    /// become readable in the order they were ingested.
+    readable_delay_ms: i64,
+    readable: BTreeMap<String, i64>,
     tokens: HashMap<String, Token>,
     minted: u64,
     events_put: u64,
@@ -298,8 +305,16 @@ impl LogsService {
         self.state.lock().unwrap().activity_lag_ms = lag.as_millis() as i64;
     }
 
+    /// GetLogEvents returns a batch put from now on only `delay` after its ingestion (and after
+    /// the stream's batches ingested before it).
+    #[allow(dead_code)]
+    pub fn set_readability_delay(&self, delay: Duration) {
+        self.state.lock().unwrap().readable_delay_ms = delay.as_millis() as i64;
+    }
+
     pub fn delete_stream(&self, stream: &str) -> Vec<LogEvent> {
         let mut state = self.state.lock().unwrap();
+        state.readable.remove(stream);
         state.created.remove(stream);
         state.ingested.remove(stream);
         state.streams.remove(stream).unwrap_or_default()
@@ -331,6 +346,14 @@ impl LogsService {
                 .or_default()
                 .push(now);
         }
+        // Readable after the delay, and not before the stream's batches ingested before it.
+        let readable = match state.readable.get(stream) {
+            Some(before) => (*before).max(now + state.readable_delay_ms),
+            None => now + state.readable_delay_ms,
+        };
+        if !batch.is_empty() && state.streams.contains_key(stream) {
+            state.readable.insert(stream.to_string(), readable);
+        }
         let mut stored = Vec::new();
         for (timestamp, message) in batch {
             state.events_put += 1;
@@ -357,6 +380,7 @@ impl LogsService {
                 k,
                 occurrence,
                 searchable: now + delay.as_millis() as i64,
+                readable,
                 event_id,
                 message: message.clone(),
             };
@@ -620,6 +644,10 @@ impl State {
         for event in &events[from..] {
             if end.is_some_and(|end| event.timestamp >= end) {
                 break;
+            }
+            // Not readable yet: a token issued past a later event never returns it.
+            if event.readable > now {
+                continue;
             }
             if page.len() == limit || bytes + event.size() > PAGE_BYTES {
                 break;

@@ -9,7 +9,10 @@
 //! their name), Lambda's pattern (a burst starts one to three new streams one time in two, and
 //! four puts in five go to the three newest streams, so older ones fall silent for hours or for
 //! good, retire, and now and then take an event again and wake; DescribeLogStreams shows an
-//! ingestion in `lastIngestionTime` up to 30 minutes late), batches of late events (timestamps up to 13 days
+//! ingestion in `lastIngestionTime` up to 30 minutes late; in one seed in three GetLogEvents
+//! returns a batch up to 1 to 10 minutes after its ingestion, a stream's batches in the order
+//! they were ingested), late batches in bursts (one in 40, 1 to 50 minutes late) and on their
+//! own (timestamps up to 13 days
 //! old), account-wide throttling that lasts minutes, and lease-table throttling (all of it, half
 //! its calls, or the roster item) for 2 to 20 minutes. The service's tokens expire after 24
 //! hours, pages stop at 10,000 events or 1 MB, and GetLogEvents is throttled past 25 requests/s.
@@ -255,6 +258,11 @@ struct World {
     /// older streams fall silent for hours or for good (and retire), and now and then take an
     /// event again (and wake).
     lambda: StdRng,
+    /// In one seed in three GetLogEvents returns a batch only minutes after its ingestion (a
+    /// stream's batches in the order they were ingested): the pipeline's delay, redrawn one put
+    /// in twenty up to this (1 to 10 minutes), drawn apart.
+    readable: StdRng,
+    slow: Option<u64>,
 }
 
 /// The receipt ledger of a seed with effects.
@@ -366,7 +374,12 @@ impl World {
             ledger,
             again: StdRng::seed_from_u64(seed ^ 0x0a9a_1e5e),
             lambda: StdRng::seed_from_u64(seed ^ 0x1a3b_dae0),
+            readable: StdRng::seed_from_u64(seed ^ 0x0de1_a4ed),
+            slow: None,
         };
+        if world.readable.random_bool(1.0 / 3.0) {
+            world.slow = Some(world.readable.random_range(60_000..=600_000));
+        }
         // DescribeLogStreams shows an ingestion in `lastIngestionTime` up to 30 minutes late
         // (AWS: "typically in less than an hour"): what wakes a retired stream.
         let lag = world.lambda.random_range(0..=1_800);
@@ -439,6 +452,14 @@ impl World {
             }
         }
         batch.sort_by_key(|(t, _)| *t);
+        if let Some(slow) = self.slow
+            && self.readable.random_ratio(1, 20)
+        {
+            let delay = self.readable.random_range(0..=slow);
+            self.service
+                .set_readability_delay(Duration::from_millis(delay));
+            self.event(format!("readable {delay} ms after ingestion"));
+        }
         let delay = Duration::from_millis(self.rng.random_range(200..120_000));
         let Some(stored) = self.service.put(&stream, &batch, delay) else {
             self.event(format!("put {stream} refused"));
@@ -668,6 +689,13 @@ impl World {
                     }
                     while Instant::now() < until {
                         self.put(None);
+                        // One batch in 40 of a burst is late by 1 to 50 minutes (a retried
+                        // batch), drawn apart: late events while a stream is busy, and while its
+                        // events take minutes to become readable.
+                        if self.readable.random_ratio(1, 40) {
+                            let late = self.readable.random_range(60_000..3_000_000);
+                            self.put(Some(late));
+                        }
                         let gap = Duration::from_secs(self.rng.random_range(1..=10));
                         tokio::time::sleep(gap).await;
                     }
