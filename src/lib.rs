@@ -49,6 +49,7 @@ pub mod destination;
 mod dynamo;
 pub mod envelope;
 mod error;
+pub mod filter;
 pub mod frontier;
 mod handler;
 pub mod kpl;

@@ -16,6 +16,7 @@ use base64::Engine;
 use serde::Serialize;
 use shardwise::consumer::{OnSpent, RetryMode, Settled};
 use shardwise::destination::{Destination, S3Destination, SnsDestination, SqsDestination};
+use shardwise::filter::{FilterCriteria, Filtered};
 use shardwise::lease::{InitialPosition, LeaseSettings};
 use shardwise::observe::Metrics;
 use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
@@ -81,6 +82,14 @@ pub(crate) struct Args {
     /// (`lastIngestionTime`); `leases` shows it `retired`.
     #[arg(long, env = "SHARDWISE_RETIRE_AFTER", value_name = "DURATION", requires = "log_group", conflicts_with = "by_timestamp", value_parser = humantime::parse_duration)]
     retire_after: Option<Duration>,
+
+    /// Lambda's event filtering: a `FilterCriteria` as the AWS CLI takes it
+    /// (`{"Filters":[{"Pattern":"{\"data\":{\"kind\":[\"order\"]}}"}]}`), or a file holding one.
+    /// A record whose data no pattern matches (or is not JSON) is acknowledged without reaching
+    /// the handler and counted in `shardwise_records_filtered_total`; up to 5 patterns, on
+    /// `data`, in Lambda's rule syntax. A malformed one fails the start, saying where.
+    #[arg(long, env = "SHARDWISE_FILTER_CRITERIA", value_name = "FILE|JSON")]
+    filter_criteria: Option<String>,
 
     /// With --log-group (read stream by stream): how long after its ingestion an event may
     /// become readable, e.g. `5m`, `1h` (default 15m; AWS states no bound). An audit for late
@@ -593,6 +602,22 @@ impl Args {
     }
 
     /// The receipt table, when `--receipts` was given.
+    /// `--filter-criteria`, read: the JSON itself when it starts with `{`, else the file it names.
+    fn filter_criteria(&self) -> Result<Option<FilterCriteria>> {
+        let Some(given) = &self.filter_criteria else {
+            return Ok(None);
+        };
+        let text = if given.trim_start().starts_with('{') {
+            given.clone()
+        } else {
+            std::fs::read_to_string(given)
+                .with_context(|| format!("invalid --filter-criteria: cannot read {given}"))?
+        };
+        FilterCriteria::parse(&text)
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("invalid --filter-criteria: {e}"))
+    }
+
     fn receipt_table(&self) -> Option<String> {
         self.receipts.as_ref().map(|table| {
             if table.is_empty() {
@@ -1147,6 +1172,7 @@ pub(crate) async fn run(mut args: Args, ctx: &Ctx) -> Result<()> {
         );
     }
     log_group_only(&args)?;
+    let criteria = args.filter_criteria()?;
     if args.batch == Some(0) {
         bail!("invalid --batch 0: must be at least 1");
     }
@@ -1188,6 +1214,7 @@ pub(crate) async fn run(mut args: Args, ctx: &Ctx) -> Result<()> {
                 inner: exec,
                 printer: printer.clone(),
             };
+            let handler = Filtered::new(handler, criteria);
             let consumed = consume(
                 &args,
                 ctx,
@@ -1206,6 +1233,7 @@ pub(crate) async fn run(mut args: Args, ctx: &Ctx) -> Result<()> {
                 inner: demo_handler(&args),
                 printer: printer.clone(),
             };
+            let handler = Filtered::new(handler, criteria);
             consume(&args, ctx, handler, printer, None, metrics.as_ref()).await
         }
     }
@@ -1614,6 +1642,42 @@ mod tests {
             checked += 1;
         }
         assert!(checked >= 45, "{checked} flags");
+    }
+
+    #[test]
+    fn filter_criteria_are_read_from_json_or_a_file_and_a_malformed_one_says_where() {
+        let json = r#"{"Filters":[{"Pattern":"{\"data\":{\"kind\":[\"order\"]}}"}]}"#;
+        let criteria = args(&["--filter-criteria", json])
+            .filter_criteria()
+            .unwrap();
+        let criteria = criteria.expect("criteria");
+        assert!(criteria.matches_data(br#"{"kind":"order"}"#));
+        assert!(!criteria.matches_data(br#"{"kind":"quote"}"#));
+        let dir = std::env::temp_dir().join(format!("filter-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("criteria.json");
+        std::fs::write(&file, json).unwrap();
+        let from_file = args(&["--filter-criteria", file.to_str().unwrap()])
+            .filter_criteria()
+            .unwrap();
+        assert_eq!(from_file, Some(criteria));
+        assert_eq!(args(&[]).filter_criteria().unwrap(), None);
+        let missing = args(&["--filter-criteria", "/nonexistent/criteria.json"])
+            .filter_criteria()
+            .unwrap_err();
+        assert_eq!(
+            missing.to_string(),
+            "invalid --filter-criteria: cannot read /nonexistent/criteria.json"
+        );
+        let bad = r#"{"Filters":[{"Pattern":"{\"data\":{\"kind\":[{\"prefx\":\"o\"}]}}"}]}"#;
+        let refused = args(&["--filter-criteria", bad])
+            .filter_criteria()
+            .unwrap_err();
+        assert_eq!(
+            refused.to_string(),
+            "invalid --filter-criteria: Filters[0].Pattern: data.kind[0].prefx: unknown operator \"prefx\" (Lambda's: equals-ignore-case, prefix, suffix, anything-but, numeric, exists)"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

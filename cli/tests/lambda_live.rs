@@ -927,3 +927,64 @@ async fn two_failed_records_of_one_key_in_one_event_keep_their_order() {
     .await;
     assert_acked_once_in_order(&lines, 2);
 }
+
+/// `--filter-criteria` as the AWS CLI takes it (Lambda's `FilterCriteria`; here the records with
+/// an id below 40, of 80): only those reach the handler, each once, and the others settle
+/// without it, so every shard's checkpoint reaches its last record (Lambda's iterator moves past
+/// a filtered record the same way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filter_criteria_let_only_matching_records_reach_the_handler_and_the_rest_settle() {
+    let _turn = EMULATORS.read().await;
+    let live = support::live("filter")
+        .await
+        .expect("the emulators (SHARDWISE_LIVE)");
+    let stream = support::unique_name("filter");
+    let app = support::unique_name("filter-app");
+    live.create_stream(&stream, 2).await;
+    put(&stream, RECORDS, KEYS, 0).await;
+    let criteria = r#"{"Filters":[{"Pattern":"{\"data\":{\"id\":[{\"numeric\":[\"<\",40]}]}}"}]}"#;
+    let log = Log::default();
+    let args = worker_args(&["--filter-criteria", criteria]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut worker = Worker::spawn(&stream, &app, "F", &args, &log);
+    wait_for(
+        "the 40 matching records acked",
+        Duration::from_secs(60),
+        || log.distinct_ids() >= 40,
+    )
+    .await;
+    let mut last = BTreeMap::new();
+    for shard in live.shard_ids(&stream).await {
+        let records = read_shard(&live, &stream, &shard).await;
+        last.insert(shard, records.last().expect("records").0.clone());
+    }
+    wait_rows(
+        &live,
+        &app,
+        &stream,
+        "every shard checkpointed at its last record",
+        Duration::from_secs(30),
+        |rows| {
+            rows.len() == last.len()
+                && rows
+                    .iter()
+                    .all(|r| last.get(&r.shard) == Some(&r.checkpoint))
+        },
+    )
+    .await;
+    worker.stop_gracefully(Duration::from_secs(30)).await;
+    log.assert_no_garbage();
+    let lines = log.snapshot();
+    let acked: Vec<u64> = lines
+        .iter()
+        .filter(|h| h.outcome == "ack")
+        .map(|h| h.id)
+        .collect();
+    assert_eq!(
+        acked.iter().copied().collect::<BTreeSet<_>>(),
+        (0..40).collect::<BTreeSet<_>>(),
+        "ids below 40, and no other"
+    );
+    assert_eq!(acked.len(), 40, "each once");
+    cleanup(&live, &stream, &app).await;
+}

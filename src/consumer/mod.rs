@@ -345,6 +345,46 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
+    /// Lambda's event filtering ([`FilterCriteria`](crate::filter::FilterCriteria), as an event
+    /// source mapping takes it): a record whose data no pattern matches is acknowledged without
+    /// reaching the handler and counted in `shardwise_records_filtered_total`; it settles, so
+    /// the checkpoint moves past it. The same for a paged source's events (their payload).
+    ///
+    /// ```no_run
+    /// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+    /// use shardwise::filter::FilterCriteria;
+    /// use shardwise::{Consumer, Delivery, Outcome};
+    ///
+    /// let orders = FilterCriteria::parse(
+    ///     r#"{"Filters":[{"Pattern":"{\"data\":{\"kind\":[\"order\"]}}"}]}"#,
+    /// )?;
+    /// let consumer = Consumer::builder("orders", "billing", |_d: Delivery| async { Outcome::Ack })
+    ///     .filter(orders)
+    ///     .build()?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn filter(
+        self,
+        criteria: crate::filter::FilterCriteria,
+    ) -> ConsumerBuilder<crate::filter::Filtered<H>> {
+        ConsumerBuilder {
+            handler: crate::filter::Filtered::new(self.handler, Some(criteria)),
+            settings: self.settings,
+            sdk: self.sdk,
+            store: self.store,
+            source: self.source,
+            lister: self.lister,
+            sink: self.sink,
+            hooks: self.hooks,
+            delivery_hooks: self.delivery_hooks,
+            receipts: self.receipts,
+            destination: self.destination,
+            seek: self.seek,
+            reads: self.reads,
+        }
+    }
+
     /// How long one delivery (or one batch, for a [`Batched`](crate::Batched) handler) may run:
     /// past it the handler is dropped and the delivery takes the retry path, as if it had
     /// answered [`Outcome::Retry`](crate::Outcome::Retry) (a counted copy, a dead letter once

@@ -16,7 +16,9 @@
 //! - PutLogEvents: "None of the log events in the batch can be more than 14 days in the past" or
 //!   "more than 2 hours in the future" (the world never puts such events; `put` refuses them).
 //! - Events are searchable (FilterLogEvents) after an ingestion delay; GetLogEvents sees a stream's
-//!   events in the order they were ingested.
+//!   events in the order they were ingested, each batch once readable (`set_readability_delay`;
+//!   AWS states no bound on the delay): a token issued past a later event never returns one that
+//!   became readable after it.
 //! - Quotas (Service Quotas, per account and Region): GetLogEvents 25 requests/s, FilterLogEvents
 //!   5 requests/s, DescribeLogStreams 5 requests/s; past them `ThrottlingException`.
 //! - DeleteLogStream removes a stream and its events: reads of it answer
