@@ -25,6 +25,8 @@
 //!   `/metrics`, `/healthz`, `/readyz` over HTTP. Without a [`metrics`] recorder installed (that
 //!   feature's `observe::Metrics`, or any other) the library's metrics are dropped:
 //!   `shardwise::observe::Metrics::builder().prometheus().install()?` is the one line.
+//! - `filter` (feature `filter`): Lambda's event filtering (`FilterCriteria`), for
+//!   `ConsumerBuilder::filter`.
 //! - `testing` (feature `testing`): in-memory streams and stores with faults, the scripted event
 //!   API, and the pieces the consumer runs inside (the tracker, `track`; the lease manager) for
 //!   tests that drive them alone.
@@ -49,6 +51,7 @@ pub mod destination;
 mod dynamo;
 pub mod envelope;
 mod error;
+#[cfg(feature = "filter")]
 pub mod filter;
 pub mod frontier;
 mod handler;

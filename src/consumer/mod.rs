@@ -364,6 +364,7 @@ impl<H: Handler> ConsumerBuilder<H> {
     /// # Ok(())
     /// # }
     /// ```
+    #[cfg(feature = "filter")]
     pub fn filter(
         self,
         criteria: crate::filter::FilterCriteria,

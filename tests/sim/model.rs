@@ -70,13 +70,45 @@ impl EventLog {
     }
 }
 
-/// A record's id: its payload is the id, then `|` and padding of a size the seed chose.
+/// A record's id: its payload is the id, then `|` and padding of a size the seed chose; in a
+/// seed with a filter, JSON with the id ([`filtered_payload`]).
 pub fn id_of(payload: &[u8]) -> u64 {
+    if payload.first() == Some(&b'{') {
+        return serde_json::from_slice::<serde_json::Value>(payload)
+            .ok()
+            .and_then(|v| v["id"].as_u64())
+            .unwrap_or(u64::MAX);
+    }
     std::str::from_utf8(payload)
         .ok()
         .and_then(|s| s.split('|').next())
         .and_then(|id| id.parse().ok())
         .unwrap_or(u64::MAX)
+}
+
+/// The filter of a seed with one: orders only (Lambda's `FilterCriteria`).
+pub const ORDERS_ONLY: &str = r#"{"Filters":[{"Pattern":"{\"data\":{\"kind\":[\"order\"]}}"}]}"#;
+
+/// A record of a seed with a filter: JSON, one in five a quote (which the filter keeps from the
+/// handler), padded.
+pub fn filtered_payload(id: u64, padding: usize) -> String {
+    let kind = if id.is_multiple_of(5) {
+        "quote"
+    } else {
+        "order"
+    };
+    format!(
+        r#"{{"id":{id},"kind":"{kind}","pad":"{}"}}"#,
+        "x".repeat(padding)
+    )
+}
+
+/// Whether the seed's filter keeps the record `data` (its payload, inside any envelope) from the
+/// handler.
+fn filtered_out(data: &bytes::Bytes) -> bool {
+    let decoded = shardwise::envelope::decode(data.clone());
+    serde_json::from_slice::<serde_json::Value>(&decoded.payload)
+        .is_ok_and(|v| v["kind"] == "quote")
 }
 
 /// Where a record stands against a checkpoint.
@@ -209,6 +241,8 @@ pub struct Model {
     ledger_broken: bool,
     /// Retries run in place (see [`Model::in_place`]).
     in_place: bool,
+    /// A filter keeps quotes from the handler (see [`Model::filtered`]).
+    filtered: bool,
 }
 
 impl Model {
@@ -252,7 +286,15 @@ impl Model {
             event_ids: BTreeMap::new(),
             ledger_broken: false,
             in_place: false,
+            filtered: false,
         }
+    }
+
+    /// A filter keeps quotes from the handler: a quote settles without a handler's outcome (it
+    /// counts as settled, is never owed), and one reaching the handler is a violation.
+    pub fn filtered(mut self, on: bool) -> Self {
+        self.filtered = on;
+        self
     }
 
     /// Retries run in place: a delivery may start again at its own position (the next attempt),
@@ -440,7 +482,8 @@ impl Model {
                 continue; // lost to retention: ending it is what the shard's work comes to
             }
             let key = (owner.clone(), shard.clone(), epoch, position);
-            let settled = self.settled.contains(&key)
+            let settled = (self.filtered && filtered_out(&r.record.data))
+                || self.settled.contains(&key)
                 || self.retried.get(&key).is_some_and(|(id, attempt)| {
                     self.copies
                         .get(&(owner.clone(), *id, *attempt))
@@ -490,6 +533,14 @@ impl Model {
         let (worker, shard, key) = (worker.as_str(), shard.as_str(), key.as_str());
         self.invocations += 1;
         self.event_ids.insert(event, id);
+        if self.filtered && id.is_multiple_of(5) {
+            self.violation(
+                at_ms,
+                format!(
+                    "{shard}: {worker} handed id={id} (a quote) to the handler past the filter"
+                ),
+            );
+        }
         let released = self.held.remove(&(shard.to_string(), epoch, position));
         self.event(
             at_ms,
@@ -818,6 +869,9 @@ impl Model {
             let Some(after_ms) = self.owing(shard, &position, arrived) else {
                 continue;
             };
+            if self.filtered && filtered_out(&r.record.data) {
+                continue;
+            }
             let done = self
                 .handled
                 .get(&(shard.clone(), position))

@@ -104,6 +104,9 @@ struct Scenario {
     /// the simulated stream, an event a second, ended every 5 minutes, failing with the stream's
     /// faults) instead of GetRecords polls.
     fan_out: bool,
+    /// Records are JSON and a `FilterCriteria` (Lambda's) lets only orders reach the handler: one
+    /// record in five is a quote, which must settle without it.
+    filter: bool,
     /// (time, action), in time order.
     actions: Vec<(Duration, Action)>,
 }
@@ -204,6 +207,8 @@ impl Scenario {
             queue: StdRng::seed_from_u64(seed ^ 0x0c0e_0e00).random_bool(0.5),
             defaults: false,
             fan_out: StdRng::seed_from_u64(seed ^ 0x0fa0_0e70).random_bool(0.3),
+            // Apart from the other decisions too.
+            filter: StdRng::seed_from_u64(seed ^ 0x0f17_7e75).random_bool(0.3),
             actions,
         }
         .timeouts_dead_letter()
@@ -336,7 +341,9 @@ impl World {
                 .table(KEYS, &["key"])
         });
         let model = Arc::new(Mutex::new(
-            Model::new(STALE_BOUND, stream.clone(), ledger.clone()).in_place(scenario.in_place),
+            Model::new(STALE_BOUND, stream.clone(), ledger.clone())
+                .in_place(scenario.in_place)
+                .filtered(scenario.filter),
         ));
         let observer = model.clone();
         store.observe(Arc::new(move |change: &Change| {
@@ -380,9 +387,12 @@ impl World {
             self.next_id += 1;
             let key = format!("k{}", id % self.scenario.keys);
             let padding = self.sizes.random_range(0..self.scenario.max_padding);
-            let (shard, seq) = self
-                .stream
-                .put(&key, format!("{id}|{}", "x".repeat(padding)));
+            let payload = if self.scenario.filter {
+                crate::model::filtered_payload(id, padding)
+            } else {
+                format!("{id}|{}", "x".repeat(padding))
+            };
+            let (shard, seq) = self.stream.put(&key, payload);
             self.event(format!("put id={id} key={key} -> {shard} {seq}"));
         }
     }
@@ -585,6 +595,16 @@ impl World {
                 .frontier_interval(Duration::from_secs(1));
         }
         builder.set_handler_timeout(s.handler_timeout);
+        if s.filter {
+            let orders = shardwise::filter::FilterCriteria::parse(crate::model::ORDERS_ONLY)
+                .expect("a valid filter");
+            return builder
+                .filter(orders)
+                .build()
+                .expect("valid settings")
+                .run()
+                .await;
+        }
         builder.build().expect("valid settings").run().await
     }
 
