@@ -601,7 +601,6 @@ impl Args {
         warnings
     }
 
-    /// The receipt table, when `--receipts` was given.
     /// `--filter-criteria`, read: the JSON itself when it starts with `{`, else the file it names.
     fn filter_criteria(&self) -> Result<Option<FilterCriteria>> {
         let Some(given) = &self.filter_criteria else {
@@ -618,6 +617,7 @@ impl Args {
             .map_err(|e| anyhow::anyhow!("invalid --filter-criteria: {e}"))
     }
 
+    /// The receipt table, when `--receipts` was given.
     fn receipt_table(&self) -> Option<String> {
         self.receipts.as_ref().map(|table| {
             if table.is_empty() {

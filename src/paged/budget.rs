@@ -23,7 +23,7 @@ pub(crate) const IDLE_DEFERRAL: Duration = Duration::from_secs(60);
 /// most, never for good).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Priority {
-    /// A partition that brought events lately, or an audit's follow-up pages.
+    /// A partition that brought events lately, or one not read yet.
     Busy,
     /// A partition with nothing recent.
     Idle,
