@@ -135,17 +135,25 @@ fn watch(tables: Arc<Tables>, source: String) -> (tokio::task::JoinHandle<u32>, 
 }
 
 /// The handler of the crash cases: each event adds 1 to its counter with its receipt, except the
-/// poison one (position 6), which is quarantined.
-fn counting(counts: String, case: String, calls: Calls) -> impl shardwise::Handler {
+/// poison one (position 6), which is quarantined. The third event of each page takes `slow`, so
+/// the first two are written as a settled prefix before the page completes: long enough, for
+/// the cases that die at that write, for the write before it to be answered by a loaded moto
+/// too (at 300 ms the whole page now and then completed first, and the crash point never came).
+fn counting(counts: String, case: String, calls: Calls, slow: Duration) -> impl shardwise::Handler {
     move |d: Delivery| {
         let (counts, case, calls) = (counts.clone(), case.clone(), calls.clone());
         async move {
             calls.push("", &d);
-            let slow = d
+            let third = d
                 .page_position()
                 .and_then(|p| p.as_u64())
                 .is_some_and(|p| p % 4 == 3);
-            tokio::time::sleep(Duration::from_millis(if slow { 300 } else { 15 })).await;
+            tokio::time::sleep(if third {
+                slow
+            } else {
+                Duration::from_millis(15)
+            })
+            .await;
             if d.payload().as_ref() == b"poison" {
                 return Outcome::Quarantine("poison".into());
             }
@@ -183,11 +191,16 @@ async fn crash_case(tables: Arc<Tables>, point: CrashPoint, nth: u32, when: When
     let (watcher, stop) = watch(tables.clone(), name.clone());
     let calls = Calls::default();
 
+    let slow = Duration::from_millis(if point == CrashPoint::Progress {
+        2_000
+    } else {
+        300
+    });
     let first = builder(
         &source,
         &tables,
         "w1",
-        counting(tables.counts.clone(), name.clone(), calls.clone()),
+        counting(tables.counts.clone(), name.clone(), calls.clone(), slow),
     )
     .lease_store(crash.leases(tables.leases.clone()))
     .receipts(crash.receipts(tables.receipts.clone()))
@@ -222,7 +235,7 @@ async fn crash_case(tables: Arc<Tables>, point: CrashPoint, nth: u32, when: When
         &source,
         &tables,
         "w2",
-        counting(tables.counts.clone(), name.clone(), calls.clone()),
+        counting(tables.counts.clone(), name.clone(), calls.clone(), slow),
     )
     .build()
     .unwrap()
