@@ -14,7 +14,9 @@ use std::time::Duration;
 use shardwise::filter::FilterCriteria;
 use shardwise::lease::{Checkpoint, LeaseSettings, LeaseStore, MemoryLeaseStore};
 use shardwise::testing::MemoryStream;
-use shardwise::{Batched, Batching, Consumer, Delivery, Outcome, Position};
+use shardwise::{
+    Batched, Batching, Consumer, ConsumerBuilder, Delivery, Handler, Outcome, Position,
+};
 use wait::wait_for;
 
 /// Orders only: `{"Filters":[{"Pattern":"{\"data\":{\"kind\":[\"order\"]}}"}]}`.
@@ -58,6 +60,24 @@ async fn checkpointed_through_the_end(stream: &MemoryStream, store: &MemoryLease
     }
 }
 
+/// A consumer of `stream` with quick leases and checkpoints.
+fn on_stream<H: Handler>(
+    stream: &MemoryStream,
+    store: &MemoryLeaseStore,
+    handler: H,
+) -> ConsumerBuilder<H> {
+    Consumer::builder(stream.name(), "filter-app", handler)
+        .worker_id("w1")
+        .poll_interval(Duration::from_millis(200))
+        .checkpoint_interval(Duration::from_millis(50))
+        .lease_settings(
+            LeaseSettings::default()
+                .lease_duration(Duration::from_millis(1500))
+                .scan_interval(Duration::from_millis(100)),
+        )
+        .in_memory(stream, store)
+}
+
 fn filtered(metrics: &recorder::Metrics, stream: &MemoryStream) -> u64 {
     let shards: BTreeSet<String> = stream.records().into_iter().map(|r| r.shard_id).collect();
     shards
@@ -77,26 +97,18 @@ async fn only_records_a_pattern_matches_reach_the_handler_and_the_rest_settle() 
     let orders_put = put(&stream, 300);
     let seen: Arc<Mutex<Vec<u64>>> = Arc::default();
     let handled = seen.clone();
-    let running = Consumer::builder(stream.name(), "filter-app", move |d: Delivery| {
+    let handler = move |d: Delivery| {
         handled.lock().unwrap().push(number(&d));
         async { Outcome::Ack }
-    })
-    .worker_id("w1")
-    .poll_interval(Duration::from_millis(200))
-    .checkpoint_interval(Duration::from_millis(50))
-    .lease_settings(
-        LeaseSettings::default()
-            .lease_duration(Duration::from_millis(1500))
-            .scan_interval(Duration::from_millis(100)),
-    )
-    .in_memory(&stream, &store)
-    .lanes(3)
-    .filter(orders())
-    .build()
-    .unwrap()
-    .run()
-    .await
-    .unwrap();
+    };
+    let running = on_stream(&stream, &store, handler)
+        .lanes(3)
+        .filter(orders())
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
     wait_for("every order", Duration::from_secs(20), || {
         seen.lock().unwrap().len() >= orders_put.len()
     })
@@ -142,26 +154,14 @@ async fn a_batch_holds_only_matching_records_and_a_retried_one_runs_again() {
                 .collect()
         }
     };
-    let running = Consumer::builder(
-        stream.name(),
-        "filter-app",
-        Batched::new(handler, Batching::new(10, Duration::from_millis(20))),
-    )
-    .worker_id("w1")
-    .poll_interval(Duration::from_millis(200))
-    .checkpoint_interval(Duration::from_millis(50))
-    .lease_settings(
-        LeaseSettings::default()
-            .lease_duration(Duration::from_millis(1500))
-            .scan_interval(Duration::from_millis(100)),
-    )
-    .in_memory(&stream, &store)
-    .filter(orders())
-    .build()
-    .unwrap()
-    .run()
-    .await
-    .unwrap();
+    let batched = Batched::new(handler, Batching::new(10, Duration::from_millis(20)));
+    let running = on_stream(&stream, &store, batched)
+        .filter(orders())
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
     wait_for("every order, 30 twice", Duration::from_secs(30), || {
         seen.lock().unwrap().len() > orders_put.len()
     })
