@@ -1000,6 +1000,79 @@ async fn late_events_readable_after(delay: Duration, busy: bool) {
     assert_eq!(handled, expected, "busy {busy}: every event once");
 }
 
+/// `FilterLogEvents` finds an event once it is searchable, which AWS does not bound. Here the
+/// group's index lags 8 minutes behind its ingestion (longer than the 5-minute close horizon)
+/// while events come every 2 s for 5 minutes: one with the present's timestamp, one 30 minutes
+/// old (within the hour of lateness). Before, an audit begun at `S` marked every event ingested
+/// by `S` less the horizon as handed out, those not yet searchable too, and the audits after
+/// it, finding them, took them for replays: **180 of 300** never handed out, nothing logged or
+/// counted. Now an audit vouches for no event ingested after the newest one it read, and for a
+/// group with nothing recent not for the last 15 minutes.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn filter_events_searchable_minutes_after_their_ingestion_are_found() {
+    let metrics = recorder::Metrics::default();
+    let _metrics = metrics::set_default_local_recorder(&metrics);
+    let base = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let _deterministic = shardwise::testing::simulate(base, 41);
+    let service = LogsService::new(GROUP, 1_767_225_600_000);
+    service.create_stream("s0");
+    let store = MemoryLeaseStore::new();
+    let calls = Calls::default();
+    let source = CloudWatchLogsFilter::new(service.client(), GROUP);
+    let recorded = calls.clone();
+    let running = Consumer::paged(Arc::new(source), "app", move |d: Delivery| {
+        recorded.push("w1", &d);
+        async { Outcome::Ack }
+    })
+    .worker_id("w1")
+    .poll_interval(Duration::from_secs(5))
+    .checkpoint_interval(Duration::from_secs(1))
+    .lease_store(Arc::new(store.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    let put_ago = |ago: Duration, message: String, searchable: Duration| -> Vec<String> {
+        let at = service.now() - ago.as_millis() as i64;
+        service
+            .put("s0", &[(at, message)], searchable)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.event_id)
+            .collect()
+    };
+    let lag = Duration::from_secs(8 * 60);
+    let mut expected = put_ago(Duration::from_secs(1), "first".into(), Duration::ZERO);
+    wait_for("the first event", Duration::from_secs(600), || {
+        calls.len() == 1
+    })
+    .await;
+    for i in 0..150 {
+        expected.extend(put_ago(Duration::ZERO, format!("now {i}"), lag));
+        expected.extend(put_ago(
+            Duration::from_secs(30 * 60),
+            format!("late {i}"),
+            lag,
+        ));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    // Searchable, and three audit intervals after.
+    tokio::time::sleep(lag + Duration::from_secs(16 * 60)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let mut handled = calls.ids();
+    handled.sort();
+    expected.sort();
+    let missing: Vec<&String> = expected.iter().filter(|e| !handled.contains(e)).collect();
+    assert!(
+        missing.is_empty(),
+        "{} of {} never handed out: {missing:?}",
+        missing.len(),
+        expected.len() - 1
+    );
+    assert_eq!(handled, expected, "every event once");
+}
+
 /// `FilterLogEvents` over hours, with the defaults (close horizon 5 minutes, lateness 1 hour,
 /// audited every 5 minutes): 5 events a second into 5 streams for 3 hours. Polls read only what
 /// is new (up to the close horizon), so the open groups hold about the horizon's events and the

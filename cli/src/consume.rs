@@ -91,12 +91,12 @@ pub(crate) struct Args {
     #[arg(long, env = "SHARDWISE_FILTER_CRITERIA", value_name = "FILE|JSON")]
     filter_criteria: Option<String>,
 
-    /// With --log-group (read stream by stream): how long after its ingestion an event may
-    /// become readable, e.g. `5m`, `1h` (default 15m; AWS states no bound). An audit for late
-    /// events never vouches for an event ingested after the newest one read, nor (for a stream
-    /// with nothing recent) for the last DURATION: a late event readable later than that is not
-    /// looked for.
-    #[arg(long, env = "SHARDWISE_READABLE_WITHIN", value_name = "DURATION", requires = "log_group", conflicts_with = "by_timestamp", value_parser = humantime::parse_duration)]
+    /// With --log-group: how long after its ingestion an event may become readable (searchable,
+    /// with --by-timestamp), e.g. `5m`, `1h` (default 15m; AWS states no bound). An audit for
+    /// late events never vouches for an event ingested after the newest one it read, nor (with
+    /// nothing that recent) for the last DURATION: a late event readable later than that, and
+    /// later than the allowance (30 s; the close horizon with --by-timestamp), is not looked for.
+    #[arg(long, env = "SHARDWISE_READABLE_WITHIN", value_name = "DURATION", requires = "log_group", value_parser = humantime::parse_duration)]
     readable_within: Option<Duration>,
 
     /// The application, shared by every worker of the application; names the lease table unless
@@ -1075,6 +1075,9 @@ fn builder_reading<H: Handler>(
                 if let Some(lateness) = args.lateness {
                     filter = filter.lateness(lateness);
                 }
+                if let Some(within) = args.readable_within {
+                    filter = filter.readable_within(within);
+                }
                 Arc::new(filter)
             } else {
                 let mut source = CloudWatchLogs::new(logs, group.clone());
@@ -1143,16 +1146,24 @@ fn builder_reading<H: Handler>(
     builder
 }
 
-/// The flags of a log group read stream by stream, refused without `--log-group` (clap's
-/// `requires` lets them through beside `--stream`).
+/// The flags of a log group, refused without `--log-group` (clap's `requires` lets them through
+/// beside `--stream`).
 fn log_group_only(args: &Args) -> Result<()> {
     if args.log_group.is_none() {
-        for (flag, given) in [
-            ("--retire-after", args.retire_after.is_some()),
-            ("--readable-within", args.readable_within.is_some()),
+        for (flag, given, what) in [
+            (
+                "--retire-after",
+                args.retire_after.is_some(),
+                "a log group read stream by stream",
+            ),
+            (
+                "--readable-within",
+                args.readable_within.is_some(),
+                "a log group",
+            ),
         ] {
             if given {
-                bail!("{flag} is for a log group read stream by stream: add --log-group");
+                bail!("{flag} is for {what}: add --log-group");
             }
         }
     }
@@ -1681,7 +1692,7 @@ mod tests {
     }
 
     #[test]
-    fn readable_within_is_a_duration_of_the_log_group_read_stream_by_stream() {
+    fn readable_within_is_a_duration_of_the_log_group_read_either_way() {
         let parse = |extra: &[&str]| {
             let argv = ["consume", "--log-group", "/app/orders", "--app", "billing"];
             Command::try_parse_from(argv.iter().chain(extra)).map(|c| c.args)
@@ -1690,14 +1701,18 @@ mod tests {
         assert_eq!(parsed.readable_within, Some(Duration::from_secs(300)));
         assert_eq!(parse(&[]).unwrap().readable_within, None);
         assert!(parse(&["--readable-within", "soon"]).is_err());
-        // Read by timestamp, the close horizon is the allowance.
-        assert!(parse(&["--by-timestamp", "--readable-within", "5m"]).is_err());
+        // Read by timestamp too (searchable within it).
+        let by_time = parse(&["--by-timestamp", "--readable-within", "20m"]).unwrap();
+        assert_eq!(by_time.readable_within, Some(Duration::from_secs(1200)));
         assert!(log_group_only(&parsed).is_ok());
-        for flag in ["--readable-within", "--retire-after"] {
+        for (flag, what) in [
+            ("--readable-within", "a log group"),
+            ("--retire-after", "a log group read stream by stream"),
+        ] {
             let refused = log_group_only(&args(&[flag, "5m"])).unwrap_err();
             assert_eq!(
                 refused.to_string(),
-                format!("{flag} is for a log group read stream by stream: add --log-group")
+                format!("{flag} is for {what}: add --log-group")
             );
         }
     }

@@ -20,6 +20,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use tokio::sync::{mpsc, watch};
@@ -76,7 +77,13 @@ pub(crate) struct Attempt {
     /// How long after its ingestion an event can be read, by the contract (the lateness bound
     /// that closes groups): an audit begun at `S` read every event ingested by `S` less this.
     /// `None`: the source keeps no audit mark.
-    readable_after_ms: Option<i64>,
+    readable_after: Option<Duration>,
+    /// The source's bound on how long an event takes to become readable, when it makes events
+    /// readable in the order they were ingested ([`Timestamps::readable_within`]).
+    readable_within: Option<Duration>,
+    /// The newest ingestion time among the events of the poll under way: an audit vouches for
+    /// nothing ingested after it ([`crate::paged::vouched_through`]).
+    poll_newest_ingested: Option<i64>,
     /// The durable audit mark (in the row's `resumeCursor`): an event it covers that an audit
     /// finds was handed out by an earlier attempt.
     mark: Option<AuditMark>,
@@ -202,10 +209,12 @@ impl Progress for Attempt {
                 earlier_attempts_through: crate::time::millis(crate::time::now()) + AHEAD_MS,
                 sought_at: held.lease.sought_at,
                 source: source.source.clone(),
-                readable_after_ms: match contracts.finality {
-                    Finality::Lateness(bound) => i64::try_from(bound.as_millis()).ok(),
+                readable_after: match contracts.finality {
+                    Finality::Lateness(bound) => Some(bound),
                     _ => None,
                 },
+                readable_within: contracts.readable_within,
+                poll_newest_ingested: None,
                 mark,
                 pending_mark: None,
                 ready_mark: None,
@@ -236,11 +245,18 @@ impl Progress for Attempt {
                 // The next poll starts after what this one proved, when that is past
                 // `closed_through` (a group held open by a failing event).
                 self.after.send_replace(self.groups.query_after());
-                if let (Some(from), Some(after)) = (audited_from, self.readable_after_ms) {
+                let newest = self.poll_newest_ingested.take();
+                if let (Some(from), Some(after)) = (audited_from, self.readable_after) {
                     // Everything the audit read is handed out, or known: once every delivery
-                    // tracked so far settles, the mark may be written.
+                    // tracked so far settles, the mark may be written. It vouches for what was
+                    // readable when the audit began.
                     let mark = AuditMark {
-                        through: started_ms.saturating_sub(after),
+                        through: crate::paged::vouched_through(
+                            started_ms,
+                            after,
+                            newest,
+                            self.readable_within,
+                        ),
                         from,
                     };
                     if pipeline.unsettled() == 0 {
@@ -340,6 +356,9 @@ impl Attempt {
     ) -> Read {
         let (source_name, partition) = (&self.lease.stream, &self.lease.shard);
         for event in events {
+            if let Some(ingested) = self.source.ingested(event) {
+                self.poll_newest_ingested = self.poll_newest_ingested.max(Some(ingested));
+            }
             let Some(timestamp) = event.timestamp.map(crate::time::millis) else {
                 warn!(source = %source_name, partition = %partition, id = %event.id, "an event without a timestamp from a source read by timestamp: the partition's attempt stops");
                 return Read::Failed(Error::paged(

@@ -327,9 +327,7 @@ impl LateEvents {
     /// were readable when it was read: a stream whose reads lag by minutes is marked by what
     /// they showed), nor, for a stream with nothing recent, before `now` less `readable_within`.
     fn mark(&self, now: i64, seen: Option<i64>) -> i64 {
-        let within = i64::try_from(self.readable_within.as_millis()).unwrap_or(i64::MAX);
-        let slow = now.saturating_sub(within);
-        (now - allowance_ms()).min(seen.map_or(slow, |seen| seen.max(slow)))
+        super::vouched_through(now, AUDIT_ALLOWANCE, seen, Some(self.readable_within))
     }
 }
 

@@ -21,7 +21,9 @@
 //!   16 bytes each) is handed out unless its receipt shows it done, and counted in
 //!   `shardwise_paged_late_events_total`. After a restart the identities are gone; the audit's
 //!   durable mark (written with a close once the audit's events settled: every event from the
-//!   audit's start, ingested by the audit's start less `C`, was handed out) tells the next
+//!   audit's start, ingested by the audit's start less `C`, but not after the newest event the
+//!   audit read nor, with nothing that recent, before the start less
+//!   [`readable_within`](CloudWatchLogsFilter::readable_within), was handed out) tells the next
 //!   attempt's first audit what it need not hand out again, from the events' `ingestionTime`
 //!   ([`PagedSource::ingested`]); what arrived since the mark is handed out unless receipts
 //!   recognise it. The memory is reported as `shardwise_paged_open_events` and
@@ -98,6 +100,7 @@ pub struct CloudWatchLogsFilter {
     lateness: Duration,
     audit_interval: Duration,
     catch_up_step: Duration,
+    readable_within: Duration,
     reads: Arc<Budget>,
     /// The group's retention, described with every listing.
     kept: super::cloudwatch::Kept,
@@ -112,6 +115,7 @@ impl fmt::Debug for CloudWatchLogsFilter {
             .field("lateness", &self.lateness)
             .field("audit_interval", &self.audit_interval)
             .field("catch_up_step", &self.catch_up_step)
+            .field("readable_within", &self.readable_within)
             .finish_non_exhaustive()
     }
 }
@@ -132,6 +136,7 @@ impl CloudWatchLogsFilter {
             lateness: FILTER_LATENESS,
             audit_interval: FILTER_AUDIT_INTERVAL,
             catch_up_step: FILTER_CATCH_UP_STEP,
+            readable_within: super::cloudwatch::READABLE_WITHIN,
             reads: Arc::new(Budget::per_second(FILTER_LOG_EVENTS_PER_SECOND)),
             kept: super::cloudwatch::Kept::default(),
         }
@@ -188,6 +193,18 @@ impl CloudWatchLogsFilter {
     /// reads and memory in proportion. An event later than it is not looked for.
     pub fn lateness(mut self, lateness: Duration) -> Self {
         self.lateness = lateness;
+        self
+    }
+
+    /// How long after its ingestion an event may take to become searchable (default
+    /// [`READABLE_WITHIN`](super::READABLE_WITHIN), 15 minutes; AWS states no bound). The
+    /// group's events are taken to become searchable in the order they were ingested: an audit
+    /// begun at `S` vouches (in its durable mark) for the events ingested by `S` less the close
+    /// horizon, but not after the newest one it read, nor, when it read nothing that recent,
+    /// for the last `within`. An event searchable later than that, and later than the close
+    /// horizon, may be taken for a replay by a later audit.
+    pub fn readable_within(mut self, within: Duration) -> Self {
+        self.readable_within = within;
         self
     }
 
@@ -310,7 +327,8 @@ impl PagedSource for CloudWatchLogsFilter {
     fn contract(&self) -> Contract {
         Contract::default().timestamps(
             Timestamps::new(Traversal::Complete, Finality::Lateness(self.close_horizon))
-                .audit_window(self.lateness),
+                .audit_window(self.lateness)
+                .readable_within(self.readable_within),
         )
     }
 

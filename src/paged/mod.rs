@@ -258,6 +258,12 @@ pub struct Timestamps {
     /// [`AUDIT_WINDOW`]): an event that arrives later than the finality contract allows, but
     /// within this much behind `closedThrough`, is found and handed out.
     pub audit_window: Duration,
+    /// How long after its ingestion an event may take to become readable when the source makes
+    /// its events readable in the order they were ingested (CloudWatch Logs' index: AWS states
+    /// no bound). With it, an audit never vouches for an event ingested after the newest one it
+    /// read, nor, when it read nothing that recent, for this last span (see [`vouched_through`]).
+    /// `None` (the default): an event is readable within the [`Finality::Lateness`] bound.
+    pub readable_within: Option<Duration>,
 }
 
 impl Timestamps {
@@ -267,7 +273,15 @@ impl Timestamps {
             traversal,
             finality,
             audit_window: AUDIT_WINDOW,
+            readable_within: None,
         }
+    }
+
+    /// Declares that events become readable in the order they were ingested, each within
+    /// `within` of its ingestion (see [`Timestamps::readable_within`](Self#structfield.readable_within)).
+    pub fn readable_within(mut self, within: Duration) -> Self {
+        self.readable_within = Some(within);
+        self
     }
 
     /// Audits `window` behind `closedThrough` for late events (the identities of that window's
@@ -675,6 +689,30 @@ impl Vouched {
 pub(crate) const LATE_EVENTS: &str = "shardwise_paged_late_events_total";
 
 #[allow(dead_code)]
+/// Through which ingestion time (ms) a read begun at `start` (service time) saw every event
+/// that existed: `start` less `allowance` (the time an event may take to become readable), but,
+/// when events become readable in the order they were ingested within `readable_within`, not
+/// past `newest` (the newest ingestion the read returned: everything ingested before it was
+/// readable when it was read, so a read lagging by minutes vouches for what it showed), nor,
+/// with nothing that recent read, past `start` less `readable_within`. Without such a bound:
+/// `start` less `allowance`.
+pub fn vouched_through(
+    start: i64,
+    allowance: Duration,
+    newest: Option<i64>,
+    readable_within: Option<Duration>,
+) -> i64 {
+    let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+    let allowed = start.saturating_sub(ms(allowance));
+    match readable_within {
+        None => allowed,
+        Some(within) => {
+            let slow = start.saturating_sub(ms(within));
+            allowed.min(newest.map_or(slow, |newest| newest.max(slow)))
+        }
+    }
+}
+
 fn _object_safe(_: &dyn PagedSource) {}
 
 /// A paged partition's durable progress, as its lease row keeps it.
@@ -702,6 +740,44 @@ pub struct PagedProgress {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_read_vouches_neither_past_the_newest_ingestion_it_returned_nor_the_allowance() {
+        use super::vouched_through;
+        use std::time::Duration;
+        let (start, allowance) = (10_000_000, Duration::from_secs(30));
+        let within = Some(Duration::from_secs(600));
+        // A busy source read up to a second ago: the allowance.
+        assert_eq!(
+            vouched_through(start, allowance, Some(start - 1_000), within),
+            start - 30_000
+        );
+        // Reads lagging 3 minutes behind the service: what they showed.
+        assert_eq!(
+            vouched_through(start, allowance, Some(start - 180_000), within),
+            start - 180_000
+        );
+        // Nothing recent, or nothing read: the bound.
+        assert_eq!(
+            vouched_through(start, allowance, Some(start - 3_600_000), within),
+            start - 600_000
+        );
+        assert_eq!(
+            vouched_through(start, allowance, None, within),
+            start - 600_000
+        );
+        // A bound shorter than the allowance: the allowance.
+        let short = Some(Duration::from_secs(10));
+        assert_eq!(
+            vouched_through(start, allowance, None, short),
+            start - 30_000
+        );
+        // No bound declared: the allowance, whatever was read.
+        assert_eq!(
+            vouched_through(start, allowance, Some(start - 180_000), None),
+            start - 30_000
+        );
+    }
+
     use super::*;
 
     #[test]

@@ -50,8 +50,8 @@ use rand::{Rng, SeedableRng};
 use shardwise::consumer::Settled;
 use shardwise::lease::{Change, LeaseSettings, MemoryLeaseStore};
 use shardwise::paged::{
-    CloudWatchLogs, CloudWatchLogsFilter, FILTER_LATENESS, LATE_EVENT_WINDOW, PagePosition,
-    PagedSource,
+    CloudWatchLogs, CloudWatchLogsFilter, FILTER_CLOSE_HORIZON, FILTER_LATENESS, LATE_EVENT_WINDOW,
+    PagePosition, PagedSource,
 };
 use shardwise::receipts::{Effect, MemoryReceipts, key};
 use shardwise::testing::{HostClock, Layered, on_host};
@@ -458,6 +458,8 @@ impl World {
             let delay = self.readable.random_range(0..=slow);
             self.service
                 .set_readability_delay(Duration::from_millis(delay));
+            // Read by timestamp: the group's search index lags as much, in order.
+            self.service.set_search_lag(Duration::from_millis(delay));
             self.event(format!("readable {delay} ms after ingestion"));
         }
         let delay = Duration::from_millis(self.rng.random_range(200..120_000));
@@ -478,7 +480,11 @@ impl World {
             // its time before it is searchable. The audit looks back an hour (its lateness);
             // later than that is outside the contract.
             for event in &stored {
-                if late.is_some() {
+                // Or when the group's index lags past the close horizon: the forward poll may
+                // close its time before it is searchable.
+                let unsearchable =
+                    event.searchable - event.timestamp > FILTER_CLOSE_HORIZON.as_millis() as i64;
+                if late.is_some() || unsearchable {
                     model.late.insert(event.event_id.clone());
                     if event.ingestion - event.timestamp > FILTER_LATENESS.as_millis() as i64 {
                         model.too_late.insert(event.event_id.clone());
