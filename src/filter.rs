@@ -194,6 +194,19 @@ impl<H: Handler> Handler for Filtered<H> {
         }
         outcomes
     }
+
+    fn window_slots(&self) -> Option<&std::sync::Arc<crate::window::WindowSlots>> {
+        self.inner.window_slots()
+    }
+
+    fn close_window_if_over(
+        &self,
+        stream: &str,
+        shard: &str,
+        now_ms: i64,
+    ) -> impl std::future::Future<Output = bool> + Send {
+        self.inner.close_window_if_over(stream, shard, now_ms)
+    }
 }
 
 /// A pattern: every field's matcher, and every `$or` group's alternatives.

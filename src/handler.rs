@@ -15,6 +15,7 @@ use crate::retry::{
     ORIGIN_SUB_SEQUENCE_HEADER,
 };
 use crate::track::DeliveryId;
+use crate::window::WindowSlots;
 
 /// What the handler decided for one delivery.
 ///
@@ -596,6 +597,27 @@ pub trait Handler: Send + Sync + 'static {
             }
             outcomes
         }
+    }
+
+    /// For a handler run on tumbling windows ([`Windowed`](crate::window::Windowed)): its
+    /// windows' slots, which the shard loop restores from the lease row and writes with the
+    /// checkpoints. `None` (the default) for every other handler; a handler that wraps another
+    /// returns the inner one's.
+    fn window_slots(&self) -> Option<&Arc<WindowSlots>> {
+        None
+    }
+
+    /// For a handler run on tumbling windows: the final call of the shard's open window, if
+    /// the window ended by `now_ms` and no call runs. `false`: the call failed (the window stays
+    /// open). The default does nothing; a handler that wraps another forwards it.
+    fn close_window_if_over(
+        &self,
+        stream: &str,
+        shard: &str,
+        now_ms: i64,
+    ) -> impl Future<Output = bool> + Send {
+        let _ = (stream, shard, now_ms);
+        async { true }
     }
 }
 

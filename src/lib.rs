@@ -75,6 +75,7 @@ pub mod track;
 #[cfg(not(feature = "testing"))]
 #[allow(unreachable_pub, dead_code)]
 mod track;
+pub mod window;
 
 /// The README's Rust examples, compiled with the doctests so they cannot rot.
 #[cfg(doctest)]

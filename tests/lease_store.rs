@@ -816,6 +816,98 @@ async fn a_latest_start_is_pinned_by_a_fenced_write(store: &dyn LeaseStore) {
 }
 
 /// The frontier coordinate rises alone (no checkpoint move), only for the owner, only upwards.
+/// A shard on tumbling windows: the window state goes with the checkpoint in one fenced write;
+/// a write at the stored position may change it (a window closed with nothing more settled),
+/// one behind it may not; a plain checkpoint leaves it; a zombie cannot write it; SHARD_END and
+/// a seek remove it.
+async fn a_window_state_is_written_with_the_checkpoint_and_fenced(store: &dyn LeaseStore) {
+    use shardwise::window::{Window, WindowState};
+    let stream = stream_name();
+    let (_, held) = held(store, &stream, "w1").await;
+    let state = |text: &str| WindowState {
+        window: Window {
+            start_ms: 1_800_000_000_000,
+            end_ms: 1_800_000_060_000,
+        },
+        state: text.as_bytes().to_vec().into(),
+    };
+    let ten = at("10", 0);
+    assert_eq!(
+        store
+            .checkpoint_window(&held, &ten, None, Some(&state("{\"n\":10}")))
+            .await
+            .unwrap(),
+        CheckpointWrite::Written
+    );
+    let read = row(store, &stream).await;
+    assert_eq!(
+        (read.checkpoint.clone(), read.window),
+        (ten.clone(), Some(state("{\"n\":10}")))
+    );
+    // At the same position: the window closed.
+    assert_eq!(
+        store
+            .checkpoint_window(&held, &ten, None, None)
+            .await
+            .unwrap(),
+        CheckpointWrite::Written
+    );
+    assert_eq!(row(store, &stream).await.window, None);
+    // Behind the stored position: refused, nothing changed.
+    assert_eq!(
+        store
+            .checkpoint_window(&held, &at("9", 0), None, Some(&state("{}")))
+            .await
+            .unwrap(),
+        CheckpointWrite::NotNewer
+    );
+    assert_eq!(row(store, &stream).await.window, None);
+    store
+        .checkpoint_window(&held, &at("11", 0), None, Some(&state("{\"n\":11}")))
+        .await
+        .unwrap();
+    // A plain checkpoint leaves it.
+    assert_eq!(
+        store.checkpoint(&held, &at("12", 0), None).await.unwrap(),
+        CheckpointWrite::Written
+    );
+    assert_eq!(row(store, &stream).await.window, Some(state("{\"n\":11}")));
+    // A zombie (an older epoch) writes nothing.
+    let zombie = Ownership {
+        epoch: held.epoch - 1,
+        ..held.clone()
+    };
+    assert_eq!(
+        store
+            .checkpoint_window(&zombie, &at("13", 0), None, None)
+            .await
+            .unwrap(),
+        CheckpointWrite::Lost
+    );
+    assert_eq!(row(store, &stream).await.window, Some(state("{\"n\":11}")));
+    // SHARD_END removes it.
+    store
+        .checkpoint(&held, &Checkpoint::ShardEnd, None)
+        .await
+        .unwrap();
+    assert_eq!(row(store, &stream).await.window, None);
+    // And a seek.
+    let other = stream_name();
+    let (_, held) = held_again(store, &other).await;
+    store
+        .checkpoint_window(&held, &ten, None, Some(&state("{}")))
+        .await
+        .unwrap();
+    let seen = row(store, &other).await;
+    assert!(seen.window.is_some());
+    assert!(store.seek(&[mv(&seen, at("5", 0))]).await.unwrap());
+    assert_eq!(row(store, &other).await.window, None);
+}
+
+async fn held_again(store: &dyn LeaseStore, stream: &str) -> (Lease, Ownership) {
+    held(store, stream, "w2").await
+}
+
 async fn advance_frontier_only_rises(store: &dyn LeaseStore) {
     let stream = stream_name();
     let (_, a) = held(store, &stream, "worker-a").await;
@@ -1476,6 +1568,7 @@ conformance!(
     complete_through_never_goes_down_with_a_checkpoint,
     a_latest_start_is_pinned_by_a_fenced_write,
     advance_frontier_only_rises,
+    a_window_state_is_written_with_the_checkpoint_and_fenced,
     delete_takes_only_an_untouched_ended_row,
     paged_progress_moves_by_compare_and_swap_on_the_attempt,
     a_zombie_cannot_write_paged_progress,

@@ -23,6 +23,7 @@ use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
 use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, SourceRetention, key};
 use shardwise::shard::discovery::{KinesisShards, ShardLister};
 use shardwise::shard::fanout::FanOut;
+use shardwise::window::{WindowSlots, Windowed};
 use shardwise::{
     Batching, ConfigError, Consumer, ConsumerBuilder, Delivery, DeliveryOrder, Handler, Outcome,
     Running, ShutdownReport,
@@ -31,7 +32,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::common::{Ctx, Result};
 use crate::exec::runner::{LAMBDA_MAX_TIMEOUT, Runner, Runtime, parse_runtime};
-use crate::exec::{EventSource, Exec, ExecSettings, Format, STOP_GRACE};
+use crate::exec::{EventSource, Exec, ExecSettings, ExecWindows, Format, STOP_GRACE};
 use crate::flag_error::{Source, invalid_setting};
 use crate::table_flags::TableFlags;
 use crate::target::{START_VALUES, parse_start, time_help};
@@ -378,6 +379,16 @@ pub(crate) struct Args {
         requires = "handler_program"
     )]
     bisect_batch_on_error: bool,
+
+    /// With Lambda's format (--lambda-handler, --exec-format lambda): Lambda's tumbling windows
+    /// (TumblingWindowInSeconds) of DURATION, 1s to 15m, by the records' arrival time. The
+    /// function gets `window`, `state` (what it returned last for the shard and window; `{}` at
+    /// first), `shardId`, `eventSourceARN`, `isFinalInvokeForWindow` and
+    /// `isWindowTerminatedEarly`, and must answer `state` (an answer without it fails the call);
+    /// a final call without records ends each window. The state is kept in the lease table with
+    /// the checkpoint. One lane per shard (--lanes 1), retries in place.
+    #[arg(long, env = "SHARDWISE_TUMBLING_WINDOW", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    tumbling_window: Option<Duration>,
 
     /// How long one delivery (or batch) may take. The built-in handler's delivery then takes the
     /// retry path; with --exec the program is restarted and gets the delivery again (and after
@@ -1217,7 +1228,37 @@ pub(crate) async fn run(mut args: Args, ctx: &Ctx) -> Result<()> {
         print: !args.quiet && receipts.is_none(),
         handled: Arc::default(),
     };
+    let lambda = args.lambda_handler.is_some() || args.exec_format == Some(ExecFormat::Lambda);
+    if args.tumbling_window.is_some() && !lambda {
+        bail!(
+            "--tumbling-window runs a Lambda handler on windows: add --lambda-handler or --exec-format lambda"
+        );
+    }
     match exec_settings(&args, ctx, &worker).await? {
+        Some(settings) if args.tumbling_window.is_some() => {
+            let width = args.tumbling_window.unwrap_or_default();
+            let batching = settings
+                .batching
+                .unwrap_or_else(|| Batching::new(LAMBDA_BATCH, LAMBDA_BATCH_WINDOW));
+            let exec = Exec::start(settings);
+            let children = exec.clone();
+            let handler = Printing {
+                inner: Windowed::new(ExecWindows(exec), width, batching),
+                printer: printer.clone(),
+            };
+            let handler = Filtered::new(handler, criteria);
+            let consumed = consume(
+                &args,
+                ctx,
+                handler,
+                printer,
+                Some(&children),
+                metrics.as_ref(),
+            )
+            .await;
+            children.stop().await;
+            consumed
+        }
         Some(settings) => {
             let exec = Exec::start(settings);
             let children = exec.clone();
@@ -1426,6 +1467,19 @@ impl<H: Handler> Handler for Printing<H> {
             self.printer.handled(d, o);
         }
         outcomes
+    }
+
+    fn window_slots(&self) -> Option<&Arc<WindowSlots>> {
+        self.inner.window_slots()
+    }
+
+    fn close_window_if_over(
+        &self,
+        stream: &str,
+        shard: &str,
+        now_ms: i64,
+    ) -> impl std::future::Future<Output = bool> + Send {
+        self.inner.close_window_if_over(stream, shard, now_ms)
     }
 }
 

@@ -68,6 +68,7 @@ use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
+use shardwise::window::{WindowAnswer, WindowCall, WindowHandler};
 use shardwise::{Batching, Delivery, Handler, Outcome};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command};
@@ -199,6 +200,9 @@ enum Expect {
     Outcomes(Vec<u64>),
     /// A Lambda function's answer: item failures named by sequence number.
     Lambda(Vec<String>),
+    /// A Lambda function's answer to a tumbling window's call: item failures, and the `state`
+    /// it must carry, put in the slot (left empty when the call failed).
+    LambdaWindow(Vec<String>, Arc<Mutex<Option<Vec<u8>>>>),
 }
 
 impl Expect {
@@ -206,7 +210,7 @@ impl Expect {
     fn len(&self) -> usize {
         match self {
             Expect::Outcomes(ids) => ids.len(),
-            Expect::Lambda(sequences) => sequences.len(),
+            Expect::Lambda(sequences) | Expect::LambdaWindow(sequences, _) => sequences.len(),
         }
     }
 }
@@ -279,16 +283,29 @@ impl Exec {
         });
     }
 
-    /// The child of a delivery's lane of its shard.
-    fn child_of(&self, d: &Delivery) -> &mpsc::UnboundedSender<Request> {
+    /// The child of `lane` of `shard`.
+    fn child_for(&self, shard: &str, lane: usize) -> &mpsc::UnboundedSender<Request> {
         let mut h = DefaultHasher::new();
-        (d.shard(), d.lane()).hash(&mut h);
+        (shard, lane).hash(&mut h);
         &self.children[(h.finish() % self.children.len() as u64) as usize]
     }
 
     /// Sends a request to the child of `first`'s lane and waits for its outcomes. Never returns
     /// while the pool is shutting down: the deliveries stay unsettled and are read again.
     async fn send(&self, first: &Delivery, id: u64, expect: Expect, line: String) -> Vec<Outcome> {
+        self.send_to(first.shard(), first.lane(), id, expect, line)
+            .await
+    }
+
+    /// [`send`](Self::send) to the child of `lane` of `shard`.
+    async fn send_to(
+        &self,
+        shard: &str,
+        lane: usize,
+        id: u64,
+        expect: Expect,
+        line: String,
+    ) -> Vec<Outcome> {
         let (reply, answer) = oneshot::channel();
         let request = Request {
             expect,
@@ -296,7 +313,7 @@ impl Exec {
             line: line.into(),
             reply,
         };
-        if self.child_of(first).send(request).is_err() {
+        if self.child_for(shard, lane).send(request).is_err() {
             return std::future::pending().await;
         }
         match answer.await {
@@ -346,6 +363,39 @@ impl Handler for Exec {
         let line = json!({ "id": batch_id, "batch": deliveries }).to_string();
         self.send(&batch[0], batch_id, Expect::Outcomes(ids), line)
             .await
+    }
+}
+
+/// The handler program run on tumbling windows (`--tumbling-window`, Lambda's format): each
+/// call is one request of Lambda's `KinesisTimeWindowEvent`, to the child of the shard's lane.
+#[derive(Debug, Clone)]
+pub(crate) struct ExecWindows(pub(crate) Exec);
+
+impl WindowHandler for ExecWindows {
+    async fn handle_window(&self, call: WindowCall) -> WindowAnswer {
+        let Format::Lambda(source) = &self.0.format else {
+            // `consume` runs windows only with Lambda's format.
+            return WindowAnswer::failed();
+        };
+        let id = self.0.next_id.fetch_add(1, Ordering::Relaxed);
+        let (line, sequences) = lambda::window_request_line(id, &call, source);
+        let slot = Arc::new(Mutex::new(None));
+        let lane = call.records.first().map_or(0, Delivery::lane);
+        let outcomes = self
+            .0
+            .send_to(
+                &call.shard_id,
+                lane,
+                id,
+                Expect::LambdaWindow(sequences, slot.clone()),
+                line,
+            )
+            .await;
+        let state = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
+        match state {
+            Some(state) => WindowAnswer::new(state, outcomes),
+            None => WindowAnswer::failed(),
+        }
     }
 }
 
@@ -473,6 +523,22 @@ pub(crate) fn parse_outcome(v: &Value) -> Result<Outcome, String> {
 fn outcomes_of(answer: &Answer, expect: &Expect) -> Result<Vec<Outcome>, String> {
     let ids = match expect {
         Expect::Outcomes(ids) => ids,
+        Expect::LambdaWindow(sequences, slot) => {
+            let (read, state) = lambda::read_window_answer(
+                answer.error.as_ref(),
+                answer.response.as_ref(),
+                sequences,
+            );
+            if let Some(why) = &read.batch_failed {
+                warn!(
+                    request = answer.id,
+                    records = sequences.len(),
+                    "{why}: the window's call is made again"
+                );
+            }
+            *slot.lock().unwrap_or_else(PoisonError::into_inner) = state;
+            return Ok(read.outcomes);
+        }
         Expect::Lambda(sequences) => {
             let read =
                 lambda::read_answer(answer.error.as_ref(), answer.response.as_ref(), sequences);

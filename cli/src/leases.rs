@@ -224,6 +224,7 @@ mod tests {
             wanted_by: None,
             handoff_acked: false,
             retired_at: None,
+            window: None,
         }
     }
 

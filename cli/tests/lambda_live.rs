@@ -988,3 +988,149 @@ async fn filter_criteria_let_only_matching_records_reach_the_handler_and_the_res
     assert_eq!(acked.len(), 40, "each once");
     cleanup(&live, &stream, &app).await;
 }
+
+/// Lambda's tumbling windows (`--tumbling-window 3s`) with a Python function written as AWS's
+/// documentation shows (a count per partition key in `state`, returned every call): each call
+/// gets the state the last one returned (`{}` at a window's first), the event carries `window`
+/// (3 s apart, in ISO 8601), `shardId`, `eventSourceARN` and the two flags, and each window ends
+/// with one final call without records whose state counts every record of the window: together,
+/// every record once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tumbling_window_carries_its_state_between_calls_and_ends_with_a_final_call() {
+    let _turn = EMULATORS.read().await;
+    let live = support::live("window")
+        .await
+        .expect("the emulators (SHARDWISE_LIVE)");
+    let stream = support::unique_name("window");
+    let app = support::unique_name("window-app");
+    live.create_stream(&stream, 1).await;
+    let dir = scratch("lambda-window");
+    let notes = dir.join("calls.jsonl");
+    std::fs::write(
+        dir.join("app.py"),
+        format!(
+            r#"import base64, json
+
+def handler(event, context):
+    noted = {{k: event[k] for k in ("window", "state", "shardId", "eventSourceARN", "isFinalInvokeForWindow", "isWindowTerminatedEarly")}}
+    noted["ids"] = [json.loads(base64.b64decode(r["kinesis"]["data"]))["id"] for r in event["Records"]]
+    state = dict(event["state"])
+    for record in event["Records"]:
+        key = record["kinesis"]["partitionKey"]
+        state[key] = state.get(key, 0) + 1
+    noted["returned"] = state
+    with open({notes:?}, "a") as f:
+        f.write(json.dumps(noted) + "\n")
+    return {{"state": state}}
+"#,
+            notes = notes.display().to_string(),
+        ),
+    )
+    .unwrap();
+    put(&stream, RECORDS, KEYS, 0).await;
+    let dir_arg = dir.display().to_string();
+    let log = Log::default();
+    let args = worker_args(&[
+        "--lambda-handler",
+        "app.handler",
+        "--lambda-runtime",
+        "python",
+        "--lambda-dir",
+        &dir_arg,
+        "--batch",
+        "10",
+        "--tumbling-window",
+        "3s",
+    ]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut worker = Worker::spawn(&stream, &app, "W", &args, &log);
+    let calls = || -> Vec<Value> {
+        std::fs::read_to_string(&notes)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("a noted call"))
+            .collect()
+    };
+    let counted = |calls: &[Value]| -> u64 {
+        calls
+            .iter()
+            .filter(|c| c["isFinalInvokeForWindow"] == true)
+            .flat_map(|c| c["state"].as_object().expect("a state").values())
+            .map(|n| n.as_u64().expect("a count"))
+            .sum()
+    };
+    wait_for(
+        "final calls counting every record",
+        Duration::from_secs(90),
+        || counted(&calls()) >= RECORDS,
+    )
+    .await;
+    worker.stop_gracefully(Duration::from_secs(30)).await;
+    log.assert_no_garbage();
+    let calls = calls();
+    assert_eq!(
+        counted(&calls),
+        RECORDS,
+        "every record counted once: {calls:?}"
+    );
+    let handled: Vec<u64> = calls
+        .iter()
+        .flat_map(|c| {
+            c["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|i| i.as_u64().unwrap())
+        })
+        .collect();
+    assert_eq!(
+        handled.iter().copied().collect::<BTreeSet<_>>(),
+        (0..RECORDS).collect::<BTreeSet<_>>()
+    );
+    assert_eq!(handled.len(), RECORDS as usize, "each record in one call");
+    let mut finals = BTreeSet::new();
+    let mut returned: BTreeMap<String, Value> = BTreeMap::new();
+    for call in &calls {
+        let window = &call["window"];
+        let (start, end) = (
+            window["start"].as_str().expect("start"),
+            window["end"].as_str().expect("end"),
+        );
+        let parse = |t: &str| humantime::parse_rfc3339(t).expect("ISO 8601");
+        assert_eq!(
+            parse(end).duration_since(parse(start)).unwrap(),
+            Duration::from_secs(3),
+            "{call}"
+        );
+        assert!(start.ends_with('Z'), "{call}");
+        assert_eq!(call["shardId"], "shardId-000000000000", "{call}");
+        assert!(
+            call["eventSourceARN"]
+                .as_str()
+                .is_some_and(|a| a.starts_with("arn:aws:kinesis:") && a.ends_with(&stream)),
+            "{call}"
+        );
+        assert_eq!(call["isWindowTerminatedEarly"], false, "{call}");
+        // The state is what the window's last call returned ({} at its first).
+        let expected = returned
+            .get(start)
+            .cloned()
+            .unwrap_or_else(|| serde_json::json!({}));
+        assert_eq!(call["state"], expected, "{call}");
+        assert!(
+            !finals.contains(start),
+            "a call after its window's final one: {call}"
+        );
+        if call["isFinalInvokeForWindow"] == true {
+            assert!(call["ids"].as_array().unwrap().is_empty(), "{call}");
+            finals.insert(start.to_string());
+        }
+        returned.insert(start.to_string(), call["returned"].clone());
+    }
+    assert_eq!(
+        finals.len(),
+        returned.len(),
+        "one final call for each window: {calls:?}"
+    );
+    cleanup(&live, &stream, &app).await;
+}

@@ -17,6 +17,7 @@ use crate::lease::{CheckpointWrite, LeaseStore, Ownership};
 use crate::position::Position;
 use crate::time::millis;
 use crate::track::Tracker;
+use crate::window::WindowState;
 
 /// A tracked delivery: its position and arrival time (ms).
 pub(crate) type Entry = (Position, Option<i64>);
@@ -26,6 +27,8 @@ pub(crate) struct Checkpointer {
     ownership: Ownership,
     /// Settled through here but not yet written.
     pending: Option<Position>,
+    /// The position the row's checkpoint stands at, as far as this attempt knows.
+    written: Option<Position>,
     /// Frontier inputs besides the tracker (see `frontier::complete_through`).
     last_settled: Option<i64>,
     caught_up_at: Option<i64>,
@@ -37,10 +40,13 @@ pub(crate) struct Checkpointer {
 }
 
 /// A checkpoint write: the position, and the frontier coordinate written with it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Write {
     pub(crate) to: Position,
     pub(crate) complete_through: Option<i64>,
+    /// For a shard on tumbling windows: the window state through `to` (`Some(None)`: none open),
+    /// written in the same write; `None`: the row's stays.
+    pub(crate) window: Option<Option<WindowState>>,
 }
 
 impl Checkpointer {
@@ -48,6 +54,7 @@ impl Checkpointer {
     pub(crate) fn new(
         store: Arc<dyn LeaseStore>,
         ownership: Ownership,
+        start: &Checkpoint,
         floor: Option<i64>,
         caught_up_skew: Option<Duration>,
         frontier_interval: Duration,
@@ -56,6 +63,10 @@ impl Checkpointer {
             store,
             ownership,
             pending: None,
+            written: match start {
+                Checkpoint::At(p) => Some(*p),
+                _ => None,
+            },
             last_settled: None,
             caught_up_at: None,
             floor,
@@ -102,6 +113,17 @@ impl Checkpointer {
         Some(Write {
             to,
             complete_through: self.complete_through(tracker),
+            window: None,
+        })
+    }
+
+    /// A write at the position already written, to carry a window state alone; `None` before
+    /// any position was written.
+    pub(crate) fn propose_again(&self) -> Option<Write> {
+        Some(Write {
+            to: self.written?,
+            complete_through: None,
+            window: None,
         })
     }
 
@@ -110,19 +132,26 @@ impl Checkpointer {
         let store = self.store.clone();
         let ownership = self.ownership.clone();
         Box::pin(async move {
-            let result = store
-                .checkpoint(
-                    &ownership,
-                    &Checkpoint::At(write.to),
-                    write.complete_through,
-                )
-                .await;
+            let to = Checkpoint::At(write.to);
+            let result = match &write.window {
+                None => {
+                    store
+                        .checkpoint(&ownership, &to, write.complete_through)
+                        .await
+                }
+                Some(window) => {
+                    store
+                        .checkpoint_window(&ownership, &to, write.complete_through, window.as_ref())
+                        .await
+                }
+            };
             Answer::of(write, result)
         })
     }
 
     /// `write` is stored.
     pub(crate) fn stored(&mut self, write: Write) {
+        self.written = self.written.max(Some(write.to));
         if write.complete_through.is_some() {
             self.floor = self.floor.max(write.complete_through);
         }

@@ -134,6 +134,20 @@ pub(crate) struct Lanes {
     load: Vec<usize>,
     /// Whether a retry parks its key ([`LaneSettings::park_retries`]).
     park_retries: bool,
+    /// A retry parks the whole lane, not its key alone (see [`park_key`]).
+    one_key: bool,
+}
+
+/// The key a retry parks on its lane: the delivery's partition key, or, for a handler on tumbling
+/// windows (`one_key`), one key for every delivery: a failed record holds every later one of the
+/// shard, as Lambda retries a window's records from the first failure, so a window's calls
+/// come in shard order.
+fn park_key(one_key: bool, delivery: &Delivery) -> &str {
+    if one_key {
+        ""
+    } else {
+        delivery.partition_key()
+    }
 }
 
 impl Lanes {
@@ -147,6 +161,7 @@ impl Lanes {
         let mut tasks = JoinSet::new();
         let mut senders = Vec::new();
         let park_retries = settings.park_retries;
+        let one_key = handler.window_slots().is_some();
         match ordering {
             DeliveryOrder::PerKey => {
                 for _ in 0..count {
@@ -178,6 +193,7 @@ impl Lanes {
             load: vec![0; count],
             pending: senders.iter().map(|_| Vec::new()).collect(),
             park_retries,
+            one_key,
             senders,
             ordering,
             tasks,
@@ -291,7 +307,7 @@ impl Lanes {
         self.flush();
         if let Some(sender) = self.senders.get(delivery.lane()) {
             let _ = sender.send(Work::Unpark(
-                delivery.partition_key().to_string(),
+                park_key(self.one_key, delivery).to_string(),
                 delivery.id(),
             ));
         }
@@ -336,6 +352,8 @@ struct LaneQueue {
     done: FinishedRun,
     /// Whether a retry parks its key.
     park_retries: bool,
+    /// A retry parks the whole lane ([`park_key`]).
+    one_key: bool,
     /// Parked keys: the deliveries that parked each, and what waits behind them.
     parked: HashMap<String, Parked>,
     /// Next attempts of parked deliveries whose turn it is: they run before anything queued.
@@ -378,9 +396,10 @@ impl LaneQueue {
                     }
                     Work::Again(delivery) => {
                         // Behind an earlier delivery of its key that waits to run again.
-                        if let (Some(id), Some(parked)) =
-                            (delivery.id(), self.parked.get_mut(delivery.partition_key()))
-                            && parked.waiting.first().is_some_and(|first| *first < id)
+                        if let (Some(id), Some(parked)) = (
+                            delivery.id(),
+                            self.parked.get_mut(park_key(self.one_key, &delivery)),
+                        ) && parked.waiting.first().is_some_and(|first| *first < id)
                         {
                             parked.held.insert(id, delivery);
                             continue;
@@ -395,7 +414,7 @@ impl LaneQueue {
                 },
             };
             if !self.parked.is_empty()
-                && let Some(parked) = self.parked.get_mut(delivery.partition_key())
+                && let Some(parked) = self.parked.get_mut(park_key(self.one_key, &delivery))
             {
                 parked.aside.push_back(delivery);
                 continue;
@@ -436,12 +455,12 @@ impl LaneQueue {
             .is_some();
         if parks(self.park_retries, &delivery, &done) {
             self.parked
-                .entry(delivery.partition_key().to_string())
+                .entry(park_key(self.one_key, &delivery).to_string())
                 .or_default()
                 .waiting
                 .extend(delivery.id());
         } else if again {
-            self.given_up(delivery.partition_key(), delivery.id());
+            self.given_up(park_key(self.one_key, &delivery), delivery.id());
         }
         self.done.push(Finished { delivery, done });
     }
@@ -512,6 +531,7 @@ async fn run_lane<H: Handler>(
         finished,
         done: Vec::new(),
         park_retries: settings.park_retries,
+        one_key: handler.window_slots().is_some(),
         parked: HashMap::new(),
         ready_again: VecDeque::new(),
         again: Vec::new(),

@@ -560,6 +560,37 @@ impl<H: Handler> ConsumerBuilder<H> {
         let set = &self.settings;
         set.validate()?;
         self.check_destination()?;
+        if let Some(windows) = self.handler.window_slots() {
+            let width = windows.width();
+            if width > crate::window::MAX_WIDTH || width < Duration::from_secs(1) {
+                return Err(ConfigError::new(
+                    "tumbling_window",
+                    width,
+                    "a tumbling window is 1 second to 15 minutes wide, as Lambda's TumblingWindowInSeconds",
+                ));
+            }
+            if set.lanes != 1 {
+                return Err(ConfigError::new(
+                    "lanes",
+                    set.lanes,
+                    "tumbling windows run one lane per shard, so a shard's calls come in order with its state (Lambda refuses a ParallelizationFactor above 1 with a window)",
+                ));
+            }
+            if set.retries != RetryMode::InPlace {
+                return Err(ConfigError::new(
+                    "retries",
+                    "Copy",
+                    "tumbling windows retry a failed record in place, as Lambda does: a copy would come back in a later window",
+                ));
+            }
+            if set.ordering != DeliveryOrder::PerKey {
+                return Err(ConfigError::new(
+                    "ordering",
+                    set.ordering,
+                    "tumbling windows keep a shard's order (a failed record holds every later one), which per-key ordering on one lane gives",
+                ));
+            }
+        }
         if let Some(fan_out) = &set.fan_out {
             if self.source.is_some() {
                 return Err(ConfigError::new(
@@ -626,6 +657,13 @@ impl<H: Handler> ConsumerBuilder<H> {
     fn check_paged(&self, source: &dyn PagedSource) -> Result<(), ConfigError> {
         self.settings.validate_paged()?;
         self.check_destination()?;
+        if self.handler.window_slots().is_some() {
+            return Err(ConfigError::new(
+                "tumbling_window",
+                source.name(),
+                "tumbling windows cut a Kinesis shard's records by their arrival time; a paged source has no shards to carry a window's state",
+            ));
+        }
         if self.settings.fan_out.is_some() {
             return Err(ConfigError::new(
                 "enhanced_fan_out",

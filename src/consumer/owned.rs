@@ -237,6 +237,12 @@ pub(crate) trait Progress: Sized + Send + 'static {
         async { Ok(()) }
     }
 
+    /// Before SHARD_END is written: what must happen first (a tumbling window's final call).
+    /// An error stops the attempt instead; the next one reads the shard's end again.
+    fn before_end(&mut self) -> impl Future<Output = Result<(), Error>> + Send {
+        async { Ok(()) }
+    }
+
     /// Whether the lease's work is over once everything is written: SHARD_END may be written.
     fn ends(&self) -> bool;
 
@@ -516,6 +522,9 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
                 Err(Stale::Attempt(e)) => return Exit::Failed(ownership, e),
             }
             if matches!(halt, Halt::End) && progress.ends() {
+                if let Err(e) = progress.before_end().await {
+                    return Exit::Failed(ownership, e);
+                }
                 match owned
                     .lease
                     .store

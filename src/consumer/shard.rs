@@ -44,6 +44,7 @@ use crate::shard::reader::{ReaderMessage, ShardReader};
 use crate::shard::source::{ReadError, RecordSource, StartAt};
 use crate::time::millis;
 use crate::track::Tracker;
+use crate::window::{WindowSlots, WindowState};
 
 /// What every shard of a stream is read from.
 #[derive(Clone)]
@@ -88,6 +89,17 @@ impl Drop for Lag {
     }
 }
 
+/// A shard read on tumbling windows: the handler's slots, and its final call for the shard's
+/// open window when it is over by a time (ms; `i64::MAX`: whatever the time).
+struct Windows {
+    slots: Arc<WindowSlots>,
+    close: Box<dyn Fn(i64) -> BoxFuture<'static, bool> + Send + Sync>,
+    /// The service's time (ms) of the last read that found the shard caught up.
+    caught_up_ms: Option<i64>,
+    /// A window state whose write failed: written with the next write unless a newer one comes.
+    retry: Option<Option<WindowState>>,
+}
+
 /// One owned shard's progress.
 pub(crate) struct Shard {
     lease: Leased,
@@ -99,6 +111,7 @@ pub(crate) struct Shard {
     /// Where reading started, and the last record read: what an aged-out shard was read through.
     start: Checkpoint,
     last_read: Option<Position>,
+    windows: Option<Windows>,
 }
 
 impl Progress for Shard {
@@ -119,9 +132,41 @@ impl Progress for Shard {
         let ownership = held.ownership.clone();
         info!(stream = %ownership.stream, shard = %ownership.shard_id, epoch = ownership.epoch, checkpoint = %held.lease.checkpoint, "shard started");
         let start = pin_start(ctx, source.source.as_ref(), held).await?;
+        let windows = match ctx.pipeline.handler.window_slots() {
+            Some(slots) => {
+                let at = match &held.lease.checkpoint {
+                    Checkpoint::At(p) => Some(*p),
+                    _ => None,
+                };
+                slots
+                    .restore(
+                        &ownership.stream,
+                        &ownership.shard_id,
+                        held.lease.window.clone(),
+                        at,
+                    )
+                    .await;
+                let handler = ctx.pipeline.handler.clone();
+                let (stream, shard) = (ownership.stream.clone(), ownership.shard_id.clone());
+                Some(Windows {
+                    slots: slots.clone(),
+                    close: Box::new(move |now_ms| {
+                        let (handler, stream, shard) =
+                            (handler.clone(), stream.clone(), shard.clone());
+                        Box::pin(async move {
+                            handler.close_window_if_over(&stream, &shard, now_ms).await
+                        })
+                    }),
+                    caught_up_ms: None,
+                    retry: None,
+                })
+            }
+            None => None,
+        };
         let checkpointer = Checkpointer::new(
             ctx.store.clone(),
             ownership.clone(),
+            &held.lease.checkpoint,
             held.lease.complete_through,
             settings.caught_up_skew,
             settings.frontier_interval,
@@ -151,6 +196,7 @@ impl Progress for Shard {
                 checkpointer,
                 start,
                 last_read: None,
+                windows,
             },
             reader: messages,
             finish: None,
@@ -170,8 +216,16 @@ impl Progress for Shard {
                 if let Some(ms) = millis_behind_latest {
                     self.lag.millis_behind(ms);
                 }
-                self.checkpointer
-                    .read(records.is_empty() && millis_behind_latest == Some(0));
+                let caught_up = records.is_empty() && millis_behind_latest == Some(0);
+                self.checkpointer.read(caught_up);
+                if let Some(windows) = &mut self.windows {
+                    // A service that does not say how far behind an empty read is: caught up.
+                    let caught_up =
+                        records.is_empty() && millis_behind_latest.is_none_or(|ms| ms == 0);
+                    windows.caught_up_ms = caught_up.then(|| {
+                        millis(self.source.service_time().unwrap_or_else(crate::time::now))
+                    });
+                }
                 for r in records {
                     self.last_read = Some(r.position);
                     let (id, lane) = pipeline.track(
@@ -204,11 +258,26 @@ impl Progress for Shard {
     }
 
     fn propose(&mut self, tracker: &Tracker<Entry>) -> Option<Write> {
-        self.checkpointer.propose(tracker)
+        let Some(windows) = &mut self.windows else {
+            return self.checkpointer.propose(tracker);
+        };
+        let (stream, shard) = (&self.lease.ownership.stream, &self.lease.ownership.shard_id);
+        let mut write = self.checkpointer.propose(tracker);
+        if write.is_none() && (windows.retry.is_some() || windows.slots.unwritten(stream, shard)) {
+            write = self.checkpointer.propose_again();
+        }
+        if let Some(write) = &mut write {
+            write.window = windows
+                .slots
+                .state_through(stream, shard, &write.to)
+                .or_else(|| windows.retry.take());
+            windows.retry = None;
+        }
+        write
     }
 
     fn write(&self, write: &Write) -> BoxFuture<'static, Answer<Write>> {
-        self.checkpointer.write(*write)
+        self.checkpointer.write(write.clone())
     }
 
     fn stored(&mut self, write: Write) {
@@ -216,19 +285,60 @@ impl Progress for Shard {
     }
 
     fn failed(&mut self, write: Write) {
+        if let Some(windows) = &mut self.windows
+            && write.window.is_some()
+        {
+            windows.retry = write.window.clone();
+        }
         self.checkpointer.failed(write);
     }
 
     fn unwritten(&self) -> bool {
         self.checkpointer.unwritten()
+            || self.windows.as_ref().is_some_and(|w| {
+                w.retry.is_some()
+                    || w.slots
+                        .unwritten(&self.lease.ownership.stream, &self.lease.ownership.shard_id)
+            })
     }
 
     async fn tick(&mut self, tracker: &Tracker<Entry>, writing: bool) -> Result<(), Lost> {
         self.lag
             .refresh(tracker.oldest_unsettled().and_then(|e| e.1));
+        // A window over while the shard is caught up and nothing is in flight: its final call.
+        if let Some(windows) = &self.windows
+            && let Some(caught_up) = windows.caught_up_ms
+            && tracker.is_drained()
+            && windows
+                .slots
+                .open(&self.lease.ownership.stream, &self.lease.ownership.shard_id)
+                .is_some_and(|w| w.end_ms <= caught_up)
+        {
+            (windows.close)(caught_up).await;
+        }
         self.checkpointer
             .maybe_advance_frontier(tracker, writing)
             .await
+    }
+
+    async fn before_end(&mut self) -> Result<(), Error> {
+        let Some(windows) = &self.windows else {
+            return Ok(());
+        };
+        // The shard ended: its open window is over (Lambda's "when the shard ends, Lambda
+        // considers the window closed"); SHARD_END removes the state.
+        let mut backoff = Backoff::new(std::time::Duration::from_secs(10));
+        for _ in 0..5 {
+            if (windows.close)(i64::MAX).await {
+                return Ok(());
+            }
+            tokio::time::sleep(backoff.next()).await;
+        }
+        Err(Error::Config(crate::error::ConfigError::new(
+            "tumbling_window",
+            &self.lease.ownership.shard_id,
+            "the final call of the shard's last window keeps failing: SHARD_END waits for it",
+        )))
     }
 
     fn ends(&self) -> bool {

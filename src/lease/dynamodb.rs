@@ -29,6 +29,7 @@ use crate::error::Error;
 use crate::frontier::{Membership, SeekCoordinate, SkippedRange};
 use crate::paged::{Cursor, PagePosition, PagedProgress};
 use crate::time::millis;
+use crate::window::{Window, WindowState};
 
 /// Attribute names of a lease row (see `docs/leases.md`).
 mod attr {
@@ -60,6 +61,9 @@ mod attr {
     pub(super) const SEEK_SKIPPED: &str = "seekSkipped";
     pub(super) const SOUGHT_AT: &str = "soughtAt";
     pub(super) const RETIRED_AT: &str = "retiredAt";
+    pub(super) const WINDOW_START: &str = "windowStart";
+    pub(super) const WINDOW_END: &str = "windowEnd";
+    pub(super) const WINDOW_STATE: &str = "windowState";
     /// Prefix of a worker's beat in a roster item.
     pub(super) const BEAT: &str = "beat:";
     pub(super) const CHANGES: &str = "changes";
@@ -680,8 +684,11 @@ impl DynamoDbLeaseStore {
         held: &Ownership,
         to: &Checkpoint,
         complete_through: Option<i64>,
+        window: Option<Option<&WindowState>>,
     ) -> Result<CheckpointWrite, Error> {
-        let first = self.checkpoint_request(held, to, complete_through).await;
+        let first = self
+            .checkpoint_request(held, to, complete_through, window)
+            .await;
         // `completeThrough` only rises: a write whose coordinate is below the stored one (after an
         // earlier write that timed out but was applied) is refused as a whole. The checkpoint
         // itself may still be newer: then write it alone.
@@ -701,23 +708,29 @@ impl DynamoDbLeaseStore {
                 }),
             };
             if newer_checkpoint {
-                let second = self.checkpoint_request(held, to, None).await;
+                let second = self.checkpoint_request(held, to, None, window).await;
                 return self.fenced_write_result(held, second).await;
             }
         }
         self.fenced_write_result(held, first).await
     }
 
+    /// The checkpoint write; `window`: `None` leaves the window state (and the position must
+    /// rise), `Some` sets it (`Some(None)` removes it) and the position may stay. SHARD_END
+    /// removes it always.
     async fn checkpoint_request(
         &self,
         held: &Ownership,
         to: &Checkpoint,
         complete_through: Option<i64>,
+        window: Option<Option<&WindowState>>,
     ) -> Result<UpdateItemOutput, SdkError<UpdateItemError, HttpResponse>> {
         let mut set = String::from("SET #cp = :cp, #sub = :sub, #cpKey = :cpKey");
-        let mut condition = String::from(
+        let mut remove = String::new();
+        let mut condition = format!(
             "#owner = :owner AND #epoch = :epoch \
-             AND (attribute_not_exists(#cpKey) OR #cpKey < :cpKey)",
+             AND (attribute_not_exists(#cpKey) OR #cpKey {} :cpKey)",
+            if window.is_some() { "<=" } else { "<" }
         );
         let mut request = self
             .client
@@ -748,8 +761,31 @@ impl DynamoDbLeaseStore {
                 .expression_attribute_names("#ts", STARTING_TIMESTAMP)
                 .expression_attribute_values(":ts", n(millis(*t)));
         }
+        let window = if to.is_shard_end() {
+            Some(None)
+        } else {
+            window
+        };
+        if let Some(window) = window {
+            request = request
+                .expression_attribute_names("#winStart", WINDOW_START)
+                .expression_attribute_names("#winEnd", WINDOW_END)
+                .expression_attribute_names("#winState", WINDOW_STATE);
+            match window {
+                Some(w) => {
+                    set.push_str(
+                        ", #winStart = :winStart, #winEnd = :winEnd, #winState = :winState",
+                    );
+                    request = request
+                        .expression_attribute_values(":winStart", n(w.window.start_ms))
+                        .expression_attribute_values(":winEnd", n(w.window.end_ms))
+                        .expression_attribute_values(":winState", blob(&w.state));
+                }
+                None => remove.push_str(" REMOVE #winStart, #winEnd, #winState"),
+            }
+        }
         request
-            .update_expression(set)
+            .update_expression(set + &remove)
             .condition_expression(condition)
             .send()
             .await
@@ -883,7 +919,8 @@ impl DynamoDbLeaseStore {
     /// The update of one seek move: its expression, names and values.
     fn seek_update(m: &SeekMove) -> (String, HashMap<String, String>, Item) {
         let mut set = String::from(
-            "REMOVE #owner, #wanted, #ack, #retired SET #cp = :cp, #sub = :sub, #cpKey = :cpKey, \
+            "REMOVE #owner, #wanted, #ack, #retired, #winStart, #winEnd, #winState \
+             SET #cp = :cp, #sub = :sub, #cpKey = :cpKey, \
              #seek = #seek + :one, #epoch = #epoch + :one, #counter = #counter + :one, \
              #soughtAt = :soughtAt",
         );
@@ -899,6 +936,9 @@ impl DynamoDbLeaseStore {
             ("#cpKey", CHECKPOINT_KEY),
             ("#soughtAt", SOUGHT_AT),
             ("#retired", RETIRED_AT),
+            ("#winStart", WINDOW_START),
+            ("#winEnd", WINDOW_END),
+            ("#winState", WINDOW_STATE),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
@@ -1174,7 +1214,17 @@ impl LeaseStore for DynamoDbLeaseStore {
         to: &'a Checkpoint,
         complete_through: Option<i64>,
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
-        Box::pin(self.checkpoint_row(held, to, complete_through))
+        Box::pin(self.checkpoint_row(held, to, complete_through, None))
+    }
+
+    fn checkpoint_window<'a>(
+        &'a self,
+        held: &'a Ownership,
+        to: &'a Checkpoint,
+        complete_through: Option<i64>,
+        window: Option<&'a WindowState>,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        Box::pin(self.checkpoint_row(held, to, complete_through, Some(window)))
     }
 
     fn paged_checkpoint<'a>(
@@ -1396,6 +1446,7 @@ fn parse_row(item: &Item) -> Result<Lease, Error> {
         wanted_by: row.optional_string(WANTED_BY)?,
         handoff_acked: row.optional_string(HANDOFF_ACK)?.is_some(),
         retired_at: row.number(RETIRED_AT)?,
+        window: row.window()?,
         stream,
         shard_id,
     })
@@ -1461,6 +1512,24 @@ impl Row<'_> {
             closed_through: closed,
             receipts_since: self.number::<i64>(RECEIPTS_SINCE)?,
         }))
+    }
+
+    /// A tumbling window's state (`windowStart`, `windowEnd`, `windowState`): all three or none.
+    fn window(&self) -> Result<Option<WindowState>, Error> {
+        let start = self.number::<i64>(WINDOW_START)?;
+        let end = self.number::<i64>(WINDOW_END)?;
+        let state = self.binary(WINDOW_STATE)?;
+        match (start, end, state) {
+            (None, None, None) => Ok(None),
+            (Some(start_ms), Some(end_ms), Some(state)) => Ok(Some(WindowState {
+                window: Window { start_ms, end_ms },
+                state: state.into(),
+            })),
+            _ => Err(self.corrupt(
+                WINDOW_STATE,
+                format!("comes without `{WINDOW_START}` and `{WINDOW_END}` (all three or none)"),
+            )),
+        }
     }
 
     /// What seeks skipped on the row (`seekSkipped`: a map of `from`, `to`, `seekEpoch`); absent

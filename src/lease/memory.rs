@@ -418,6 +418,7 @@ impl LeaseStore for MemoryLeaseStore {
                 wanted_by: None,
                 handoff_acked: false,
                 retired_at: None,
+                window: None,
             };
             rows.changes.push(("create", None, Some(row.clone())));
             rows.rows.insert(key, row);
@@ -481,6 +482,37 @@ impl LeaseStore for MemoryLeaseStore {
                 row.checkpoint = to.clone();
                 // Only upwards, as the DynamoDB store's condition has it.
                 row.complete_through = row.complete_through.max(complete_through);
+                if to.is_shard_end() {
+                    row.window = None;
+                }
+                true
+            });
+            if written {
+                CheckpointWrite::Written
+            } else {
+                CheckpointWrite::NotNewer
+            }
+        })
+    }
+
+    fn checkpoint_window<'a>(
+        &'a self,
+        held: &'a Ownership,
+        to: &'a Checkpoint,
+        complete_through: Option<i64>,
+        window: Option<&'a crate::window::WindowState>,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        self.call("checkpoint", true, move |rows| {
+            if !rows.held(held) {
+                return CheckpointWrite::Lost;
+            }
+            let written = rows.change("checkpoint", &held.key(), |row| {
+                if row.checkpoint.sort_key() > to.sort_key() {
+                    return false;
+                }
+                row.checkpoint = to.clone();
+                row.complete_through = row.complete_through.max(complete_through);
+                row.window = window.cloned();
                 true
             });
             if written {
@@ -551,6 +583,7 @@ impl LeaseStore for MemoryLeaseStore {
                     }
                     row.seek_epoch += 1;
                     row.seek_skipped = m.skipped.clone();
+                    row.window = None;
                     row.sought_at = Some(crate::time::millis(crate::time::now()));
                     row.owner_epoch += 1;
                     row.owner = None;

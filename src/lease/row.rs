@@ -48,6 +48,10 @@ pub struct Lease {
     /// renews it or reads it until the source lists activity after this time (see
     /// [`LeaseStore::retire`](super::LeaseStore::retire)). Every take and seek removes it.
     pub retired_at: Option<i64>,
+    /// A shard read on tumbling windows: the open window and its state after the records through
+    /// the checkpoint (`windowStart`, `windowEnd`, `windowState`; see [`crate::window`]).
+    /// Written with the checkpoints; removed by a window's final call, SHARD_END and a seek.
+    pub window: Option<crate::window::WindowState>,
 }
 
 impl Lease {

@@ -171,6 +171,28 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         complete_through: Option<i64>,
     ) -> BoxFuture<'a, Result<CheckpointWrite, Error>>;
 
+    /// [`checkpoint`](Self::checkpoint) for a shard read on tumbling windows: also sets the row's
+    /// window state to `window` (removes it for `None`), in the same write. Fenced as
+    /// `checkpoint` is, but a position equal to the stored one is written too (a window that
+    /// closed with nothing more settled). The default refuses: a store must keep the state to
+    /// serve windows.
+    fn checkpoint_window<'a>(
+        &'a self,
+        held: &'a Ownership,
+        to: &'a Checkpoint,
+        complete_through: Option<i64>,
+        window: Option<&'a crate::window::WindowState>,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        let _ = (to, complete_through, window);
+        Box::pin(async move {
+            Err(Error::Config(crate::error::ConfigError::new(
+                "tumbling_window",
+                held.key(),
+                "this lease store keeps no tumbling-window state",
+            )))
+        })
+    }
+
     /// Writes a paged partition's progress, fenced by owner and epoch and conditioned on the page
     /// attempt: the stored `resumeCursor` and `checkpointVersion` are `expected`'s. Either `to` keeps
     /// the cursor and version and raises `appliedPosition` (the settled prefix grew), or it is a

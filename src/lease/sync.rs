@@ -295,6 +295,7 @@ mod tests {
             wanted_by: None,
             handoff_acked: false,
             retired_at: None,
+            window: None,
         }
     }
 

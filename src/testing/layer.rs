@@ -271,6 +271,25 @@ impl<L: Layer> LeaseStore for Layered<L> {
             .around(call, self.inner.checkpoint(held, to, complete_through))
     }
 
+    fn checkpoint_window<'a>(
+        &'a self,
+        held: &'a Ownership,
+        to: &'a Checkpoint,
+        complete_through: Option<i64>,
+        window: Option<&'a crate::window::WindowState>,
+    ) -> BoxFuture<'a, Result<CheckpointWrite, Error>> {
+        let call = Call::Checkpoint {
+            held,
+            to,
+            complete_through,
+        };
+        self.layer.around(
+            call,
+            self.inner
+                .checkpoint_window(held, to, complete_through, window),
+        )
+    }
+
     fn paged_checkpoint<'a>(
         &'a self,
         held: &'a Ownership,

@@ -16,6 +16,7 @@ use std::time::SystemTime;
 
 use base64::Engine;
 use serde_json::{Value, json};
+use shardwise::window::WindowCall;
 use shardwise::{Delivery, Outcome};
 
 /// What every record of the event says about where it comes from.
@@ -86,6 +87,71 @@ pub(crate) fn request_line(
         .collect();
     let line = json!({ "id": id, "event": { "Records": records }, "records": extra });
     (line.to_string(), sequences)
+}
+
+/// The request line of a tumbling window's call as request `id`, and the sequence numbers of its
+/// records: Lambda's `KinesisTimeWindowEvent`, its `Records` as [`request_line`] writes them and
+/// beside them `window` (`start`, `end`, ISO 8601 in UTC), `state` (what the function returned
+/// last for this shard and window; `{}` at the window's first call), `shardId`,
+/// `eventSourceARN`, `isFinalInvokeForWindow` and `isWindowTerminatedEarly`.
+pub(crate) fn window_request_line(
+    id: u64,
+    call: &WindowCall,
+    source: &EventSource,
+) -> (String, Vec<String>) {
+    let (line, sequences) = request_line(id, &call.records, source);
+    let mut request: Value = serde_json::from_str(&line).expect("a request line is JSON");
+    let iso = |at: SystemTime| humantime::format_rfc3339_seconds(at).to_string();
+    let state = call
+        .state
+        .as_ref()
+        .and_then(|s| serde_json::from_slice::<Value>(s).ok())
+        .unwrap_or_else(|| json!({}));
+    let event = request["event"].as_object_mut().expect("an event");
+    event.insert(
+        "window".into(),
+        json!({ "start": iso(call.window.start()), "end": iso(call.window.end()) }),
+    );
+    event.insert("state".into(), state);
+    event.insert("shardId".into(), json!(call.shard_id));
+    event.insert("eventSourceARN".into(), json!(source.stream_arn));
+    event.insert("isFinalInvokeForWindow".into(), json!(call.is_final));
+    event.insert(
+        "isWindowTerminatedEarly".into(),
+        json!(call.terminated_early),
+    );
+    (request.to_string(), sequences)
+}
+
+/// Reads a function's answer to a tumbling window's call as Lambda does: [`read_answer`]'s rules
+/// for its records, and the `state` the response must carry (as JSON text). A response without
+/// `state` (or an error) is a failed call: `None`, every record retried.
+pub(crate) fn read_window_answer(
+    error: Option<&Value>,
+    response: Option<&Value>,
+    sequences: &[String],
+) -> (Read, Option<Vec<u8>>) {
+    let state = match (error, response.and_then(|r| r.get("state"))) {
+        (None, Some(state)) => state,
+        (Some(_), _) => return (read_answer(error, response, sequences), None),
+        (None, None) => {
+            return (
+                Read {
+                    outcomes: vec![Outcome::Retry; sequences.len()],
+                    batch_failed: Some(
+                        "the response has no `state`: with a tumbling window, Lambda counts the call failed"
+                            .into(),
+                    ),
+                },
+                None,
+            );
+        }
+    };
+    let read = read_answer(None, response, sequences);
+    if read.batch_failed.is_some() {
+        return (read, None);
+    }
+    (read, Some(state.to_string().into_bytes()))
 }
 
 /// One record as Lambda's Kinesis event has it.
@@ -316,6 +382,100 @@ mod tests {
             assert_eq!(read.outcomes, outcomes, "{answer}");
             assert_eq!(read.batch_failed.is_some(), whole, "{answer}: {read:?}");
         }
+    }
+
+    /// The time-window event of Lambda's documentation (`KinesisTimeWindowEvent`), field for
+    /// field beside the records, and `{}` as the state of a window's first call.
+    #[test]
+    fn a_window_call_becomes_lambdas_time_window_event() {
+        let source = EventSource::new(
+            "arn:aws:kinesis:us-east-1:123456789012:stream/lambda-stream",
+            "fn",
+        );
+        let sequence =
+            SequenceNumber::parse("49590338271490256608559692538361571095921575989136588898")
+                .unwrap();
+        let record = Delivery::builder(
+            "lambda-stream",
+            "shardId-000000000006",
+            Position::new(sequence, 0),
+        )
+        .partition_key("1")
+        .payload("Hello, this is a test.")
+        .arrived_at(SystemTime::UNIX_EPOCH + Duration::from_secs(1_607_497_475))
+        .build();
+        let window = shardwise::window::Window::of(1_607_497_475_000, Duration::from_secs(120));
+        let mut call = WindowCall {
+            window,
+            state: Some(br#"{"1": 282, "2": 715}"#.to_vec().into()),
+            records: vec![record],
+            stream: "lambda-stream".into(),
+            shard_id: "shardId-000000000006".into(),
+            is_final: false,
+            terminated_early: false,
+        };
+        let (line, sequences) = window_request_line(3, &call, &source);
+        assert_eq!(sequences.len(), 1);
+        let event = &serde_json::from_str::<Value>(&line).unwrap()["event"];
+        assert_eq!(
+            event["window"],
+            json!({"start": "2020-12-09T07:04:00Z", "end": "2020-12-09T07:06:00Z"})
+        );
+        assert_eq!(event["state"], json!({"1": 282, "2": 715}));
+        assert_eq!(event["shardId"], "shardId-000000000006");
+        assert_eq!(
+            event["eventSourceARN"],
+            "arn:aws:kinesis:us-east-1:123456789012:stream/lambda-stream"
+        );
+        assert_eq!(event["isFinalInvokeForWindow"], false);
+        assert_eq!(event["isWindowTerminatedEarly"], false);
+        assert_eq!(event["Records"][0]["kinesis"]["partitionKey"], "1");
+        // A window's first call: `{}`; its final call: no records.
+        call.state = None;
+        call.records.clear();
+        call.is_final = true;
+        let (line, _) = window_request_line(4, &call, &source);
+        let event = &serde_json::from_str::<Value>(&line).unwrap()["event"];
+        assert_eq!(event["state"], json!({}));
+        assert_eq!(event["Records"], json!([]));
+        assert_eq!(event["isFinalInvokeForWindow"], true);
+    }
+
+    /// A window's answer must carry `state` (Lambda: "if the response does not contain a state
+    /// property, Lambda considers this a failed invocation"); its `batchItemFailures` read as
+    /// always.
+    #[test]
+    fn a_window_answer_without_state_fails_the_call() {
+        let cases: Vec<(Value, Option<&str>, bool)> = vec![
+            (
+                json!({"response": {"state": {"a": 1}}}),
+                Some(r#"{"a":1}"#),
+                false,
+            ),
+            (
+                json!({"response": {"state": {}, "batchItemFailures": []}}),
+                Some("{}"),
+                false,
+            ),
+            (json!({"response": {"batchItemFailures": []}}), None, true),
+            (json!({"response": null}), None, true),
+            (json!({}), None, true),
+            (json!({"error": {"errorMessage": "boom"}}), None, true),
+        ];
+        for (answer, state, failed) in cases {
+            let (read, got) =
+                read_window_answer(answer.get("error"), answer.get("response"), &sequences());
+            assert_eq!(got.as_deref(), state.map(str::as_bytes), "{answer}");
+            assert_eq!(read.batch_failed.is_some(), failed, "{answer}");
+        }
+        // A partial failure keeps the state (of the records before it).
+        let answer = json!({"response": {"state": {"n": 1}, "batchItemFailures": [{"itemIdentifier": "102"}]}});
+        let (read, state) = read_window_answer(None, answer.get("response"), &sequences());
+        assert_eq!(state.as_deref(), Some(&br#"{"n":1}"#[..]));
+        assert_eq!(
+            read.outcomes,
+            [Outcome::Ack, Outcome::Retry, Outcome::Retry, Outcome::Retry]
+        );
     }
 
     #[test]
