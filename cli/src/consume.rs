@@ -1235,60 +1235,63 @@ pub(crate) async fn run(mut args: Args, ctx: &Ctx) -> Result<()> {
         );
     }
     match exec_settings(&args, ctx, &worker).await? {
-        Some(settings) if args.tumbling_window.is_some() => {
-            let width = args.tumbling_window.unwrap_or_default();
-            let batching = settings
-                .batching
-                .unwrap_or_else(|| Batching::new(LAMBDA_BATCH, LAMBDA_BATCH_WINDOW));
-            let exec = Exec::start(settings);
-            let children = exec.clone();
-            let handler = Printing {
-                inner: Windowed::new(ExecWindows(exec), width, batching),
-                printer: printer.clone(),
-            };
-            let handler = Filtered::new(handler, criteria);
-            let consumed = consume(
-                &args,
-                ctx,
-                handler,
-                printer,
-                Some(&children),
-                metrics.as_ref(),
-            )
-            .await;
-            children.stop().await;
-            consumed
-        }
         Some(settings) => {
+            let windows = args.tumbling_window.map(|width| {
+                let batching = settings
+                    .batching
+                    .unwrap_or_else(|| Batching::new(LAMBDA_BATCH, LAMBDA_BATCH_WINDOW));
+                (width, batching)
+            });
             let exec = Exec::start(settings);
             let children = exec.clone();
-            let handler = Printing {
-                inner: exec,
-                printer: printer.clone(),
+            let (exec_ref, metrics) = (Some(&children), metrics.as_ref());
+            let consumed = match windows {
+                Some((width, batching)) => {
+                    let windowed = Windowed::new(ExecWindows(exec), width, batching);
+                    consume_printed(&args, ctx, windowed, criteria, printer, exec_ref, metrics)
+                        .await
+                }
+                None => {
+                    consume_printed(&args, ctx, exec, criteria, printer, exec_ref, metrics).await
+                }
             };
-            let handler = Filtered::new(handler, criteria);
-            let consumed = consume(
-                &args,
-                ctx,
-                handler,
-                printer,
-                Some(&children),
-                metrics.as_ref(),
-            )
-            .await;
             // Once the consumer has stopped (or could not start): SIGTERM, then the grace.
             children.stop().await;
             consumed
         }
         None => {
-            let handler = Printing {
-                inner: demo_handler(&args),
-                printer: printer.clone(),
-            };
-            let handler = Filtered::new(handler, criteria);
-            consume(&args, ctx, handler, printer, None, metrics.as_ref()).await
+            let handler = demo_handler(&args);
+            consume_printed(
+                &args,
+                ctx,
+                handler,
+                criteria,
+                printer,
+                None,
+                metrics.as_ref(),
+            )
+            .await
         }
     }
+}
+
+/// [`consume`] with `inner` as the handler, each outcome printed and the filter criteria
+/// applied in front of it.
+async fn consume_printed<H: Handler + Clone>(
+    args: &Args,
+    ctx: &Ctx,
+    inner: H,
+    criteria: Option<FilterCriteria>,
+    printer: Printer,
+    exec: Option<&Exec>,
+    metrics: Option<&Metrics>,
+) -> Result<()> {
+    let handler = Printing {
+        inner,
+        printer: printer.clone(),
+    };
+    let handler = Filtered::new(handler, criteria);
+    consume(args, ctx, handler, printer, exec, metrics).await
 }
 
 /// The handler program `args` name, if any: `--exec`, or a Lambda handler's runner (checked
