@@ -25,6 +25,7 @@ use crate::window::WindowSlots;
 /// | `Drop` | settled: a poison record passes |
 /// | `Retry` | runs again in place after a back-off (the default: its key's later deliveries wait, the checkpoint holds behind it), or, with [`RetryMode::Copy`](crate::consumer::RetryMode::Copy), a counted copy goes back to the stream |
 /// | `RetryAfter(d)` | the same, after `d`: in place the next attempt runs once `d` has passed; a copy is written then, and the original settles after the copy is durable |
+/// | `NotAttempted` | (a batch that stopped before this delivery) in place, runs again after the deliveries before it without spending an attempt; with copies, a `Retry` |
 /// | `Apply(effects)` | (with receipts) the DynamoDB writes committed together with the event's `applied` receipt, in one transaction; a replay (the receipt exists) writes nothing and settles |
 /// | `Quarantine(reason)` | (with receipts) a terminal `quarantined` receipt, then settled |
 /// | `Hold(reason)` | (with receipts) a `held` receipt: the delivery stays unsettled and holds the checkpoint until the receipt is made terminal (settled) or released (handled again) |
@@ -39,6 +40,11 @@ pub enum Outcome {
     Retry,
     /// Try again after the delay: in place, or as a counted copy written then.
     RetryAfter(Duration),
+    /// Not handed to the handler's code: a batch handler that stopped at an earlier delivery's
+    /// failure, so this one waits for it. In place it runs again after the deliveries before
+    /// it, and the attempt does not count toward `max_attempts` (`max_record_age` still
+    /// applies); where retries are copies it is a `Retry`.
+    NotAttempted,
     /// Commit these DynamoDB writes with the event's receipt, exactly once (needs receipts).
     Apply(Effects),
     /// Set the event aside for good, with the reason (needs receipts).
@@ -61,6 +67,7 @@ impl Outcome {
             Outcome::Drop => "drop",
             Outcome::Retry => "retry",
             Outcome::RetryAfter(_) => "retry_after",
+            Outcome::NotAttempted => "not_attempted",
             Outcome::Apply(_) => "apply",
             Outcome::Quarantine(_) => "quarantine",
             Outcome::Hold(_) => "hold",

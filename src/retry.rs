@@ -116,6 +116,8 @@ pub(crate) enum RetryPlan {
         stream: String,
         delay: Duration,
         headers: Headers,
+        /// The attempt counts toward the cap (`false`: in place, an attempt not made).
+        counted: bool,
     },
     /// Write to the dead-letter stream; settle once it is written.
     DeadLetter { stream: String, headers: Headers },
@@ -140,23 +142,29 @@ impl RetryPolicy {
     /// Decides what a retry outcome becomes. `None` for outcomes that are not retries.
     pub(crate) fn plan(&self, outcome: &Outcome, delivery: &Delivery) -> Option<RetryPlan> {
         let delay = match outcome {
-            Outcome::Retry => Duration::ZERO,
+            Outcome::Retry | Outcome::NotAttempted => Duration::ZERO,
             Outcome::RetryAfter(d) => *d,
             _ => return None,
         };
         let declared = self.max_attempts.is_some() || self.dead_letter.is_some();
-        if matches!(outcome, Outcome::Retry) && !declared && !self.in_place() {
+        if matches!(outcome, Outcome::Retry | Outcome::NotAttempted)
+            && !declared
+            && !self.in_place()
+        {
             return Some(RetryPlan::Refuse);
         }
+        // In place, an attempt not made runs again as the same attempt, whatever the cap.
+        let counted = !(self.in_place() && matches!(outcome, Outcome::NotAttempted));
         let attempt = delivery.attempt();
         let mut headers = delivery.headers().clone();
         stamp_origin(&mut headers, delivery);
         // In place, only a declared cap is spent: with none, a failing event runs again until it
         // succeeds (and holds its page meanwhile).
-        let below_cap = match (self.in_place(), self.max_attempts) {
-            (true, None) => true,
-            _ => attempt < self.cap(),
-        };
+        let below_cap = !counted
+            || match (self.in_place(), self.max_attempts) {
+                (true, None) => true,
+                _ => attempt < self.cap(),
+            };
         if below_cap {
             // The copy is attempt + 1: it counts `attempt` retries before it.
             headers.insert(RETRY_COUNT_HEADER, attempt.to_string());
@@ -167,6 +175,7 @@ impl RetryPolicy {
                     .unwrap_or_else(|| delivery.stream().to_string()),
                 delay,
                 headers,
+                counted,
             });
         }
         Some(self.spent(
@@ -490,12 +499,52 @@ mod tests {
         assert_eq!(reason, "attempts spent: 2 of 2 (attempts: 2)");
     }
 
+    /// In place, an attempt not made (`NotAttempted`) runs again uncounted, even at the cap;
+    /// where retries are copies it is a `Retry`: counted, and spent at the cap.
+    #[test]
+    fn an_attempt_not_made_is_not_counted_in_place_and_is_a_retry_with_copies() {
+        let in_place = RetryPolicy {
+            max_attempts: NonZeroU32::new(2),
+            dead_letter: None,
+            retry_stream: None,
+            spent: Spent::Drop,
+            in_place: true,
+        };
+        for attempt in [1, 2, 3] {
+            assert!(
+                matches!(
+                    in_place.plan(&Outcome::NotAttempted, &delivery(attempt)),
+                    Some(RetryPlan::Copy { counted: false, .. })
+                ),
+                "attempt {attempt} runs again uncounted"
+            );
+        }
+        assert!(matches!(
+            in_place.plan(&Outcome::Retry, &delivery(1)),
+            Some(RetryPlan::Copy { counted: true, .. })
+        ));
+        assert_eq!(
+            in_place.plan(&Outcome::Retry, &delivery(2)),
+            Some(RetryPlan::Drop { attempts: 2 })
+        );
+        let copies = policy(Some(2), None);
+        assert_eq!(
+            copies.plan(&Outcome::NotAttempted, &delivery(1)),
+            copies.plan(&Outcome::Retry, &delivery(1))
+        );
+        assert_eq!(
+            copies.plan(&Outcome::NotAttempted, &delivery(2)),
+            Some(RetryPlan::Drop { attempts: 2 })
+        );
+    }
+
     #[test]
     fn a_copy_counts_the_next_attempt_and_keeps_the_first_origin() {
         let Some(RetryPlan::Copy {
             stream,
             delay,
             headers,
+            ..
         }) = policy(Some(5), None).plan(&Outcome::RetryAfter(Duration::from_secs(2)), &delivery(2))
         else {
             panic!("a copy");

@@ -19,11 +19,16 @@
 //!   settle the records up to the first one that does not (`Ack` and `Drop` settle); that record
 //!   and every later one of the call are retried (Lambda retries from the lowest failure), and the
 //!   state answered is the state after the settled ones. A call that settled nothing leaves the
-//!   state as it was.
+//!   state as it was. The records of a later window in the same batch wait for the failed ones
+//!   without spending an attempt ([`Outcome::NotAttempted`]): Lambda invokes each window apart.
 //! - **The final call** comes when a record of a later window arrives, when the shard ends
 //!   (Lambda: "when the shard ends, Lambda considers the window closed"), and when the shard is
-//!   caught up with nothing in flight and the service's time is past the window's end. Until it
-//!   succeeds, the shard's later records wait (retried in place).
+//!   caught up with nothing in flight and the service's time is past the window's end. A final
+//!   call that fails is made again after a back-off that doubles from 100 ms to 5 s, and the
+//!   shard's later records wait for it without spending their attempts; after `max_attempts`
+//!   failed final calls (unbounded by default, as Lambda retries until it succeeds) the window's
+//!   state is dropped, with an error logged and `shardwise_windows_dropped_total` counted, and
+//!   the shard goes on.
 //! - **A state over [`MAX_STATE_BYTES`]** ends the window early: a final call with
 //!   `terminated_early` set and that state; the window's later records start from no state.
 //!   Lambda's bound is 1 MB; this one is what fits in a lease row (DynamoDB's items hold 400 KB).
@@ -180,6 +185,16 @@ where
 struct Slot {
     open: Option<WindowState>,
     last: Option<Position>,
+    /// Final calls of the open window that failed in a row.
+    failed_finals: u32,
+    /// When an idle shard may try the open window's failed final call again.
+    retry_final_at: Option<tokio::time::Instant>,
+}
+
+/// The wait before the next final call after `failed` failed ones: from 100 ms, doubling, at
+/// most 5 s.
+fn final_backoff(failed: u32) -> Duration {
+    Duration::from_millis(100u64 << failed.saturating_sub(1).min(6)).min(Duration::from_secs(5))
 }
 
 /// The states to write with a shard's checkpoints, by the position through which each holds:
@@ -219,6 +234,9 @@ impl ShardSlot {
 pub struct WindowSlots {
     width: Duration,
     slots: Mutex<HashMap<(String, String), Arc<ShardSlot>>>,
+    /// How many times a window's final call is made before its state is dropped (the
+    /// consumer's `max_attempts`; unset: until it succeeds).
+    final_attempts: std::sync::OnceLock<std::num::NonZeroU32>,
 }
 
 impl WindowSlots {
@@ -236,6 +254,11 @@ impl WindowSlots {
         self.width
     }
 
+    /// A window's final call is made at most `attempts` times (the consumer's `max_attempts`).
+    pub(crate) fn bound_final_calls(&self, attempts: std::num::NonZeroU32) {
+        let _ = self.final_attempts.set(attempts);
+    }
+
     /// A shard taken: its slot starts from the row's state, the row's checkpoint at `at`.
     pub(crate) async fn restore(
         &self,
@@ -249,6 +272,7 @@ impl WindowSlots {
         *slot = Slot {
             open: state,
             last: at,
+            ..Slot::default()
         };
         *shard_slot.journal() = Journal::default();
     }
@@ -285,7 +309,7 @@ impl WindowSlots {
 }
 
 /// A [`WindowHandler`] run as a [`Handler`] on tumbling windows of one width (see the
-/// [module](self)). Built by [`ConsumerBuilder::tumbling_window`](crate::ConsumerBuilder).
+/// [module](self)), given to [`Consumer::builder`](crate::Consumer::builder) as the handler.
 pub struct Windowed<W> {
     handler: W,
     batching: Batching,
@@ -323,12 +347,13 @@ impl<W: WindowHandler> Windowed<W> {
             },
             slots: Arc::new(WindowSlots {
                 width: width.max(Duration::from_millis(1)),
-                slots: Mutex::default(),
+                ..WindowSlots::default()
             }),
         }
     }
 
-    /// The open window's final call; `false` if it failed (the window stays open).
+    /// The open window's final call; `false` if it failed (the window stays open). The
+    /// `max_attempts`-th failure drops the window's state instead (`true`).
     async fn close(
         &self,
         shard_slot: &ShardSlot,
@@ -350,23 +375,49 @@ impl<W: WindowHandler> Windowed<W> {
             terminated_early: early,
         };
         if self.handler.handle_window(call).await.state.is_none() {
-            tracing::warn!(
+            slot.failed_finals += 1;
+            let bound = self.slots.final_attempts.get().map(|n| n.get());
+            if bound.is_none_or(|n| slot.failed_finals < n) {
+                tracing::warn!(
+                    stream,
+                    shard,
+                    window_start = open.window.start_ms,
+                    failed = slot.failed_finals,
+                    "a window's final call failed: it is made again, and the shard's later records wait"
+                );
+                slot.retry_final_at =
+                    Some(tokio::time::Instant::now() + final_backoff(slot.failed_finals));
+                return false;
+            }
+            tracing::error!(
                 stream,
                 shard,
                 window_start = open.window.start_ms,
-                "a window's final call failed: the shard's later records wait until it succeeds"
+                failed = slot.failed_finals,
+                "a window's final call failed max_attempts times: the window's state is dropped and the shard goes on"
             );
-            return false;
+            metrics::counter!("shardwise_windows_dropped_total", "stream" => stream.to_string())
+                .increment(1);
         }
         slot.open = None;
+        slot.failed_finals = 0;
+        slot.retry_final_at = None;
         if let Some(last) = slot.last {
             shard_slot.record(last, None);
         }
         true
     }
 
+    /// The open window's final call, made again after each failure's back-off until it
+    /// succeeds or its state is dropped.
+    async fn close_now(&self, shard_slot: &ShardSlot, slot: &mut Slot, stream: &str, shard: &str) {
+        while !self.close(shard_slot, slot, stream, shard, false).await {
+            tokio::time::sleep(final_backoff(slot.failed_finals)).await;
+        }
+    }
+
     /// The final call of `stream`/`shard`'s open window if it is over by `now_ms` and no call
-    /// runs; `false` if it failed.
+    /// runs; `false` if it failed, or waits for the back-off of one that failed.
     pub(crate) async fn close_if_over(&self, stream: &str, shard: &str, now_ms: i64) -> bool {
         let shard_slot = self.slots.slot(stream, shard);
         let Ok(mut slot) = shard_slot.calls.try_lock() else {
@@ -374,6 +425,12 @@ impl<W: WindowHandler> Windowed<W> {
         };
         if slot.open.as_ref().is_none_or(|o| o.window.end_ms > now_ms) {
             return true;
+        }
+        if slot
+            .retry_final_at
+            .is_some_and(|at| tokio::time::Instant::now() < at)
+        {
+            return false;
         }
         let closed = self
             .close(&shard_slot, &mut slot, stream, shard, false)
@@ -397,20 +454,17 @@ impl<W: WindowHandler> Windowed<W> {
         for (window, records) in runs(batch, width, slot.open.as_ref().map(|o| o.window)) {
             let n = records.len();
             if failed {
-                outcomes.extend(std::iter::repeat_n(Outcome::Retry, n));
+                // A later window's records: the handler did not get them.
+                outcomes.extend(std::iter::repeat_n(Outcome::NotAttempted, n));
                 continue;
             }
             if slot
                 .open
                 .as_ref()
                 .is_some_and(|o| window.start_ms > o.window.start_ms)
-                && !self
-                    .close(&shard_slot, &mut slot, &stream, &shard, false)
-                    .await
             {
-                failed = true;
-                outcomes.extend(std::iter::repeat_n(Outcome::Retry, n));
-                continue;
+                self.close_now(&shard_slot, &mut slot, &stream, &shard)
+                    .await;
             }
             let window = slot.open.as_ref().map_or(window, |o| o.window);
             let positions: Vec<Position> = records.iter().map(|d| *d.position()).collect();

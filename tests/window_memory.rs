@@ -308,6 +308,165 @@ async fn a_state_grown_past_its_bound_ends_the_window_early() {
     );
 }
 
+/// Each call's window, state, whether final, and its records' attempts.
+type Attempts = Arc<Mutex<Vec<(i64, Option<u64>, bool, Vec<u32>)>>>;
+
+/// A handler whose final calls fail `failing` times (every time: `u32::MAX`), noting each call.
+fn failing_finals(
+    calls: &Attempts,
+    failing: u32,
+) -> Windowed<impl shardwise::window::WindowHandler> {
+    let calls = calls.clone();
+    let failed = Arc::new(Mutex::new(0u32));
+    let handler = move |call: WindowCall| {
+        let (calls, failed) = (calls.clone(), failed.clone());
+        async move {
+            let before = count(&call.state);
+            calls.lock().unwrap().push((
+                call.window.start_ms,
+                before,
+                call.is_final,
+                call.records.iter().map(Delivery::attempt).collect(),
+            ));
+            if call.is_final {
+                let mut failed = failed.lock().unwrap();
+                if *failed < failing {
+                    *failed += 1;
+                    return WindowAnswer::failed();
+                }
+            }
+            let n = call.records.len();
+            WindowAnswer::acked((before.unwrap_or(0) + n as u64).to_string(), n)
+        }
+    };
+    Windowed::new(handler, WIDTH, Batching::new(10, Duration::ZERO))
+}
+
+/// A final call that fails is made again after a back-off while the next window's records wait,
+/// without spending their attempts: on default settings until it succeeds; with `max_attempts`
+/// the window's state is dropped after that many failed final calls and the shard goes on.
+#[tokio::test(start_paused = true)]
+async fn a_failing_final_call_is_made_again_and_the_waiting_records_keep_their_attempts() {
+    for (failing, max_attempts) in [(6, None), (u32::MAX, Some(2))] {
+        let base_ms: i64 = 1_800_000_000_000;
+        let _deterministic =
+            shardwise::testing::simulate(UNIX_EPOCH + Duration::from_millis(base_ms as u64), 11);
+        let t0 = tokio::time::Instant::now();
+        let now_ms = || base_ms + t0.elapsed().as_millis() as i64;
+        let stream = MemoryStream::new("orders", 1);
+        let store = MemoryLeaseStore::new();
+        let calls = Arc::default();
+        let mut builder =
+            Consumer::builder(stream.name(), "window-app", failing_finals(&calls, failing))
+                .poll_interval(Duration::from_millis(500))
+                .checkpoint_interval(Duration::from_millis(200))
+                .in_memory(&stream, &store);
+        if let Some(n) = max_attempts {
+            builder = builder
+                .max_attempts(std::num::NonZeroU32::new(n).unwrap())
+                .on_spent(shardwise::consumer::OnSpent::Drop);
+        }
+        let running = builder.build().unwrap().run().await.unwrap();
+        let first = Window::of(now_ms(), WIDTH);
+        put(&stream, 0..4);
+        // The next window: its records bring the first window's final call.
+        tokio::time::sleep(Duration::from_millis(
+            (first.end_ms - now_ms() + 1_000) as u64,
+        ))
+        .await;
+        put(&stream, 4..7);
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        running.shutdown(Duration::from_secs(5)).await;
+        let calls = calls.lock().unwrap().clone();
+        let finals = calls
+            .iter()
+            .filter(|c| c.0 == first.start_ms && c.2)
+            .count();
+        let later: Vec<_> = calls
+            .iter()
+            .filter(|c| c.0 == first.end_ms && !c.2)
+            .collect();
+        match max_attempts {
+            None => assert_eq!(finals, 7, "six failures, then the final call: {calls:?}"),
+            Some(n) => assert_eq!(finals, n as usize, "dropped after {n}: {calls:?}"),
+        }
+        assert_eq!(
+            later.len(),
+            1,
+            "the next window's records, in one call: {calls:?}"
+        );
+        assert_eq!(
+            later[0].1, None,
+            "the next window starts from no state: {calls:?}"
+        );
+        assert_eq!(
+            later[0].3,
+            vec![1, 1, 1],
+            "no attempt spent waiting: {calls:?}"
+        );
+        let row = store
+            .get(&stream.name(), &stream.open_shards()[0])
+            .await
+            .unwrap()
+            .unwrap();
+        assert_ne!(
+            row.window.map(|w| w.window),
+            Some(first),
+            "the first window's state is gone from the row"
+        );
+    }
+}
+
+/// A batch that holds two windows' records, the first window's call failing: the later
+/// window's records were not handed to the handler and spend no attempt waiting, so at
+/// `max_attempts` 1 only the failed call's records from the failure on are spent (Lambda
+/// discards a failed invocation's records; it invokes each window apart).
+#[tokio::test(start_paused = true)]
+async fn a_later_windows_records_in_a_failed_batch_spend_no_attempt() {
+    let base_ms: i64 = 1_800_000_000_000;
+    let _deterministic =
+        shardwise::testing::simulate(UNIX_EPOCH + Duration::from_millis(base_ms as u64), 13);
+    let t0 = tokio::time::Instant::now();
+    let now_ms = || base_ms + t0.elapsed().as_millis() as i64;
+    let stream = MemoryStream::new("orders", 1);
+    let store = MemoryLeaseStore::new();
+    let first = Window::of(now_ms(), WIDTH);
+    put(&stream, 0..3);
+    tokio::time::sleep(Duration::from_millis(
+        (first.end_ms - now_ms() + 1_000) as u64,
+    ))
+    .await;
+    put(&stream, 3..6);
+    let calls: Calls = Arc::default();
+    let running = Consumer::builder(stream.name(), "window-app", counting("w1", &calls, &[1]))
+        .poll_interval(Duration::from_millis(500))
+        .checkpoint_interval(Duration::from_millis(200))
+        .max_attempts(std::num::NonZeroU32::new(1).unwrap())
+        .on_spent(shardwise::consumer::OnSpent::Drop)
+        .in_memory(&stream, &store)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    tokio::time::sleep(WIDTH * 2).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let calls = calls.lock().unwrap().clone();
+    let handled: Vec<u64> = calls.iter().flat_map(|c| c.ids.clone()).collect();
+    // 0..3 in one call, 1 failing: 1 and 2 spent; 3..6 handled, each once.
+    assert_eq!(handled, vec![0, 1, 2, 3, 4, 5], "{calls:?}");
+    let finals: Vec<(i64, Option<u64>)> = calls
+        .iter()
+        .filter(|c| c.is_final)
+        .map(|c| (c.window, c.state))
+        .collect();
+    assert_eq!(
+        finals,
+        vec![(first.start_ms, Some(1)), (first.end_ms, Some(3))],
+        "{calls:?}"
+    );
+}
+
 /// Windows need a shard's calls in order: more than one lane, no order between lanes, or retry
 /// copies are refused at build, naming the setting; so is a width past Lambda's 15 minutes.
 #[tokio::test]

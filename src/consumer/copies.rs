@@ -122,17 +122,22 @@ pub(crate) struct PendingWrite {
     pub(crate) headers: Headers,
     pub(crate) delay: Duration,
     pub(crate) dead_letter: bool,
+    /// In place: the next run is a new attempt (`false`: the attempt was not made).
+    pub(crate) counted: bool,
 }
 
 impl PendingWrite {
     pub(crate) fn new(id: DeliveryId, delivery: Delivery, plan: RetryPlan) -> Option<Self> {
-        let (stream, headers, delay, dead_letter) = match plan {
+        let (stream, headers, delay, dead_letter, counted) = match plan {
             RetryPlan::Copy {
                 stream,
                 delay,
                 headers,
-            } => (stream, headers, delay, false),
-            RetryPlan::DeadLetter { stream, headers } => (stream, headers, Duration::ZERO, true),
+                counted,
+            } => (stream, headers, delay, false, counted),
+            RetryPlan::DeadLetter { stream, headers } => {
+                (stream, headers, Duration::ZERO, true, true)
+            }
             RetryPlan::Refuse | RetryPlan::Drop { .. } | RetryPlan::Quarantine { .. } => {
                 return None;
             }
@@ -144,6 +149,7 @@ impl PendingWrite {
             headers,
             delay,
             dead_letter,
+            counted,
         })
     }
 

@@ -96,7 +96,9 @@ pub(crate) fn parks(park_retries: bool, delivery: &Delivery, done: &Done) -> boo
         && delivery.has_key()
         && matches!(
             done,
-            Done::Handled(Outcome::Retry | Outcome::RetryAfter(_) | Outcome::Apply(_))
+            Done::Handled(
+                Outcome::Retry | Outcome::RetryAfter(_) | Outcome::NotAttempted | Outcome::Apply(_)
+            )
         )
 }
 

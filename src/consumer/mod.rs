@@ -590,6 +590,9 @@ impl<H: Handler> ConsumerBuilder<H> {
                     "tumbling windows keep a shard's order (a failed record holds every later one), which per-key ordering on one lane gives",
                 ));
             }
+            if let Some(attempts) = set.max_attempts {
+                windows.bound_final_calls(attempts);
+            }
         }
         if let Some(fan_out) = &set.fan_out {
             if self.source.is_some() {

@@ -707,7 +707,11 @@ async fn run_again(write: PendingWrite, events: mpsc::UnboundedSender<WriteEvent
         write.delay
     };
     tokio::time::sleep(wait).await;
-    let d = write.delivery.next_attempt();
+    let d = if write.counted {
+        write.delivery.next_attempt()
+    } else {
+        write.delivery
+    };
     metrics::counter!("shardwise_retries_total", "stream" => d.stream().to_string()).increment(1);
     info!(stream = d.stream(), partition = d.shard(), seq = %d.locator(), attempt = d.attempt(), "running again in place");
     let _ = events.send(WriteEvent::Redeliver(d));
