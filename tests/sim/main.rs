@@ -14,6 +14,14 @@
 //! place, no cap: a failing record runs again until it succeeds). Three seeds in
 //! ten read with enhanced fan-out (`FanOutRecords` over `testing::Subscriptions`, a model of
 //! SubscribeToShard on the simulated stream that ends every 5 minutes and fails with its faults).
+//! The seeds ending in 0, 5 or 9 without receipts run on tumbling windows of 1 to 3 s
+//! (`window::Windowed`, one lane, retries in place): the handler's state is the ids it
+//! aggregated, calls and final calls fail now and then, and the model checks each call's state
+//! and records (the shard's records of that window in order, none twice, none left out but
+//! filtered or spent ones, none of another window), each final call (its window over, its state
+//! holding every record aggregated before its first unless a seek undid it) and that every
+//! window with aggregated records gets a final call (or its state dropped after `max_attempts`
+//! failed ones).
 //! Invariants are checked as each event happens (see `sim/model.rs`), among them per-key order
 //! within an ownership (in place: a record's next attempt before any later record of its key)
 //! and that no effect is applied twice; at the end everything owed must have been handled and be

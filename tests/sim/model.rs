@@ -10,6 +10,7 @@ use shardwise::frontier::Frontier;
 use shardwise::lease::{Change, Checkpoint, Lease};
 use shardwise::receipts::{Disposition, EventId, MemoryReceipts};
 use shardwise::testing::{MemoryStream, StoredRecord};
+use shardwise::window::{Window, WindowCall};
 use shardwise::{Outcome, Position};
 
 /// The effect tables of the simulation's receipts: each applied event adds 1 to its record's
@@ -109,6 +110,12 @@ fn filtered_out(data: &bytes::Bytes) -> bool {
     let decoded = shardwise::envelope::decode(data.clone());
     serde_json::from_slice::<serde_json::Value>(&decoded.payload)
         .is_ok_and(|v| v["kind"] == "quote")
+}
+
+/// Milliseconds since the epoch.
+fn shardwise_millis(t: SystemTime) -> i64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
 }
 
 /// Where a record stands against a checkpoint.
@@ -243,6 +250,43 @@ pub struct Model {
     in_place: bool,
     /// A filter keeps quotes from the handler (see [`Model::filtered`]).
     filtered: bool,
+    /// Tumbling windows (see [`Model::windowed`]).
+    windows: Option<Windows>,
+}
+
+impl Windows {
+    /// Whether `shard`'s record at `position` was last aggregated by a call no seek undid.
+    fn kept(&self, shard: &str, position: &Position) -> bool {
+        self.aggregated
+            .get(&(shard.to_string(), *position))
+            .is_some_and(|(_, epoch)| {
+                self.seek_epochs
+                    .get(shard)
+                    .is_none_or(|sought| epoch >= sought)
+            })
+    }
+}
+
+/// What the model knows of a windowed seed's windows.
+struct Windows {
+    width: Duration,
+    /// Decides which calls fail (one in twenty; a final call one in five).
+    fails: rand::rngs::StdRng,
+    /// Records a window call settled into its state (acknowledged or dropped), by shard and
+    /// position: the window's start and the ownership epoch of the last call that did.
+    aggregated: BTreeMap<(String, Position), (i64, u64)>,
+    /// The ownership epoch each shard's last seek set: what calls of earlier epochs aggregated
+    /// the seek undid (their state is gone from the row).
+    seek_epochs: BTreeMap<String, u64>,
+    /// Records answered with a retry at their last attempt (spent: settled without the state).
+    spent: BTreeSet<(String, Position)>,
+    /// Windows whose final call succeeded, or whose state was dropped after `final_cap` failed
+    /// final calls, by (shard, window start).
+    closed: BTreeSet<(String, i64)>,
+    /// How many final calls of a window fail before its state is dropped (`max_attempts`).
+    final_cap: Option<u32>,
+    /// Final calls that failed in a row, by (worker, shard, window start).
+    failed_finals: BTreeMap<(String, String, i64), u32>,
 }
 
 impl Model {
@@ -287,7 +331,24 @@ impl Model {
             ledger_broken: false,
             in_place: false,
             filtered: false,
+            windows: None,
         }
+    }
+
+    /// Records are handled on tumbling windows of `width` (`None`: not), calls failing as the
+    /// seed's `fails` generator draws.
+    pub fn windowed(mut self, width: Option<Duration>, seed: u64, final_cap: Option<u32>) -> Self {
+        self.windows = width.map(|width| Windows {
+            final_cap,
+            failed_finals: BTreeMap::new(),
+            width,
+            fails: rand::SeedableRng::seed_from_u64(seed ^ 0x0f_a115),
+            aggregated: BTreeMap::new(),
+            seek_epochs: BTreeMap::new(),
+            spent: BTreeSet::new(),
+            closed: BTreeSet::new(),
+        });
+        self
     }
 
     /// A filter keeps quotes from the handler: a quote settles without a handler's outcome (it
@@ -399,6 +460,9 @@ impl Model {
             );
         }
         if change.operation == "seek" {
+            if let Some(windows) = self.windows.as_mut() {
+                windows.seek_epochs.insert(shard.clone(), after.owner_epoch);
+            }
             if after.seek_epoch <= before.seek_epoch {
                 self.violation(at_ms, format!("{shard}: a seek without a new seek epoch"));
             }
@@ -697,6 +761,274 @@ impl Model {
             .entry((worker.to_string(), id, attempt))
             .or_default()
             .push(at_ms);
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Tumbling windows
+
+    /// A window call by `worker` with `state` (the ids its state holds; `None` at a window's
+    /// first call) and `records`: every record belongs to the call's window, and the state's
+    /// records then the call's are the shard's records of the window in order, none twice and
+    /// none left out between them but what the filter kept from the handler or a spent retry.
+    /// A final call has its window over (its end passed, a record of a later window read, or the
+    /// shard ended) and a state holding every record of the window aggregated before its first,
+    /// unless a seek reset the shard since the window's first aggregation. Returns whether the
+    /// call is to fail.
+    pub fn window_call(
+        &mut self,
+        at_ms: u64,
+        worker: &str,
+        call: &WindowCall,
+        state: Option<&[u64]>,
+        records: &[(Position, u64)],
+    ) -> bool {
+        let Some(windows) = self.windows.as_mut() else {
+            return false;
+        };
+        let (shard, window) = (call.shard_id.as_str(), call.window);
+        let fails =
+            rand::Rng::random_bool(&mut windows.fails, if call.is_final { 0.2 } else { 0.05 });
+        let ids: Vec<u64> = records.iter().map(|(_, id)| *id).collect();
+        self.event(
+            at_ms,
+            format!(
+                "window {worker} {shard} [{}, {}) state={state:?} ids={ids:?}{}{}{}",
+                window.start_ms,
+                window.end_ms,
+                if call.is_final { " final" } else { "" },
+                if call.terminated_early { " early" } else { "" },
+                if fails { " (fails)" } else { "" },
+            ),
+        );
+        self.refresh();
+        let width = self.windows.as_ref().map_or(Duration::ZERO, |w| w.width);
+        let mut chain: Vec<u64> = state.unwrap_or_default().to_vec();
+        chain.extend(&ids);
+        let mut problems = Vec::new();
+        let mut last: Option<Position> = None;
+        let mut seen = BTreeSet::new();
+        for id in &chain {
+            let Some(r) = self.records.iter().find(|r| {
+                r.shard_id == shard
+                    && id_of(&shardwise::envelope::decode(r.record.data.clone()).payload) == *id
+            }) else {
+                problems.push(format!("id {id} is not a record of {shard}"));
+                continue;
+            };
+            let position = Position::new(r.record.sequence, 0);
+            let arrived = r.record.arrived_at.map_or(0, shardwise_millis);
+            if Window::of(arrived, width) != window {
+                problems.push(format!(
+                    "id {id} arrived at {arrived} ms, outside the window"
+                ));
+            }
+            if !seen.insert(*id) {
+                problems.push(format!("id {id} twice"));
+            }
+            if let Some(last) = last {
+                if position <= last {
+                    problems.push(format!("id {id} at {position} after {last}"));
+                }
+                let left_out = self.left_out(shard, last, position);
+                if !left_out.is_empty() {
+                    problems.push(format!(
+                        "left out between {last} and {position}: {left_out:?}"
+                    ));
+                }
+            }
+            last = Some(position);
+        }
+        if call.is_final {
+            problems.extend(self.final_problems(at_ms, call, &chain));
+            if let Some(windows) = self.windows.as_mut() {
+                let key = (worker.to_string(), shard.to_string(), window.start_ms);
+                if fails {
+                    let failed = windows.failed_finals.entry(key).or_default();
+                    *failed += 1;
+                    if windows.final_cap.is_some_and(|cap| *failed >= cap) {
+                        // Its state is dropped: the window is over without a final call.
+                        windows.closed.insert((shard.to_string(), window.start_ms));
+                    }
+                } else {
+                    windows.failed_finals.remove(&key);
+                }
+            }
+        }
+        if !problems.is_empty() {
+            self.violation(
+                at_ms,
+                format!(
+                    "{worker}'s window call on {shard} [{}, {}){}: {}",
+                    window.start_ms,
+                    window.end_ms,
+                    if call.is_final { " (final)" } else { "" },
+                    problems.join("; ")
+                ),
+            );
+        }
+        fails
+    }
+
+    /// The records of `shard` strictly between `from` and `to` that a window's state lacks
+    /// though nothing explains it (neither filtered nor spent).
+    fn left_out(&self, shard: &str, from: Position, to: Position) -> Vec<String> {
+        let Some(windows) = &self.windows else {
+            return Vec::new();
+        };
+        self.records
+            .iter()
+            .filter(|r| r.shard_id == shard)
+            .filter(|r| {
+                let p = Position::new(r.record.sequence, 0);
+                p > from
+                    && p < to
+                    && !(self.filtered && filtered_out(&r.record.data))
+                    && !windows.spent.contains(&(shard.to_string(), p))
+            })
+            .map(|r| r.record.sequence.to_string())
+            .collect()
+    }
+
+    /// What is wrong with a final call whose state holds `chain`.
+    fn final_problems(&self, at_ms: u64, call: &WindowCall, chain: &[u64]) -> Vec<String> {
+        let Some(windows) = &self.windows else {
+            return Vec::new();
+        };
+        let (shard, window) = (call.shard_id.as_str(), call.window);
+        let mut problems = Vec::new();
+        let of_window = |r: &&StoredRecord| {
+            r.shard_id == shard
+                && Window::of(
+                    r.record.arrived_at.map_or(0, shardwise_millis),
+                    windows.width,
+                ) == window
+        };
+        let service_ms = shardwise_millis(crate::world::base()) + at_ms as i64;
+        let later_read = self.records.iter().any(|r| {
+            r.shard_id == shard && r.record.arrived_at.map_or(0, shardwise_millis) >= window.end_ms
+        });
+        if !call.terminated_early
+            && window.end_ms > service_ms
+            && !later_read
+            && !self.closed.contains(shard)
+        {
+            problems.push(format!(
+                "a final call {} ms before the window's end, nothing later on the shard",
+                window.end_ms - service_ms
+            ));
+        }
+        let Some(first) = chain.first() else {
+            return problems;
+        };
+        let first_position = self.records.iter().find_map(|r| {
+            (r.shard_id == shard
+                && id_of(&shardwise::envelope::decode(r.record.data.clone()).payload) == *first)
+                .then(|| Position::new(r.record.sequence, 0))
+        });
+        if let Some(first_position) = first_position {
+            let lost: Vec<String> = self
+                .records
+                .iter()
+                .filter(of_window)
+                .map(|r| Position::new(r.record.sequence, 0))
+                .filter(|p| {
+                    *p < first_position
+                        && windows.kept(shard, p)
+                        && !windows.spent.contains(&(shard.to_string(), *p))
+                })
+                .map(|p| p.to_string())
+                .collect();
+            if !lost.is_empty() {
+                problems.push(format!(
+                    "the state lost records aggregated before its first: {lost:?}"
+                ));
+            }
+        }
+        problems
+    }
+
+    /// A window call settled `call`'s record into its state.
+    pub fn aggregated(&mut self, call: &Call, window: Window) {
+        if let Some(windows) = self.windows.as_mut() {
+            windows.aggregated.insert(
+                (call.shard.clone(), call.position),
+                (window.start_ms, call.epoch),
+            );
+        }
+    }
+
+    /// `call`'s record was not handled: an earlier record of its window call failed, or the
+    /// call failed whole, and the runtime answers a retry for it (`spent`: at its last attempt,
+    /// dead-lettered, or dropped without a dead-letter stream, as Lambda discards a batch).
+    pub fn passed_over(&mut self, at_ms: u64, call: &Call, spent: bool, dead_letter: bool) {
+        if spent {
+            self.finished(at_ms, call, Some(Outcome::Retry), !dead_letter);
+            self.spent(call);
+            return;
+        }
+        self.event(
+            at_ms,
+            format!(
+                "passed over {} {}@{} {} id={} attempt={}",
+                call.worker, call.shard, call.epoch, call.position, call.id, call.attempt
+            ),
+        );
+        self.retried.insert(
+            (
+                call.worker.clone(),
+                call.shard.clone(),
+                call.epoch,
+                call.position,
+            ),
+            (call.id, call.attempt),
+        );
+    }
+
+    /// `call`'s record was answered with a retry at its last attempt: it is spent, and no
+    /// window's state holds it.
+    pub fn spent(&mut self, call: &Call) {
+        if let Some(windows) = self.windows.as_mut() {
+            let record = (call.shard.clone(), call.position);
+            // Its last handling is what counts: an earlier owner's aggregation is undone.
+            windows.aggregated.remove(&record);
+            windows.spent.insert(record);
+        }
+    }
+
+    /// `shard`'s `window` had its final call answered.
+    pub fn window_closed(&mut self, at_ms: u64, shard: &str, window: Window) {
+        self.event(
+            at_ms,
+            format!(
+                "window {shard} [{}, {}) closed",
+                window.start_ms, window.end_ms
+            ),
+        );
+        if let Some(windows) = self.windows.as_mut() {
+            windows.closed.insert((shard.to_string(), window.start_ms));
+        }
+    }
+
+    /// Windows with aggregated records that no seek undid, and no final call yet (retention
+    /// excuses one).
+    pub fn unclosed_windows(&self) -> Vec<String> {
+        let Some(windows) = &self.windows else {
+            return Vec::new();
+        };
+        let unclosed: BTreeSet<(String, i64)> = windows
+            .aggregated
+            .iter()
+            .filter(|((shard, position), (start, _))| {
+                windows.kept(shard, position)
+                    && !windows.closed.contains(&(shard.clone(), *start))
+                    && !self.aged_out.contains(shard)
+            })
+            .map(|((shard, _), (start, _))| (shard.clone(), *start))
+            .collect();
+        unclosed
+            .into_iter()
+            .map(|(shard, start)| format!("{shard} [{start}, ..)"))
+            .collect()
     }
 
     // -----------------------------------------------------------------------------------------

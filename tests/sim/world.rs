@@ -17,6 +17,7 @@ use shardwise::receipts::{Disposition, Effect, Effects, MemoryReceipts, ReceiptS
 use shardwise::seek::SeekTarget;
 use shardwise::shard::fanout::{FanOut, FanOutRecords};
 use shardwise::testing::{Faults, Layered, MemoryStream, MemoryStreams, Subscriptions};
+use shardwise::window::{WindowAnswer, WindowCall, WindowHandler, Windowed};
 use shardwise::{
     Batched, Batching, Consumer, Delivery, Handler, Outcome, Position, Running, ShutdownReport,
 };
@@ -107,6 +108,12 @@ struct Scenario {
     /// Records are JSON and a `FilterCriteria` (Lambda's) lets only orders reach the handler: one
     /// record in five is a quote, which must settle without it.
     filter: bool,
+    /// Tumbling windows of this width (`window::Windowed`): the handler gets each shard's records
+    /// in calls by window with the state it answered last (the ids aggregated so far), and a
+    /// final call per window. One lane, retries in place; no batches, timeouts or receipts.
+    window: Option<Duration>,
+    /// The most records a window call gets.
+    window_batch: usize,
     /// (time, action), in time order.
     actions: Vec<(Duration, Action)>,
 }
@@ -209,10 +216,26 @@ impl Scenario {
             fan_out: StdRng::seed_from_u64(seed ^ 0x0fa0_0e70).random_bool(0.3),
             // Apart from the other decisions too.
             filter: StdRng::seed_from_u64(seed ^ 0x0f17_7e75).random_bool(0.3),
+            window: None,
+            window_batch: 1,
             actions,
         }
         .timeouts_dead_letter()
         .retry_defaults()
+        .windowed()
+    }
+
+    /// The seeds ending in 0, 5 or 9 without receipts (never the regression seeds, never with
+    /// batches or timeouts) run on tumbling windows of 1, 2 or 3 s: one lane, retries in place.
+    fn windowed(mut self) -> Self {
+        let mut rng = StdRng::seed_from_u64(self.seed ^ 0x0a1d_0e5e);
+        if matches!(self.seed % 10, 0 | 5 | 9) && !self.receipts {
+            self.window = Some(Duration::from_secs(rng.random_range(1..=3)));
+            self.window_batch = rng.random_range(1..=8);
+            self.lanes = 1;
+            self.in_place = true;
+        }
+        self
     }
 
     /// One seed in four of those that can (apart from the other decisions) leaves the retry
@@ -343,7 +366,12 @@ impl World {
         let model = Arc::new(Mutex::new(
             Model::new(STALE_BOUND, stream.clone(), ledger.clone())
                 .in_place(scenario.in_place)
-                .filtered(scenario.filter),
+                .filtered(scenario.filter)
+                .windowed(
+                    scenario.window,
+                    seed,
+                    (!scenario.defaults).then_some(scenario.max_attempts),
+                ),
         ));
         let observer = model.clone();
         store.observe(Arc::new(move |change: &Change| {
@@ -455,6 +483,115 @@ impl World {
         }
     }
 
+    /// The window handler of a windowed seed: its state is the ids aggregated so far (JSON).
+    /// A call fails whole one time in twenty (no state: every record retried); otherwise its
+    /// records are handled in order as [`decide`] says, and from the first that does not settle
+    /// (a retry, or a panic, which a window handler answers as a failure) every later one is
+    /// answered as a retry, as Lambda retries from the first failure. One final call in five
+    /// fails.
+    fn window_handler(&self, worker: String) -> impl WindowHandler {
+        let model = self.model.clone();
+        let seed = self.scenario.seed;
+        let cap = if self.scenario.defaults {
+            u32::MAX
+        } else {
+            self.scenario.max_attempts
+        };
+        let dead_letter = self.scenario.dead_letter || self.queued();
+        move |call: WindowCall| {
+            let (model, worker) = (model.clone(), worker.clone());
+            async move {
+                let mut ids: Vec<u64> = call
+                    .state
+                    .as_ref()
+                    .map(|s| serde_json::from_slice(s).expect("the state is the ids"))
+                    .unwrap_or_default();
+                let records: Vec<(Position, u64)> = call
+                    .records
+                    .iter()
+                    .map(|d| (*d.position(), crate::model::id_of(d.payload())))
+                    .collect();
+                let fails = model.lock().unwrap().window_call(
+                    now_ms(),
+                    &worker,
+                    &call,
+                    call.state.as_ref().map(|_| ids.as_slice()),
+                    &records,
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                if call.is_final {
+                    if fails {
+                        return WindowAnswer::failed();
+                    }
+                    model
+                        .lock()
+                        .unwrap()
+                        .window_closed(now_ms(), &call.shard_id, call.window);
+                    return WindowAnswer::acked(call.state.unwrap_or_default(), 0);
+                }
+                let mut outcomes = Vec::with_capacity(call.records.len());
+                let mut failing = fails;
+                for d in &call.records {
+                    let record = Call {
+                        worker: worker.clone(),
+                        shard: d.shard().to_string(),
+                        epoch: d.id().map_or(0, |i| i.epoch()),
+                        position: *d.position(),
+                        key: d.partition_key().to_string(),
+                        id: crate::model::id_of(d.payload()),
+                        attempt: d.attempt(),
+                        event: d.event_id(),
+                    };
+                    let spent = record.attempt >= cap;
+                    if failing {
+                        // After a failure the runtime answers a retry for the rest unhandled.
+                        model
+                            .lock()
+                            .unwrap()
+                            .passed_over(now_ms(), &record, spent, dead_letter);
+                        outcomes.push(Outcome::Retry);
+                        continue;
+                    }
+                    model.lock().unwrap().started(now_ms(), &record);
+                    let mut guard = InFlight {
+                        model: model.clone(),
+                        call: record,
+                        done: false,
+                    };
+                    let (decided, took) = decide(seed, guard.call.id, guard.call.attempt, None);
+                    tokio::time::sleep(took).await;
+                    let outcome = match decided {
+                        Some(o @ (Outcome::Ack | Outcome::Drop)) => o,
+                        // A retry, or a panic (a window handler answers it as a failure).
+                        _ => Outcome::Retry,
+                    };
+                    let settles = matches!(outcome, Outcome::Ack | Outcome::Drop);
+                    failing = !settles;
+                    guard.done = true;
+                    let mut m = guard.model.lock().unwrap();
+                    m.finished(
+                        now_ms(),
+                        &guard.call,
+                        Some(outcome.clone()),
+                        settles || (spent && !dead_letter),
+                    );
+                    if settles {
+                        ids.push(guard.call.id);
+                        m.aggregated(&guard.call, call.window);
+                    } else if spent {
+                        m.spent(&guard.call);
+                    }
+                    drop(m);
+                    outcomes.push(outcome);
+                }
+                if fails {
+                    return WindowAnswer::failed();
+                }
+                WindowAnswer::new(serde_json::to_vec(&ids).expect("ids as JSON"), outcomes)
+            }
+        }
+    }
+
     async fn start(&mut self, slot: usize) {
         if !matches!(self.slots[slot], Slot::Down) {
             return;
@@ -477,6 +614,15 @@ impl World {
             worker: worker.clone(),
             model: self.model.clone(),
         });
+        if let Some(width) = self.scenario.window {
+            let batching = Batching::new(self.scenario.window_batch, Duration::from_millis(50));
+            let windowed = Windowed::new(self.window_handler(worker.clone()), width, batching);
+            let result = self
+                .run_worker(windowed, &worker, &gate, store, stream)
+                .await;
+            self.started(slot, &worker, gate, result);
+            return;
+        }
         let handler = self.handler(worker.clone());
         let result = match self.scenario.batch {
             None => {
@@ -507,6 +653,16 @@ impl World {
                     .await
             }
         };
+        self.started(slot, &worker, gate, result);
+    }
+
+    fn started(
+        &mut self,
+        slot: usize,
+        worker: &str,
+        gate: Gate,
+        result: Result<Running, shardwise::Error>,
+    ) {
         match result {
             Ok(running) => {
                 self.event(format!("worker {worker} started"));
@@ -906,6 +1062,13 @@ impl World {
     }
 
     async fn run(mut self) -> SeedResult {
+        if let Some(width) = self.scenario.window {
+            let s = &self.scenario;
+            self.event(format!(
+                "windows of {width:?}, calls of up to {} records, max_attempts {}, dead letter {}, defaults {}, filter {}",
+                s.window_batch, s.max_attempts, s.dead_letter, s.defaults, s.filter
+            ));
+        }
         let first = self.rng.random_range(0..20);
         self.put(first);
         for i in 0..self.slots.len() {
@@ -955,12 +1118,12 @@ impl World {
             tokio::time::sleep(STEP).await;
             self.sample();
             self.operate(true);
-            let (owed, uncovered) = {
+            let (owed, uncovered, unclosed) = {
                 let mut model = self.model.lock().unwrap();
                 model.refresh();
-                (model.owed(), model.uncovered())
+                (model.owed(), model.uncovered(), model.unclosed_windows())
             };
-            if owed.is_empty() && uncovered.is_empty() {
+            if owed.is_empty() && uncovered.is_empty() && unclosed.is_empty() {
                 break;
             }
             if quiet.elapsed() > QUIET {
@@ -971,10 +1134,12 @@ impl World {
                     .map(|(s, p, after)| format!("{s} {p} (after {after} ms)"))
                     .collect();
                 let what = format!(
-                    "stuck: {} records never handled (skipped or stuck), first {first:?}; {} not covered by a checkpoint, first {:?}",
+                    "stuck: {} records never handled (skipped or stuck), first {first:?}; {} not covered by a checkpoint, first {:?}; {} windows without a final call, first {:?}",
                     owed.len(),
                     uncovered.len(),
-                    &uncovered[..uncovered.len().min(3)]
+                    &uncovered[..uncovered.len().min(3)],
+                    unclosed.len(),
+                    &unclosed[..unclosed.len().min(3)]
                 );
                 model.event(now_ms(), format!("VIOLATION {what}"));
                 model.violations.push(what);
