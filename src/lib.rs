@@ -66,6 +66,8 @@ pub mod receipts;
 pub mod retry;
 pub mod seek;
 pub mod shard;
+#[cfg(feature = "cloudwatch-logs")]
+pub mod subscription;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 mod time;

@@ -23,6 +23,7 @@ use shardwise::paged::{CloudWatchLogs, CloudWatchLogsFilter, PagedSource};
 use shardwise::receipts::{DynamoDbReceipts, Effect, ReceiptStore, SourceRetention, key};
 use shardwise::shard::discovery::{KinesisShards, ShardLister};
 use shardwise::shard::fanout::FanOut;
+use shardwise::subscription;
 use shardwise::window::{WindowSlots, Windowed};
 use shardwise::{
     Batching, ConfigError, Consumer, ConsumerBuilder, Delivery, DeliveryOrder, Handler, Outcome,
@@ -153,6 +154,20 @@ pub(crate) struct Args {
     /// `shardwise stream deregister-consumer` removes it.
     #[arg(long, env = "SHARDWISE_EFO", conflicts_with = "log_group")]
     efo: bool,
+
+    /// The stream is a CloudWatch Logs subscription filter's destination (gzip documents of log
+    /// events): each log event is one delivery, its message the `data`, its log stream the
+    /// `partition_key` (a stream's events in order), and `log_group`, `log_event_id` and
+    /// `log_timestamp` on its line; a checkpoint can fall between a record's events. A control
+    /// message is skipped; a record that is not such a document is delivered whole, with a
+    /// warning and shardwise_cloudwatch_corrupt_total. Without it a handler gets the gzip data
+    /// as it is (what a Lambda function subscribed through Kinesis decodes itself).
+    #[arg(
+        long,
+        env = "SHARDWISE_CLOUDWATCH_SUBSCRIPTION",
+        conflicts_with = "log_group"
+    )]
+    cloudwatch_subscription: bool,
 
     /// With --efo: the stream consumer's name (default: --app).
     #[arg(
@@ -892,6 +907,14 @@ struct HandledLine<'a> {
     lane: usize,
     outcome: String,
     arrived_ms: Option<u64>,
+    /// With --cloudwatch-subscription: the log event's group, id and timestamp (its log stream
+    /// is the partition key).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log_group: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log_event_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log_timestamp: Option<i64>,
     #[serde(flatten)]
     payload: Payload<'a>,
     /// With receipts: whether the delivery settled from an existing receipt (its effects were
@@ -990,6 +1013,12 @@ fn line<'a>(d: &'a Delivery, worker: &'a str, outcome: &Outcome) -> HandledLine<
         lane: d.lane(),
         outcome: outcome_name(outcome),
         arrived_ms: millis(d.arrived_at()),
+        log_group: d.headers().get_str(subscription::LOG_GROUP_HEADER),
+        log_event_id: d.headers().get_str(subscription::EVENT_ID_HEADER),
+        log_timestamp: d
+            .headers()
+            .get_str(subscription::TIMESTAMP_HEADER)
+            .and_then(|t| t.parse().ok()),
         payload: payload(d),
         replay: None,
     }
@@ -1138,6 +1167,9 @@ fn builder_reading<H: Handler>(
     builder = builder.retries(args.retries);
     if let Some(stream) = &args.retry_stream {
         builder = builder.retry_stream(stream.clone());
+    }
+    if args.cloudwatch_subscription {
+        builder = builder.cloudwatch_subscription();
     }
     if args.efo {
         let mut fan_out = FanOut::new();

@@ -758,3 +758,150 @@ async fn consume_with_receipts_keeps_them_as_long_as_the_log_group_keeps_events(
     live.delete_table(&format!("{app}-receipts")).await;
     live.delete_table(&app).await;
 }
+
+/// `consume --stream S --cloudwatch-subscription` on the Kinesis stream a subscription filter
+/// writes to (moto's CloudWatch Logs and Kinesis, one server): one line per log event, its
+/// message as `data`, its log stream as `partition_key`, and `log_group`, `log_event_id` and
+/// `log_timestamp`, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consume_a_subscription_filters_stream_handles_each_log_event() {
+    let _live = live_or_skip!();
+    let moto = std::env::var("AWS_ENDPOINT_URL_CLOUDWATCH_LOGS")
+        .expect("AWS_ENDPOINT_URL_CLOUDWATCH_LOGS is not set: start the emulators");
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .load()
+        .await;
+    let logs = aws_sdk_cloudwatchlogs::Client::new(&config);
+    let kinesis = aws_sdk_kinesis::Client::from_conf(
+        aws_sdk_kinesis::config::Builder::from(&config)
+            .endpoint_url(&moto)
+            .build(),
+    );
+    let stream = support::unique_name("cli-cwl-sub");
+    let group = support::unique_name("/aws/lambda/cli");
+    let app = support::unique_name("cli-cwl-app");
+    kinesis
+        .create_stream()
+        .stream_name(&stream)
+        .shard_count(1)
+        .send()
+        .await
+        .unwrap();
+    let arn = kinesis
+        .describe_stream_summary()
+        .stream_name(&stream)
+        .send()
+        .await
+        .unwrap()
+        .stream_description_summary
+        .unwrap()
+        .stream_arn;
+    logs.create_log_group()
+        .log_group_name(&group)
+        .send()
+        .await
+        .unwrap();
+    logs.create_log_stream()
+        .log_group_name(&group)
+        .log_stream_name("s1")
+        .send()
+        .await
+        .unwrap();
+    logs.put_subscription_filter()
+        .log_group_name(&group)
+        .filter_name("to-kinesis")
+        .filter_pattern("")
+        .destination_arn(&arn)
+        .role_arn("arn:aws:iam::123456789012:role/cwl-to-kinesis")
+        .send()
+        .await
+        .unwrap();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    for batch in 0..2 {
+        let events: Vec<InputLogEvent> = (0..5)
+            .map(|i| {
+                InputLogEvent::builder()
+                    .timestamp(now + batch * 5 + i)
+                    .message(format!("line {}", batch * 5 + i))
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        logs.put_log_events()
+            .log_group_name(&group)
+            .log_stream_name("s1")
+            .set_log_events(Some(events))
+            .send()
+            .await
+            .unwrap();
+    }
+    let lines: Arc<Mutex<Vec<Value>>> = Arc::default();
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("logs_live");
+    std::fs::create_dir_all(&dir).unwrap();
+    let stderr = dir.join(format!("{app}.stderr"));
+    let mut child = Command::new(BIN)
+        .args([
+            "consume",
+            "--stream",
+            &stream,
+            "--app",
+            &app,
+            "--cloudwatch-subscription",
+        ])
+        .args(FAST)
+        // The stream is moto's (where its subscription filters write); the lease table too.
+        .env("AWS_ENDPOINT_URL_KINESIS", &moto)
+        .env("RUST_LOG", "shardwise=info,warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(File::create(&stderr).unwrap())
+        .spawn()
+        .expect("spawn shardwise consume");
+    let stdout = child.stdout.take().unwrap();
+    let collected = lines.clone();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let value: Value = serde_json::from_str(&line)
+                .unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+            collected.lock().unwrap().push(value);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while lines.lock().unwrap().len() < 10 {
+        assert!(
+            Instant::now() < deadline,
+            "10 lines: {:?}; stderr: {}",
+            lines.lock().unwrap(),
+            std::fs::read_to_string(&stderr).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = reader.join();
+    let lines = lines.lock().unwrap().clone();
+    let mut seen: Vec<i64> = Vec::new();
+    for line in &lines {
+        let data = line["data"].as_str().unwrap();
+        let n: i64 = data.strip_prefix("line ").unwrap().parse().unwrap();
+        assert_eq!(line["partition_key"], "s1", "{line}");
+        assert_eq!(line["log_group"], group.as_str(), "{line}");
+        assert_eq!(line["log_timestamp"], now + n, "{line}");
+        assert!(
+            line["log_event_id"]
+                .as_str()
+                .is_some_and(|id| !id.is_empty()),
+            "{line}"
+        );
+        assert_eq!(line["subsequence"], n % 5, "{line}");
+        seen.push(n);
+    }
+    assert_eq!(
+        seen,
+        (0..10).collect::<Vec<_>>(),
+        "in order, once each: {lines:?}"
+    );
+}

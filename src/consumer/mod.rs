@@ -170,6 +170,16 @@ impl<H: Handler> ConsumerBuilder<H> {
         self
     }
 
+    /// The stream is a CloudWatch Logs subscription filter's destination: each log event of a
+    /// record is one delivery (sub-sequence `i` for the `i`-th; the message as payload; the log
+    /// stream as partition key; headers naming the group, stream, event id and timestamp), a
+    /// control message none. See [`subscription`](crate::subscription).
+    #[cfg(feature = "cloudwatch-logs")]
+    pub fn cloudwatch_subscription(mut self) -> Self {
+        self.settings.reader.cloudwatch_subscription = true;
+        self
+    }
+
     /// Records per GetRecords call (default 10,000).
     pub fn get_records_limit(mut self, n: i32) -> Self {
         self.settings.reader.limit = n;
@@ -660,6 +670,13 @@ impl<H: Handler> ConsumerBuilder<H> {
     fn check_paged(&self, source: &dyn PagedSource) -> Result<(), ConfigError> {
         self.settings.validate_paged()?;
         self.check_destination()?;
+        if self.settings.reader.cloudwatch_subscription {
+            return Err(ConfigError::new(
+                "cloudwatch_subscription",
+                true,
+                "a paged source reads its events itself; subscription documents come on a Kinesis stream",
+            ));
+        }
         if self.handler.window_slots().is_some() {
             return Err(ConfigError::new(
                 "tumbling_window",

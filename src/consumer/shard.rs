@@ -232,7 +232,7 @@ impl Progress for Shard {
                         (r.position, r.arrived_at.map(millis)),
                         Some(&r.partition_key),
                     );
-                    let delivery = Delivery::from_blob(
+                    let mut delivery = Delivery::from_blob(
                         self.lease.stream.clone(),
                         self.lease.shard.clone(),
                         r.position,
@@ -242,8 +242,11 @@ impl Progress for Shard {
                     .set_arrived_at(r.arrived_at)
                     .set_explicit_hash_key(r.explicit_hash_key)
                     .set_id(id)
-                    .set_lane(lane)
-                    .build();
+                    .set_lane(lane);
+                    if let Some(headers) = r.headers {
+                        delivery = delivery.headers(headers);
+                    }
+                    let delivery = delivery.build();
                     pipeline.dispatch(delivery);
                 }
                 Read::Page

@@ -19,6 +19,8 @@ use crate::backoff::Backoff;
 use crate::checkpoint::Checkpoint;
 use crate::kpl::{self, Deaggregated};
 use crate::position::Position;
+#[cfg(feature = "cloudwatch-logs")]
+use crate::subscription::{self, Unpacked};
 
 /// Reading limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +36,9 @@ pub struct ReaderSettings {
     /// Paged sources: the longest wait between fetches of a partition that stays idle (the poll
     /// interval doubles with each page in a row that brings nothing, up to this).
     pub idle_poll_max: Duration,
+    /// Records are CloudWatch Logs subscription documents: each log event is a record
+    /// (`crate::subscription`, feature `cloudwatch-logs`).
+    pub cloudwatch_subscription: bool,
 }
 
 impl Default for ReaderSettings {
@@ -44,6 +49,7 @@ impl Default for ReaderSettings {
             min_call_interval: Duration::from_millis(200),
             max_backoff: Duration::from_secs(5),
             idle_poll_max: Duration::from_secs(30),
+            cloudwatch_subscription: false,
         }
     }
 }
@@ -61,6 +67,9 @@ pub struct ReadRecord {
     pub data: Bytes,
     /// When Kinesis accepted the record.
     pub arrived_at: Option<SystemTime>,
+    /// Headers the reader gives it (a CloudWatch Logs event's origin), in place of any the data
+    /// carries.
+    pub headers: Option<crate::envelope::Headers>,
 }
 
 /// What the reader task sends.
@@ -231,6 +240,52 @@ impl ShardReader {
         tokio::time::sleep(wait).await;
     }
 
+    /// A CloudWatch Logs subscription record's events, added to `out`; `false` when the record is
+    /// to be delivered whole (not a subscription document: counted and warned when it is gzip).
+    #[cfg(feature = "cloudwatch-logs")]
+    fn log_events(&self, r: &super::source::RawRecord, out: &mut Vec<ReadRecord>) -> bool {
+        if !self.settings.cloudwatch_subscription {
+            return false;
+        }
+        match subscription::unpack(&r.data) {
+            Unpacked::Events(events) => {
+                out.extend(events.into_iter().map(|e| ReadRecord {
+                    position: Position::new(r.sequence, e.sub_sequence),
+                    partition_key: if e.log_stream.is_empty() {
+                        r.partition_key.clone()
+                    } else {
+                        e.log_stream.clone()
+                    },
+                    explicit_hash_key: None,
+                    headers: Some(e.headers()),
+                    data: e.message,
+                    arrived_at: r.arrived_at,
+                }));
+                true
+            }
+            Unpacked::Control => {
+                debug!(shard = %self.shard, sequence = %r.sequence, "a CloudWatch Logs control message: nothing to deliver");
+                true
+            }
+            Unpacked::Corrupt(why) => {
+                warn!(shard = %self.shard, sequence = %r.sequence, why, "not a CloudWatch Logs subscription document: delivered as one plain record");
+                metrics::counter!("shardwise_cloudwatch_corrupt_total").increment(1);
+                false
+            }
+            Unpacked::Plain => {
+                warn!(shard = %self.shard, sequence = %r.sequence, "a record that is not gzip on a CloudWatch Logs subscription stream: delivered as one plain record");
+                metrics::counter!("shardwise_cloudwatch_corrupt_total").increment(1);
+                false
+            }
+        }
+    }
+
+    /// Without the `cloudwatch-logs` feature nothing is a subscription document.
+    #[cfg(not(feature = "cloudwatch-logs"))]
+    fn log_events(&self, _: &super::source::RawRecord, _: &mut Vec<ReadRecord>) -> bool {
+        false
+    }
+
     /// Unpacks KPL aggregates and drops what is at or before `after`.
     fn unpack(&self, records: Vec<super::source::RawRecord>) -> Vec<ReadRecord> {
         let mut out = Vec::with_capacity(records.len());
@@ -243,12 +298,15 @@ impl ShardReader {
                         explicit_hash_key: s.explicit_hash_key,
                         data: s.data,
                         arrived_at: r.arrived_at,
+                        headers: None,
                     }));
                 }
                 other => {
                     if let Deaggregated::Corrupt(why) = other {
                         warn!(shard = %self.shard, sequence = %r.sequence, why, "corrupt KPL aggregate: delivered as one plain record");
                         metrics::counter!("shardwise_kpl_corrupt_total").increment(1);
+                    } else if self.log_events(&r, &mut out) {
+                        continue;
                     }
                     out.push(ReadRecord {
                         position: Position::new(r.sequence, 0),
@@ -256,6 +314,7 @@ impl ShardReader {
                         explicit_hash_key: None,
                         data: r.data,
                         arrived_at: r.arrived_at,
+                        headers: None,
                     });
                 }
             }
