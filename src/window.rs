@@ -269,10 +269,20 @@ impl WindowSlots {
     ) {
         let shard_slot = self.slot(stream, shard);
         let mut slot = shard_slot.calls.lock().await;
+        // A window whose final calls failed before (an attempt that gave up at the shard's end,
+        // the same worker taking the lease again) keeps its count, so `max_attempts` bounds
+        // them across attempts.
+        let failed_finals =
+            if slot.open.as_ref().map(|o| o.window) == state.as_ref().map(|s| s.window) {
+                slot.failed_finals
+            } else {
+                0
+            };
         *slot = Slot {
             open: state,
             last: at,
-            ..Slot::default()
+            failed_finals,
+            retry_final_at: None,
         };
         *shard_slot.journal() = Journal::default();
     }

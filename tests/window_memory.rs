@@ -417,6 +417,50 @@ async fn a_failing_final_call_is_made_again_and_the_waiting_records_keep_their_a
     }
 }
 
+/// A shard that ends while its window's final call keeps failing: the attempts at its end give up
+/// and come again, and `max_attempts` counts the final calls across them, so the window's state
+/// is dropped after that many and SHARD_END is written.
+#[tokio::test(start_paused = true)]
+async fn a_final_call_failing_at_a_shards_end_is_bounded_by_max_attempts_across_attempts() {
+    let base_ms: i64 = 1_800_000_000_000;
+    let _deterministic =
+        shardwise::testing::simulate(UNIX_EPOCH + Duration::from_millis(base_ms as u64), 17);
+    let stream = MemoryStream::new("orders", 1);
+    let store = MemoryLeaseStore::new();
+    let calls: Attempts = Arc::default();
+    let running = Consumer::builder(
+        stream.name(),
+        "window-app",
+        failing_finals(&calls, u32::MAX),
+    )
+    .poll_interval(Duration::from_millis(500))
+    .checkpoint_interval(Duration::from_millis(200))
+    .max_attempts(std::num::NonZeroU32::new(8).unwrap())
+    .on_spent(shardwise::consumer::OnSpent::Drop)
+    .in_memory(&stream, &store)
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    let parent = stream.open_shards()[0].clone();
+    put(&stream, 0..4);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stream.split(&parent);
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let calls = calls.lock().unwrap().clone();
+    let finals = calls.iter().filter(|c| c.2).count();
+    assert_eq!(finals, 8, "{calls:?}");
+    let row = store.get(&stream.name(), &parent).await.unwrap().unwrap();
+    assert_eq!(
+        row.checkpoint,
+        shardwise::lease::Checkpoint::ShardEnd,
+        "{row:?}"
+    );
+    assert_eq!(row.window, None);
+}
+
 /// A batch that holds two windows' records, the first window's call failing: the later
 /// window's records were not handed to the handler and spend no attempt waiting, so at
 /// `max_attempts` 1 only the failed call's records from the failure on are spent (Lambda
