@@ -202,6 +202,11 @@ fn len_u32(n: usize) -> u32 {
     u32::try_from(n).expect("header longer than u32::MAX bytes")
 }
 
+/// Whether `blob` starts as an envelope does (RSK2 or RSK1), well-formed or not.
+pub(crate) fn looks_enveloped(blob: &[u8]) -> bool {
+    blob.get(..4).is_some_and(|m| m == RSK2 || m == RSK1)
+}
+
 /// Reads a blob. Never fails: anything that is not a complete, well-formed envelope is returned
 /// whole as a plain payload with no headers.
 pub fn decode(blob: Bytes) -> Decoded {
@@ -284,6 +289,16 @@ mod tests {
             .iter()
             .map(|(n, v)| (n.to_string(), Bytes::copy_from_slice(v.as_bytes())))
             .collect()
+    }
+
+    #[test]
+    fn an_envelope_looks_enveloped_and_a_plain_payload_does_not() {
+        let enveloped = encode(&headers(&[("x-cloudwatch-log-group", "g")]), b"line");
+        assert!(looks_enveloped(&enveloped));
+        assert!(looks_enveloped(b"RSK1 and anything"));
+        assert!(!looks_enveloped(b"line"));
+        assert!(!looks_enveloped(b"RS"));
+        assert!(!looks_enveloped(&[0x1f, 0x8b, 0x08, 0x00]));
     }
 
     fn rsk2_bytes(pairs: &[(&str, &[u8])], payload: &[u8]) -> Vec<u8> {

@@ -2,32 +2,39 @@
 //! writes each `PutLogEvents` batch of a subscribed group to moto's Kinesis as one gzip document,
 //! as the service does, and the consumer (`ConsumerBuilder::cloudwatch_subscription`) reads it an
 //! event at a time. A worker killed in the middle of a record's events is followed by another
-//! that starts after the last event checkpointed; nothing is skipped.
+//! that starts after the last event checkpointed; nothing is skipped. An event retried as a copy
+//! comes back with its headers, and the copy is no stranger on the stream.
 
 #[path = "support/logs.rs"]
 mod logs;
+#[path = "support/recorder.rs"]
+mod recorder;
 mod support;
 
 use std::collections::BTreeMap;
 use std::io::Write;
+use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aws_sdk_cloudwatchlogs::types::InputLogEvent;
 use logs::logs_client;
+use shardwise::consumer::RetryMode;
 use shardwise::lease::{Checkpoint, LeaseSettings, LeaseStore};
+use shardwise::producer::KinesisSink;
 use shardwise::shard::discovery::KinesisShards;
 use shardwise::shard::source::KinesisRecords;
 use shardwise::subscription::{EVENT_ID_HEADER, LOG_GROUP_HEADER, TIMESTAMP_HEADER};
 use shardwise::{Consumer, Delivery, Outcome, Position, Running};
 use support::wait::{wait_for, wait_for_async};
 
-/// One handled event: the worker, its position, log stream (partition key), message, and
-/// headers (group, event id, timestamp).
+/// One handled event: the worker, its position and attempt, log stream (partition key),
+/// message, and headers (group, event id, timestamp).
 #[derive(Debug, Clone)]
 struct Seen {
     worker: &'static str,
     position: Position,
+    attempt: u32,
     stream: String,
     message: String,
     group: Option<String>,
@@ -36,6 +43,9 @@ struct Seen {
 }
 
 type Handled = Arc<Mutex<Vec<Seen>>>;
+
+/// The message of the event that fails once.
+const RETRIED: &str = "1-16";
 
 /// Kinesis on moto (the CloudWatch Logs endpoint: one server for every service), where moto's
 /// subscription filters deliver.
@@ -67,6 +77,7 @@ async fn start(
             handled.lock().unwrap().push(Seen {
                 worker,
                 position: *d.position(),
+                attempt: d.attempt(),
                 stream: d.partition_key().to_string(),
                 message: String::from_utf8_lossy(d.payload()).into_owned(),
                 group: header(LOG_GROUP_HEADER),
@@ -74,6 +85,10 @@ async fn start(
                 timestamp: header(TIMESTAMP_HEADER),
             });
             tokio::time::sleep(Duration::from_millis(40)).await;
+            // One event fails once: it comes back as a counted copy.
+            if d.payload().as_ref() == RETRIED.as_bytes() && d.attempt() == 1 {
+                return Outcome::Retry;
+            }
             Outcome::Ack
         }
     };
@@ -88,8 +103,11 @@ async fn start(
                 .lease_duration(Duration::from_secs(3))
                 .scan_interval(Duration::from_millis(300)),
         )
+        .retries(RetryMode::Copy)
+        .max_attempts(NonZeroU32::new(3).unwrap())
         .record_source(Arc::new(KinesisRecords::new(kinesis.clone())))
         .shard_lister(Arc::new(KinesisShards::new(kinesis.clone())))
+        .record_sink(Arc::new(KinesisSink::new(kinesis.clone())))
         .build()
         .unwrap()
         .run()
@@ -106,6 +124,8 @@ fn gzip(bytes: &[u8]) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscription_streams_events_are_read_one_at_a_time_across_a_killed_worker() {
     let _live = live_or_skip!();
+    let warnings = recorder::Logs::default();
+    let _ = tracing::subscriber::set_global_default(warnings.clone());
     let logs = logs_client().await;
     let kinesis = moto_kinesis().await;
     let stream = support::unique_name("cwl-sub");
@@ -233,7 +253,11 @@ async fn a_subscription_streams_events_are_read_one_at_a_time_across_a_killed_wo
     let second = start("w2", &kinesis, &stream, &app, &handled).await;
     wait_for("every event handled", Duration::from_secs(60), || {
         let handled = handled.lock().unwrap();
-        sent.keys().all(|m| handled.iter().any(|s| &s.message == m))
+        sent.keys()
+            .all(|m| handled.iter().any(|s| &s.message == m && s.attempt == 1))
+            && handled
+                .iter()
+                .any(|s| s.message == RETRIED && s.attempt == 2)
     })
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -261,6 +285,22 @@ async fn a_subscription_streams_events_are_read_one_at_a_time_across_a_killed_wo
         !handled.iter().any(|s| s.message.contains("CONTROL")),
         "the control message is no delivery: {handled:?}"
     );
+    // The copy: the event again, its headers kept, read as what it is (no warning about it).
+    let copy = handled
+        .iter()
+        .find(|s| s.message == RETRIED && s.attempt == 2)
+        .expect("the copy handled");
+    assert_eq!(copy.group.as_deref(), Some(group.as_str()), "{copy:?}");
+    assert_eq!(Some(&copy.stream), sent.get(RETRIED), "{copy:?}");
+    let about_the_copy = format!("sequence={}", copy.position.sequence());
+    assert!(
+        !warnings
+            .text()
+            .split_whitespace()
+            .any(|word| word == about_the_copy),
+        "a warning about the copy ({about_the_copy}): {}",
+        warnings.text()
+    );
     // w2 started after w1's checkpoint, inside a record: nothing at or before it again, and
     // nothing after it skipped.
     assert!(killed_at.sub_sequence() > 0, "{killed_at:?}");
@@ -269,16 +309,20 @@ async fn a_subscription_streams_events_are_read_one_at_a_time_across_a_killed_wo
         w2.iter().all(|s| s.position > killed_at),
         "w2 handled what w1 checkpointed (through {killed_at:?}): {w2:?}"
     );
-    let mut positions: Vec<Position> = handled.iter().map(|s| s.position).collect();
+    let mut positions: Vec<Position> = handled
+        .iter()
+        .filter(|s| s.attempt == 1)
+        .map(|s| s.position)
+        .collect();
     positions.sort();
     positions.dedup();
     assert_eq!(positions.len(), sent.len() + 1, "{handled:?}");
-    // Each log stream's events in order, per worker.
+    // Each log stream's events in order, per worker (a copy comes back later, by design).
     for worker in ["w1", "w2"] {
         for log_stream in sent.values() {
             let order: Vec<i64> = handled
                 .iter()
-                .filter(|s| s.worker == worker && &s.stream == log_stream)
+                .filter(|s| s.worker == worker && &s.stream == log_stream && s.attempt == 1)
                 .map(|s| s.message.split('-').nth(1).unwrap().parse().unwrap())
                 .collect();
             assert!(order.is_sorted(), "{worker} {log_stream}: {order:?}");

@@ -272,6 +272,8 @@ impl ShardReader {
                 metrics::counter!("shardwise_cloudwatch_corrupt_total").increment(1);
                 false
             }
+            // A retry copy of an event (an envelope carrying its headers) belongs here.
+            Unpacked::Plain if crate::envelope::looks_enveloped(&r.data) => false,
             Unpacked::Plain => {
                 warn!(shard = %self.shard, sequence = %r.sequence, "a record that is not gzip on a CloudWatch Logs subscription stream: delivered as one plain record");
                 metrics::counter!("shardwise_cloudwatch_corrupt_total").increment(1);
