@@ -177,6 +177,22 @@ pub struct Call {
     pub event: EventId,
 }
 
+impl Call {
+    /// `worker`'s call on delivery `d`.
+    pub fn of(worker: &str, d: &shardwise::Delivery) -> Self {
+        Self {
+            worker: worker.to_string(),
+            shard: d.shard().to_string(),
+            epoch: d.id().map_or(0, |i| i.epoch()),
+            position: *d.position(),
+            key: d.partition_key().to_string(),
+            id: id_of(d.payload()),
+            attempt: d.attempt(),
+            event: d.event_id(),
+        }
+    }
+}
+
 /// The simulation's view of the world and its invariant checks.
 pub struct Model {
     pub log: EventLog,

@@ -405,6 +405,18 @@ impl World {
             && !self.scenario.defaults
     }
 
+    /// The attempt at which a retry is spent (on the defaults nothing caps attempts), and
+    /// whether a spent record is written somewhere (a dead-letter stream, or the queue, which
+    /// takes spent records only with retries in place and no dead-letter stream).
+    fn spending(&self) -> (u32, bool) {
+        let cap = if self.scenario.defaults {
+            u32::MAX
+        } else {
+            self.scenario.max_attempts
+        };
+        (cap, self.scenario.dead_letter || self.queued())
+    }
+
     fn event(&self, what: String) {
         self.model.lock().unwrap().event(now_ms(), what);
     }
@@ -431,26 +443,10 @@ impl World {
     ) -> impl Fn(Delivery) -> BoxFuture<'static, Outcome> + Send + Sync + 'static {
         let model = self.model.clone();
         let seed = self.scenario.seed;
-        // On the defaults nothing caps attempts.
-        let cap = if self.scenario.defaults {
-            u32::MAX
-        } else {
-            self.scenario.max_attempts
-        };
-        // A queue takes spent records only with retries in place and no dead-letter stream.
-        let dead_letter = self.scenario.dead_letter || self.queued();
+        let (cap, dead_letter) = self.spending();
         let receipts = self.scenario.receipts;
         move |d: Delivery| {
-            let call = Call {
-                worker: worker.clone(),
-                shard: d.shard().to_string(),
-                epoch: d.id().map_or(0, |i| i.epoch()),
-                position: *d.position(),
-                key: d.partition_key().to_string(),
-                id: crate::model::id_of(d.payload()),
-                attempt: d.attempt(),
-                event: d.event_id(),
-            };
+            let call = Call::of(&worker, &d);
             model.lock().unwrap().started(now_ms(), &call);
             let (outcome, took) = decide(
                 seed,
@@ -492,12 +488,7 @@ impl World {
     fn window_handler(&self, worker: String) -> impl WindowHandler {
         let model = self.model.clone();
         let seed = self.scenario.seed;
-        let cap = if self.scenario.defaults {
-            u32::MAX
-        } else {
-            self.scenario.max_attempts
-        };
-        let dead_letter = self.scenario.dead_letter || self.queued();
+        let (cap, dead_letter) = self.spending();
         move |call: WindowCall| {
             let (model, worker) = (model.clone(), worker.clone());
             async move {
@@ -532,16 +523,7 @@ impl World {
                 let mut outcomes = Vec::with_capacity(call.records.len());
                 let mut failing = fails;
                 for d in &call.records {
-                    let record = Call {
-                        worker: worker.clone(),
-                        shard: d.shard().to_string(),
-                        epoch: d.id().map_or(0, |i| i.epoch()),
-                        position: *d.position(),
-                        key: d.partition_key().to_string(),
-                        id: crate::model::id_of(d.payload()),
-                        attempt: d.attempt(),
-                        event: d.event_id(),
-                    };
+                    let record = Call::of(&worker, d);
                     let spent = record.attempt >= cap;
                     if failing {
                         // After a failure the runtime answers a retry for the rest unhandled.
