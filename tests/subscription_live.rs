@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aws_sdk_cloudwatchlogs::types::InputLogEvent;
-use logs::logs_client;
+use logs::{logs_client, moto_kinesis, subscribed_stream};
 use shardwise::consumer::RetryMode;
 use shardwise::lease::{Checkpoint, LeaseSettings, LeaseStore};
 use shardwise::producer::KinesisSink;
@@ -46,21 +46,6 @@ type Handled = Arc<Mutex<Vec<Seen>>>;
 
 /// The message of the event that fails once.
 const RETRIED: &str = "1-16";
-
-/// Kinesis on moto (the CloudWatch Logs endpoint: one server for every service), where moto's
-/// subscription filters deliver.
-async fn moto_kinesis() -> aws_sdk_kinesis::Client {
-    let moto = std::env::var("AWS_ENDPOINT_URL_CLOUDWATCH_LOGS")
-        .expect("AWS_ENDPOINT_URL_CLOUDWATCH_LOGS (moto) is set with the other endpoints");
-    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
-        .load()
-        .await;
-    aws_sdk_kinesis::Client::from_conf(
-        aws_sdk_kinesis::config::Builder::from(&config)
-            .endpoint_url(moto)
-            .build(),
-    )
-}
 
 async fn start(
     worker: &'static str,
@@ -131,36 +116,7 @@ async fn a_subscription_streams_events_are_read_one_at_a_time_across_a_killed_wo
     let stream = support::unique_name("cwl-sub");
     let group = format!("/aws/lambda/{}", support::unique_name("fn"));
     let app = support::unique_name("cwl-sub-app");
-    kinesis
-        .create_stream()
-        .stream_name(&stream)
-        .shard_count(1)
-        .send()
-        .await
-        .unwrap();
-    let arn = kinesis
-        .describe_stream_summary()
-        .stream_name(&stream)
-        .send()
-        .await
-        .unwrap()
-        .stream_description_summary
-        .unwrap()
-        .stream_arn;
-    logs.create_log_group()
-        .log_group_name(&group)
-        .send()
-        .await
-        .unwrap();
-    logs.put_subscription_filter()
-        .log_group_name(&group)
-        .filter_name("to-kinesis")
-        .filter_pattern("")
-        .destination_arn(&arn)
-        .role_arn("arn:aws:iam::123456789012:role/cwl-to-kinesis")
-        .send()
-        .await
-        .unwrap();
+    subscribed_stream(&logs, &kinesis, &group, &stream).await;
     // The check CloudWatch Logs writes when a filter is created, and a record that is no
     // subscription document (delivered whole).
     let control = r#"{"messageType":"CONTROL_MESSAGE","owner":"CloudwatchLogs","logGroup":"","logStream":"","subscriptionFilters":[],"logEvents":[{"id":"","timestamp":0,"message":"CWL CONTROL MESSAGE: Checking health of destination Kinesis stream."}]}"#;

@@ -6,6 +6,8 @@
 //! reads the whole group through `FilterLogEvents` and checkpoints `closed_through`, which
 //! `shardwise frontier --log-group G --by-timestamp` reports as the application's frontier.
 
+#[path = "../../tests/support/logs.rs"]
+mod logs;
 #[path = "../../tests/support/mod.rs"]
 mod support;
 
@@ -772,47 +774,14 @@ async fn consume_a_subscription_filters_stream_handles_each_log_event() {
         .load()
         .await;
     let logs = aws_sdk_cloudwatchlogs::Client::new(&config);
-    let kinesis = aws_sdk_kinesis::Client::from_conf(
-        aws_sdk_kinesis::config::Builder::from(&config)
-            .endpoint_url(&moto)
-            .build(),
-    );
+    let kinesis = logs::moto_kinesis().await;
     let stream = support::unique_name("cli-cwl-sub");
     let group = support::unique_name("/aws/lambda/cli");
     let app = support::unique_name("cli-cwl-app");
-    kinesis
-        .create_stream()
-        .stream_name(&stream)
-        .shard_count(1)
-        .send()
-        .await
-        .unwrap();
-    let arn = kinesis
-        .describe_stream_summary()
-        .stream_name(&stream)
-        .send()
-        .await
-        .unwrap()
-        .stream_description_summary
-        .unwrap()
-        .stream_arn;
-    logs.create_log_group()
-        .log_group_name(&group)
-        .send()
-        .await
-        .unwrap();
+    logs::subscribed_stream(&logs, &kinesis, &group, &stream).await;
     logs.create_log_stream()
         .log_group_name(&group)
         .log_stream_name("s1")
-        .send()
-        .await
-        .unwrap();
-    logs.put_subscription_filter()
-        .log_group_name(&group)
-        .filter_name("to-kinesis")
-        .filter_pattern("")
-        .destination_arn(&arn)
-        .role_arn("arn:aws:iam::123456789012:role/cwl-to-kinesis")
         .send()
         .await
         .unwrap();

@@ -48,3 +48,58 @@ pub async fn put_logs(
         .unwrap();
     assert!(put.rejected_log_events_info.is_none(), "{put:?}");
 }
+
+/// Kinesis on moto (the CloudWatch Logs endpoint: one server for every service), where moto's
+/// subscription filters deliver.
+pub async fn moto_kinesis() -> aws_sdk_kinesis::Client {
+    let moto = std::env::var("AWS_ENDPOINT_URL_CLOUDWATCH_LOGS")
+        .expect("AWS_ENDPOINT_URL_CLOUDWATCH_LOGS (moto) is set with the other endpoints");
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .load()
+        .await;
+    aws_sdk_kinesis::Client::from_conf(
+        aws_sdk_kinesis::config::Builder::from(&config)
+            .endpoint_url(moto)
+            .build(),
+    )
+}
+
+/// Creates Kinesis `stream` (one shard) on moto and log group `group` with a subscription
+/// filter (every event) writing to it.
+pub async fn subscribed_stream(
+    logs: &aws_sdk_cloudwatchlogs::Client,
+    kinesis: &aws_sdk_kinesis::Client,
+    group: &str,
+    stream: &str,
+) {
+    kinesis
+        .create_stream()
+        .stream_name(stream)
+        .shard_count(1)
+        .send()
+        .await
+        .unwrap();
+    let arn = kinesis
+        .describe_stream_summary()
+        .stream_name(stream)
+        .send()
+        .await
+        .unwrap()
+        .stream_description_summary
+        .unwrap()
+        .stream_arn;
+    logs.create_log_group()
+        .log_group_name(group)
+        .send()
+        .await
+        .unwrap();
+    logs.put_subscription_filter()
+        .log_group_name(group)
+        .filter_name("to-kinesis")
+        .filter_pattern("")
+        .destination_arn(&arn)
+        .role_arn("arn:aws:iam::123456789012:role/cwl-to-kinesis")
+        .send()
+        .await
+        .unwrap();
+}
