@@ -1898,3 +1898,162 @@ async fn a_slow_owner_draining_for_the_whole_handoff_timeout_passes_every_lease_
     );
     drop((a, b));
 }
+
+/// What the issue 57 scale-in tests bound: a lease whose reader left is read again within a
+/// lease duration and two scans.
+fn unread_bound() -> Duration {
+    let settings = LeaseSettings::default();
+    settings.lease_duration + settings.scan_interval * 2
+}
+
+/// Holds every pass this long before it reaches the store, and notes that one began.
+#[derive(Debug, Default)]
+struct SlowPassesNoted {
+    delay: Duration,
+    began: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Layer for SlowPassesNoted {
+    fn around<'a, T: Send + 'static>(
+        &'a self,
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        if !matches!(call, Call::Pass { .. }) {
+            return forward;
+        }
+        self.began.store(true, std::sync::atomic::Ordering::SeqCst);
+        let delay = self.delay;
+        Box::pin(async move {
+            tokio::time::sleep(delay).await;
+            forward.await
+        })
+    }
+}
+
+/// Time until the row of `shard` names one of `takers` (a take writes the row).
+async fn until_taken_by(memory: &MemoryLeaseStore, shard: &str, takers: &[&str]) -> Duration {
+    until(Duration::from_secs(300), || {
+        memory
+            .snapshot()
+            .iter()
+            .any(|l| l.shard_id == shard && takers.contains(&l.owner.as_deref().unwrap_or("")))
+    })
+    .await
+}
+
+/// A graceful scale-in while a lease is being passed to the leaving worker: b asks, the owner's
+/// pass is under way (slow), b shuts down (it holds nothing and no row names it yet) and leaves
+/// the roster, then the pass lands and the row names b. Nobody judged b dead (it left the roster
+/// rather than going silent), so the row waited for a quiet scan: 16-24 s at two live workers,
+/// 27-40 min at 200 (issue 57, defect 1). Now a worker gone from the roster is judged as one whose
+/// beat stopped when it left, and a row naming it is watched at the scan interval.
+#[tokio::test(start_paused = true)]
+async fn a_lease_passed_to_a_worker_that_left_meanwhile_is_read_again_within_a_lease_duration_and_two_scans()
+ {
+    let memory = MemoryLeaseStore::new();
+    let shards = Shards::open(4);
+    let began = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let slow = Arc::new(Layered::new(
+        Arc::new(memory.clone()),
+        SlowPassesNoted {
+            delay: Duration::from_secs(3),
+            began: began.clone(),
+        },
+    ));
+    let a = cooperating(slow, &shards, "a", LeaseSettings::default()).await;
+    until(Duration::from_secs(10), || owned_by(&memory, "a") == 4).await;
+    let c = cooperating(
+        Arc::new(memory.clone()),
+        &shards,
+        "c",
+        LeaseSettings::default(),
+    )
+    .await;
+    until(Duration::from_secs(60), || owned_by(&memory, "c") == 2).await;
+    let (b, _b_events) = worker(&memory, &shards, "b").await;
+    b.stop_taking();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    began.store(false, std::sync::atomic::Ordering::SeqCst);
+
+    let row = memory
+        .snapshot()
+        .into_iter()
+        .find(|l| l.owner.as_deref() == Some("a"))
+        .unwrap();
+    let shard = row.shard_id.clone();
+    assert!(memory.request(&row, "b").await.unwrap());
+    until(Duration::from_secs(30), || {
+        began.load(std::sync::atomic::Ordering::SeqCst)
+    })
+    .await;
+    b.shutdown().await;
+    until(Duration::from_secs(10), || {
+        memory
+            .snapshot()
+            .iter()
+            .any(|l| l.shard_id == shard && l.owner.as_deref() == Some("b"))
+    })
+    .await;
+
+    let took = until_taken_by(&memory, &shard, &["a", "c"]).await;
+    assert!(
+        took <= unread_bound(),
+        "the lease was read again after {took:?}, over {:?}",
+        unread_bound()
+    );
+    drop((a, c));
+}
+
+/// Fails every release (a store that is down while a worker shuts down).
+#[derive(Debug)]
+struct FailingReleases;
+
+impl Layer for FailingReleases {
+    fn around<'a, T: Send + 'static>(
+        &'a self,
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        if !matches!(call, Call::Release(_)) {
+            return forward;
+        }
+        Box::pin(async {
+            Err(Error::Config(shardwise::ConfigError::new(
+                "release",
+                "",
+                "injected: the store is unreachable",
+            )))
+        })
+    }
+}
+
+/// A release that fails at shutdown strands the lease the same way: the row names a worker
+/// that left the roster (issue 57, defect 1).
+#[tokio::test(start_paused = true)]
+async fn a_lease_whose_release_failed_at_shutdown_is_read_again_within_a_lease_duration_and_two_scans()
+ {
+    let memory = MemoryLeaseStore::new();
+    let shards = Shards::open(4);
+    let store: Arc<dyn LeaseStore> = Arc::new(memory.clone());
+    let a = cooperating(store.clone(), &shards, "a", LeaseSettings::default()).await;
+    until(Duration::from_secs(10), || owned_by(&memory, "a") == 4).await;
+    let c = cooperating(store, &shards, "c", LeaseSettings::default()).await;
+    until(Duration::from_secs(60), || owned_by(&memory, "c") == 2).await;
+    let failing = Arc::new(Layered::new(Arc::new(memory.clone()), FailingReleases));
+    let (b, _b_events) = start_on(failing, &shards, "b").await.unwrap();
+    until(Duration::from_secs(60), || b.held().len() == 1).await;
+    let shard = b.held()[0].shard_id.clone();
+
+    assert_eq!(b.shutdown().await, 0, "the release failed");
+    let row = memory.get(STREAM, &shard).await.unwrap().unwrap();
+    assert_eq!(row.owner.as_deref(), Some("b"), "{row:?}");
+
+    let took = until_taken_by(&memory, &shard, &["a", "c"]).await;
+    assert!(
+        took <= unread_bound(),
+        "the lease was read again after {took:?}, over {:?}",
+        unread_bound()
+    );
+    drop((a, c));
+}

@@ -1466,12 +1466,18 @@ impl Inner {
                 .collect()
         };
         let expired: Vec<bool> = judged.iter().map(|(expired, _)| *expired).collect();
-        // A lease of a worker dead by the roster whose counter has not been seen still for long
-        // enough yet: scan again soon, to see whether it moves.
+        // A lease of a worker dead by the roster, or gone from it, whose counter has not been
+        // seen still for long enough yet: scan again soon, to see whether it moves. (A worker
+        // that left at shutdown, or whose release failed then, leaves no silent beat behind: a
+        // row naming it would wait for a quiet scan, minutes apart in a large fleet.)
         let judging = {
             let roster = self.liveness.roster();
             rows.iter().zip(&expired).any(|(row, &expired)| {
-                !expired && row.owner.as_deref().is_some_and(|w| roster.dead(w, now))
+                !expired
+                    && row
+                        .owner
+                        .as_deref()
+                        .is_some_and(|w| roster.dead(w, now) || roster.departed(w))
             })
         };
 

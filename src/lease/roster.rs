@@ -88,6 +88,10 @@ pub(crate) const MAX_SECTIONS: u32 = 64;
 /// How many beats apart a worker reads the sections it does not beat in.
 pub(crate) const READ_EVERY_BEATS: u64 = 2;
 
+/// How long a worker gone from the roster is remembered as gone: long past the time any row
+/// naming it is expired and taken (a lease duration and a few scans).
+pub(crate) const GONE_KEPT: Duration = Duration::from_secs(600);
+
 /// The section `worker` beats in when the roster has `sections`: a digest of its id, so every
 /// process and every version agrees (a split by two moves a worker to `k` or `k + sections`).
 pub(crate) fn section_of(worker: &str, sections: u32) -> u32 {
@@ -232,6 +236,10 @@ pub(crate) struct RosterView {
     silence: Duration,
     /// Each worker's beat as last seen, and since when it has had that value.
     beats: BTreeMap<String, (u64, Instant)>,
+    /// Workers seen in the roster and gone from it since (left at shutdown, or forgotten as
+    /// dead), each with when its beat last changed: judged as a worker whose beat stopped then.
+    /// Kept for [`GONE_KEPT`].
+    gone: BTreeMap<String, Instant>,
     changes: u64,
     founder: Option<String>,
     /// The live set and `changes` as of the last time the caller asked what changed.
@@ -254,6 +262,7 @@ impl RosterView {
             me: me.into(),
             silence,
             beats: BTreeMap::new(),
+            gone: BTreeMap::new(),
             changes: 0,
             founder: None,
             reported: None,
@@ -262,7 +271,19 @@ impl RosterView {
 
     /// Records a roster as read at `now`.
     pub(crate) fn observe(&mut self, roster: &Roster, now: Instant) -> Observed {
-        self.beats.retain(|w, _| roster.beats.contains_key(w));
+        let gone: Vec<String> = self
+            .beats
+            .keys()
+            .filter(|w| !roster.beats.contains_key(*w))
+            .cloned()
+            .collect();
+        for worker in gone {
+            if let Some((_, since)) = self.beats.remove(&worker) {
+                self.gone.insert(worker, since);
+            }
+        }
+        self.gone
+            .retain(|w, since| !roster.beats.contains_key(w) && now - *since < GONE_KEPT);
         for (worker, &beat) in &roster.beats {
             match self.beats.get_mut(worker) {
                 Some((seen, since)) if *seen != beat => {
@@ -308,7 +329,9 @@ impl RosterView {
         self.beats
             .iter()
             .filter(|(w, _)| **w != self.me)
-            .map(|(_, (_, since))| *since + self.silence)
+            .map(|(_, (_, since))| since)
+            .chain(self.gone.values())
+            .map(|since| *since + self.silence)
             .filter(|at| *at > now)
             .min()
     }
@@ -326,14 +349,23 @@ impl RosterView {
     }
 
     /// Whether `worker` is dead by the roster at `now`: seen, and its beat unchanged for the
-    /// silence. A worker never seen (not yet in the roster, forgotten, or an older version that
-    /// does not beat) is not judged here.
+    /// silence, or gone from the roster and its last beat that old (a worker that left counts
+    /// as one whose beat stopped when it left). A worker never seen (not yet in the roster, or
+    /// an older version that does not beat) is not judged here.
     pub(crate) fn dead(&self, worker: &str, now: Instant) -> bool {
         worker != self.me
             && self
                 .beats
                 .get(worker)
-                .is_some_and(|(_, since)| now - *since >= self.silence)
+                .map(|(_, since)| since)
+                .or_else(|| self.gone.get(worker))
+                .is_some_and(|since| now - *since >= self.silence)
+    }
+
+    /// Whether `worker` was seen in the roster and is gone from it (it left, or was forgotten
+    /// as dead): a row still naming it waits only for its counter to be seen still.
+    pub(crate) fn departed(&self, worker: &str) -> bool {
+        worker != self.me && self.gone.contains_key(worker)
     }
 
     /// Whether this worker should run the periodic shard sync: it is the live worker with the
@@ -547,6 +579,36 @@ mod tests {
         let at = t0 + Duration::from_secs(24);
         let o = view.observe(&roster(&[("a", 10), ("b", 9)], 0), at);
         assert!(o.changed && !view.dead("b", at));
+    }
+
+    /// A worker gone from the roster (it left at shutdown, or was forgotten) is judged as one
+    /// whose beat stopped when it was last seen to change: dead a silence after that, and
+    /// departed at once (issue 57, defect 1: a row naming it is watched, not left to a quiet
+    /// scan). Coming back makes it a live worker again.
+    #[test]
+    fn a_worker_gone_from_the_roster_is_dead_a_silence_after_its_last_beat() {
+        let t0 = Instant::now();
+        let mut view = RosterView::new("a", SILENCE);
+        view.observe(&roster(&[("a", 1), ("b", 1)], 0), t0);
+        let at = t0 + Duration::from_secs(2);
+        view.observe(&roster(&[("a", 2), ("b", 2)], 0), at);
+        let left = t0 + Duration::from_secs(3);
+        let o = view.observe(&roster(&[("a", 3)], 1), left);
+        assert!(o.changed, "b left: the live set shrank");
+        assert!(view.departed("b") && !view.departed("a") && !view.departed("c"));
+        assert!(!view.dead("b", left), "its last beat is 1 s old");
+        assert_eq!(view.next_death(left), Some(at + SILENCE));
+        assert!(view.dead("b", at + SILENCE));
+        assert!(!view.live(at + SILENCE).contains("b"));
+        // Back under the same id: alive, not departed.
+        let back = at + SILENCE + Duration::from_secs(1);
+        view.observe(&roster(&[("a", 9), ("b", 1)], 1), back);
+        assert!(!view.departed("b") && !view.dead("b", back));
+        // Forgotten for good after GONE_KEPT.
+        view.observe(&roster(&[("a", 10)], 1), back);
+        let later = back + GONE_KEPT;
+        view.observe(&roster(&[("a", 11)], 1), later);
+        assert!(!view.departed("b") && !view.dead("b", later));
     }
 
     #[test]
