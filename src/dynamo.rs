@@ -19,6 +19,37 @@ const ACTIVE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Longest wait between two DescribeTable calls while the table becomes ACTIVE.
 const POLL_MAX: Duration = Duration::from_millis(200);
 
+/// How long one attempt of a call to a shardwise table may take before the SDK gives it up
+/// (and retries it, as its retry config says): 5 s. Filled into the client's timeout config when
+/// the client sets none; a value the caller set is kept.
+pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a call to a shardwise table may take with its retries: 20 s (see
+/// [`ATTEMPT_TIMEOUT`]).
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long opening a connection may take: the SDK's own default since behavior version 2024-03-28.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(3_100);
+
+/// `client` with every call bounded: the SDK sets no read or operation timeout by default, so a
+/// half-open connection would wedge a call (the take loop, the shard sync, a lease handing off)
+/// for as long as the socket lives. Timeouts the client's config sets, or disables, are kept;
+/// only those left unset are filled in ([`ATTEMPT_TIMEOUT`], [`CALL_TIMEOUT`], a 3.1 s connect).
+pub(crate) fn bounded(client: Client) -> Client {
+    use aws_sdk_dynamodb::config::timeout::TimeoutConfig;
+    let config = client.config();
+    let mut timeouts = config
+        .timeout_config()
+        .cloned()
+        .unwrap_or_else(|| TimeoutConfig::builder().build());
+    timeouts.take_defaults_from(
+        &TimeoutConfig::builder()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .operation_attempt_timeout(ATTEMPT_TIMEOUT)
+            .operation_timeout(CALL_TIMEOUT)
+            .build(),
+    );
+    Client::from_conf(config.to_builder().timeout_config(timeouts).build())
+}
+
 /// How a missing table (a lease table, a receipt ledger) is created: billing mode, tags,
 /// point-in-time recovery. An existing table is used as it is (only its key schema is checked),
 /// except that point-in-time recovery is turned on when asked for and off.

@@ -1851,3 +1851,100 @@ async fn dynamodb_an_unreachable_table_is_a_dynamodb_error() {
         other => panic!("expected DynamoDb, got {other:?}"),
     }
 }
+
+/// Every call to the lease table is bounded (issue 57, defect 7): through a proxy that accepts
+/// connections and forwards nothing (a half-open connection, a peer that stopped answering),
+/// each call the manager makes returns an error within the store's call timeout instead of
+/// waiting for as long as the socket lives (the SDK sets no read or operation timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dynamodb_every_call_fails_within_the_call_timeout_when_the_connection_stalls() {
+    use futures::future::BoxFuture;
+    use shardwise::lease::CALL_TIMEOUT;
+    use support::proxy::Proxy;
+
+    let live = live_or_skip!();
+    let table = support::unique_name("stall");
+    let endpoint = std::env::var("AWS_ENDPOINT_URL_DYNAMODB").unwrap();
+    let proxy = Proxy::start(&endpoint).await;
+    let store = DynamoDbLeaseStore::new(proxy.dynamodb().await, &table);
+    store.prepare().await.expect("prepare creates the table");
+    let stream = stream_name();
+    let (seen, held) = held(&store, &stream, "a").await;
+    assert!(store.request(&seen, "b").await.unwrap());
+    let seen = row(&store, &stream).await;
+
+    proxy.stall();
+    let started = std::time::Instant::now();
+    let to = at(SEQ_56, 0);
+    let calls: Vec<(&str, BoxFuture<'_, Result<(), Error>>)> = vec![
+        (
+            "list (Scan)",
+            Box::pin(async { store.list(&stream).await.map(drop) }),
+        ),
+        (
+            "get",
+            Box::pin(async { store.get(&stream, SHARD).await.map(drop) }),
+        ),
+        (
+            "take",
+            Box::pin(async { store.take(&seen, "c").await.map(drop) }),
+        ),
+        (
+            "renew",
+            Box::pin(async { store.renew(&held).await.map(drop) }),
+        ),
+        (
+            "checkpoint",
+            Box::pin(async { store.checkpoint(&held, &to, None).await.map(drop) }),
+        ),
+        (
+            "request",
+            Box::pin(async { store.request(&seen, "c").await.map(drop) }),
+        ),
+        (
+            "acknowledge",
+            Box::pin(async { store.acknowledge(&held, "b").await.map(drop) }),
+        ),
+        (
+            "pass",
+            Box::pin(async { store.pass(&held, "b").await.map(drop) }),
+        ),
+        (
+            "release",
+            Box::pin(async { store.release(&held).await.map(drop) }),
+        ),
+        (
+            "beat",
+            Box::pin(async { store.beat(&stream, 0, "a", 7, false).await.map(drop) }),
+        ),
+        (
+            "read_roster",
+            Box::pin(async { store.read_roster(&stream, &[0]).await.map(drop) }),
+        ),
+        (
+            "forget",
+            Box::pin(async { store.forget(&stream, 0, "z", None).await.map(drop) }),
+        ),
+        (
+            "membership",
+            Box::pin(async { store.membership(&stream).await.map(drop) }),
+        ),
+    ];
+    let limit = CALL_TIMEOUT + Duration::from_secs(10);
+    let answers = join_all(
+        calls
+            .into_iter()
+            .map(|(name, call)| async move { (name, tokio::time::timeout(limit, call).await) }),
+    )
+    .await;
+    let took = started.elapsed();
+    for (name, answer) in &answers {
+        match answer {
+            Ok(Err(_)) => {}
+            Ok(Ok(())) => panic!("{name} succeeded through a stalled connection"),
+            Err(_) => panic!("{name} was still waiting after {limit:?}: the call is unbounded"),
+        }
+    }
+    assert!(took <= limit, "the calls took {took:?}");
+    live.delete_table(&table).await;
+}

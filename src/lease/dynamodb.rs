@@ -104,10 +104,13 @@ impl fmt::Debug for DynamoDbLeaseStore {
 
 impl DynamoDbLeaseStore {
     /// A store on `table`, reached through `client`. Nothing is sent until
-    /// [`prepare`](LeaseStore::prepare) or another call.
+    /// [`prepare`](LeaseStore::prepare) or another call. Every call is bounded: timeouts the
+    /// client's config leaves unset are filled in ([`ATTEMPT_TIMEOUT`](crate::lease::ATTEMPT_TIMEOUT)
+    /// per attempt, [`CALL_TIMEOUT`](crate::lease::CALL_TIMEOUT) with retries), so a connection
+    /// that stops answering fails a call instead of wedging it.
     pub fn new(client: Client, table: impl Into<String>) -> Self {
         Self {
-            client,
+            client: crate::dynamo::bounded(client),
             table: table.into(),
             create_if_missing: true,
             options: TableOptions::default(),

@@ -18,7 +18,7 @@ mod store;
 mod sync;
 pub(crate) use sync::new_leases;
 
-pub use crate::dynamo::{Billing, TableOptions};
+pub use crate::dynamo::{ATTEMPT_TIMEOUT, Billing, CALL_TIMEOUT, TableOptions};
 pub use dynamodb::DynamoDbLeaseStore;
 pub use manager::{FAILED_LEASE_MAX_WAIT, LeaseHooks, LeaseSettings};
 /// The lease manager runs inside every consumer; it is public for tests that drive it alone.

@@ -82,7 +82,7 @@ impl DynamoDbReceipts {
     /// The receipts of `application` in `table`, reached through `client`.
     pub fn new(client: Client, table: impl Into<String>, application: impl Into<String>) -> Self {
         Self {
-            client,
+            client: crate::dynamo::bounded(client),
             table: table.into(),
             application: application.into(),
             retention: Some(DEFAULT_RETENTION),

@@ -13,6 +13,7 @@ pub struct Proxy {
     connections: Connections,
     accepted: Arc<std::sync::atomic::AtomicUsize>,
     blocked: Arc<std::sync::atomic::AtomicBool>,
+    stalled: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Proxy {
@@ -27,7 +28,9 @@ impl Proxy {
         let connections: Connections = Arc::default();
         let accepted = Arc::new(AtomicUsize::new(0));
         let blocked = Arc::new(AtomicBool::new(false));
+        let stalled = Arc::new(AtomicBool::new(false));
         let (conns, count, refuse) = (connections.clone(), accepted.clone(), blocked.clone());
+        let stall = stalled.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 count.fetch_add(1, Ordering::SeqCst);
@@ -37,7 +40,7 @@ impl Proxy {
                 let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
                     continue;
                 };
-                let frozen = Arc::new(AtomicBool::new(false));
+                let frozen = Arc::new(AtomicBool::new(stall.load(Ordering::SeqCst)));
                 let f = frozen.clone();
                 let task = tokio::spawn(async move {
                     let (cr, cw) = client.into_split();
@@ -55,7 +58,20 @@ impl Proxy {
             connections,
             accepted,
             blocked,
+            stalled,
         }
+    }
+
+    /// A DynamoDB client whose requests go through this proxy (the SDK's defaults otherwise).
+    pub async fn dynamodb(&self) -> aws_sdk_dynamodb::Client {
+        let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+            .load()
+            .await;
+        aws_sdk_dynamodb::Client::from_conf(
+            aws_sdk_dynamodb::config::Builder::from(&config)
+                .endpoint_url(&self.url)
+                .build(),
+        )
     }
 
     /// A Kinesis client whose requests go through this proxy.
@@ -82,6 +98,14 @@ impl Proxy {
         for (_, frozen) in self.connections.lock().unwrap().iter() {
             frozen.store(true, std::sync::atomic::Ordering::SeqCst);
         }
+    }
+
+    /// Freezes every connection open now and every new one: connections are accepted and
+    /// nothing is forwarded (a half-open connection, a peer that stopped answering).
+    pub fn stall(&self) {
+        self.stalled
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.freeze();
     }
 
     /// Closes every connection open now and every new one until [`unblock`](Self::unblock): the
