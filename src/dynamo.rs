@@ -20,12 +20,16 @@ const ACTIVE_TIMEOUT: Duration = Duration::from_secs(60);
 const POLL_MAX: Duration = Duration::from_millis(200);
 
 /// How long one attempt of a call to a shardwise table may take before the SDK gives it up
-/// (and retries it, as its retry config says): 5 s. Filled into the client's timeout config when
-/// the client sets none; a value the caller set is kept.
-pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long a call to a shardwise table may take with its retries: 20 s (see
+/// (and retries it, as its retry config says): 10 s. Filled into the client's timeout config
+/// when the client sets none; a value the caller set is kept. Longer than the lease manager's
+/// own limit on a renewal at the default lease duration (8.3 s), so a renewal answered late but
+/// in time to prove the lease held is not cut by the SDK first; with a lease duration above
+/// 11 s, renewals answered more than 10 s late are cut here (set the client's timeout to keep
+/// them).
+pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a call to a shardwise table may take with its retries: 30 s (see
 /// [`ATTEMPT_TIMEOUT`]).
-pub const CALL_TIMEOUT: Duration = Duration::from_secs(20);
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long opening a connection may take: the SDK's own default since behavior version 2024-03-28.
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(3_100);
 

@@ -203,6 +203,7 @@ fn len_u32(n: usize) -> u32 {
 }
 
 /// Whether `blob` starts as an envelope does (RSK2 or RSK1), well-formed or not.
+#[cfg_attr(not(feature = "cloudwatch-logs"), allow(dead_code))]
 pub(crate) fn looks_enveloped(blob: &[u8]) -> bool {
     blob.get(..4).is_some_and(|m| m == RSK2 || m == RSK1)
 }

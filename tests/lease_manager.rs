@@ -2057,3 +2057,78 @@ async fn a_lease_whose_release_failed_at_shutdown_is_read_again_within_a_lease_d
     );
     drop((a, c));
 }
+
+/// Fails the roster's calls (beats and reads) until `until`: a roster item throttled while a
+/// process starts.
+#[derive(Debug)]
+struct ThrottledRoster {
+    until: Instant,
+}
+
+impl Layer for ThrottledRoster {
+    fn around<'a, T: Send + 'static>(
+        &'a self,
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        if !matches!(call, Call::Beat { .. } | Call::ReadRoster { .. })
+            || Instant::now() >= self.until
+        {
+            return forward;
+        }
+        Box::pin(async {
+            Err(Error::Config(shardwise::ConfigError::new(
+                "roster",
+                "",
+                "injected: ProvisionedThroughputExceededException",
+            )))
+        })
+    }
+}
+
+/// A second process under a running worker's id, started while the roster item is throttled
+/// (issue 57, defect 4): its start-up check acts only on a beat that landed, so it used to start,
+/// count its (unwritten) beat as fresh, and retake at its first scan every row naming the id: two
+/// processes read the same shards until one saw two beats of the other. Now a worker takes no
+/// lease before a beat of its own has landed, and none while the first beat that landed found
+/// another process's beat and a second has not landed yet; then it gives way.
+#[tokio::test(start_paused = true)]
+async fn a_second_process_started_under_a_throttled_roster_takes_nothing_and_gives_way() {
+    let store = MemoryLeaseStore::new();
+    let shards = Shards::open(4);
+    let (first, mut events) = worker(&store, &shards, "web-1").await;
+    until(Duration::from_secs(30), || first.held().len() == 4).await;
+    while events.try_recv().is_ok() {}
+
+    let throttled = Arc::new(Layered::new(
+        Arc::new(store.clone()),
+        ThrottledRoster {
+            until: Instant::now() + Duration::from_secs(8),
+        },
+    ));
+    let second = start_on(throttled, &shards, "web-1").await;
+    let second = match second {
+        Ok((second, _events)) => Some(second),
+        Err(Error::WorkerIdInUse { .. }) => None,
+        Err(e) => panic!("{e}"),
+    };
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if let Some(second) = &second {
+            assert_eq!(second.held().len(), 0, "the second process took leases");
+        }
+        assert!(
+            events.try_recv().is_err(),
+            "the first process lost a lease to its twin"
+        );
+    }
+    assert_eq!(first.held().len(), 4, "the first kept every lease");
+    if let Some(second) = &second {
+        assert!(
+            second.probe().gave_way(),
+            "the second gave way once its beats landed"
+        );
+    }
+    assert!(!first.probe().gave_way());
+    first.shutdown().await;
+}

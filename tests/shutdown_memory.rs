@@ -234,3 +234,88 @@ async fn a_deleted_stream_stops_the_consumer_with_a_clear_error() {
         "every lease given back"
     );
 }
+
+/// What the hold test saw, in order.
+#[derive(Debug, Clone, PartialEq)]
+enum Seen {
+    Call(String),
+    Frozen,
+    Lost,
+    Taken,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Seeing(Arc<std::sync::Mutex<Vec<Seen>>>);
+
+impl shardwise::lease::LeaseHooks for Seeing {
+    fn lease_taken(&self, _: &shardwise::lease::Lease) {
+        self.0.lock().unwrap().push(Seen::Taken);
+    }
+    fn lease_lost(&self, _: &shardwise::lease::Ownership) {
+        self.0.lock().unwrap().push(Seen::Lost);
+    }
+}
+
+/// Nothing is handed to the handler once the lease's hold has run out (issue 57, defect 5): the
+/// process is frozen for 30 s in the middle of a call (a paused VM, a starved host), so when it
+/// runs again every renewal is overdue and others may already have taken the lease. The shard's
+/// work used to stop only when the lease task's timer, firing late, cancelled it: the next record
+/// was dispatched first. Now the work checks the hold before each dispatch.
+#[tokio::test(start_paused = true)]
+async fn nothing_is_dispatched_once_the_hold_ran_out_even_before_the_lease_task_gives_it_up() {
+    let stream = MemoryStream::new("orders", 1);
+    for i in 0..10 {
+        stream.put("k", format!("r{i}"));
+    }
+    let seen = Seeing::default();
+    let log = seen.clone();
+    let store = MemoryLeaseStore::new();
+    let running = Consumer::builder(stream.name(), "hold-app", move |d: Delivery| {
+        let payload = String::from_utf8(d.payload().to_vec()).unwrap();
+        let log = log.clone();
+        async move {
+            log.0.lock().unwrap().push(Seen::Call(payload.clone()));
+            if payload == "r3" && !log.0.lock().unwrap().contains(&Seen::Frozen) {
+                log.0.lock().unwrap().push(Seen::Frozen);
+                tokio::time::advance(Duration::from_secs(30)).await;
+            }
+            Outcome::Ack
+        }
+    })
+    .worker_id("w1")
+    .lanes(1)
+    .get_records_limit(100)
+    .poll_interval(Duration::from_millis(200))
+    .checkpoint_interval(Duration::from_millis(50))
+    .lease_store(Arc::new(store.clone()))
+    .hooks(Arc::new(seen.clone()))
+    .record_source(Arc::new(stream.clone()))
+    .shard_lister(Arc::new(stream.clone()))
+    .build()
+    .unwrap()
+    .run()
+    .await
+    .unwrap();
+    until(|| {
+        seen.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| **s == Seen::Call("r9".into()))
+            .count()
+            >= 1
+            && seen.0.lock().unwrap().contains(&Seen::Lost)
+    })
+    .await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let seen = seen.0.lock().unwrap().clone();
+    let frozen = seen.iter().position(|s| *s == Seen::Frozen).unwrap();
+    let after: Vec<&Seen> = seen[frozen + 1..]
+        .iter()
+        .take_while(|s| **s != Seen::Lost)
+        .collect();
+    assert!(
+        after.is_empty(),
+        "handed out after the hold ran out, before the lease was given up: {after:?} (all: {seen:?})"
+    );
+}

@@ -38,6 +38,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 use super::config::{DeliveryOrder, Settings};
 use super::ledger::read_receipt;
 use crate::handler::{Delivery, Handler, Outcome, Replayable};
+use crate::lease::Hold;
 use crate::receipts::ReceiptStore;
 
 /// A delivery a lane is done with, and how.
@@ -69,6 +70,9 @@ pub(crate) struct LaneSettings {
     /// Failing deliveries run again on their lane (a paged source) with per-key ordering: a
     /// retry parks its key (see [`parks`]).
     pub(crate) park_retries: bool,
+    /// The lease's hold, asked before each call of the handler (`None` in unit tests of the
+    /// lanes alone).
+    pub(crate) hold: Option<Hold>,
 }
 
 impl LaneSettings {
@@ -76,12 +80,14 @@ impl LaneSettings {
         settings: &Settings,
         receipts: Option<Arc<dyn ReceiptStore>>,
         in_place: bool,
+        hold: Option<Hold>,
     ) -> Self {
         Self {
             handler_timeout: settings.handler_timeout,
             max_record_age: settings.max_record_age,
             receipts,
             park_retries: in_place && settings.ordering == DeliveryOrder::PerKey,
+            hold,
         }
     }
 }
@@ -507,6 +513,17 @@ impl LaneQueue {
             .map_err(|_| Closed)
     }
 
+    /// Whether the lease is held now (at once while it is; else waiting for a renewal that
+    /// lands, with what was finished sent back first): `false` once it was given up, or the
+    /// pipeline is gone. No hold (the lanes alone): held.
+    async fn holds(&mut self, hold: Option<&mut Hold>) -> bool {
+        match hold {
+            None => true,
+            Some(hold) if hold.holds() => true,
+            Some(hold) => matches!(self.unless_waiting(hold.held()).await, Ok(true)),
+        }
+    }
+
     /// Runs `work` to its end; if it is not ready at once, what was finished is sent back first,
     /// so nothing finished waits behind a handler that waits.
     async fn unless_waiting<T>(&mut self, work: impl Future<Output = T>) -> Result<T, Closed> {
@@ -538,6 +555,7 @@ async fn run_lane<H: Handler>(
         ready_again: VecDeque::new(),
         again: Vec::new(),
     };
+    let mut hold = settings.hold.clone();
     loop {
         // A lane that always finds work ready still gives other tasks their turn (and sends back
         // what it finished before it does).
@@ -563,6 +581,11 @@ async fn run_lane<H: Handler>(
             let done = match answered {
                 Some(done) => done,
                 None => {
+                    // Nothing is handed out past the lease's hold, even before the lease task
+                    // (late on a starved process) gives the lease up: the work is ending.
+                    if !lane.holds(hold.as_mut()).await {
+                        return;
+                    }
                     // Called when polled, inside the guard: a handler that panics before its
                     // future exists is caught too.
                     let call = async { handler.handle(delivery.clone()).await };
@@ -609,6 +632,9 @@ async fn run_lane<H: Handler>(
         let batch = young;
         if batch.is_empty() {
             continue;
+        }
+        if !lane.holds(hold.as_mut()).await {
+            return;
         }
         let bisect = batching.is_some_and(|b| b.bisect);
         let outcomes = run_batch(&*handler, batch.clone(), &settings, &mut durations, bisect);
@@ -837,6 +863,7 @@ mod tests {
             max_record_age: None,
             receipts: None,
             park_retries,
+            hold: None,
         }
     }
 

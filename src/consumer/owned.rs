@@ -368,8 +368,12 @@ pub(crate) async fn run_owned<H: Handler, P: Progress>(
     } else {
         P::RETRIES
     };
-    let mut pipeline: Pipeline<H, P::Entry> =
-        Pipeline::new(ctx.pipeline.clone(), owned.lease.ownership.epoch, retries);
+    let mut pipeline: Pipeline<H, P::Entry> = Pipeline::new(
+        ctx.pipeline.clone(),
+        owned.lease.ownership.epoch,
+        retries,
+        Some(held.hold.clone()),
+    );
     let mut tick = tokio::time::interval(settings.checkpoint_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut aborted = false;

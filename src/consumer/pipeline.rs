@@ -30,6 +30,7 @@ use super::lanes::{Done, Finished, FinishedRun, LaneSettings, Lanes};
 use super::ledger::{self, Ledger, LedgerEvent};
 use super::outcome::{Resolved, resolve};
 use crate::handler::{Delivery, Handler, Outcome};
+use crate::lease::Hold;
 use crate::producer::Producer;
 use crate::receipts::{Disposition, ReceiptStore};
 use crate::retry::{RetryPlan, RetryPolicy};
@@ -158,7 +159,12 @@ pub(crate) struct Pipeline<H, E> {
 
 impl<H: Handler, E> Pipeline<H, E> {
     /// Starts the lanes; deliveries are tracked under `epoch` (the ownership epoch).
-    pub(crate) fn new(ctx: PipelineContext<H>, epoch: u64, retries: Retries) -> Self {
+    pub(crate) fn new(
+        ctx: PipelineContext<H>,
+        epoch: u64,
+        retries: Retries,
+        hold: Option<Hold>,
+    ) -> Self {
         let settings = &ctx.settings;
         let (finished_tx, finished) = mpsc::unbounded_channel::<FinishedRun>();
         let lanes = Lanes::start(
@@ -166,7 +172,12 @@ impl<H: Handler, E> Pipeline<H, E> {
             settings.ordering,
             ctx.handler.clone(),
             finished_tx,
-            LaneSettings::of(settings, ctx.receipts.clone(), retries == Retries::InPlace),
+            LaneSettings::of(
+                settings,
+                ctx.receipts.clone(),
+                retries == Retries::InPlace,
+                hold,
+            ),
         );
         let (write_tx, write_rx) = mpsc::unbounded_channel();
         let worker: Arc<str> = Arc::from(settings.worker_id.as_str());

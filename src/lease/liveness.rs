@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
@@ -54,7 +54,9 @@ pub(super) struct Liveness {
     /// The roster's sections as this worker last read them, and where it beats.
     sections: Mutex<Sections>,
     /// When this worker's own beat was last written.
-    last_beat: Mutex<Instant>,
+    /// When the last beat of this worker that landed was sent (each held lease's [`Hold`](super::Hold)
+    /// watches it).
+    last_beat: watch::Sender<Instant>,
     /// When the last read of the sections this worker does not beat in that landed was sent, and
     /// how many sections there were (`None`: never read; a roster of one section needs none).
     last_read: Mutex<Option<(Instant, u32)>>,
@@ -88,6 +90,9 @@ impl Liveness {
         settings: LeaseSettings,
     ) -> Self {
         let silence = settings.silence();
+        let never = Instant::now()
+            .checked_sub(settings.give_up_after())
+            .unwrap_or_else(Instant::now);
         Self {
             store,
             sections: Mutex::new(Sections::new(worker.clone())),
@@ -95,7 +100,8 @@ impl Liveness {
             stream,
             worker,
             settings,
-            last_beat: Mutex::new(Instant::now()),
+            // None landed yet: silent until the first lands (no lease is taken before).
+            last_beat: watch::Sender::new(never),
             last_read: Mutex::new(None),
             silent: AtomicBool::new(false),
             announce: AtomicBool::new(false),
@@ -163,6 +169,12 @@ impl Liveness {
                 // worker only once its counter stops moving too: the leases whose renewals land
                 // are kept (a failed beat alone drops nothing; `hold_until` says for how long).
                 // No lease is taken while silent.
+                if self.beats_written.load(Ordering::Relaxed) == 0 {
+                    if !self.silent.swap(true, Ordering::Relaxed) {
+                        warn!(stream = %self.stream, "this worker's first beat was not written: it takes no lease until one is (the roster may be throttled)");
+                    }
+                    return Beat::default();
+                }
                 if self.silent() && !self.silent.swap(true, Ordering::Relaxed) {
                     warn!(stream = %self.stream, silent = ?self.last_beat().elapsed(), "this worker's beat has not been written in time: others may judge it dead; its leases are kept while their renewals land, and none is taken");
                 }
@@ -176,10 +188,11 @@ impl Liveness {
             sections.record(section, roster);
             sections.landed(section, beat);
         }
-        {
-            let mut last = self.last_beat.lock().unwrap_or_else(|e| e.into_inner());
+        self.last_beat.send_if_modified(|last| {
+            let later = sent > *last;
             *last = (*last).max(sent);
-        }
+            later
+        });
         self.read_sections(count).await;
         if self.silent.swap(false, Ordering::Relaxed) {
             info!(stream = %self.stream, "this worker's beat is written again: taking leases again");
@@ -293,9 +306,27 @@ impl Liveness {
         }
     }
 
+    /// Whether this process is still starting as far as the roster tells: no beat of its own has
+    /// landed yet, or the first that landed found another process's beat in this worker's entry
+    /// and a second has not landed to tell a restart from a second process under the same id
+    /// (issue 57, defect 4). It takes no lease meanwhile: a row naming the id may be the other
+    /// process's.
+    pub(super) fn starting(&self) -> bool {
+        match self.beats_written.load(Ordering::Relaxed) {
+            0 => true,
+            1 => matches!(self.twin(), Twin::Before { .. }),
+            _ => false,
+        }
+    }
+
     /// When the last beat of this worker that landed was sent.
     pub(super) fn last_beat(&self) -> Instant {
-        *self.last_beat.lock().unwrap_or_else(|e| e.into_inner())
+        *self.last_beat.borrow()
+    }
+
+    /// The last beat that landed, as it changes.
+    pub(super) fn beats(&self) -> watch::Receiver<Instant> {
+        self.last_beat.subscribe()
     }
 
     /// Whether this worker's beat has not landed for [`LeaseSettings::give_up_after`]: its view

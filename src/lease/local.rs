@@ -22,8 +22,10 @@
 //! taking it back meanwhile, as a row naming it that it does not hold would otherwise be.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -38,7 +40,16 @@ pub(crate) struct Holding {
     pub(crate) cancel: CancellationToken,
     /// Cancelled when another worker asked for the lease: the work stops reading and settles.
     pub(crate) handoff: CancellationToken,
-    pub(crate) last_renewed: Instant,
+    /// The send time of the last renewal that landed (the take's at first), watched by the
+    /// work's [`Hold`](super::Hold).
+    pub(crate) renewed: Arc<watch::Sender<Instant>>,
+}
+
+impl Holding {
+    /// The send time of the last renewal that landed.
+    pub(crate) fn last_renewed(&self) -> Instant {
+        *self.renewed.borrow()
+    }
 }
 
 /// One lease's state on this worker. A lease with none is one this worker neither holds nor
@@ -144,7 +155,7 @@ impl Leases {
             ownership,
             cancel: CancellationToken::new(),
             handoff: CancellationToken::new(),
-            last_renewed: sent,
+            renewed: Arc::new(watch::Sender::new(sent)),
         };
         let previous = self.0.insert(
             holding.ownership.shard_id.clone(),
@@ -166,7 +177,11 @@ impl Leases {
         now: Instant,
     ) -> Option<Effect> {
         let h = self.holding_mut(ownership)?;
-        h.last_renewed = h.last_renewed.max(sent);
+        h.renewed.send_if_modified(|last| {
+            let later = sent > *last;
+            *last = (*last).max(sent);
+            later
+        });
         self.asked_for(ownership, wanted_by?, true, now)
     }
 

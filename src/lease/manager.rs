@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
+use super::hold::Hold;
 use super::liveness::{Liveness, Twin};
 use super::local::{Effect, Leases, NotNow};
 use super::planner::{self, PlanLimits, Seen, Take};
@@ -311,6 +312,9 @@ pub struct HeldLease {
     /// let in-flight deliveries settle within the handoff timeout, write the final checkpoint and
     /// end the shard's work as stopped; the release then passes the lease to the taker.
     pub handoff: CancellationToken,
+    /// How long the lease is held, asked before each call of the handler: on a starved or
+    /// frozen process `cancel` comes late, the hold does not ([`Hold::held`]).
+    pub hold: Hold,
 }
 
 /// What the manager tells the consumer.
@@ -799,7 +803,7 @@ impl LeaseProbe {
         self.0
             .leases()
             .holding()
-            .map(|h| h.last_renewed.elapsed())
+            .map(|h| h.last_renewed().elapsed())
             .max()
     }
 }
@@ -1055,7 +1059,7 @@ impl Inner {
         let beat = self.liveness.last_beat();
         self.leases()
             .holding()
-            .map(|h| self.settings.hold_until(h.last_renewed, beat))
+            .map(|h| self.settings.hold_until(h.last_renewed(), beat))
             .min()
     }
 
@@ -1067,8 +1071,8 @@ impl Inner {
         let overdue: Vec<(Ownership, Instant)> = self
             .leases()
             .holding()
-            .filter(|h| self.settings.hold_until(h.last_renewed, beat) <= now)
-            .map(|h| (h.ownership.clone(), h.last_renewed))
+            .filter(|h| self.settings.hold_until(h.last_renewed(), beat) <= now)
+            .map(|h| (h.ownership.clone(), h.last_renewed()))
             .collect();
         for (ownership, renewed) in &overdue {
             self.lose(
@@ -1355,7 +1359,14 @@ impl Inner {
         self.update_frontier(&rows, now).await;
         let observed = self.observe(&rows, now);
         *self.last_rows.lock().unwrap_or_else(|e| e.into_inner()) = Some(rows.clone());
-        if self.taking.is_cancelled() || self.liveness.silent() {
+        if self.taking.is_cancelled() {
+            return Ok(false);
+        }
+        if self.liveness.starting() {
+            // Scanned again soon: the takes wait only for a beat of this process to land.
+            return Ok(true);
+        }
+        if self.liveness.silent() {
             return Ok(false);
         }
         if self.shards.names_reused() {
@@ -1709,6 +1720,12 @@ impl Inner {
             ownership,
             lease,
             woken_from,
+            hold: Hold::new(
+                holding.renewed.subscribe(),
+                self.liveness.beats(),
+                self.settings.clone(),
+                holding.cancel.clone(),
+            ),
             cancel: holding.cancel,
             handoff: holding.handoff,
         })));

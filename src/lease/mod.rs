@@ -6,6 +6,8 @@
 //! under the same ownership epoch and only forward.
 
 mod dynamodb;
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub, dead_code))]
+mod hold;
 mod liveness;
 mod local;
 #[cfg_attr(not(feature = "testing"), allow(unreachable_pub, dead_code))]
@@ -20,6 +22,10 @@ pub(crate) use sync::new_leases;
 
 pub use crate::dynamo::{ATTEMPT_TIMEOUT, Billing, CALL_TIMEOUT, TableOptions};
 pub use dynamodb::DynamoDbLeaseStore;
+#[cfg(feature = "testing")]
+pub use hold::Hold;
+#[cfg(not(feature = "testing"))]
+pub(crate) use hold::Hold;
 pub use manager::{FAILED_LEASE_MAX_WAIT, LeaseHooks, LeaseSettings};
 /// The lease manager runs inside every consumer; it is public for tests that drive it alone.
 #[cfg(feature = "testing")]
