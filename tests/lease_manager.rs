@@ -514,6 +514,20 @@ async fn cooperating(
     name: &str,
     settings: LeaseSettings,
 ) -> Arc<LeaseManager> {
+    cooperating_after(store, shards, name, settings, Duration::ZERO).await
+}
+
+/// [`cooperating`], releasing a lease asked for only after `drain` (in-flight deliveries that
+/// take that long to settle) and, when `drain` is not zero, two checkpoint writes through `store`
+/// (one under way when the drain ends, and the final one the consumer writes before the release).
+async fn cooperating_after(
+    store: Arc<dyn LeaseStore>,
+    shards: &Arc<Shards>,
+    name: &str,
+    settings: LeaseSettings,
+    drain: Duration,
+) -> Arc<LeaseManager> {
+    let writer = store.clone();
     let (manager, mut events) =
         LeaseManager::start(store, shards.clone(), STREAM, name, settings, Arc::new(()))
             .await
@@ -526,10 +540,20 @@ async fn cooperating(
                 continue;
             };
             let weak = weak.clone();
+            let writer = writer.clone();
             tokio::spawn(async move {
                 tokio::select! {
                     _ = held.cancel.cancelled() => {}
                     _ = held.handoff.cancelled() => {
+                        if !drain.is_zero() {
+                            // The drain, a checkpoint write under way when it ends, the final one.
+                            tokio::time::sleep(drain).await;
+                            for _ in 0..2 {
+                                let _ = writer
+                                    .checkpoint(&held.ownership, &held.lease.checkpoint, None)
+                                    .await;
+                            }
+                        }
                         if let Some(manager) = weak.upgrade() {
                             let _ = manager.release(&held.ownership).await;
                         }
@@ -2131,4 +2155,97 @@ async fn a_second_process_started_under_a_throttled_roster_takes_nothing_and_giv
     }
     assert!(!first.probe().gave_way());
     first.shutdown().await;
+}
+
+/// Applies and answers every call made from `from` on `late` after it is made (a store, or a
+/// path to it, whose writes land seconds late).
+#[derive(Debug)]
+struct LandingLate {
+    late: Duration,
+    from: Instant,
+}
+
+impl Layer for LandingLate {
+    fn around<'a, T: Send + 'static>(
+        &'a self,
+        _call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        if Instant::now() < self.from {
+            return forward;
+        }
+        let late = self.late;
+        Box::pin(async move {
+            tokio::time::sleep(late).await;
+            forward.await
+        })
+    }
+}
+
+/// Counts the takes of rows another worker owns (steals), and notes each row as seen.
+#[derive(Debug, Default)]
+struct Steals(std::sync::atomic::AtomicUsize, Mutex<Vec<String>>);
+
+impl Layer for Steals {
+    fn around<'a, T: Send + 'static>(
+        &'a self,
+        call: Call<'a>,
+        forward: BoxFuture<'a, Result<T, Error>>,
+    ) -> BoxFuture<'a, Result<T, Error>> {
+        if let Call::Take { seen, owner } = call
+            && seen.owner.as_deref().is_some_and(|o| o != owner)
+        {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.1.lock().unwrap().push(format!("{seen:?}"));
+        }
+        forward
+    }
+}
+
+/// An owner whose writes land 4.5 s late, and which drains for the handoff timeout, then finds a
+/// checkpoint write under way, then writes its final checkpoint and passes, is not stolen from
+/// while it renews (issue 57, defect 6): it holds the lease by design all along (its renewals
+/// land within its hold). After its acknowledgement the taker waited 10.3 s, the owner needed
+/// 5 s and three writes of 4.5 s, and the taker stole: both handled the same records. Now, while the owner's counter moves, the taker waits as
+/// long as the owner's writes may take to land (twice the renewal attempt limit more); a
+/// silent owner is stolen from as soon as before.
+#[tokio::test(start_paused = true)]
+async fn an_owner_whose_writes_land_late_hands_over_without_being_stolen_from() {
+    let memory = MemoryLeaseStore::new();
+    let shards = Shards::open(2);
+    let settings = LeaseSettings::default();
+    let late = Arc::new(Layered::new(
+        Arc::new(memory.clone()),
+        LandingLate {
+            late: Duration::from_millis(4_500),
+            from: Instant::now() + Duration::from_secs(20),
+        },
+    ));
+    let a = cooperating_after(
+        late,
+        &shards,
+        "a",
+        settings.clone(),
+        settings.handoff_timeout,
+    )
+    .await;
+    until(Duration::from_secs(15), || owned_by(&memory, "a") == 2).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(
+        owned_by(&memory, "a"),
+        2,
+        "a keeps its leases while answered late"
+    );
+    let steals = Arc::new(Layered::new(Arc::new(memory.clone()), Steals::default()));
+    let b = cooperating(steals.clone(), &shards, "b", settings.clone()).await;
+    until(Duration::from_secs(120), || owned_by(&memory, "b") == 1).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(
+        steals.layer().0.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "b stole from an owner that was handing the lease over: {:?}",
+        steals.layer().1.lock().unwrap()
+    );
+    assert_eq!((owned_by(&memory, "a"), owned_by(&memory, "b")), (1, 1));
+    drop((a, b));
 }

@@ -62,16 +62,14 @@ impl Hold {
             tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => return false,
+                // The lease or the manager gone: nothing proves the lease held any more.
                 changed = self.renewed.changed() => {
                     if changed.is_err() {
-                        // The lease task is gone: so is the lease.
-                        self.cancel.cancelled().await;
                         return false;
                     }
                 }
                 changed = self.beat.changed() => {
                     if changed.is_err() {
-                        self.cancel.cancelled().await;
                         return false;
                     }
                 }

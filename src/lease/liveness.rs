@@ -53,9 +53,8 @@ pub(super) struct Liveness {
     roster: Mutex<RosterView>,
     /// The roster's sections as this worker last read them, and where it beats.
     sections: Mutex<Sections>,
-    /// When this worker's own beat was last written.
-    /// When the last beat of this worker that landed was sent (each held lease's [`Hold`](super::Hold)
-    /// watches it).
+    /// When the last beat of this worker that landed was sent (each held lease's
+    /// [`Hold`](super::Hold) watches it).
     last_beat: watch::Sender<Instant>,
     /// When the last read of the sections this worker does not beat in that landed was sent, and
     /// how many sections there were (`None`: never read; a roster of one section needs none).

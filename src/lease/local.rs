@@ -110,6 +110,25 @@ pub(crate) enum NotNow {
     LettingGo,
 }
 
+/// How long a taker waits for the owner of a lease it asked for before it steals the lease
+/// (issue 57, defect 6). An owner whose counter has not moved since the request (or since its
+/// acknowledgement) does not answer: paused, cut off; it is waited for the short patience. One
+/// whose counter moves renews: it sees the request with a renewal, acknowledges, drains and
+/// passes, each write possibly seconds late, and holds the lease by design meanwhile; stolen
+/// from, both would handle the same records. It is waited for as long as its writes may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Patience {
+    /// From the request, for an acknowledgement, the owner's counter still since.
+    pub(crate) unacked: Duration,
+    /// From the request, for an acknowledgement, the counter moved since (a renewing owner,
+    /// or an older version that never acknowledges).
+    pub(crate) unacked_renewing: Duration,
+    /// From the acknowledgement (as first seen), for the pass, the counter still since.
+    pub(crate) after_ack: Duration,
+    /// From the acknowledgement, for the pass, the counter moved since (draining).
+    pub(crate) after_ack_renewing: Duration,
+}
+
 /// Every lease this worker knows of, by shard.
 #[derive(Debug, Default)]
 pub(crate) struct Leases(BTreeMap<String, State>);
@@ -346,15 +365,16 @@ impl Leases {
     /// The taker side of a scan by `me`: a row that names `me` as the taker of a lease another
     /// worker owns is awaited (a request this process did not make or forgot: its wait starts
     /// now); the owner's acknowledgement is noted once; a request whose row no longer names `me`
-    /// as taker is over. Returns the requests awaited and whether each wait is over: patience
-    /// `after_ack` from the acknowledgement once seen, else `unacked` from the request.
+    /// as taker is over. Returns the requests awaited and whether each wait is over
+    /// ([`Patience`]): from the acknowledgement once seen, else from the request; longer once
+    /// the owner's counter was seen to move since (`moved_since(shard, at)`).
     pub(crate) fn observe_awaited(
         &mut self,
         rows: &[Lease],
         me: &str,
         now: Instant,
-        after_ack: Duration,
-        unacked: Duration,
+        patience: Patience,
+        moved_since: impl Fn(&str, Instant) -> bool,
     ) -> HashMap<String, bool> {
         let mine: HashMap<&str, &Lease> = rows
             .iter()
@@ -381,8 +401,10 @@ impl Leases {
                 *acked = Some(now);
             }
             let over = match acked {
-                Some(at) => now - *at >= after_ack,
-                None => now - *asked >= unacked,
+                Some(at) if moved_since(shard, *at) => now - *at >= patience.after_ack_renewing,
+                Some(at) => now - *at >= patience.after_ack,
+                None if moved_since(shard, *asked) => now - *asked >= patience.unacked_renewing,
+                None => now - *asked >= patience.unacked,
             };
             awaited.insert(shard.to_string(), over);
         }
@@ -678,6 +700,44 @@ mod tests {
         assert_eq!(leases.may_take("a", now), Ok(()));
     }
 
+    /// An owner whose counter moved since the request (or since its acknowledgement) renews:
+    /// it is waited for the longer patience (issue 57, defect 6).
+    #[test]
+    fn a_renewing_owner_is_waited_for_longer() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let patience = Patience {
+            unacked: s(10),
+            unacked_renewing: s(25),
+            after_ack: s(10),
+            after_ack_renewing: s(25),
+        };
+        let asked = |acked| asked_by(row("a", Some("x"), 1), "me", acked);
+        for (moved, acked, over_at) in [
+            (false, false, 10),
+            (true, false, 25),
+            (false, true, 10),
+            (true, true, 25),
+        ] {
+            let mut leases = Leases::default();
+            leases.asked("a", t0);
+            let mut awaited = |at| {
+                leases.observe_awaited(&[asked(acked)], "me", t0 + s(at), patience, |_, _| moved)
+            };
+            assert_eq!(awaited(0), [("a".into(), false)].into());
+            assert_eq!(
+                awaited(over_at - 1),
+                [("a".into(), false)].into(),
+                "moved {moved}, acked {acked}"
+            );
+            assert_eq!(
+                awaited(over_at),
+                [("a".into(), true)].into(),
+                "moved {moved}, acked {acked}"
+            );
+        }
+    }
+
     /// The taker side: a request is awaited while the row names this worker as its taker;
     /// patience counts from the acknowledgement once a scan saw it; a request found on a row
     /// (asked before a restart, or a failed steal) is awaited from when it was found; a take
@@ -685,13 +745,18 @@ mod tests {
     #[test]
     fn taker_side_transitions() {
         let t0 = Instant::now();
-        let (after_ack, unacked) = (Duration::from_secs(10), Duration::from_secs(10));
+        let patience = Patience {
+            unacked: Duration::from_secs(10),
+            unacked_renewing: Duration::from_secs(25),
+            after_ack: Duration::from_secs(10),
+            after_ack_renewing: Duration::from_secs(25),
+        };
         let asked = |acked| asked_by(row("a", Some("x"), 1), "me", acked);
         let mut leases = Leases::default();
         leases.asked("a", t0);
         let s = Duration::from_secs;
         let awaited = |l: &mut Leases, rows: &[Lease], at| {
-            l.observe_awaited(rows, "me", at, after_ack, unacked)
+            l.observe_awaited(rows, "me", at, patience, |_, _| false)
         };
         assert_eq!(
             awaited(&mut leases, &[asked(false)], t0 + s(9)),

@@ -19,7 +19,7 @@ use tracing::{debug, info, warn};
 
 use super::hold::Hold;
 use super::liveness::{Liveness, Twin};
-use super::local::{Effect, Leases, NotNow};
+use super::local::{Effect, Leases, NotNow, Patience};
 use super::planner::{self, PlanLimits, Seen, Take};
 use super::row::{InitialPosition, Lease, Ownership};
 use super::store::{LeaseStore, Renewal};
@@ -214,6 +214,23 @@ impl LeaseSettings {
     /// this long, then stolen from, as before.
     fn handoff_ack_patience(&self) -> Duration {
         self.handoff_patience()
+    }
+
+    /// How long a taker waits before it steals ([`Patience`]): the patiences above for an owner
+    /// whose counter has not moved since (it does not answer); for one whose counter moves, as
+    /// long as its writes may take too: it sees the request with a renewal sent within a renew
+    /// interval and answered within the renewal attempt limit, and its acknowledgement lands
+    /// within another (22 s at the defaults); after the acknowledgement, its drain (the handoff
+    /// timeout), then its final checkpoint and pass within twice the attempt limit (23.7 s).
+    /// A scan interval more for the taker to see it.
+    pub(crate) fn patience(&self) -> Patience {
+        let late = self.attempt_limit() * 2 + self.scan_interval;
+        Patience {
+            unacked: self.handoff_ack_patience(),
+            unacked_renewing: self.renew_interval + late,
+            after_ack: self.handoff_patience(),
+            after_ack_renewing: self.handoff_timeout + late,
+        }
     }
 
     /// Checks the settings, naming the first bad field.
@@ -1519,13 +1536,16 @@ impl Inner {
         // one this process does not remember: asked before a restart, or a steal that failed),
         // and whether each wait is over (patience counts from the owner's acknowledgement, once
         // seen).
-        let requests = self.leases().observe_awaited(
-            rows,
-            &self.worker,
-            now,
-            self.settings.handoff_patience(),
-            self.settings.handoff_ack_patience(),
-        );
+        let requests = {
+            let observed = self.observed.lock().unwrap_or_else(|e| e.into_inner());
+            self.leases().observe_awaited(
+                rows,
+                &self.worker,
+                now,
+                self.settings.patience(),
+                |shard, at| observed.get(shard).is_some_and(|o| o.since > at),
+            )
+        };
         let held = self.held_shards();
         let listing = self.listing();
         // Retired partitions the listing shows no activity in since are left out: nobody takes
