@@ -37,10 +37,25 @@ impl Proxy {
                 if refuse.load(Ordering::SeqCst) {
                     continue; // dropped: closed at once
                 }
+                if stall.load(Ordering::SeqCst) {
+                    // A peer that stopped answering: the connection is held open, what the
+                    // client sends is read and dropped, and the emulator never sees it (a
+                    // connection left idle there held one of moto's workers and slowed the
+                    // tests that came after).
+                    let task = tokio::spawn(async move {
+                        use tokio::io::AsyncReadExt;
+                        let mut client = client;
+                        let mut buf = vec![0u8; 64 * 1024];
+                        while matches!(client.read(&mut buf).await, Ok(n) if n > 0) {}
+                    });
+                    let frozen = Arc::new(AtomicBool::new(true));
+                    conns.lock().unwrap().push((task.abort_handle(), frozen));
+                    continue;
+                }
                 let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
                     continue;
                 };
-                let frozen = Arc::new(AtomicBool::new(stall.load(Ordering::SeqCst)));
+                let frozen = Arc::new(AtomicBool::new(false));
                 let f = frozen.clone();
                 let task = tokio::spawn(async move {
                     let (cr, cw) = client.into_split();
@@ -100,8 +115,8 @@ impl Proxy {
         }
     }
 
-    /// Freezes every connection open now and every new one: connections are accepted and
-    /// nothing is forwarded (a half-open connection, a peer that stopped answering).
+    /// A peer that stopped answering: every connection open now is frozen, and every new one is
+    /// accepted and held without reaching the emulator; nothing is forwarded either way.
     pub fn stall(&self) {
         self.stalled
             .store(true, std::sync::atomic::Ordering::SeqCst);
