@@ -1955,15 +1955,21 @@ impl Layer for SlowPassesNoted {
     }
 }
 
-/// Time until the row of `shard` names one of `takers` (a take writes the row).
-async fn until_taken_by(memory: &MemoryLeaseStore, shard: &str, takers: &[&str]) -> Duration {
-    until(Duration::from_secs(300), || {
+/// Waits until the row of `shard` names one of `takers` (a take writes the row), and asserts
+/// that it came within [`unread_bound`].
+async fn assert_read_again_by(memory: &MemoryLeaseStore, shard: &str, takers: &[&str]) {
+    let took = until(Duration::from_secs(300), || {
         memory
             .snapshot()
             .iter()
             .any(|l| l.shard_id == shard && takers.contains(&l.owner.as_deref().unwrap_or("")))
     })
-    .await
+    .await;
+    assert!(
+        took <= unread_bound(),
+        "the lease was read again after {took:?}, over {:?}",
+        unread_bound()
+    );
 }
 
 /// A graceful scale-in while a lease is being passed to the leaving worker: b asks, the owner's
@@ -2020,13 +2026,17 @@ async fn a_lease_passed_to_a_worker_that_left_meanwhile_is_read_again_within_a_l
     })
     .await;
 
-    let took = until_taken_by(&memory, &shard, &["a", "c"]).await;
-    assert!(
-        took <= unread_bound(),
-        "the lease was read again after {took:?}, over {:?}",
-        unread_bound()
-    );
+    assert_read_again_by(&memory, &shard, &["a", "c"]).await;
     drop((a, c));
+}
+
+/// The error an injected fault answers with.
+fn injected(what: &'static str, why: &str) -> Error {
+    Error::Config(shardwise::ConfigError::new(
+        what,
+        "",
+        format!("injected: {why}"),
+    ))
 }
 
 /// Fails every release (a store that is down while a worker shuts down).
@@ -2042,13 +2052,7 @@ impl Layer for FailingReleases {
         if !matches!(call, Call::Release(_)) {
             return forward;
         }
-        Box::pin(async {
-            Err(Error::Config(shardwise::ConfigError::new(
-                "release",
-                "",
-                "injected: the store is unreachable",
-            )))
-        })
+        Box::pin(async { Err(injected("release", "the store is unreachable")) })
     }
 }
 
@@ -2073,12 +2077,7 @@ async fn a_lease_whose_release_failed_at_shutdown_is_read_again_within_a_lease_d
     let row = memory.get(STREAM, &shard).await.unwrap().unwrap();
     assert_eq!(row.owner.as_deref(), Some("b"), "{row:?}");
 
-    let took = until_taken_by(&memory, &shard, &["a", "c"]).await;
-    assert!(
-        took <= unread_bound(),
-        "the lease was read again after {took:?}, over {:?}",
-        unread_bound()
-    );
+    assert_read_again_by(&memory, &shard, &["a", "c"]).await;
     drop((a, c));
 }
 
@@ -2100,13 +2099,7 @@ impl Layer for ThrottledRoster {
         {
             return forward;
         }
-        Box::pin(async {
-            Err(Error::Config(shardwise::ConfigError::new(
-                "roster",
-                "",
-                "injected: ProvisionedThroughputExceededException",
-            )))
-        })
+        Box::pin(async { Err(injected("roster", "ProvisionedThroughputExceededException")) })
     }
 }
 

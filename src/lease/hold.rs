@@ -12,6 +12,16 @@ use tokio_util::sync::CancellationToken;
 
 use super::manager::LeaseSettings;
 
+/// Moves `sender`'s instant up to `sent` (a renewal or a beat that landed); an older send that
+/// lands late moves nothing and wakes no watcher.
+pub(super) fn landed(sender: &watch::Sender<Instant>, sent: Instant) {
+    sender.send_if_modified(|last| {
+        let later = sent > *last;
+        *last = (*last).max(sent);
+        later
+    });
+}
+
 /// The hold of one lease: the send time of its last renewal that landed and the worker's last
 /// beat, as the lease task records them, and the token it cancels when it gives the lease up.
 #[derive(Debug, Clone)]

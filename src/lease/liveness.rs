@@ -187,11 +187,7 @@ impl Liveness {
             sections.record(section, roster);
             sections.landed(section, beat);
         }
-        self.last_beat.send_if_modified(|last| {
-            let later = sent > *last;
-            *last = (*last).max(sent);
-            later
-        });
+        super::hold::landed(&self.last_beat, sent);
         self.read_sections(count).await;
         if self.silent.swap(false, Ordering::Relaxed) {
             info!(stream = %self.stream, "this worker's beat is written again: taking leases again");

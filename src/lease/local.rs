@@ -196,11 +196,7 @@ impl Leases {
         now: Instant,
     ) -> Option<Effect> {
         let h = self.holding_mut(ownership)?;
-        h.renewed.send_if_modified(|last| {
-            let later = sent > *last;
-            *last = (*last).max(sent);
-            later
-        });
+        super::hold::landed(&h.renewed, sent);
         self.asked_for(ownership, wanted_by?, true, now)
     }
 
